@@ -1,0 +1,214 @@
+"""Shared vocabulary of the raw-layout parsers.
+
+A parser turns one dataset's official release layout into a list of
+:class:`RawRecord` (source image, person id, camera id, split). It never
+touches the raw files beyond listing and reading them; copying, validation of
+pixels and the prepared format live in :mod:`fedreid.data.prepared`.
+
+Conventions every parser follows:
+
+* ``pid`` is the dataset's own identity number, parsed as a whole integer.
+  ``-1`` means junk (removed at evaluation), ``0`` is a real id or, for
+  Market-1501, a distractor (kept as a negative).
+* ``camid`` is **0-based** and parsed as a whole integer (MSMT17's ``c15`` is
+  camera 14, never camera 0 from a one-digit regex).
+* ``split`` is one of :data:`SPLITS`. ``train_all`` is not stored: it is
+  ``train`` + ``val``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, ClassVar, Iterable, Iterator, Optional, Sequence
+
+import numpy as np
+
+SPLITS: tuple[str, ...] = ("train", "val", "query", "gallery")
+#: Names a user may ask for; ``train_all`` is the union of ``train`` and ``val``.
+SPLIT_NAMES: tuple[str, ...] = ("train_all",) + SPLITS
+
+IMAGE_EXTENSIONS: tuple[str, ...] = (".jpg", ".jpeg", ".png", ".bmp")
+#: Files that operating systems drop into image folders (the Market-1501
+#: release ships ``Thumbs.db``); they are skipped and counted, never parsed.
+SYSTEM_FILES: frozenset[str] = frozenset({"thumbs.db", ".ds_store", "desktop.ini"})
+
+
+class RawLayoutError(ValueError):
+    """The raw folder does not look like the dataset's release.
+
+    The message always names the path and what was expected there.
+    """
+
+
+@dataclass(frozen=True)
+class RawRecord:
+    path: Path  # absolute path of the source image under the raw root
+    pid: int
+    camid: int  # 0-based
+    split: str
+
+
+@dataclass(frozen=True)
+class Skip:
+    """A file that was not used, and the rule that excluded it."""
+
+    path: Path
+    rule: str
+
+
+@dataclass(frozen=True)
+class ExpectedCounts:
+    """Counts of the FedReID benchmark's Table 1 (None where not fixed).
+
+    ``train_*`` refer to ``train_all``; ``query_ids`` counts query identities.
+    """
+
+    train_ids: Optional[int] = None
+    train_images: Optional[int] = None
+    query_ids: Optional[int] = None
+    query_images: Optional[int] = None
+    gallery_images: Optional[int] = None
+
+
+@dataclass
+class ParseResult:
+    records: list[RawRecord]
+    skipped: list[Skip] = field(default_factory=list)
+    #: The identity split that was used, written as ``split.json`` next to the
+    #: prepared data so that it can be reused (``--split-file``). None when the
+    #: release fixes the split.
+    id_split: Optional[dict] = None
+
+
+class RawDataset:
+    """Base class of a raw-layout parser.
+
+    Subclasses set the class attributes and implement :meth:`parse`. They are
+    registered by name with :func:`fedreid.data.raw.register`.
+    """
+
+    #: Registry key and prepared folder name, e.g. ``"market1501"``.
+    name: ClassVar[str]
+    #: Folder of the release under the raw root, e.g. ``"Market-1501-v15.09.15"``.
+    dataset_dir: ClassVar[str]
+    #: Counts of the FedReID benchmark's Table 1 for this dataset.
+    expected: ClassVar[Optional[ExpectedCounts]] = None
+    #: True for a set without identity labels used for knowledge distillation.
+    public: ClassVar[bool] = False
+
+    def __init__(
+        self,
+        raw_root: str | Path,
+        *,
+        seed: int = 0,
+        split_file: str | Path | None = None,
+    ) -> None:
+        self.raw_root = Path(raw_root)
+        self.root = self.raw_root / self.dataset_dir
+        self.seed = seed
+        self.split_file = Path(split_file) if split_file is not None else None
+
+    def parse(self) -> ParseResult:
+        raise NotImplementedError
+
+    # -- helpers shared by the parsers -------------------------------------
+    def require_dir(self, *parts: str) -> Path:
+        path = self.root.joinpath(*parts)
+        if not path.is_dir():
+            raise RawLayoutError(
+                f"{self.name}: expected the folder {path} "
+                f"(the {self.dataset_dir} release layout; see datasets/README.md)"
+            )
+        return path
+
+    def rng(self) -> np.random.Generator:
+        """The seeded generator for this dataset's random choices."""
+        return np.random.default_rng(self.seed)
+
+    def load_split_file(self) -> Optional[dict]:
+        """The user-supplied identity split, or None."""
+        if self.split_file is None:
+            return None
+        try:
+            return json.loads(self.split_file.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise RawLayoutError(
+                f"{self.name}: cannot read the split file {self.split_file}: {exc}"
+            ) from exc
+
+
+def list_files(folder: Path, skipped: list[Skip]) -> Iterator[Path]:
+    """Image files of ``folder`` in sorted order (non-recursive).
+
+    System files and non-image files are recorded in ``skipped``. Sorting makes
+    every "i-th file" rule and every seeded choice independent of the file
+    system's listing order.
+    """
+    for path in sorted(folder.iterdir()):
+        if path.is_dir():
+            continue
+        lower = path.name.lower()
+        if lower in SYSTEM_FILES:
+            skipped.append(Skip(path, "system file"))
+        elif not lower.endswith(IMAGE_EXTENSIONS):
+            skipped.append(Skip(path, f"not an image ({', '.join(IMAGE_EXTENSIONS)})"))
+        else:
+            yield path
+
+
+def parse_named_images(
+    folder: Path,
+    pattern: re.Pattern[str],
+    split: str,
+    to_ids: Callable[[re.Match[str]], tuple[int, int]],
+    skipped: list[Skip],
+) -> list[RawRecord]:
+    """Records for every image in ``folder`` whose name matches ``pattern``.
+
+    ``to_ids`` maps the match to ``(pid, camid)`` (camid 0-based). A name that
+    does not match is a counted skip naming the pattern.
+    """
+    records = []
+    for path in list_files(folder, skipped):
+        match = pattern.search(path.name)
+        if match is None:
+            skipped.append(Skip(path, f"name does not match {pattern.pattern!r}"))
+            continue
+        pid, camid = to_ids(match)
+        records.append(RawRecord(path, pid, camid, split))
+    return records
+
+
+def carve_val(records: Sequence[RawRecord]) -> list[RawRecord]:
+    """Move the first image (by sorted path) of each training id to ``val``.
+
+    This is the rule of the FedReID/layumi ``prepare.py`` (the first image seen
+    of each id is the validation image), made deterministic by sorting.
+    ``train_all`` = ``train`` + ``val`` is unchanged by it.
+    """
+    seen: set[int] = set()
+    out = []
+    for rec in sorted(records, key=lambda r: (r.split, str(r.path))):
+        if rec.split == "train" and rec.pid not in seen:
+            seen.add(rec.pid)
+            rec = RawRecord(rec.path, rec.pid, rec.camid, "val")
+        out.append(rec)
+    return out
+
+
+def split_ids(
+    ids: Iterable[int], num_train: int, rng: np.random.Generator
+) -> tuple[list[int], list[int]]:
+    """A seeded random split of ``ids`` into ``num_train`` train and the rest test."""
+    ids = sorted(ids)
+    if not 0 < num_train < len(ids):
+        raise RawLayoutError(
+            f"cannot split {len(ids)} identities into {num_train} train ids"
+        )
+    order = rng.permutation(len(ids))
+    train = sorted(ids[i] for i in order[:num_train])
+    test = sorted(ids[i] for i in order[num_train:])
+    return train, test
