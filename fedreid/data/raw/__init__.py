@@ -11,6 +11,8 @@ import importlib
 from pathlib import Path
 from typing import Type
 
+from fedreid.config import BENCHMARK_DATASETS
+
 from .base import (
     SPLIT_NAMES,
     SPLITS,
@@ -38,18 +40,6 @@ _PARSER_MODULES = (
     "cuhk02",
 )
 
-#: The nine datasets of the FedReID benchmark, in the paper's order.
-BENCHMARK_DATASETS: tuple[str, ...] = (
-    "msmt17",
-    "dukemtmc",
-    "market1501",
-    "cuhk03np",
-    "prid2011",
-    "cuhk01",
-    "viper",
-    "3dpes",
-    "ilids",
-)
 #: The unlabeled public set of the knowledge-distillation step.
 PUBLIC_DATASET = "cuhk02"
 

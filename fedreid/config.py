@@ -1,0 +1,303 @@
+"""Typed experiment configuration: dataclasses, YAML files, command-line overrides.
+
+A config is a tree of dataclasses. It is built from defaults, then a YAML file,
+then ``key.sub=value`` overrides, in that order::
+
+    cfg = load_config("configs/demo.yaml", ["data.datasets=[market1501,viper]", "seed=3"])
+
+Every key is checked: an unknown key, a value of the wrong type, or a value
+outside the allowed set is a :class:`ConfigError` naming the full key, what was
+given and what is allowed. Override values are parsed as YAML scalars/lists
+(``true``, ``3``, ``0.5``, ``[a, b]``, ``null``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Mapping, Optional, Sequence, Union
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A bad configuration key or value; the message names the key."""
+
+
+# ---------------------------------------------------------------------------
+# The configuration tree
+# ---------------------------------------------------------------------------
+
+#: The nine datasets of the FedReID benchmark, in the paper's order.
+BENCHMARK_DATASETS: tuple[str, ...] = (
+    "msmt17",
+    "dukemtmc",
+    "market1501",
+    "cuhk03np",
+    "prid2011",
+    "cuhk01",
+    "viper",
+    "3dpes",
+    "ilids",
+)
+
+
+@dataclass
+class DataConfig:
+    """Where datasets live and how they are prepared."""
+
+    raw_root: str = "datasets/raw"
+    prepared_root: str = "datasets/prepared"
+    #: Datasets to prepare / train on (registry names); ``all`` means the nine.
+    datasets: list[str] = field(default_factory=lambda: list(BENCHMARK_DATASETS))
+    #: The unlabeled public set for knowledge distillation (prepared too).
+    public_dataset: Optional[str] = "cuhk02"
+    #: ``raw``: official releases; ``fedreid``: the benchmark's processed folders.
+    layout: Literal["raw", "fedreid"] = "raw"
+    #: Resize prepared images to ``[height, width]``; null keeps the source bytes.
+    resize: Optional[list[int]] = None
+    #: Seed of the identity splits that the releases do not fix.
+    split_seed: int = 0
+    #: Per-dataset identity split files (``{name: path}``) overriding the seeded split.
+    split_files: dict[str, str] = field(default_factory=dict)
+    #: Per-dataset parser options, e.g. ``{cuhk03np: {boxes: labeled}}``.
+    options: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: Parallel workers that copy and check images.
+    workers: int = 2
+
+    def validate(self, prefix: str) -> None:
+        if self.resize is not None and (
+            len(self.resize) != 2 or min(self.resize) <= 0
+        ):
+            raise ConfigError(
+                f"{prefix}.resize: expected [height, width] with positive values or null, "
+                f"got {self.resize!r}"
+            )
+        _check_positive(f"{prefix}.workers", self.workers)
+        if not self.datasets:
+            raise ConfigError(f"{prefix}.datasets: expected at least one dataset name")
+
+
+@dataclass
+class SyntheticConfig:
+    """The synthetic multi-domain ReID world (:mod:`fedreid.data.synthetic`)."""
+
+    #: Raw root the synthetic releases are written to.
+    root: str = "datasets/raw/synthetic"
+    #: Fraction of each real dataset's identity count.
+    id_scale: float = 0.02
+    #: Fewest identities of any dataset, however small ``id_scale``.
+    min_ids: int = 12
+    #: Most images of one identity in one camera.
+    images_per_camera: int = 2
+    height: int = 64
+    width: int = 32
+    seed: int = 0
+
+    def validate(self, prefix: str) -> None:
+        if not 0 < self.id_scale <= 1:
+            raise ConfigError(f"{prefix}.id_scale: expected 0 < value <= 1, got {self.id_scale}")
+        for name in ("min_ids", "images_per_camera", "height", "width"):
+            _check_positive(f"{prefix}.{name}", getattr(self, name))
+
+
+@dataclass
+class ScenarioConfig:
+    """How prepared datasets become federated clients (:mod:`fedreid.data.scenarios`)."""
+
+    #: ``by_dataset``: one client per dataset; ``by_camera``: one per camera of
+    #: ``dataset``; ``by_identity``: ``dataset`` split into ``num_clients`` with
+    #: disjoint identities.
+    kind: Literal["by_dataset", "by_camera", "by_identity"] = "by_dataset"
+    dataset: Optional[str] = None
+    num_clients: int = 4
+    #: The split each client trains on.
+    train_split: Literal["train_all", "train"] = "train_all"
+
+    def validate(self, prefix: str) -> None:
+        if self.kind != "by_dataset" and not self.dataset:
+            raise ConfigError(
+                f"{prefix}.dataset: scenario kind {self.kind!r} needs the dataset to split"
+            )
+        if self.kind == "by_identity" and self.num_clients < 2:
+            raise ConfigError(
+                f"{prefix}.num_clients: by_identity needs at least 2 clients, got {self.num_clients}"
+            )
+
+
+@dataclass
+class Config:
+    """The root of every experiment config."""
+
+    seed: int = 0
+    data: DataConfig = field(default_factory=DataConfig)
+    synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
+    scenario: ScenarioConfig = field(default_factory=ScenarioConfig)
+
+
+# ---------------------------------------------------------------------------
+# Loading, overriding, validating
+# ---------------------------------------------------------------------------
+
+
+def load_config(
+    path: str | Path | None = None,
+    overrides: Sequence[str] = (),
+    cls: type = Config,
+) -> Any:
+    """Defaults, then the YAML file at ``path``, then ``key.sub=value`` overrides."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        data = read_yaml(path)
+    data = apply_overrides(data, overrides)
+    return from_dict(cls, data)
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from exc
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {path} is not valid YAML: {exc}") from exc
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"config file {path}: expected a mapping of keys at the top level, "
+            f"got {type(data).__name__}"
+        )
+    return data
+
+
+def apply_overrides(data: Mapping[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
+    """A copy of ``data`` with each ``a.b.c=value`` set (value parsed as YAML)."""
+    out = _deep_copy(data)
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"override {item!r}: expected key.sub=value")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError:
+            value = raw
+        node = out
+        parts = key.strip().split(".")
+        for part in parts[:-1]:
+            child = node.get(part)
+            if not isinstance(child, dict):
+                child = {}
+                node[part] = child
+            node = child
+        node[parts[-1]] = value
+    return out
+
+
+def from_dict(cls: type, data: Mapping[str, Any], prefix: str = "") -> Any:
+    """Build dataclass ``cls`` from ``data``, checking every key and value."""
+    if not isinstance(data, Mapping):
+        raise ConfigError(
+            f"{prefix or 'config'}: expected a mapping, got {type(data).__name__} {data!r}"
+        )
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        where = f"{prefix}." if prefix else ""
+        raise ConfigError(
+            f"unknown config key {where}{unknown[0]}; allowed keys"
+            f"{' under ' + prefix if prefix else ''}: {', '.join(sorted(fields))}"
+        )
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for name, value in data.items():
+        key = f"{prefix}.{name}" if prefix else name
+        kwargs[name] = _coerce(hints[name], value, key)
+    obj = cls(**kwargs)
+    validate = getattr(obj, "validate", None)
+    if validate is not None:
+        validate(prefix or "config")
+    return obj
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    """Plain nested dicts/lists, ready for YAML or JSON."""
+    return dataclasses.asdict(cfg)
+
+
+def dump_config(cfg: Any) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
+def _coerce(tp: Any, value: Any, key: str) -> Any:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(arg, value, key)
+            except ConfigError as exc:
+                errors.append(str(exc))
+        raise ConfigError(errors[0] if len(errors) == 1 else f"{key}: {'; '.join(errors)}")
+    if value is None:
+        raise ConfigError(f"{key}: a value is required, got null")
+    if origin is Literal:
+        if value not in args:
+            allowed = ", ".join(repr(a) for a in args)
+            raise ConfigError(f"{key}: {value!r} is not allowed; choose one of {allowed}")
+        return value
+    if dataclasses.is_dataclass(tp):
+        return from_dict(tp, value, key)
+    if origin in (list, tuple, Sequence):
+        if isinstance(value, str):
+            value = [v for v in value.split(",") if v]
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        item_tp = args[0] if args else Any
+        items = [_coerce(item_tp, v, f"{key}[{i}]") for i, v in enumerate(value)]
+        return tuple(items) if origin is tuple else items
+    if origin is dict:
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
+        key_tp, val_tp = args if args else (Any, Any)
+        return {
+            _coerce(key_tp, k, key): _coerce(val_tp, v, f"{key}.{k}") for k, v in value.items()
+        }
+    if tp is Any:
+        return value
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}: expected true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}: expected an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"{key}: expected a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise ConfigError(f"{key}: expected a string, got {value!r}")
+    raise ConfigError(f"{key}: unsupported config type {tp!r}")
+
+
+def _check_positive(key: str, value: float) -> None:
+    if value <= 0:
+        raise ConfigError(f"{key}: expected a positive value, got {value}")
+
+
+def _deep_copy(data: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: _deep_copy(v) if isinstance(v, Mapping) else v for k, v in data.items()}

@@ -1,0 +1,449 @@
+"""The prepared format: one folder per dataset, images plus a manifest.
+
+``prepare_dataset`` turns a raw parser's records into::
+
+    <out>/<name>/
+      images/<split>/<index>_<pid>_c<camid>.<ext>
+      manifest.csv   path,pid,camid,split,source
+      card.json, card.md, split.json (when the split was drawn), skipped.csv, prepare.json
+
+It writes into a hidden temporary folder and renames it into place at the end,
+so an interrupted run leaves no half dataset, and it never writes under the raw
+root. ``PreparedDataset.load`` reads the result back.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import shutil
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Iterable, Optional, Sequence
+
+from PIL import Image
+from tqdm import tqdm
+
+from fedreid import __version__
+from fedreid.data.raw.base import (
+    SPLIT_NAMES,
+    SPLITS,
+    ExpectedCounts,
+    RawDataset,
+    RawRecord,
+    Skip,
+)
+from fedreid.utils.io import write_json_atomic, write_text_atomic
+
+MANIFEST = "manifest.csv"
+MANIFEST_FIELDS = ("path", "pid", "camid", "split", "source")
+#: Written by the synthetic generator: counts its releases must parse to.
+SYNTHETIC_COUNTS_FILE = "synthetic_world.json"
+
+
+class PreparedDatasetError(ValueError):
+    """A prepared folder is missing, incomplete or malformed."""
+
+
+class PrepareError(RuntimeError):
+    """Preparing a dataset failed; the message names the dataset and the cause."""
+
+
+@dataclass(frozen=True)
+class Record:
+    path: Path  # absolute path of the prepared image
+    pid: int
+    camid: int  # 0-based
+    split: str
+
+
+@dataclass
+class PrepareReport:
+    name: str
+    out_dir: Path
+    skipped_existing: bool = False
+    num_images: int = 0
+    skipped: list[Skip] = field(default_factory=list)
+    card: dict = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+# ---------------------------------------------------------------------------
+# Reading
+# ---------------------------------------------------------------------------
+
+
+class PreparedDataset:
+    """A prepared dataset: its records and its card."""
+
+    def __init__(self, root: Path, records: list[Record], card: dict) -> None:
+        self.root = root
+        self.name = root.name
+        self.records = records
+        self.card = card
+
+    @classmethod
+    def load(cls, root: str | Path) -> "PreparedDataset":
+        root = Path(root)
+        manifest = root / MANIFEST
+        if not manifest.is_file():
+            raise PreparedDatasetError(
+                f"{root} is not a prepared dataset: {MANIFEST} is missing "
+                f"(run tools/prepare_datasets.py first)"
+            )
+        records = read_manifest(manifest)
+        card_path = root / "card.json"
+        card = json.loads(card_path.read_text()) if card_path.is_file() else dataset_card(records)
+        return cls(root, records, card)
+
+    def split(self, name: str) -> list[Record]:
+        """Records of one split; ``train_all`` is ``train`` + ``val``."""
+        if name not in SPLIT_NAMES:
+            raise ValueError(f"unknown split {name!r}; expected one of {', '.join(SPLIT_NAMES)}")
+        wanted = {"train", "val"} if name == "train_all" else {name}
+        return [r for r in self.records if r.split in wanted]
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def __repr__(self) -> str:
+        return f"PreparedDataset({self.name!r}, {len(self.records)} images)"
+
+
+def load_prepared(prepared_root: str | Path, name: str) -> PreparedDataset:
+    return PreparedDataset.load(Path(prepared_root) / name)
+
+
+def read_manifest(path: Path) -> list[Record]:
+    root = path.parent
+    records = []
+    with path.open(newline="") as fh:
+        reader = csv.DictReader(fh)
+        missing = set(MANIFEST_FIELDS[:4]) - set(reader.fieldnames or ())
+        if missing:
+            raise PreparedDatasetError(
+                f"{path}: missing columns {', '.join(sorted(missing))}; "
+                f"expected {','.join(MANIFEST_FIELDS)}"
+            )
+        for line, row in enumerate(reader, start=2):
+            try:
+                rec = Record(root / row["path"], int(row["pid"]), int(row["camid"]), row["split"])
+            except (TypeError, ValueError) as exc:
+                raise PreparedDatasetError(f"{path}, line {line}: {exc}") from exc
+            if rec.split not in SPLITS:
+                raise PreparedDatasetError(
+                    f"{path}, line {line}: split {rec.split!r} is not one of {', '.join(SPLITS)}"
+                )
+            records.append(rec)
+    return records
+
+
+# ---------------------------------------------------------------------------
+# Cards and counts
+# ---------------------------------------------------------------------------
+
+
+def dataset_card(records: Sequence[Record | RawRecord]) -> dict:
+    """Ids, images and cameras per split (``train_all`` included)."""
+    card = {}
+    for split in SPLIT_NAMES:
+        wanted = {"train", "val"} if split == "train_all" else {split}
+        recs = [r for r in records if r.split in wanted]
+        card[split] = {
+            "ids": len({r.pid for r in recs if r.pid != -1}),
+            "images": len(recs),
+            "cameras": sorted({r.camid for r in recs}),
+        }
+    gallery = [r for r in records if r.split == "gallery"]
+    card["gallery"]["junk_images"] = sum(r.pid == -1 for r in gallery)
+    return card
+
+
+def card_counts(card: dict) -> ExpectedCounts:
+    return ExpectedCounts(
+        train_ids=card["train_all"]["ids"],
+        train_images=card["train_all"]["images"],
+        query_ids=card["query"]["ids"],
+        query_images=card["query"]["images"],
+        gallery_images=card["gallery"]["images"],
+    )
+
+
+def count_mismatches(name: str, card: dict, expected: Optional[ExpectedCounts]) -> list[str]:
+    """One warning per count that differs from ``expected`` (None fields are not checked)."""
+    if expected is None:
+        return []
+    found = card_counts(card)
+    out = []
+    for key, want in asdict(expected).items():
+        got = getattr(found, key)
+        if want is not None and got != want:
+            out.append(f"{name}: {key.replace('_', ' ')} is {got:,}, expected {want:,}")
+    return out
+
+
+def expected_counts(parser: RawDataset) -> Optional[ExpectedCounts]:
+    """The counts to check: the synthetic world's own, else the paper's Table 1."""
+    synthetic = parser.raw_root / SYNTHETIC_COUNTS_FILE
+    if synthetic.is_file():
+        counts = json.loads(synthetic.read_text()).get("counts", {}).get(parser.name)
+        return ExpectedCounts(**counts) if counts else None
+    return parser.expected
+
+
+def format_card(name: str, card: dict) -> str:
+    """The card as a small markdown table."""
+    lines = [
+        f"### {name}",
+        "",
+        "| split | ids | images | cameras |",
+        "|---|---:|---:|---|",
+    ]
+    for split in SPLIT_NAMES:
+        row = card[split]
+        if split != "train_all" and row["images"] == 0:
+            continue
+        cams = _format_cameras(row["cameras"])
+        lines.append(f"| {split} | {row['ids']:,} | {row['images']:,} | {cams} |")
+    junk = card["gallery"].get("junk_images", 0)
+    if junk:
+        lines.append(f"\n{junk:,} gallery images are junk (pid -1), removed at evaluation.")
+    return "\n".join(lines) + "\n"
+
+
+def format_summary(cards: dict[str, dict]) -> str:
+    """One table over several datasets, in the layout of the paper's Table 1."""
+    lines = [
+        "| dataset | train ids | train imgs | query ids | query imgs | gallery imgs | cameras |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, card in cards.items():
+        c = card_counts(card)
+        cams = len({cam for split in SPLITS for cam in card[split]["cameras"]})
+        lines.append(
+            f"| {name} | {c.train_ids:,} | {c.train_images:,} | {c.query_ids:,} "
+            f"| {c.query_images:,} | {c.gallery_images:,} | {cams} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _format_cameras(cams: list[int]) -> str:
+    if not cams:
+        return "-"
+    if cams == list(range(cams[0], cams[-1] + 1)) and len(cams) > 2:
+        return f"{cams[0]}-{cams[-1]}"
+    return ", ".join(map(str, cams))
+
+
+# ---------------------------------------------------------------------------
+# Writing
+# ---------------------------------------------------------------------------
+
+
+def is_prepared(out_dir: Path) -> bool:
+    return (out_dir / MANIFEST).is_file() and (out_dir / "prepare.json").is_file()
+
+
+def prepare_dataset(
+    parser: RawDataset,
+    out_root: str | Path,
+    *,
+    resize: Optional[Sequence[int]] = None,
+    workers: int = 2,
+    force: bool = False,
+    progress: bool = True,
+) -> PrepareReport:
+    """Parse, check and copy one dataset into ``out_root/<name>``.
+
+    Already prepared datasets are left alone unless ``force``. Images that
+    cannot be decoded are reported as skips naming the file; a split that ends
+    up empty is a :class:`PrepareError`.
+    """
+    started = time.perf_counter()
+    out_root = Path(out_root)
+    target = out_root / parser.name
+    report = PrepareReport(parser.name, target)
+    if is_prepared(target) and not force:
+        report.skipped_existing = True
+        report.card = json.loads((target / "card.json").read_text())
+        report.warnings = _option_changes(target, parser, resize)
+        return report
+    _refuse_inside(out_root, parser.raw_root)
+
+    result = parser.parse()
+    _check_not_empty(parser, result.records)
+    out_root.mkdir(parents=True, exist_ok=True)
+    tmp = out_root / f".{parser.name}.tmp-{uuid.uuid4().hex[:8]}"
+    try:
+        records, bad = _copy_images(parser, result.records, tmp, resize, workers, progress)
+        skipped = list(result.skipped) + bad
+        _check_not_empty(parser, records)
+        card = dataset_card(records)
+        warnings = count_mismatches(parser.name, card, expected_counts(parser))
+        _write_metadata(tmp, parser, records, skipped, card, warnings, result.id_split, resize)
+        _move_into_place(tmp, target)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+    report.num_images = len(records)
+    report.skipped = skipped
+    report.card = card
+    report.warnings = warnings
+    report.seconds = time.perf_counter() - started
+    return report
+
+
+def _option_changes(
+    target: Path, parser: RawDataset, resize: Optional[Sequence[int]]
+) -> list[str]:
+    """Warnings for options that differ from those the existing copy was made with."""
+    made = json.loads((target / "prepare.json").read_text())
+    wanted = {
+        "layout": type(parser).__name__,
+        "split_seed": parser.seed,
+        "split_file": str(parser.split_file) if parser.split_file else None,
+        "resize": list(resize) if resize is not None else None,
+    }
+    return [
+        f"{parser.name}: already prepared with {key}={made.get(key)!r}, not {value!r}; "
+        "kept as is (use --force to prepare again)"
+        for key, value in wanted.items()
+        if made.get(key) != value
+    ]
+
+
+def _refuse_inside(out_root: Path, raw_root: Path) -> None:
+    out, raw = out_root.resolve(), raw_root.resolve()
+    if out == raw or raw in out.parents:
+        raise PrepareError(
+            f"the output folder {out_root} lies inside the raw root {raw_root}; "
+            "prepared data must be written elsewhere so raw data is never modified"
+        )
+
+
+def _check_not_empty(parser: RawDataset, records: Iterable[RawRecord]) -> None:
+    splits = {r.split for r in records}
+    required = ("train",) if parser.public else ("train", "query", "gallery")
+    empty = [s for s in required if s not in splits and not (s == "train" and "val" in splits)]
+    if empty:
+        raise PrepareError(
+            f"{parser.name}: the {', '.join(empty)} split is empty after parsing {parser.root} "
+            "(check the layout described in datasets/README.md)"
+        )
+
+
+def _copy_images(
+    parser: RawDataset,
+    raw_records: Sequence[RawRecord],
+    tmp: Path,
+    resize: Optional[Sequence[int]],
+    workers: int,
+    progress: bool,
+) -> tuple[list[Record], list[Skip]]:
+    for split in SPLITS:
+        (tmp / "images" / split).mkdir(parents=True, exist_ok=True)
+    jobs = []
+    for index, rec in enumerate(raw_records):
+        ext = ".png" if resize is not None and rec.path.suffix.lower() == ".bmp" else rec.path.suffix.lower()
+        rel = Path("images") / rec.split / f"{index:06d}_{rec.pid}_c{rec.camid}{ext}"
+        jobs.append((rec, rel))
+
+    def copy_one(job: tuple[RawRecord, Path]) -> Optional[str]:
+        rec, rel = job
+        return _copy_checked(rec.path, tmp / rel, resize)
+
+    records, bad = [], []
+    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+        results = pool.map(copy_one, jobs)
+        bar = tqdm(results, total=len(jobs), desc=f"prepare {parser.name}", unit="img",
+                   disable=not progress, leave=False)
+        for (rec, rel), error in zip(jobs, bar):
+            if error is None:
+                records.append((Record(tmp / rel, rec.pid, rec.camid, rec.split), rel, rec))
+            else:
+                bad.append(Skip(rec.path, f"unreadable or truncated image ({error})"))
+    _write_manifest(tmp, records, parser.raw_root)
+    final = [Record(r.path, r.pid, r.camid, r.split) for r, _, _ in records]
+    return final, bad
+
+
+def _copy_checked(src: Path, dst: Path, resize: Optional[Sequence[int]]) -> Optional[str]:
+    """Copy ``src`` to ``dst`` after decoding it fully; the error text if it is bad."""
+    try:
+        data = src.read_bytes()
+        with Image.open(io.BytesIO(data)) as img:
+            img.load()  # a truncated file fails here, not at training time
+            if resize is None:
+                dst.write_bytes(data)
+            else:
+                height, width = resize
+                img.convert("RGB").resize((width, height), Image.BILINEAR).save(dst)
+    except (OSError, ValueError, SyntaxError) as exc:
+        return str(exc) or type(exc).__name__
+    return None
+
+
+def _write_manifest(tmp: Path, records: list, raw_root: Path) -> None:
+    buf = io.StringIO()
+    writer = csv.writer(buf, lineterminator="\n")
+    writer.writerow(MANIFEST_FIELDS)
+    for rec, rel, raw in records:
+        source = os.path.relpath(raw.path, raw_root)
+        writer.writerow([rel.as_posix(), rec.pid, rec.camid, rec.split, Path(source).as_posix()])
+    (tmp / MANIFEST).write_text(buf.getvalue())
+
+
+def _write_metadata(
+    tmp: Path,
+    parser: RawDataset,
+    records: list[Record],
+    skipped: list[Skip],
+    card: dict,
+    warnings: list[str],
+    id_split: Optional[dict],
+    resize: Optional[Sequence[int]],
+) -> None:
+    card = dict(card, warnings=warnings)
+    write_json_atomic(tmp / "card.json", card)
+    write_text_atomic(tmp / "card.md", format_card(parser.name, card))
+    if id_split is not None:
+        write_json_atomic(tmp / "split.json", id_split)
+    buf = io.StringIO()
+    writer = csv.writer(buf, lineterminator="\n")
+    writer.writerow(["file", "rule"])
+    for skip in skipped:
+        writer.writerow([str(skip.path), skip.rule])
+    write_text_atomic(tmp / "skipped.csv", buf.getvalue())
+    write_json_atomic(
+        tmp / "prepare.json",
+        {
+            "dataset": parser.name,
+            "layout": type(parser).__name__,
+            "raw_root": str(parser.raw_root.resolve()),
+            "source": str(parser.root.resolve()),
+            "split_seed": parser.seed,
+            "split_file": str(parser.split_file) if parser.split_file else None,
+            "resize": list(resize) if resize is not None else None,
+            "images": len(records),
+            "skipped": len(skipped),
+            "fedreid_version": __version__,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        },
+    )
+
+
+def _move_into_place(tmp: Path, target: Path) -> None:
+    """Swap ``tmp`` in for ``target``; an old prepared copy is removed only after."""
+    if target.exists():
+        old = target.with_name(f".{target.name}.old-{uuid.uuid4().hex[:8]}")
+        os.replace(target, old)
+        os.replace(tmp, target)
+        shutil.rmtree(old)
+    else:
+        os.replace(tmp, target)

@@ -1,0 +1,133 @@
+"""Federated scenarios: which client trains on which images, in which label space.
+
+The FedReID benchmark (Zhuang et al., ACM MM 2020) studies three ways to
+federate person re-identification data:
+
+* **by dataset** (the benchmark): one client per dataset, nine clients;
+* **by camera**: one client per camera of one dataset (Sec. 5.4, MSMT17's
+  15 cameras);
+* **by identity**: one dataset split into clients with disjoint identities.
+
+Every client gets its own contiguous label space ``0..num_classes-1`` (its
+identity head is private, so labels never need to agree across clients).
+Evaluation always uses each dataset's own query/gallery.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from fedreid.config import ScenarioConfig
+from fedreid.data.prepared import PreparedDataset, Record
+
+
+class ScenarioError(ValueError):
+    """A scenario cannot be built from the data given; the message says why."""
+
+
+@dataclass
+class ClientSplit:
+    """One client's training data in its private label space."""
+
+    name: str  # e.g. "market1501", "msmt17/cam3", "cuhk03np/part2"
+    dataset: str
+    records: list[Record]
+    #: ``labels[i]`` is the private class of ``records[i]``.
+    labels: np.ndarray
+    #: ``pids[c]`` is the dataset identity of private class ``c``.
+    pids: list[int] = field(default_factory=list)
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.pids)
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+
+def make_client(name: str, dataset: str, records: Sequence[Record]) -> ClientSplit:
+    """Relabel ``records`` into a contiguous label space (sorted by pid)."""
+    records = [r for r in records if r.pid != -1]  # junk never trains
+    if not records:
+        raise ScenarioError(f"client {name!r} has no training images")
+    pids = sorted({r.pid for r in records})
+    index = {pid: i for i, pid in enumerate(pids)}
+    labels = np.array([index[r.pid] for r in records], dtype=np.int64)
+    return ClientSplit(name, dataset, list(records), labels, pids)
+
+
+def by_dataset(
+    datasets: Sequence[PreparedDataset], split: str = "train_all"
+) -> list[ClientSplit]:
+    """One client per dataset (the FedReID benchmark's federation)."""
+    return [make_client(ds.name, ds.name, ds.split(split)) for ds in datasets]
+
+
+def by_camera(dataset: PreparedDataset, split: str = "train_all") -> list[ClientSplit]:
+    """One client per camera; an identity seen by several cameras is in several clients."""
+    records = dataset.split(split)
+    cameras = sorted({r.camid for r in records})
+    return [
+        make_client(f"{dataset.name}/cam{cam}", dataset.name, [r for r in records if r.camid == cam])
+        for cam in cameras
+    ]
+
+
+def by_identity(
+    dataset: PreparedDataset,
+    num_clients: int,
+    rng: np.random.Generator,
+    split: str = "train_all",
+    *,
+    drop_remainder: bool = False,
+) -> list[ClientSplit]:
+    """``num_clients`` clients with disjoint identities, drawn with ``rng``.
+
+    Identities are shuffled and cut into near-equal groups, so no identity is
+    lost. ``drop_remainder=True`` reproduces the reference script
+    (``split_id_data.py``), which gives every client ``n_ids // num_clients``
+    identities and leaves the remaining ones out.
+    """
+    records = dataset.split(split)
+    pids = np.array(sorted({r.pid for r in records if r.pid != -1}))
+    if num_clients < 1 or num_clients > len(pids):
+        raise ScenarioError(
+            f"{dataset.name}: cannot split {len(pids)} identities into {num_clients} clients"
+        )
+    shuffled = pids[rng.permutation(len(pids))]
+    if drop_remainder:
+        size = len(pids) // num_clients
+        groups = [shuffled[i * size : (i + 1) * size] for i in range(num_clients)]
+    else:
+        groups = np.array_split(shuffled, num_clients)
+    clients = []
+    for i, group in enumerate(groups, start=1):
+        members = set(group.tolist())
+        clients.append(
+            make_client(
+                f"{dataset.name}/part{i}", dataset.name, [r for r in records if r.pid in members]
+            )
+        )
+    return clients
+
+
+def build_clients(
+    cfg: ScenarioConfig,
+    datasets: Mapping[str, PreparedDataset],
+    rng: np.random.Generator,
+) -> list[ClientSplit]:
+    """The clients of the scenario ``cfg`` over the prepared ``datasets``."""
+    if cfg.kind == "by_dataset":
+        return by_dataset(list(datasets.values()), cfg.train_split)
+    if cfg.dataset not in datasets:
+        raise ScenarioError(
+            f"scenario.dataset={cfg.dataset!r} is not among the prepared datasets "
+            f"({', '.join(datasets)})"
+        )
+    dataset = datasets[cfg.dataset]
+    if cfg.kind == "by_camera":
+        return by_camera(dataset, cfg.train_split)
+    return by_identity(dataset, cfg.num_clients, rng, cfg.train_split)

@@ -1,0 +1,105 @@
+from pathlib import Path
+
+import pytest
+
+from fedreid.config import Config, ConfigError, dump_config, load_config
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "cfg.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_defaults_are_the_benchmark():
+    cfg = load_config()
+    assert isinstance(cfg, Config)
+    assert len(cfg.data.datasets) == 9 and cfg.data.public_dataset == "cuhk02"
+    assert cfg.scenario.kind == "by_dataset"
+
+
+def test_file_then_overrides(tmp_path):
+    path = write(tmp_path, "seed: 3\ndata:\n  workers: 4\n  datasets: [market1501]\n")
+    cfg = load_config(path, ["data.workers=1", "data.resize=[256,128]", "synthetic.id_scale=0.5"])
+    assert cfg.seed == 3
+    assert cfg.data.workers == 1
+    assert cfg.data.datasets == ["market1501"]
+    assert cfg.data.resize == [256, 128]
+    assert cfg.synthetic.id_scale == 0.5
+
+
+def test_comma_separated_list_override():
+    cfg = load_config(None, ["data.datasets=market1501,viper"])
+    assert cfg.data.datasets == ["market1501", "viper"]
+
+
+def test_nested_free_form_options():
+    cfg = load_config(None, ["data.options.cuhk03np.boxes=labeled"])
+    assert cfg.data.options == {"cuhk03np": {"boxes": "labeled"}}
+
+
+def test_unknown_key_names_key_and_allowed(tmp_path):
+    with pytest.raises(ConfigError) as err:
+        load_config(write(tmp_path, "data:\n  raw_rot: x\n"))
+    msg = str(err.value)
+    assert "data.raw_rot" in msg and "raw_root" in msg and "prepared_root" in msg
+
+
+def test_unknown_top_level_key():
+    with pytest.raises(ConfigError, match="unknown config key sed.*seed"):
+        load_config(None, ["sed=1"])
+
+
+def test_literal_lists_allowed_values():
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["scenario.kind=by_site"])
+    msg = str(err.value)
+    assert "scenario.kind" in msg and "'by_camera'" in msg and "'by_identity'" in msg
+
+
+@pytest.mark.parametrize(
+    "override, fragment",
+    [
+        ("seed=abc", "seed: expected an integer"),
+        ("seed=true", "seed: expected an integer"),
+        ("synthetic.id_scale=big", "synthetic.id_scale: expected a number"),
+        ("synthetic.id_scale=2", "synthetic.id_scale: expected 0 < value <= 1"),
+        ("data.workers=0", "data.workers: expected a positive value"),
+        ("data.resize=[256]", "data.resize: expected [height, width]"),
+        ("data.datasets=[]", "data.datasets: expected at least one"),
+        ("scenario.kind=by_camera", "scenario.dataset: scenario kind 'by_camera' needs"),
+        ("data=3", "data: expected a mapping"),
+    ],
+)
+def test_bad_values_name_the_key(override, fragment):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    assert fragment in str(err.value)
+
+
+def test_malformed_override():
+    with pytest.raises(ConfigError, match="expected key.sub=value"):
+        load_config(None, ["=3"])
+
+
+def test_missing_and_invalid_files(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read config file .*nope.yaml"):
+        load_config(tmp_path / "nope.yaml")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(write(tmp_path, "data: [unclosed\n"))
+    with pytest.raises(ConfigError, match="expected a mapping of keys"):
+        load_config(write(tmp_path, "- a\n- b\n"))
+
+
+def test_dump_round_trips(tmp_path):
+    cfg = load_config(None, ["seed=7", "data.resize=[32,16]"])
+    again = load_config(write(tmp_path, dump_config(cfg)))
+    assert again == cfg
+
+
+def test_shipped_configs_load():
+    root = Path(__file__).resolve().parents[1] / "configs"
+    paths = sorted(root.rglob("*.yaml"))
+    assert paths, "no configs shipped"
+    for path in paths:
+        load_config(path)

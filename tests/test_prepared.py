@@ -1,0 +1,206 @@
+import hashlib
+import json
+from pathlib import Path
+
+import cv2
+import numpy as np
+import pytest
+
+from fedreid.data import prepared as prepared_mod
+from fedreid.data.prepared import (
+    PreparedDataset,
+    PreparedDatasetError,
+    PrepareError,
+    load_prepared,
+    prepare_dataset,
+)
+from fedreid.data.raw.base import ExpectedCounts, ParseResult, RawDataset, RawRecord, Skip
+
+
+def write_image(path: Path, seed: int = 0, h: int = 16, w: int = 8) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    img = np.random.default_rng(seed).integers(0, 255, (h, w, 3), dtype=np.uint8)
+    assert cv2.imwrite(str(path), img)
+    return path
+
+
+class ToyParser(RawDataset):
+    """Two train ids, one val image each, query/gallery with junk."""
+
+    name = "toy"
+    dataset_dir = "Toy"
+    expected = ExpectedCounts(train_ids=2, train_images=6, query_ids=1, query_images=1, gallery_images=3)
+
+    def parse(self) -> ParseResult:
+        specs = [
+            ("train", 1, 0), ("train", 1, 1), ("val", 1, 0),
+            ("train", 2, 0), ("train", 2, 1), ("val", 2, 1),
+            ("query", 5, 0),
+            ("gallery", 5, 1), ("gallery", 6, 0), ("gallery", -1, 1),
+        ]
+        records = []
+        for i, (split, pid, cam) in enumerate(specs):
+            path = self.root / split / f"{pid}_c{cam}_{i}.jpg"
+            records.append(RawRecord(path, pid, cam, split))
+        skipped = [Skip(self.root / "train" / "Thumbs.db", "system file")]
+        return ParseResult(sorted(records, key=lambda r: str(r.path)), skipped, {"seed": self.seed})
+
+
+@pytest.fixture
+def raw_root(tmp_path):
+    root = tmp_path / "raw"
+    parser = ToyParser(root)
+    for i, rec in enumerate(parser.parse().records):
+        write_image(rec.path, seed=i)
+    (root / "Toy" / "train" / "Thumbs.db").write_bytes(b"\x00junk")
+    return root
+
+
+def tree_digest(root: Path) -> dict:
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
+
+
+def test_prepare_writes_manifest_card_and_copies(raw_root, tmp_path):
+    before = tree_digest(raw_root)
+    report = prepare_dataset(ToyParser(raw_root), tmp_path / "out", progress=False)
+    assert tree_digest(raw_root) == before, "raw data must never change"
+    assert report.num_images == 10 and not report.warnings
+    ds = load_prepared(tmp_path / "out", "toy")
+    assert len(ds) == 10
+    assert len(ds.split("train_all")) == 6 and len(ds.split("train")) == 4
+    assert {r.pid for r in ds.split("gallery")} == {5, 6, -1}
+    # prepared copies are byte-identical to their sources when not resized
+    source = {row.split(",")[0]: row.split(",")[4] for row in
+              (tmp_path / "out/toy/manifest.csv").read_text().splitlines()[1:]}
+    for rec in ds.records:
+        rel = rec.path.relative_to(ds.root).as_posix()
+        assert rec.path.read_bytes() == (raw_root / source[rel]).read_bytes()
+    card = json.loads((tmp_path / "out/toy/card.json").read_text())
+    assert card["train_all"] == {"ids": 2, "images": 6, "cameras": [0, 1]}
+    assert card["gallery"]["junk_images"] == 1 and card["gallery"]["ids"] == 2
+    assert json.loads((tmp_path / "out/toy/split.json").read_text()) == {"seed": 0}
+    skipped = (tmp_path / "out/toy/skipped.csv").read_text()
+    assert "Thumbs.db" in skipped and "system file" in skipped
+    assert "| train_all | 2 | 6 | 0, 1 |" in (tmp_path / "out/toy/card.md").read_text()
+
+
+def test_truncated_image_is_a_named_skip(raw_root, tmp_path):
+    victim = sorted((raw_root / "Toy" / "gallery").glob("6_*.jpg"))[0]
+    victim.write_bytes(victim.read_bytes()[:40])
+    report = prepare_dataset(ToyParser(raw_root), tmp_path / "out", progress=False)
+    assert report.num_images == 9
+    bad = [s for s in report.skipped if s.path == victim]
+    assert bad and "unreadable or truncated image" in bad[0].rule
+    assert any("gallery images is 2, expected 3" in w for w in report.warnings)
+    assert str(victim) in (tmp_path / "out/toy/skipped.csv").read_text()
+
+
+def test_missing_image_is_a_named_skip(raw_root, tmp_path):
+    victim = sorted((raw_root / "Toy" / "train").glob("1_*.jpg"))[0]
+    victim.unlink()
+    report = prepare_dataset(ToyParser(raw_root), tmp_path / "out", progress=False)
+    assert [s.path for s in report.skipped if "unreadable" in s.rule] == [victim]
+
+
+def test_empty_split_is_an_error_naming_dataset_and_split(raw_root, tmp_path):
+    for path in (raw_root / "Toy" / "query").glob("*.jpg"):
+        path.write_bytes(b"")
+    with pytest.raises(PrepareError, match="toy: the query split is empty"):
+        prepare_dataset(ToyParser(raw_root), tmp_path / "out", progress=False)
+    assert not (tmp_path / "out" / "toy").exists()
+    assert not list((tmp_path / "out").glob(".toy.tmp-*"))
+
+
+def test_idempotent_and_force(raw_root, tmp_path):
+    out = tmp_path / "out"
+    prepare_dataset(ToyParser(raw_root), out, progress=False)
+    manifest = out / "toy" / "manifest.csv"
+    stamp = manifest.stat().st_mtime_ns
+    again = prepare_dataset(ToyParser(raw_root), out, progress=False)
+    assert again.skipped_existing and manifest.stat().st_mtime_ns == stamp
+    assert again.card["train_all"]["images"] == 6
+    changed = prepare_dataset(ToyParser(raw_root, seed=5), out, progress=False)
+    assert changed.skipped_existing
+    assert any("split_seed=0" in w and "--force" in w for w in changed.warnings)
+    forced = prepare_dataset(ToyParser(raw_root, seed=5), out, force=True, progress=False)
+    assert not forced.skipped_existing
+    assert json.loads((out / "toy" / "split.json").read_text()) == {"seed": 5}
+    assert sorted(p.name for p in out.iterdir()) == ["toy"], "no temporary folders left"
+
+
+def test_interrupted_run_leaves_no_half_dataset(raw_root, tmp_path, monkeypatch):
+    calls = {"n": 0}
+    real = prepared_mod._copy_checked
+
+    def flaky(src, dst, resize):
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise KeyboardInterrupt
+        return real(src, dst, resize)
+
+    monkeypatch.setattr(prepared_mod, "_copy_checked", flaky)
+    with pytest.raises(KeyboardInterrupt):
+        prepare_dataset(ToyParser(raw_root), tmp_path / "out", workers=1, progress=False)
+    assert list((tmp_path / "out").iterdir()) == []
+
+
+def test_interrupted_force_keeps_the_old_copy(raw_root, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    prepare_dataset(ToyParser(raw_root), out, progress=False)
+    before = tree_digest(out / "toy")
+    monkeypatch.setattr(prepared_mod, "_write_metadata", lambda *a, **k: (_ for _ in ()).throw(OSError("disk full")))
+    with pytest.raises(OSError, match="disk full"):
+        prepare_dataset(ToyParser(raw_root, seed=3), out, force=True, progress=False)
+    assert tree_digest(out / "toy") == before
+    assert sorted(p.name for p in out.iterdir()) == ["toy"]
+
+
+def test_resize(raw_root, tmp_path):
+    prepare_dataset(ToyParser(raw_root), tmp_path / "out", resize=(32, 12), progress=False)
+    ds = load_prepared(tmp_path / "out", "toy")
+    for rec in ds.records:
+        assert cv2.imread(str(rec.path)).shape == (32, 12, 3)
+
+
+def test_refuses_to_write_inside_raw_root(raw_root):
+    with pytest.raises(PrepareError, match="inside the raw root"):
+        prepare_dataset(ToyParser(raw_root), raw_root / "prepared", progress=False)
+
+
+def test_count_mismatch_warning_names_dataset_and_numbers(raw_root, tmp_path):
+    class Wrong(ToyParser):
+        expected = ExpectedCounts(train_ids=751, train_images=12936)
+
+    report = prepare_dataset(Wrong(raw_root), tmp_path / "out", progress=False)
+    assert "toy: train ids is 2, expected 751" in report.warnings
+    assert "toy: train images is 6, expected 12,936" in report.warnings
+
+
+def test_synthetic_counts_replace_table1(raw_root, tmp_path):
+    (raw_root / "synthetic_world.json").write_text(json.dumps({"counts": {"toy": {"train_ids": 3}}}))
+    report = prepare_dataset(ToyParser(raw_root), tmp_path / "out", progress=False)
+    assert report.warnings == ["toy: train ids is 2, expected 3"]
+
+
+def test_load_errors(tmp_path):
+    with pytest.raises(PreparedDatasetError, match="manifest.csv is missing"):
+        PreparedDataset.load(tmp_path)
+    (tmp_path / "manifest.csv").write_text("path,pid\nx.jpg,1\n")
+    with pytest.raises(PreparedDatasetError, match="missing columns camid, split"):
+        PreparedDataset.load(tmp_path)
+    (tmp_path / "manifest.csv").write_text("path,pid,camid,split\nx.jpg,1,0,test\n")
+    with pytest.raises(PreparedDatasetError, match="line 2: split 'test'"):
+        PreparedDataset.load(tmp_path)
+    (tmp_path / "manifest.csv").write_text("path,pid,camid,split\nx.jpg,one,0,train\n")
+    with pytest.raises(PreparedDatasetError, match="line 2"):
+        PreparedDataset.load(tmp_path)
+
+
+def test_unknown_split_name(raw_root, tmp_path):
+    prepare_dataset(ToyParser(raw_root), tmp_path / "out", progress=False)
+    with pytest.raises(ValueError, match="unknown split 'test'"):
+        load_prepared(tmp_path / "out", "toy").split("test")

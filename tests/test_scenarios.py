@@ -1,0 +1,95 @@
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fedreid.config import load_config
+from fedreid.data.prepared import PreparedDataset, Record, dataset_card
+from fedreid.data.scenarios import ScenarioError, build_clients, by_camera, by_dataset, by_identity
+
+
+def make_dataset(name: str, num_ids: int, cams: int = 3, per_cam: int = 2) -> PreparedDataset:
+    root = Path("/prepared") / name
+    records = []
+    for pid in range(10, 10 + num_ids):
+        for cam in range(cams):
+            for k in range(per_cam):
+                split = "val" if (cam, k) == (0, 0) else "train"
+                records.append(Record(root / f"{pid}_{cam}_{k}.jpg", pid, cam, split))
+    records.append(Record(root / "q.jpg", 10, 0, "query"))
+    records.append(Record(root / "g.jpg", 10, 1, "gallery"))
+    return PreparedDataset(root, records, dataset_card(records))
+
+
+def check_label_space(client):
+    assert client.labels.dtype == np.int64
+    assert sorted(set(client.labels.tolist())) == list(range(client.num_classes))
+    for rec, label in zip(client.records, client.labels):
+        assert client.pids[label] == rec.pid
+    assert all(r.split in ("train", "val") for r in client.records)
+
+
+def test_by_dataset_one_client_each_with_private_labels():
+    a, b = make_dataset("a", 5), make_dataset("b", 3)
+    clients = by_dataset([a, b])
+    assert [c.name for c in clients] == ["a", "b"]
+    assert [c.num_classes for c in clients] == [5, 3]
+    assert len(clients[0]) == 5 * 3 * 2  # train_all = train + val
+    assert len(by_dataset([a], split="train")[0]) == 5 * 5
+    for c in clients:
+        check_label_space(c)
+
+
+def test_by_camera():
+    ds = make_dataset("msmt", 4, cams=3)
+    clients = by_camera(ds)
+    assert [c.name for c in clients] == ["msmt/cam0", "msmt/cam1", "msmt/cam2"]
+    for cam, client in enumerate(clients):
+        assert {r.camid for r in client.records} == {cam}
+        assert client.num_classes == 4
+        check_label_space(client)
+    assert sum(len(c) for c in clients) == len(ds.split("train_all"))
+
+
+def test_by_identity_disjoint_complete_seeded():
+    ds = make_dataset("cuhk", 11)
+    clients = by_identity(ds, 3, np.random.default_rng(0))
+    id_sets = [set(c.pids) for c in clients]
+    assert sum(len(s) for s in id_sets) == 11
+    assert set.union(*id_sets) == {r.pid for r in ds.split("train_all")}
+    assert all(not (x & y) for i, x in enumerate(id_sets) for y in id_sets[i + 1:])
+    assert sorted(len(s) for s in id_sets) == [3, 4, 4]
+    for c in clients:
+        check_label_space(c)
+        assert {r.pid for r in c.records} == set(c.pids)
+    same = by_identity(ds, 3, np.random.default_rng(0))
+    other = by_identity(ds, 3, np.random.default_rng(1))
+    assert [c.pids for c in same] == [c.pids for c in clients]
+    assert [c.pids for c in other] != [c.pids for c in clients]
+
+
+def test_by_identity_reference_drops_remainder():
+    ds = make_dataset("cuhk", 11)
+    clients = by_identity(ds, 3, np.random.default_rng(0), drop_remainder=True)
+    assert [c.num_classes for c in clients] == [3, 3, 3]
+
+
+def test_errors():
+    ds = make_dataset("tiny", 2)
+    with pytest.raises(ScenarioError, match="cannot split 2 identities into 3 clients"):
+        by_identity(ds, 3, np.random.default_rng(0))
+    empty = PreparedDataset(Path("/p/empty"), [Record(Path("/q"), 1, 0, "query")], {})
+    with pytest.raises(ScenarioError, match="client 'empty' has no training images"):
+        by_dataset([empty])
+
+
+def test_build_clients_from_config():
+    datasets = {"a": make_dataset("a", 6), "b": make_dataset("b", 4)}
+    rng = np.random.default_rng(0)
+    cfg = load_config(None, []).scenario
+    assert len(build_clients(cfg, datasets, rng)) == 2
+    cfg = load_config(None, ["scenario.kind=by_identity", "scenario.dataset=a", "scenario.num_clients=2"]).scenario
+    assert [c.name for c in build_clients(cfg, datasets, rng)] == ["a/part1", "a/part2"]
+    cfg = load_config(None, ["scenario.kind=by_camera", "scenario.dataset=zzz"]).scenario
+    with pytest.raises(ScenarioError, match="scenario.dataset='zzz' is not among"):
+        build_clients(cfg, datasets, rng)

@@ -1,0 +1,198 @@
+#!/usr/bin/env python
+"""Prepare ReID datasets: raw releases (or FedReID folders, or the synthetic world) -> prepared folders.
+
+Examples:
+  # the nine benchmark datasets + CUHK02 from their official releases
+  python tools/prepare_datasets.py --raw-root datasets/raw --out datasets/prepared --datasets all
+
+  # the authors' processed data (their data/ folder), no conversion re-run
+  python tools/prepare_datasets.py --layout fedreid --raw-root ~/FedReID/data --datasets all
+
+  # generate the synthetic nine-domain world, then prepare it
+  python tools/prepare_datasets.py --synthetic --out datasets/prepared/synthetic
+
+Re-running skips datasets that are already prepared (use --force to redo them).
+Nothing under the raw root is ever modified. See datasets/README.md for layouts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import Counter
+from pathlib import Path
+
+from fedreid.config import BENCHMARK_DATASETS
+from fedreid.data.prepared import PrepareError, format_card, format_summary, prepare_dataset
+from fedreid.data.raw import create_raw_dataset, list_raw_datasets
+from fedreid.data.raw.base import RawLayoutError
+from fedreid.utils.cli import add_config_arguments, config_from_args, run_main
+from fedreid.utils.io import write_text_atomic
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add_config_arguments(parser)
+    parser.add_argument("--raw-root", help="folder holding the raw releases (data.raw_root)")
+    parser.add_argument("--out", help="prepared output root (data.prepared_root)")
+    parser.add_argument(
+        "--datasets",
+        help="comma-separated names or 'all' (the nine benchmark datasets); "
+        "the public set data.public_dataset is added unless it is null",
+    )
+    parser.add_argument("--layout", choices=("raw", "fedreid"), help="input layout (data.layout)")
+    parser.add_argument(
+        "--synthetic",
+        action="store_true",
+        help="first generate the synthetic world (synthetic.*) and prepare from it",
+    )
+    parser.add_argument("--resize", metavar="HxW", help="resize prepared images, e.g. 256x128")
+    parser.add_argument("--split-seed", type=int, help="seed of drawn identity splits")
+    parser.add_argument(
+        "--split-file",
+        action="append",
+        default=[],
+        metavar="NAME=FILE",
+        help="reuse an identity split (a split.json written by an earlier run)",
+    )
+    parser.add_argument("--workers", type=int, help="parallel image copy/check workers")
+    parser.add_argument("--force", action="store_true", help="prepare again even if done")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    return parser
+
+
+def flag_overrides(args: argparse.Namespace) -> list[str]:
+    out = []
+    if args.raw_root:
+        out.append(f"data.raw_root={args.raw_root}")
+    if args.out:
+        out.append(f"data.prepared_root={args.out}")
+    if args.datasets:
+        out.append(f"data.datasets=[{args.datasets}]")
+    if args.layout:
+        out.append(f"data.layout={args.layout}")
+    if args.resize:
+        height, _, width = args.resize.lower().partition("x")
+        out.append(f"data.resize=[{height},{width}]")
+    if args.split_seed is not None:
+        out.append(f"data.split_seed={args.split_seed}")
+    for item in args.split_file:
+        name, sep, path = item.partition("=")
+        if not sep:
+            raise RawLayoutError(f"--split-file {item!r}: expected NAME=FILE")
+        out.append(f"data.split_files.{name}={path}")
+    if args.workers is not None:
+        out.append(f"data.workers={args.workers}")
+    return out
+
+
+def resolve_names(requested: list[str], public: str | None) -> list[str]:
+    names = list(BENCHMARK_DATASETS) if requested == ["all"] else list(requested)
+    if public and public not in names:
+        names.append(public)
+    known = set(list_raw_datasets())
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise RawLayoutError(
+            f"unknown dataset {unknown[0]!r}; known: {', '.join(sorted(known))} or 'all'"
+        )
+    return names
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    cfg = config_from_args(args, flag_overrides(args))
+    data = cfg.data
+    names = resolve_names(data.datasets, data.public_dataset)
+    progress = not args.no_progress and sys.stderr.isatty()
+    raw_root = Path(data.raw_root)
+    if args.synthetic:
+        raw_root = generate_synthetic(cfg, names, progress)
+
+    out_root = Path(data.prepared_root)
+    cards, failures = {}, []
+    for name in names:
+        try:
+            parser = create_raw_dataset(
+                name,
+                raw_root,
+                layout=data.layout,
+                seed=data.split_seed,
+                split_file=data.split_files.get(name),
+                **data.options.get(name, {}),
+            )
+            report = prepare_dataset(
+                parser,
+                out_root,
+                resize=data.resize,
+                workers=data.workers,
+                force=args.force,
+                progress=progress,
+            )
+        except (RawLayoutError, PrepareError, TypeError, ValueError) as exc:
+            failures.append(f"{name}: {exc}")
+            print(f"[{name}] FAILED: {exc}", file=sys.stderr)
+            continue
+        cards[name] = report.card
+        print_report(report)
+
+    if cards:
+        summary = format_summary(cards)
+        print("\nDataset card\n")
+        print(summary)
+        write_text_atomic(out_root / "cards.md", summary)
+    if failures:
+        print(f"{len(failures)} dataset(s) failed:", file=sys.stderr)
+        for line in failures:
+            print(f"  {line}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def print_report(report) -> None:
+    if report.skipped_existing:
+        print(f"[{report.name}] already prepared in {report.out_dir} (use --force to redo)")
+    else:
+        print(
+            f"[{report.name}] {report.num_images:,} images -> {report.out_dir} "
+            f"({report.seconds:.1f} s)"
+        )
+    if report.skipped:
+        rules = Counter(skip.rule.split(" (")[0] for skip in report.skipped)
+        for rule, count in rules.most_common():
+            example = next(s.path for s in report.skipped if s.rule.startswith(rule))
+            print(f"  skipped {count} file(s): {rule} (e.g. {example})")
+        print(f"  every skipped file is listed in {report.out_dir / 'skipped.csv'}")
+    for warning in report.warnings:
+        print(f"  warning: {warning}")
+
+
+def generate_synthetic(cfg, names: list[str], progress: bool) -> Path:
+    from fedreid.data.synthetic import generate_world
+
+    syn = cfg.synthetic
+    root = Path(syn.root)
+    params = dict(
+        id_scale=syn.id_scale,
+        min_ids=syn.min_ids,
+        images_per_camera=syn.images_per_camera,
+        height=syn.height,
+        width=syn.width,
+        seed=syn.seed,
+    )
+    marker = root / "synthetic_world.json"
+    if marker.is_file():
+        made = json.loads(marker.read_text()).get("parameters", {})
+        if all(made.get(k) == v for k, v in params.items()) and set(names) <= set(made.get("datasets") or names):
+            print(f"synthetic world already in {root}")
+            return root
+    print(f"generating the synthetic world in {root} ...")
+    generate_world(root, datasets=names, progress=progress, **params)
+    return root
+
+
+if __name__ == "__main__":
+    run_main(main)
