@@ -128,6 +128,67 @@ class RawDataset:
         """The seeded generator for this dataset's random choices."""
         return np.random.default_rng(self.seed)
 
+    def choose_id_split(
+        self, ids: Iterable[int], paper_train: int, paper_total: int
+    ) -> tuple[list[int], list[int], dict]:
+        """Train and test identities of ``ids``, and the ``id_split`` record.
+
+        A user split file (``{"train": [...], "test": [...]}``) wins; otherwise a
+        seeded random split keeps the paper's proportion ``paper_train /
+        paper_total``. The proportion (not a fixed count) lets a scaled-down copy
+        of a layout split sensibly while the real data gives exactly the paper's
+        numbers (``n * train / total`` is exact when ``n == total``).
+        """
+        ids = sorted(set(ids))
+        user = self.load_split_file()
+        if user is not None:
+            train, test = self._validate_split_file(user, ids)
+            return train, test, {"train": train, "test": test, "split_file": str(self.split_file)}
+        # Integer round-half-up, so the result never depends on float rounding.
+        num_train = (2 * len(ids) * paper_train + paper_total) // (2 * paper_total)
+        try:
+            train, test = split_ids(ids, num_train, self.rng())
+        except RawLayoutError as exc:
+            raise RawLayoutError(f"{self.name}: {exc} (under {self.root})") from exc
+        return train, test, {"train": train, "test": test, "seed": self.seed}
+
+    def _validate_split_file(
+        self, user: object, ids: list[int]
+    ) -> tuple[list[int], list[int]]:
+        where = f"{self.name}: split file {self.split_file}"
+
+        def id_list(key: str) -> list[int]:
+            value = user.get(key) if isinstance(user, dict) else None
+            # bool is an int subclass; `true` in a split file is a mistake, not id 1.
+            if not isinstance(value, list) or not all(
+                isinstance(v, int) and not isinstance(v, bool) for v in value
+            ):
+                raise RawLayoutError(
+                    f'{where}: expected a JSON object {{"train": [ids], "test": [ids]}} '
+                    f"with integer identity lists; {key!r} is missing or not a list of integers"
+                )
+            return sorted(set(value))
+
+        train, test = id_list("train"), id_list("test")
+        known = set(ids)
+        unknown = sorted((set(train) | set(test)) - known)
+        if unknown:
+            raise RawLayoutError(
+                f"{where}: unknown identities {unknown[:10]} "
+                f"(this dataset's ids are {ids[0]}..{ids[-1]})"
+            )
+        overlap = sorted(set(train) & set(test))
+        if overlap:
+            raise RawLayoutError(f"{where}: identities in both train and test: {overlap[:10]}")
+        # A partial file would silently drop identities and change the counts.
+        missing = sorted(known - set(train) - set(test))
+        if missing:
+            raise RawLayoutError(
+                f"{where}: identities in neither train nor test: {missing[:10]} "
+                f"({len(missing)} in all)"
+            )
+        return train, test
+
     def load_split_file(self) -> Optional[dict]:
         """The user-supplied identity split, or None."""
         if self.split_file is None:
@@ -187,7 +248,8 @@ def carve_val(records: Sequence[RawRecord]) -> list[RawRecord]:
 
     This is the rule of the FedReID/layumi ``prepare.py`` (the first image seen
     of each id is the validation image), made deterministic by sorting.
-    ``train_all`` = ``train`` + ``val`` is unchanged by it.
+    ``train_all`` = ``train`` + ``val`` is unchanged by it. The result is
+    sorted by (split, path).
     """
     seen: set[int] = set()
     out = []
@@ -196,7 +258,7 @@ def carve_val(records: Sequence[RawRecord]) -> list[RawRecord]:
             seen.add(rec.pid)
             rec = RawRecord(rec.path, rec.pid, rec.camid, "val")
         out.append(rec)
-    return out
+    return sorted(out, key=lambda r: (r.split, str(r.path)))
 
 
 def split_ids(

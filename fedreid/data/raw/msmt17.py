@@ -1,0 +1,202 @@
+"""MSMT17 raw-layout parser (original release or Market-style repack)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path, PurePosixPath
+
+from . import register
+from .base import (
+    ExpectedCounts,
+    ParseResult,
+    RawDataset,
+    RawLayoutError,
+    RawRecord,
+    Skip,
+    carve_val,
+    list_files,
+    parse_named_images,
+)
+
+
+@register
+class MSMT17(RawDataset):
+    """MSMT17.
+
+    Reference:
+        Wei et al. "Person Transfer GAN to Bridge Domain Gap for Person
+        Re-Identification." CVPR 2018.
+
+    Statistics:
+        4,101 identities, 15 cameras, 126,441 boxes.
+        Train 1,041 ids / 32,621 images (train + official val); query 3,060
+        ids / 11,659 images; gallery 82,161 images.
+
+    Obtain it by request to the authors and unpack it unchanged under the raw
+    root. Two layouts are read, detected in this order:
+
+    1. The original release, ``<raw_root>/MSMT17_V1`` (:attr:`dataset_dir`)::
+
+           MSMT17_V1/train/0000/0000_000_01_0303morning_0015_0.jpg
+           MSMT17_V1/test/0000/...
+           MSMT17_V1/list_{train,val,query,gallery}.txt
+
+       Each list line is ``<pid>/<file> <pid>``, relative to ``train/`` for
+       the train and val lists and to ``test/`` for query and gallery. The
+       label is the pid; the camera is the third underscore field of the name
+       (``01``-``15``). ``list_val.txt`` is the official val split, so nothing
+       is carved. Images under ``train/`` or ``test/`` that no list names are
+       reported as skipped.
+
+    2. The widely used Market-style repack, ``<raw_root>/MSMT17``
+       (:attr:`repack_dir`)::
+
+           MSMT17/{bounding_box_train,bounding_box_test,query}/0000_c1_0303morning_0015_0.jpg
+
+       It has no val list, so val is carved from the training images.
+
+    Cameras are whole integers in both layouts: ``15`` / ``c15`` is camid 14.
+    """
+
+    name = "msmt17"
+    dataset_dir = "MSMT17_V1"
+    #: Folder of the Market-style repack, read only when ``MSMT17_V1`` is absent.
+    repack_dir = "MSMT17"
+    expected = ExpectedCounts(
+        train_ids=1041,
+        train_images=32621,
+        query_ids=3060,
+        query_images=11659,
+        gallery_images=82161,
+    )
+
+    #: (list file, image folder its paths are relative to, split).
+    _LISTS: tuple[tuple[str, str, str], ...] = (
+        ("list_train.txt", "train", "train"),
+        ("list_val.txt", "train", "val"),
+        ("list_query.txt", "test", "query"),
+        ("list_gallery.txt", "test", "gallery"),
+    )
+    #: ``<pid>/<file> <label>``; anything else on a line makes it malformed.
+    _LINE = re.compile(r"^\s*(\S+)\s+(-?\d+)\s*$")
+    #: ``pid_seq_cam_datetime_frame_n``; the pid comes from the list label.
+    _NAME = re.compile(r"^(\d+)_(\d+)_(\d+)_")
+    _REPACK_NAME = re.compile(r"^(-?\d+)_c(\d+)_")
+    _REPACK_FOLDERS: tuple[tuple[str, str], ...] = (
+        ("bounding_box_train", "train"),
+        ("query", "query"),
+        ("bounding_box_test", "gallery"),
+    )
+
+    def parse(self) -> ParseResult:
+        if self.root.is_dir():
+            return self._parse_original()
+        repack = self.raw_root / self.repack_dir
+        if repack.is_dir():
+            return self._parse_repack(repack)
+        raise RawLayoutError(
+            f"{self.name}: expected the original release folder {self.root} "
+            f"(train/ test/ list_*.txt) or the Market-style repack folder {repack} "
+            f"(bounding_box_train/ bounding_box_test/ query/); see datasets/README.md"
+        )
+
+    # -- original release ----------------------------------------------------
+    def _parse_original(self) -> ParseResult:
+        bases = {folder: self.require_dir(folder) for folder in ("train", "test")}
+        lists = []
+        for list_name, folder, split in self._LISTS:
+            list_path = self.root / list_name
+            if not list_path.is_file():
+                raise RawLayoutError(
+                    f"{self.name}: expected the list file {list_path} "
+                    f"(the {self.dataset_dir} release layout; see datasets/README.md)"
+                )
+            lists.append((list_path, bases[folder], split))
+
+        skipped: list[Skip] = []
+        # One listing of the image folders answers every "is it there?" of the
+        # lists without a stat per line, and reveals the images no list names.
+        present: set[Path] = set()
+        for base in bases.values():
+            present.update(list_files(base, skipped))
+            for sub in sorted(p for p in base.iterdir() if p.is_dir()):
+                present.update(list_files(sub, skipped))
+
+        records: list[RawRecord] = []
+        listed: dict[Path, str] = {}
+        for list_path, base, split in lists:
+            records += self.process_list(list_path, base, split, present, listed, skipped)
+        for path in sorted(present - listed.keys()):
+            skipped.append(Skip(path, "not named by any list_*.txt"))
+        records.sort(key=lambda r: (r.split, str(r.path)))
+        return ParseResult(records, skipped)
+
+    def process_list(
+        self,
+        list_path: Path,
+        base: Path,
+        split: str,
+        present: set[Path],
+        listed: dict[Path, str],
+        skipped: list[Skip],
+    ) -> list[RawRecord]:
+        """Records of one ``list_*.txt``; every unusable line is a counted skip."""
+        records = []
+        lines = list_path.read_text(encoding="utf-8", errors="replace").splitlines()
+        for lineno, line in enumerate(lines, start=1):
+            where = f"{list_path.name} line {lineno}"
+            if not line.strip():
+                continue  # blank lines (a trailing newline) carry no entry
+            entry = self._LINE.match(line)
+            rel = PurePosixPath(entry.group(1)) if entry else None
+            if entry is None or rel is None or rel.is_absolute() or ".." in rel.parts:
+                # Paths must stay inside the image folder the list belongs to.
+                skipped.append(
+                    Skip(
+                        list_path,
+                        f"{where}: malformed {line.strip()!r}, expected '<pid>/<file> <pid>'",
+                    )
+                )
+                continue
+            path = base.joinpath(*rel.parts)
+            if path not in present:
+                # Only failures pay for a stat, to say which kind of failure it is.
+                reason = "not an image" if path.is_file() else "missing"
+                skipped.append(Skip(path, f"{where}: listed file is {reason}"))
+                continue
+            if path in listed:
+                skipped.append(Skip(path, f"{where}: already listed at {listed[path]}"))
+                continue
+            match = self._NAME.search(path.name)
+            if match is None:
+                skipped.append(Skip(path, f"{where}: name does not match {self._NAME.pattern!r}"))
+                continue
+            listed[path] = where
+            records.append(RawRecord(path, int(entry.group(2)), int(match.group(3)) - 1, split))
+        return records
+
+    # -- Market-style repack -------------------------------------------------
+    def _parse_repack(self, root: Path) -> ParseResult:
+        folders = []
+        for folder, split in self._REPACK_FOLDERS:
+            path = root / folder
+            if not path.is_dir():
+                # require_dir would name MSMT17_V1; the user holds the repack.
+                raise RawLayoutError(
+                    f"{self.name}: expected the folder {path} "
+                    f"(the Market-style {self.repack_dir} repack; see datasets/README.md)"
+                )
+            folders.append((path, split))
+        skipped: list[Skip] = []
+        records: list[RawRecord] = []
+        for path, split in folders:
+            records += parse_named_images(
+                path,
+                self._REPACK_NAME,
+                split,
+                lambda m: (int(m.group(1)), int(m.group(2)) - 1),
+                skipped,
+            )
+        # carve_val sorts by the split before carving; sort again by the final one.
+        records = sorted(carve_val(records), key=lambda r: (r.split, str(r.path)))
+        return ParseResult(records, skipped)
