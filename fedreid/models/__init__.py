@@ -1,0 +1,39 @@
+"""Models: timm backbones and the FedReID IDE model (shared backbone + bottleneck, private head)."""
+
+from fedreid.models.backbones import (
+    PretrainedWeightsError,
+    create_backbone,
+    load_pretrained,
+    read_state_dict,
+    set_last_stride,
+    torchvision_to_timm,
+)
+from fedreid.models.reid import (
+    PRIVATE_PREFIXES,
+    SHARED_PREFIXES,
+    ReIDModel,
+    StateMismatchError,
+    create_reid_model,
+    load_shared_state,
+    private_state,
+    replace_classifier,
+    shared_state,
+)
+
+__all__ = [
+    "PRIVATE_PREFIXES",
+    "SHARED_PREFIXES",
+    "PretrainedWeightsError",
+    "ReIDModel",
+    "StateMismatchError",
+    "create_backbone",
+    "create_reid_model",
+    "load_pretrained",
+    "load_shared_state",
+    "private_state",
+    "read_state_dict",
+    "replace_classifier",
+    "set_last_stride",
+    "shared_state",
+    "torchvision_to_timm",
+]

@@ -1,0 +1,243 @@
+"""Training/test transforms, the image dataset and the seeded loader."""
+
+from pathlib import Path
+
+import cv2
+import numpy as np
+import pytest
+import torch
+
+from fedreid.data.datasets import ImageReadError, ReIDImageDataset, make_loader, read_image
+from fedreid.data.prepared import Record
+from fedreid.data.scenarios import make_client
+from fedreid.data.transforms import (
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    build_test_transform,
+    build_train_transform,
+)
+
+H, W = 32, 16  # small outputs keep the tests fast
+MEAN = torch.tensor(IMAGENET_MEAN).view(3, 1, 1)
+STD = torch.tensor(IMAGENET_STD).view(3, 1, 1)
+
+
+def asymmetric_image(seed: int = 0, h: int = 48, w: int = 24) -> np.ndarray:
+    """RGB uint8 with a left/right asymmetric pattern and noise."""
+    rng = np.random.default_rng(seed)
+    img = rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
+    img[:, : w // 3] = (250, 20, 20)
+    return img
+
+
+def samples(transform, image, n):
+    return [transform(image) for _ in range(n)]
+
+
+# ---------------------------------------------------------------------------
+# Transforms
+# ---------------------------------------------------------------------------
+
+
+def test_output_shape_dtype_and_normalisation():
+    img = np.full((50, 20, 3), (0, 128, 255), dtype=np.uint8)
+    for t in (build_test_transform(H, W), build_train_transform(H, W, pad=0, seed=0)):
+        out = t(img)
+        assert isinstance(out, torch.Tensor) and out.dtype == torch.float32
+        assert out.shape == (3, H, W) and out.is_contiguous()
+        expected = (torch.tensor([0, 128, 255]).view(3, 1, 1) / 255.0 - MEAN) / STD
+        torch.testing.assert_close(out, expected.expand(3, H, W), rtol=0, atol=1e-5)
+    assert build_train_transform()(asymmetric_image()).shape == (3, 256, 128)  # benchmark size
+
+
+def test_rejects_non_rgb_uint8_input():
+    t = build_test_transform(H, W)
+    with pytest.raises(ValueError, match="RGB uint8"):
+        t(np.zeros((10, 10), dtype=np.uint8))
+    with pytest.raises(ValueError, match="RGB uint8"):
+        t(np.zeros((10, 10, 3), dtype=np.float32))
+
+
+def test_same_seed_same_tensors_different_seed_different():
+    img = asymmetric_image()
+    kw = dict(random_erasing=0.5, color_jitter=0.1)
+    a = samples(build_train_transform(H, W, seed=3, **kw), img, 8)
+    b = samples(build_train_transform(H, W, seed=3, **kw), img, 8)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    c = samples(build_train_transform(H, W, seed=4, **kw), img, 8)
+    assert not all(torch.equal(x, y) for x, y in zip(a, c))
+    t = build_train_transform(H, W, seed=4, **kw)
+    t.reseed(3)  # reseeding restarts the stream
+    assert all(torch.equal(x, y) for x, y in zip(a, samples(t, img, 8)))
+    assert t.seed == 3
+
+
+def test_flip_is_applied_half_the_time():
+    img = asymmetric_image()
+    base = build_test_transform(H, W)(img)
+    outs = samples(build_train_transform(H, W, pad=0, seed=0), img, 40)
+    flipped = [torch.equal(o, base.flip(-1)) for o in outs]
+    plain = [torch.equal(o, base) for o in outs]
+    assert all(f or p for f, p in zip(flipped, plain))
+    assert 5 < sum(flipped) < 35
+    no_flip = samples(build_train_transform(H, W, pad=0, flip=False, seed=0), img, 10)
+    assert all(torch.equal(o, base) for o in no_flip)
+
+
+def test_pad_and_random_crop():
+    img = asymmetric_image()
+    pad = 4
+    base = build_test_transform(H, W)(img)
+    fill = (0 - MEAN) / STD  # the zero padding, normalised
+    padded = fill.expand(3, H + 2 * pad, W + 2 * pad).clone()
+    padded[:, pad : pad + H, pad : pad + W] = base
+    offsets = set()
+    for out in samples(build_train_transform(H, W, pad=pad, flip=False, seed=1), img, 30):
+        found = [
+            (dy, dx)
+            for dy in range(2 * pad + 1)
+            for dx in range(2 * pad + 1)
+            if torch.allclose(out, padded[:, dy : dy + H, dx : dx + W], atol=1e-6)
+        ]
+        assert found, "output is not a crop of the padded image"
+        offsets.update(found)
+    assert len(offsets) > 5
+
+
+def test_random_erasing_fills_zero_after_normalise():
+    img = asymmetric_image()
+    base = build_test_transform(H, W)(img)
+    outs = samples(build_train_transform(H, W, pad=0, flip=False, random_erasing=1.0, seed=0), img, 5)
+    for out in outs:
+        erased = (out == 0).all(dim=0) & (base != 0).any(dim=0)
+        assert erased.any()
+        torch.testing.assert_close(out[:, ~erased], base[:, ~erased])
+
+
+def test_color_jitter_changes_values_not_shape():
+    img = asymmetric_image()
+    base = build_test_transform(H, W)(img)
+    out = build_train_transform(H, W, pad=0, flip=False, color_jitter=0.3, seed=0)(img)
+    assert out.shape == base.shape and not torch.equal(out, base)
+
+
+def test_transform_argument_checks():
+    with pytest.raises(ValueError, match="probability"):
+        build_train_transform(random_erasing=1.5)
+    with pytest.raises(ValueError, match="pad"):
+        build_train_transform(pad=-1)
+
+
+# ---------------------------------------------------------------------------
+# Dataset and loader
+# ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def records(tmp_path) -> list[Record]:
+    recs = []
+    for i in range(6):
+        path = tmp_path / f"{i:03d}_{10 + i // 2}_c{i % 3}.png"
+        img = asymmetric_image(seed=i)
+        assert cv2.imwrite(str(path), cv2.cvtColor(img, cv2.COLOR_RGB2BGR))
+        recs.append(Record(path, 10 + i // 2, i % 3, "train"))
+    return recs
+
+
+def test_read_image_is_rgb(tmp_path):
+    path = tmp_path / "red.png"
+    bgr = np.zeros((8, 4, 3), np.uint8)
+    bgr[..., 2] = 255  # red in OpenCV's BGR order
+    cv2.imwrite(str(path), bgr)
+    img = read_image(path)
+    assert img.dtype == np.uint8 and img.shape == (8, 4, 3)
+    assert (img[..., 0] == 255).all() and (img[..., 1:] == 0).all()
+    grey = tmp_path / "grey.png"
+    cv2.imwrite(str(grey), np.full((5, 5), 7, np.uint8))
+    assert read_image(grey).shape == (5, 5, 3)
+    unicode = tmp_path / "bild_ä.png"
+    cv2.imencode(".png", bgr)[1].tofile(str(unicode))
+    assert read_image(unicode).shape == (8, 4, 3)
+
+
+def test_dataset_items(records):
+    client = make_client("c", "ds", records)
+    ds = ReIDImageDataset.from_client(client, build_test_transform(H, W))
+    assert len(ds) == 6
+    item = ds[3]
+    assert set(item) == {"image", "label", "pid", "camid", "index"}
+    assert item["image"].shape == (3, H, W) and item["image"].dtype == torch.float32
+    assert (item["label"], item["pid"], item["camid"], item["index"]) == (1, 11, 0, 3)
+    assert all(isinstance(item[k], int) for k in ("label", "pid", "camid", "index"))
+    torch.testing.assert_close(item["image"], build_test_transform(H, W)(read_image(records[3].path)))
+
+    unlabelled = ReIDImageDataset(records)
+    raw = unlabelled[0]
+    assert raw["label"] == -1 and raw["image"].dtype == np.uint8 and raw["image"].shape == (48, 24, 3)
+    with pytest.raises(ValueError, match="one per record"):
+        ReIDImageDataset(records, labels=[0, 1])
+
+
+def test_unreadable_and_missing_files_name_the_file(records, tmp_path):
+    bad = tmp_path / "broken.jpg"
+    bad.write_bytes(b"\xff\xd8 this is not a jpeg")
+    empty = tmp_path / "empty.jpg"
+    empty.write_bytes(b"")
+    missing = tmp_path / "gone.jpg"
+    ds = ReIDImageDataset(
+        records + [Record(p, 1, 0, "train") for p in (bad, empty, missing)],
+        transform=build_test_transform(H, W),
+    )
+    for i, name in zip(range(6, 9), ("broken.jpg", "empty.jpg", "gone.jpg")):
+        with pytest.raises(ImageReadError, match=name):
+            ds[i]
+
+
+def _batches(loader):
+    return [(b["index"].tolist(), b["image"]) for b in loader]
+
+
+def test_loader_determinism(records):
+    client = make_client("c", "ds", records)
+
+    def run(seed, epochs=2):
+        ds = ReIDImageDataset.from_client(client, build_train_transform(H, W, pad=2))
+        loader = make_loader(ds, 4, shuffle=True, seed=seed)
+        return [_batches(loader) for _ in range(epochs)]
+
+    a, b, c = run(0), run(0), run(1)
+    for ea, eb in zip(a, b):
+        for (ia, xa), (ib, xb) in zip(ea, eb):
+            assert ia == ib and torch.equal(xa, xb)
+    order = lambda run_: [i for epoch in run_ for idx, _ in epoch for i in idx]  # noqa: E731
+    assert order(a) != order(c)
+    assert order(a)[:6] != order(a)[6:]  # a new order each epoch
+    # the loader batches carry the metadata
+    plain = ReIDImageDataset.from_client(client, build_test_transform(H, W))
+    batch = next(iter(make_loader(plain, 6, shuffle=False, seed=0)))
+    assert batch["index"].tolist() == list(range(6))
+    assert batch["label"].tolist() == client.labels.tolist()
+    assert batch["image"].shape == (6, 3, H, W)
+
+
+def test_loader_drop_last_and_seed_required(records):
+    ds = ReIDImageDataset(records, transform=build_test_transform(H, W))
+    assert len(make_loader(ds, 4, shuffle=False, seed=0, drop_last=True)) == 1
+    with pytest.raises(ValueError, match="seed"):
+        make_loader(ds, 4, shuffle=False, seed=None)
+
+
+def test_workers_get_distinct_reproducible_augmentations(tmp_path):
+    # every record is the same image: without per-worker reseeding the two
+    # workers' transform copies would produce identical tensors
+    path = tmp_path / "same.png"
+    cv2.imwrite(str(path), cv2.cvtColor(asymmetric_image(), cv2.COLOR_RGB2BGR))
+    recs = [Record(path, 1, 0, "train")] * 4
+
+    def run():
+        ds = ReIDImageDataset(recs, transform=build_train_transform(H, W, pad=4, random_erasing=0.5))
+        return [b["image"] for b in make_loader(ds, 1, shuffle=False, seed=5, num_workers=2)]
+
+    a, b = run(), run()
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert not torch.equal(a[0], a[1])  # worker 0 and worker 1 differ
