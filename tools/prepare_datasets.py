@@ -18,13 +18,12 @@ Nothing under the raw root is ever modified. See datasets/README.md for layouts.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections import Counter
 from pathlib import Path
 
 from fedreid.config import BENCHMARK_DATASETS
-from fedreid.data.prepared import PrepareError, format_card, format_summary, prepare_dataset
+from fedreid.data.prepared import PrepareError, format_summary, prepare_dataset, synthetic_world
 from fedreid.data.raw import create_raw_dataset, list_raw_datasets
 from fedreid.data.raw.base import RawLayoutError
 from fedreid.utils.cli import add_config_arguments, config_from_args, run_main
@@ -114,6 +113,10 @@ def main(argv: list[str] | None = None) -> int:
 
     out_root = Path(data.prepared_root)
     cards, failures = {}, []
+    # The synthetic world records parser options its layout needs (e.g. how
+    # many PRID persons both cameras share); explicit config options win.
+    world = synthetic_world(raw_root) if data.layout == "raw" else None
+    world_options = world.get("parser_options", {}) if world else {}
     for name in names:
         try:
             parser = create_raw_dataset(
@@ -122,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
                 layout=data.layout,
                 seed=data.split_seed,
                 split_file=data.split_files.get(name),
-                **data.options.get(name, {}),
+                **{**world_options.get(name, {}), **data.options.get(name, {})},
             )
             report = prepare_dataset(
                 parser,
@@ -183,10 +186,10 @@ def generate_synthetic(cfg, names: list[str], progress: bool) -> Path:
         width=syn.width,
         seed=syn.seed,
     )
-    marker = root / "synthetic_world.json"
-    if marker.is_file():
-        made = json.loads(marker.read_text()).get("parameters", {})
-        if all(made.get(k) == v for k, v in params.items()) and set(names) <= set(made.get("datasets") or names):
+    world = synthetic_world(root)
+    if world is not None and world.get("complete"):
+        made = world.get("parameters", {})
+        if all(made.get(k) == v for k, v in params.items()) and set(names) <= set(made.get("datasets", [])):
             print(f"synthetic world already in {root}")
             return root
     print(f"generating the synthetic world in {root} ...")

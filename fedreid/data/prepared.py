@@ -188,11 +188,17 @@ def count_mismatches(name: str, card: dict, expected: Optional[ExpectedCounts]) 
     return out
 
 
+def synthetic_world(raw_root: str | Path) -> Optional[dict]:
+    """The synthetic generator's summary if ``raw_root`` holds its output."""
+    path = Path(raw_root) / SYNTHETIC_COUNTS_FILE
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
 def expected_counts(parser: RawDataset) -> Optional[ExpectedCounts]:
     """The counts to check: the synthetic world's own, else the paper's Table 1."""
-    synthetic = parser.raw_root / SYNTHETIC_COUNTS_FILE
-    if synthetic.is_file():
-        counts = json.loads(synthetic.read_text()).get("counts", {}).get(parser.name)
+    world = synthetic_world(parser.raw_root)
+    if world is not None:
+        counts = world.get("counts", {}).get(parser.name)
         return ExpectedCounts(**counts) if counts else None
     return parser.expected
 
