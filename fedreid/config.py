@@ -129,6 +129,150 @@ class ScenarioConfig:
 
 
 @dataclass
+class ModelConfig:
+    """The ReID model (:mod:`fedreid.models.reid`): backbone -> bottleneck -> private head."""
+
+    backbone: str = "resnet50"
+    #: Local weights file for the backbone (no download); null starts from random init.
+    pretrained: Optional[str] = None
+    #: Stride of the last stage; the reference trains with 2 (``--stride`` default).
+    last_stride: int = 2
+    bottleneck_dim: int = 512
+    dropout: float = 0.5
+    height: int = 256
+    width: int = 128
+
+    def validate(self, prefix: str) -> None:
+        if self.last_stride not in (1, 2):
+            raise ConfigError(f"{prefix}.last_stride: expected 1 or 2, got {self.last_stride}")
+        for name in ("bottleneck_dim", "height", "width"):
+            _check_positive(f"{prefix}.{name}", getattr(self, name))
+        if not 0 <= self.dropout < 1:
+            raise ConfigError(f"{prefix}.dropout: expected 0 <= value < 1, got {self.dropout}")
+
+
+@dataclass
+class TrainConfig:
+    """Local training of one client in one round (:mod:`fedreid.fl.local.sgd`)."""
+
+    local_epochs: int = 1
+    batch_size: int = 32
+    #: Learning rate of the bottleneck and the identity head.
+    lr: float = 0.05
+    #: Backbone learning rate = ``lr * lr_backbone_ratio`` (0.005 in the paper).
+    lr_backbone_ratio: float = 0.1
+    momentum: float = 0.9
+    weight_decay: float = 5e-4
+    nesterov: bool = True
+    #: StepLR of the reference client, recreated every round (see ``fl/local/sgd.py``).
+    lr_step_size: int = 40
+    lr_gamma: float = 0.1
+    #: DataLoader workers per client.
+    workers: int = 0
+    random_erasing: float = 0.0
+    color_jitter: float = 0.0
+
+    def validate(self, prefix: str) -> None:
+        for name in ("local_epochs", "batch_size", "lr", "lr_step_size"):
+            _check_positive(f"{prefix}.{name}", getattr(self, name))
+        for name in ("lr_backbone_ratio", "lr_gamma"):
+            _check_range(f"{prefix}.{name}", getattr(self, name), 0, 1, low_open=True)
+        for name in ("momentum", "random_erasing", "color_jitter"):
+            _check_range(f"{prefix}.{name}", getattr(self, name), 0, 1)
+        if self.weight_decay < 0:
+            raise ConfigError(f"{prefix}.weight_decay: expected a value >= 0, got {self.weight_decay}")
+        if self.workers < 0:
+            raise ConfigError(f"{prefix}.workers: expected a value >= 0, got {self.workers}")
+
+
+@dataclass
+class FLConfig:
+    """Server, aggregation and server hooks (:mod:`fedreid.fl`)."""
+
+    #: ``federated``: FedPav rounds; ``local``: every client trains alone (baseline).
+    mode: Literal["federated", "local"] = "federated"
+    rounds: int = 300
+    #: Clients sampled per round; 0 means all (the benchmark: all 9 every round).
+    clients_per_round: int = 0
+    #: ``fedpav``: identity heads stay private; ``fedavg``: the whole model is
+    #: averaged (needs the same number of classes on every client).
+    aggregation: Literal["fedpav", "fedavg"] = "fedpav"
+    #: BatchNorm running statistics: ``average`` (weighted like the parameters),
+    #: ``first`` (copied from the first sampled client, as the reference code),
+    #: ``local`` (averaged for the server's model, each client keeps its own).
+    bn: Literal["average", "first", "local"] = "average"
+    #: Cosine-distance weights (Algorithm 3) instead of sample counts.
+    cdw: bool = False
+    #: ``eval``: CDW logits in eval mode; ``train``: train-mode forward as the reference.
+    cdw_mode: Literal["eval", "train"] = "eval"
+    #: Public-set knowledge distillation on the server (Algorithm 2).
+    kd: bool = False
+    kd_every: int = 10
+    kd_lr: float = 5e-4
+    kd_batch_size: int = 32
+    #: Normalise the student's features before the MSE (the reference does not).
+    kd_student_normalize: bool = False
+    #: The unlabeled public set; null means ``data.public_dataset``.
+    public_dataset: Optional[str] = None
+
+    def validate(self, prefix: str) -> None:
+        _check_positive(f"{prefix}.rounds", self.rounds)
+        if self.clients_per_round < 0:
+            raise ConfigError(
+                f"{prefix}.clients_per_round: expected 0 (all) or a positive count, "
+                f"got {self.clients_per_round}"
+            )
+        for name in ("kd_every", "kd_lr", "kd_batch_size"):
+            _check_positive(f"{prefix}.{name}", getattr(self, name))
+        if self.mode == "local" and (self.cdw or self.kd):
+            which = "cdw" if self.cdw else "kd"
+            raise ConfigError(
+                f"{prefix}.{which}: the local-training baseline (mode=local) has no aggregation; "
+                f"set {prefix}.{which}=false or {prefix}.mode=federated"
+            )
+
+
+@dataclass
+class EvalConfig:
+    """Evaluation during training (:mod:`fedreid.fl.evaluation`)."""
+
+    #: Evaluate every this many rounds (and always after the last round).
+    every: int = 10
+    #: ``standard`` AP (torchreid) or ``official`` (Market-1501 MATLAB trapezoid AP).
+    ap: Literal["standard", "official"] = "standard"
+    ranks: list[int] = field(default_factory=lambda: [1, 5, 10])
+    #: Also evaluate each client's model before aggregation on its own dataset.
+    local_models: bool = True
+    batch_size: int = 128
+    #: Average the features of the image and its horizontal flip.
+    flip: bool = True
+    #: Datasets to evaluate on; null means every training dataset.
+    datasets: Optional[list[str]] = None
+
+    def validate(self, prefix: str) -> None:
+        for name in ("every", "batch_size"):
+            _check_positive(f"{prefix}.{name}", getattr(self, name))
+        if not self.ranks or min(self.ranks) < 1:
+            raise ConfigError(f"{prefix}.ranks: expected positive ranks, got {self.ranks!r}")
+
+
+@dataclass
+class RunConfig:
+    """Where a run writes and what it runs on."""
+
+    out_dir: str = "runs/fedreid"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    #: Deterministic algorithms (bit-exact resume on CPU; slower on GPU).
+    deterministic: bool = True
+    #: Also write TensorBoard scalars when ``tensorboard`` is installed.
+    tensorboard: bool = True
+
+    def validate(self, prefix: str) -> None:
+        if not self.out_dir:
+            raise ConfigError(f"{prefix}.out_dir: expected a folder path")
+
+
+@dataclass
 class Config:
     """The root of every experiment config."""
 
@@ -136,6 +280,11 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
     scenario: ScenarioConfig = field(default_factory=ScenarioConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    fl: FLConfig = field(default_factory=FLConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    run: RunConfig = field(default_factory=RunConfig)
 
 
 # ---------------------------------------------------------------------------
@@ -297,6 +446,15 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
 def _check_positive(key: str, value: float) -> None:
     if value <= 0:
         raise ConfigError(f"{key}: expected a positive value, got {value}")
+
+
+def _check_range(
+    key: str, value: float, low: float, high: float, *, low_open: bool = False
+) -> None:
+    bad = value < low or value > high or (low_open and value == low)
+    if bad:
+        op = "<" if low_open else "<="
+        raise ConfigError(f"{key}: expected {low} {op} value <= {high}, got {value}")
 
 
 def _deep_copy(data: Mapping[str, Any]) -> dict[str, Any]:

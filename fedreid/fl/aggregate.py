@@ -1,0 +1,131 @@
+"""Aggregation weights and the aggregation step.
+
+* FedPav / FedAvg (Zhuang et al. 2020, Algorithm 1): ``w_k = n_k / n`` over
+  the shared parameters; FedAvg when everything is shared.
+* Cosine-distance weights (CDW, Algorithm 3): client ``k`` takes one training
+  batch and compares the logits of the model it received (global shared part
+  plus its old private head) with the logits of the model it trained:
+  ``m_k = mean_batch(1 - cos(old, new))``; weights ``m_k / sum_i m_i``.
+  The reference (``optimization.py`` ``cdw_feature_distance``, called at the
+  end of ``client.py`` ``Client.train``) computes both forwards while the
+  models are still in train mode: dropout is active and BatchNorm uses batch
+  statistics (the global model is a ``deepcopy`` of a train-mode client model
+  after the first aggregation). ``mode="train"`` reproduces that forward;
+  ``mode="eval"`` (default) uses inference mode, so ``m_k`` measures how the
+  deployed model changed, not dropout noise. In train mode the reference
+  also updates the BN running statistics of both models as a side effect;
+  we discard that side effect (buffers are restored).
+
+The averaging itself is :func:`fedreid.fl.state.weighted_average`.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Literal, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from fedreid.fl.state import BNPolicy, normalize_weights, weighted_average
+from fedreid.fl.update import Update
+from fedreid.utils.seeding import forked_torch_rng
+
+CDWMode = Literal["eval", "train"]
+
+
+@dataclass
+class Aggregate:
+    """The result of one aggregation."""
+
+    state: "OrderedDict[str, Tensor]"
+    #: Normalised weights, in the order of the updates.
+    weights: list[float]
+    #: ``size`` or ``cdw`` (``size`` also when CDW fell back, see ``note``).
+    weighting: str
+    clients: list[str] = field(default_factory=list)
+    note: str = ""
+
+
+def size_weights(updates: Sequence[Update]) -> list[float]:
+    """FedPav/FedAvg weights ``n_k / n``."""
+    return normalize_weights([u.num_samples for u in updates])
+
+
+def cdw_weights(distances: Sequence[float]) -> list[float]:
+    """CDW weights ``m_k / sum_i m_i`` (Algorithm 3)."""
+    return normalize_weights(distances)
+
+
+def cdw_logits_distance(old_logits: Tensor, new_logits: Tensor) -> float:
+    """``mean over the batch of (1 - cos(old_b, new_b))``."""
+    if old_logits.shape != new_logits.shape:
+        raise ValueError(f"CDW: logits shapes differ: {tuple(old_logits.shape)} vs {tuple(new_logits.shape)}")
+    return float((1.0 - F.cosine_similarity(old_logits.float(), new_logits.float(), dim=1)).mean())
+
+
+@torch.no_grad()
+def cdw_distance(
+    start_model: nn.Module,
+    trained_model: nn.Module,
+    images: Tensor,
+    *,
+    mode: CDWMode = "eval",
+    seed: int = 0,
+) -> float:
+    """``m_k`` of one client from one batch of its training images.
+
+    ``start_model``: the received global model with the client's old head;
+    ``trained_model``: the model after local training. Both return logits.
+    """
+    if mode not in ("eval", "train"):
+        raise ValueError(f"cdw_mode must be 'eval' or 'train', got {mode!r}")
+    models = (start_model, trained_model)
+    flags = [m.training for m in models]
+    saved = [OrderedDict((k, b.clone()) for k, b in m.named_buffers()) for m in models]
+    try:
+        with forked_torch_rng(seed, images.device):
+            for m in models:
+                m.train(mode == "train")
+            old = start_model(images)
+            new = trained_model(images)
+    finally:
+        for m, flag, bufs in zip(models, flags, saved):
+            m.train(flag)
+            named = dict(m.named_buffers())
+            for k, b in bufs.items():
+                named[k].copy_(b)
+    return cdw_logits_distance(old, new)
+
+
+def aggregate(
+    updates: Sequence[Update],
+    *,
+    cdw: bool = False,
+    bn: BNPolicy = "average",
+) -> Aggregate:
+    """Average the updates' shared states with size or CDW weights.
+
+    With ``cdw`` every update must carry ``metadata["cdw_distance"]``. If all
+    distances are zero (no client moved) the weights fall back to sizes and
+    ``note`` says so.
+    """
+    if not updates:
+        raise ValueError("aggregate: no updates to aggregate")
+    names = [u.client for u in updates]
+    weighting, note = "size", ""
+    if cdw:
+        missing = [u.client for u in updates if "cdw_distance" not in u.metadata]
+        if missing:
+            raise ValueError(f"CDW aggregation: update of client {missing[0]!r} has no cdw_distance")
+        distances = [float(u.metadata["cdw_distance"]) for u in updates]
+        if sum(distances) > 0:
+            weights, weighting = cdw_weights(distances), "cdw"
+        else:
+            weights, note = size_weights(updates), "all CDW distances are 0; size weights used"
+    else:
+        weights = size_weights(updates)
+    state = weighted_average([u.state for u in updates], weights, bn=bn)
+    return Aggregate(state, weights, weighting, names, note)

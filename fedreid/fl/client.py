@@ -1,0 +1,269 @@
+"""A federated client: its data, its private identity head, local training -> Update.
+
+A :class:`Client` owns no network. Each round it is handed a *work model*
+(any :class:`~fedreid.models.reid.ReIDModel`; in simulation one instance is
+shared by all clients, in a deployment each process has its own), loads the
+received shared state plus its own head into it, trains, and returns an
+:class:`~fedreid.fl.update.Update` with the shared part only. After
+:meth:`Client.fit` the work model holds the client's trained model (what the
+"local model" evaluation measures).
+
+What persists across rounds (and goes into :meth:`state_dict`): the private
+head, the client's BatchNorm statistics under ``fl.bn=local``, and the count
+of rounds trained. No optimizer state persists: the reference builds a new
+optimizer and scheduler in every ``Client.train`` call (``client.py``), see
+:mod:`fedreid.fl.local.sgd`.
+
+Randomness: everything random in a client's round (shuffle, augmentation,
+dropout, the CDW batch) is seeded from ``(run seed, round, client index)`` via
+:func:`fedreid.utils.seeding.derive_seed`, with torch's global RNG forked,
+so rounds are reproducible one by one and a resumed run is exact.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections import OrderedDict
+from typing import Any, Mapping, Optional, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from fedreid.config import Config
+from fedreid.data.prepared import Record
+from fedreid.data.scenarios import ClientSplit
+from fedreid.fl.aggregate import cdw_distance
+from fedreid.fl.local.sgd import LocalResult, train_local
+from fedreid.fl.server_hooks.kd import KD_FEATURES, public_features
+from fedreid.fl.state import bn_buffers, clone_state, split_state
+from fedreid.fl.update import Update, private_prefixes
+from fedreid.utils.seeding import derive_seed, forked_torch_rng
+
+
+class ClientError(ValueError):
+    """A client cannot be built or run as configured; the message names it."""
+
+
+def check_split(split: ClientSplit, batch_size: int) -> None:
+    if len(split) == 0:
+        raise ClientError(f"client {split.name!r} has an empty training split (no images to train on)")
+    if len(split.labels) != len(split.records):
+        raise ClientError(
+            f"client {split.name!r}: {len(split.labels)} labels for {len(split.records)} images"
+        )
+    if split.num_classes == 0:
+        raise ClientError(f"client {split.name!r} has no identities")
+    if len(split) < batch_size:
+        raise ClientError(
+            f"client {split.name!r} has {len(split)} training images, fewer than "
+            f"train.batch_size={batch_size}: local training skips partial batches (as the "
+            f"reference), so it would never train; lower train.batch_size"
+        )
+
+
+def load_partial(model: nn.Module, state: Mapping[str, Tensor], what: str) -> None:
+    """Load ``state`` into some of ``model``'s keys; unknown keys are an error."""
+    result = model.load_state_dict(dict(state), strict=False)
+    if result.unexpected_keys:
+        raise ClientError(f"{what}: keys not in the model: {', '.join(result.unexpected_keys[:4])}")
+
+
+class Client:
+    """One federated client (see the module docstring).
+
+    ``public_records``: the unlabeled public set for KD rounds (None when KD is off).
+    ``index``: the client's position in the federation (seeds its randomness).
+    """
+
+    def __init__(
+        self,
+        split: ClientSplit,
+        index: int,
+        cfg: Config,
+        *,
+        public_records: Optional[Sequence[Record]] = None,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        check_split(split, cfg.train.batch_size)
+        self.split = split
+        self.name = split.name
+        self.index = index
+        self.cfg = cfg
+        self.device = torch.device(device)
+        self.public_records = list(public_records) if public_records is not None else None
+        self.head: Optional["OrderedDict[str, Tensor]"] = None
+        self.bn_state: Optional["OrderedDict[str, Tensor]"] = None
+        self.rounds_trained = 0
+        self._train_transform = None
+        self._train_dataset = None
+        self._public_loader = None
+
+    # ------------------------------------------------------------------ data
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.split)
+
+    @property
+    def num_classes(self) -> int:
+        return self.split.num_classes
+
+    def _dataset(self):
+        if self._train_dataset is None:
+            from fedreid.data.datasets import ReIDImageDataset
+            from fedreid.data.transforms import build_train_transform
+
+            m, t = self.cfg.model, self.cfg.train
+            self._train_transform = build_train_transform(
+                m.height, m.width, random_erasing=t.random_erasing, color_jitter=t.color_jitter,
+                seed=derive_seed(self.cfg.seed, "augment", self.index),
+            )
+            self._train_dataset = ReIDImageDataset(
+                self.split.records, self.split.labels, transform=self._train_transform
+            )
+        return self._train_dataset
+
+    def train_loader(self, seed: int, *, drop_last: bool = True):
+        """A loader over the training split; shuffle and augmentation seeded by ``seed``."""
+        from fedreid.data.datasets import make_loader
+
+        # make_loader seeds the shuffle order and reseeds the augmentation with the same seed
+        return make_loader(
+            self._dataset(), self.cfg.train.batch_size, shuffle=True, seed=derive_seed(seed, "loader"),
+            num_workers=self.cfg.train.workers, drop_last=drop_last,
+        )
+
+    def public_loader(self):
+        if self.public_records is None:
+            raise ClientError(f"client {self.name!r}: a KD round needs the public set, none was given")
+        if self._public_loader is None:
+            self._public_loader = make_public_loader(self.public_records, self.cfg, shuffle=False)
+        return self._public_loader
+
+    # ----------------------------------------------------------------- model
+
+    def init_head(self, model: nn.Module) -> None:
+        """Create this client's identity head (seeded) from ``model``'s classifier layout."""
+        from fedreid.models.reid import private_state, replace_classifier
+
+        replace_classifier(model, self.num_classes, seed=derive_seed(self.cfg.seed, "head", self.index))
+        self.head = clone_state(private_state(model))
+
+    def prepare_model(self, model: nn.Module, payload: Mapping[str, Tensor]) -> nn.Module:
+        """Work model := received shared state + own head (+ own BN stats under bn=local)."""
+        from fedreid.models.reid import load_shared_state, replace_classifier
+
+        if self.head is None:
+            self.init_head(model)
+        replace_classifier(model, self.num_classes, seed=0)  # values overwritten just below
+        load_partial(model, self.head, f"client {self.name!r} head")
+        if self.cfg.fl.aggregation == "fedavg":
+            load_partial(model, payload, f"client {self.name!r} global state")
+        else:
+            load_shared_state(model, payload)
+        if self.cfg.fl.bn == "local" and self.bn_state is not None:
+            load_partial(model, self.bn_state, f"client {self.name!r} BN statistics")
+        return model.to(self.device)
+
+    # ------------------------------------------------------------------- fit
+
+    def fit(
+        self,
+        model: nn.Module,
+        payload: Mapping[str, Tensor],
+        instructions: Mapping[str, Any],
+    ) -> Update:
+        """One round: load ``payload``, train locally, return the shared update.
+
+        ``instructions``: ``round`` (0-based, required), ``cdw`` (compute the
+        CDW distance), ``kd`` (send public-set features).
+        """
+        started = time.perf_counter()
+        round_index = int(instructions["round"])
+        seed = derive_seed(self.cfg.seed, "client", round_index, self.index)
+        self.prepare_model(model, payload)
+        start = copy.deepcopy(model) if instructions.get("cdw") else None
+
+        def epoch_loader(epoch: int):
+            return self.train_loader(derive_seed(seed, "epoch", epoch))
+
+        with forked_torch_rng(derive_seed(seed, "dropout"), self.device):
+            result: LocalResult = train_local(model, epoch_loader, self.cfg.train, device=self.device)
+        metadata: dict[str, Any] = {
+            "train_loss": result.loss,
+            "train_acc": result.accuracy,
+            "steps": result.steps,
+            "lr": result.lrs[-1] if result.lrs else self.cfg.train.lr,
+            "time_train": result.seconds,
+        }
+        if start is not None:
+            t0 = time.perf_counter()
+            metadata["cdw_distance"] = self.cdw_distance(start, model, seed)
+            metadata["time_cdw"] = time.perf_counter() - t0
+            del start
+        if instructions.get("kd"):
+            t0 = time.perf_counter()
+            metadata[KD_FEATURES] = public_features(
+                model, self.public_loader(), len(self.public_records), device=self.device
+            )
+            metadata["time_kd_features"] = time.perf_counter() - t0
+        update = self._make_update(model, metadata)
+        self.rounds_trained += 1
+        update.metadata["time_fit"] = time.perf_counter() - started
+        return update
+
+    def cdw_distance(self, start: nn.Module, trained: nn.Module, seed: int) -> float:
+        """``m_k`` on the first batch of a fresh (seeded, augmented) training loader."""
+        batch = next(iter(self.train_loader(derive_seed(seed, "cdw"), drop_last=False)))
+        images = (batch["image"] if isinstance(batch, dict) else batch[0]).to(self.device)
+        return cdw_distance(
+            start, trained, images, mode=self.cfg.fl.cdw_mode, seed=derive_seed(seed, "cdw-dropout")
+        )
+
+    def _make_update(self, model: nn.Module, metadata: dict[str, Any]) -> Update:
+        full = model.state_dict()
+        shared, private = split_state(full, private_prefixes())
+        self.head = clone_state(private)
+        if self.cfg.fl.bn == "local":
+            self.bn_state = clone_state(bn_buffers(shared))
+        fedavg = self.cfg.fl.aggregation == "fedavg"
+        state = clone_state(full if fedavg else shared)
+        return Update(self.name, state, self.num_samples, metadata, head_shared=fedavg)
+
+    # ------------------------------------------------------------ persistence
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything that persists across rounds (CPU tensors)."""
+        return {
+            "name": self.name,
+            "index": self.index,
+            "num_classes": self.num_classes,
+            "rounds_trained": self.rounds_trained,
+            "head": clone_state(self.head) if self.head is not None else None,
+            "bn_state": clone_state(self.bn_state) if self.bn_state is not None else None,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if state.get("name") != self.name:
+            raise ClientError(f"client state of {state.get('name')!r} cannot be loaded into client {self.name!r}")
+        if state.get("num_classes") != self.num_classes:
+            raise ClientError(
+                f"client {self.name!r}: saved head has {state.get('num_classes')} classes, "
+                f"the data has {self.num_classes}"
+            )
+        self.rounds_trained = int(state["rounds_trained"])
+        self.head = clone_state(state["head"]) if state.get("head") is not None else None
+        self.bn_state = clone_state(state["bn_state"]) if state.get("bn_state") is not None else None
+
+
+def make_public_loader(records: Sequence[Record], cfg: Config, *, shuffle: bool, seed: int = 0):
+    """The public set with the test transform; dict batches carry ``index``."""
+    from fedreid.data.datasets import ReIDImageDataset, make_loader
+    from fedreid.data.transforms import build_test_transform
+
+    dataset = ReIDImageDataset(list(records), None, transform=build_test_transform(cfg.model.height, cfg.model.width))
+    return make_loader(dataset, cfg.fl.kd_batch_size, shuffle=shuffle, seed=seed, num_workers=cfg.train.workers)
+
+
+__all__ = ["Client", "ClientError", "check_split", "make_public_loader"]

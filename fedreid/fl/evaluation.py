@@ -1,0 +1,141 @@
+"""Evaluation during training: features of query/gallery sets -> CMC/mAP.
+
+Wiring only: features come from :func:`fedreid.eval.features.extract_features`
+(flip-averaged, L2-normalised ``embed`` output in eval mode) and metrics from
+:func:`fedreid.eval.metrics.evaluate`. Loaders are built once per dataset and
+reused every evaluation.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Mapping, Optional, Sequence
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from fedreid.data.prepared import PreparedDataset
+
+#: The metric keys kept in round records.
+KEEP_KEYS = ("mAP", "num_valid_queries", "num_queries")
+
+
+class EmbedModule(nn.Module):
+    """A module whose ``forward`` is ``model.embed`` (what feature extraction calls)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.model.embed(x)
+
+
+class FeatureBatches:
+    """Adapts dataset batches (``image``/``pid``/``camid``) to the loader contract of
+    :func:`fedreid.eval.features.extract_features` (``images``/``pids``/``camids``)."""
+
+    def __init__(self, loader: Iterable[Mapping[str, Any]]) -> None:
+        self.loader = loader
+
+    def __iter__(self):
+        for batch in self.loader:
+            yield {"images": batch["image"], "pids": batch["pid"], "camids": batch["camid"]}
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+
+class Evaluator:
+    """Evaluates a model on the query/gallery splits of several datasets.
+
+    ``datasets``: prepared datasets by name (each needs query and gallery
+    images). Calling the evaluator returns ``{name: {"rank1", ..., "mAP",
+    "num_valid_queries"}}`` and leaves the model in the mode it was in.
+    """
+
+    def __init__(
+        self,
+        datasets: Mapping[str, PreparedDataset],
+        *,
+        height: int,
+        width: int,
+        batch_size: int = 128,
+        flip: bool = True,
+        ap: str = "standard",
+        ranks: Sequence[int] = (1, 5, 10),
+        device: torch.device | str = "cpu",
+        workers: int = 0,
+    ) -> None:
+        self.datasets = dict(datasets)
+        self.height, self.width = height, width
+        self.batch_size = batch_size
+        self.flip = flip
+        self.ap = ap
+        self.ranks = tuple(ranks)
+        self.device = torch.device(device)
+        self.workers = workers
+        self._sets: dict[str, dict[str, Any]] = {}
+        for name, ds in self.datasets.items():
+            for split in ("query", "gallery"):
+                if not ds.split(split):
+                    raise ValueError(f"evaluation dataset {name!r} has no {split} images")
+
+    @classmethod
+    def from_config(cls, cfg, datasets: Mapping[str, PreparedDataset], device) -> "Evaluator":
+        return cls(
+            datasets, height=cfg.model.height, width=cfg.model.width, batch_size=cfg.eval.batch_size,
+            flip=cfg.eval.flip, ap=cfg.eval.ap, ranks=cfg.eval.ranks, device=device,
+            workers=cfg.train.workers,
+        )
+
+    def _loaders(self, name: str) -> dict[str, Any]:
+        if name not in self._sets:
+            from fedreid.data.datasets import ReIDImageDataset, make_loader
+            from fedreid.data.transforms import build_test_transform
+
+            transform = build_test_transform(self.height, self.width)
+            entry: dict[str, Any] = {}
+            for split in ("query", "gallery"):
+                records = self.datasets[name].split(split)
+                dataset = ReIDImageDataset(records, None, transform=transform)
+                entry[split] = {
+                    "loader": make_loader(
+                        dataset, self.batch_size, shuffle=False, seed=0, num_workers=self.workers
+                    ),
+                    "pids": np.array([r.pid for r in records], dtype=np.int64),
+                    "camids": np.array([r.camid for r in records], dtype=np.int64),
+                }
+            self._sets[name] = entry
+        return self._sets[name]
+
+    def features(self, model: nn.Module, loader) -> Tensor:
+        from fedreid.eval.features import extract_features
+
+        out = extract_features(
+            EmbedModule(model), FeatureBatches(loader), flip=self.flip, normalize=True, device=self.device
+        )
+        return torch.from_numpy(np.ascontiguousarray(out.features))
+
+    def evaluate_dataset(self, model: nn.Module, name: str) -> dict[str, Any]:
+        from fedreid.eval.metrics import evaluate
+
+        sets = self._loaders(name)
+        qf = self.features(model, sets["query"]["loader"])
+        gf = self.features(model, sets["gallery"]["loader"])
+        result = evaluate(
+            qf, gf, sets["query"]["pids"], sets["gallery"]["pids"],
+            sets["query"]["camids"], sets["gallery"]["camids"], ap=self.ap, ranks=self.ranks,
+        )
+        keep = {f"rank{k}": float(result[f"rank{k}"]) for k in self.ranks}
+        keep.update({k: (float(result[k]) if k == "mAP" else int(result[k])) for k in KEEP_KEYS if k in result})
+        return keep
+
+    def __call__(self, model: nn.Module, names: Optional[Iterable[str]] = None) -> dict[str, dict[str, Any]]:
+        names = list(self.datasets) if names is None else list(names)
+        was_training = model.training
+        try:
+            return {name: self.evaluate_dataset(model, name) for name in names}
+        finally:
+            model.train(was_training)
+

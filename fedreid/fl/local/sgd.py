@@ -1,0 +1,143 @@
+"""Plain local SGD with cross-entropy on the private identity head (FedPav's client).
+
+Facts from the reference client (``client.py`` ``Client.train`` and
+``utils.py`` ``get_optimizer``), reproduced here:
+
+* SGD, nesterov, momentum 0.9, weight decay 5e-4; two parameter groups:
+  the backbone at ``0.1 * lr`` and ``model.classifier`` (the reference's
+  ``ClassBlock``: bottleneck + identity head) at ``lr`` (0.005 / 0.05).
+* The optimizer **and** a ``StepLR(step_size=40, gamma=0.1)`` are created anew
+  inside every call of ``Client.train``, i.e. every round: momentum buffers and
+  the schedule never persist across rounds. ``scheduler.step()`` is called at
+  the *start* of each local epoch, so (PyTorch >= 1.1 semantics) local epoch
+  ``e`` (0-based) runs at ``lr * gamma ** ((e + 1) // step_size)``; with the
+  benchmark's E=1 the rate never decays. :func:`epoch_lr_scale` is that rule.
+* Batches smaller than the batch size are skipped (``if b < self.batch_size:
+  continue``), i.e. ``drop_last``; the epoch loss is the sum of ``loss * b``
+  over the used images divided by their count.
+
+Nothing here touches global random state: the caller seeds the loader, the
+augmentation and dropout (see :class:`fedreid.fl.client.Client`).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Optional
+
+import torch
+from torch import nn
+
+from fedreid.config import TrainConfig
+
+
+@dataclass
+class LocalResult:
+    """What a round of local training reports."""
+
+    loss: float
+    accuracy: float
+    steps: int
+    images: int
+    epoch_losses: list[float] = field(default_factory=list)
+    lrs: list[float] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+def epoch_lr_scale(epoch: int, step_size: int = 40, gamma: float = 0.1) -> float:
+    """LR factor of local epoch ``epoch`` (0-based) under the reference's StepLR use."""
+    return gamma ** ((epoch + 1) // step_size)
+
+
+def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.SGD:
+    """Backbone at ``lr * lr_backbone_ratio``; bottleneck + head at ``lr``.
+
+    Parameters outside ``model.backbone`` form the high-lr group, as
+    everything outside the reference's ``model.classifier`` block forms its
+    low-lr group.
+    """
+    backbone = {id(p) for p in model.backbone.parameters()}
+    low = [p for p in model.parameters() if id(p) in backbone and p.requires_grad]
+    high = [p for p in model.parameters() if id(p) not in backbone and p.requires_grad]
+    return torch.optim.SGD(
+        [
+            {"params": low, "lr": cfg.lr * cfg.lr_backbone_ratio, "base_lr": cfg.lr * cfg.lr_backbone_ratio},
+            {"params": high, "lr": cfg.lr, "base_lr": cfg.lr},
+        ],
+        lr=cfg.lr,
+        momentum=cfg.momentum,
+        weight_decay=cfg.weight_decay,
+        nesterov=cfg.nesterov and cfg.momentum > 0,
+    )
+
+
+def _batch(batch: Any, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    if isinstance(batch, dict):
+        images, labels = batch["image"], batch["label"]
+    else:
+        images, labels = batch[0], batch[1]
+    return images.to(device, non_blocking=True), torch.as_tensor(labels).long().to(device, non_blocking=True)
+
+
+def train_local(
+    model: nn.Module,
+    make_epoch_loader: Callable[[int], Iterable],
+    cfg: TrainConfig,
+    *,
+    device: torch.device | str = "cpu",
+    on_step: Optional[Callable[[int, float], None]] = None,
+) -> LocalResult:
+    """``cfg.local_epochs`` epochs of SGD + cross-entropy on ``model``'s logits.
+
+    ``make_epoch_loader(e)`` returns the (seeded) loader of epoch ``e``;
+    batches are ``{"image", "label", ...}`` dicts or ``(images, labels)``.
+    A fresh optimizer is built here, every call (the reference's behaviour).
+    """
+    device = torch.device(device)
+    started = time.perf_counter()
+    model.to(device).train()
+    optimizer = build_optimizer(model, cfg)
+    criterion = nn.CrossEntropyLoss()
+    total_loss = total_correct = 0.0
+    total_images = steps = 0
+    result = LocalResult(0.0, 0.0, 0, 0)
+    for epoch in range(cfg.local_epochs):
+        scale = epoch_lr_scale(epoch, cfg.lr_step_size, cfg.lr_gamma)
+        for group in optimizer.param_groups:
+            group["lr"] = group["base_lr"] * scale
+        result.lrs.append(cfg.lr * scale)
+        model.train()
+        ep_loss = 0.0
+        ep_images = 0
+        for batch in make_epoch_loader(epoch):
+            images, labels = _batch(batch, device)
+            b = images.shape[0]
+            if b < cfg.batch_size:  # the reference skips partial batches
+                continue
+            optimizer.zero_grad(set_to_none=True)
+            logits = model(images)
+            loss = criterion(logits, labels)
+            if not math.isfinite(loss.item()):
+                raise FloatingPointError(
+                    f"local training diverged (loss {loss.item()}) at epoch {epoch}, step {steps}; "
+                    "lower train.lr"
+                )
+            loss.backward()
+            optimizer.step()
+            steps += 1
+            ep_loss += loss.item() * b
+            ep_images += b
+            total_correct += float((logits.detach().argmax(1) == labels).sum())
+            if on_step is not None:
+                on_step(steps, loss.item())
+        result.epoch_losses.append(ep_loss / ep_images if ep_images else float("nan"))
+        total_loss += ep_loss
+        total_images += ep_images
+    result.steps = steps
+    result.images = total_images
+    result.loss = total_loss / total_images if total_images else float("nan")
+    result.accuracy = total_correct / total_images if total_images else float("nan")
+    result.seconds = time.perf_counter() - started
+    return result

@@ -1,0 +1,228 @@
+"""The server: sample clients, send the global state, collect updates, aggregate, hooks, evaluate.
+
+The server never sees a client object: a round calls ``fit(k, payload,
+instructions) -> Update`` for each sampled client index ``k`` (in simulation
+that calls :meth:`fedreid.fl.client.Client.fit` in the same process; a
+networked deployment sends ``payload`` and ``instructions`` over the wire and
+gets the same :class:`~fedreid.fl.update.Update` back).
+
+Modes (``fl.mode``):
+
+* ``federated`` (FedPav, Algorithm 1): every round, ``K`` of ``N`` clients are
+  drawn with the server's seeded generator (a permutation prefix; ``K = N`` in
+  the benchmark, the order is still drawn as the reference's
+  ``random.sample``), each trains from the global shared state, the server
+  averages (:func:`fedreid.fl.aggregate.aggregate`) and runs its hooks (KD).
+* ``local``: the baseline where each client trains alone with the same
+  schedule. The same loop runs; the payload of client ``k`` is its own last
+  shared state and nothing is aggregated or communicated.
+
+Communication is counted from the tensors' bytes: ``sent`` = the payloads to
+the participating clients, ``received`` = their updates' shared states, so a
+round of FedPav costs ``2 x shared-state bytes x K`` (the paper's
+``rounds x 2 x model size`` per client); KD features in the metadata are
+counted separately (``metadata_bytes``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+import numpy as np
+from torch import Tensor, nn
+
+from fedreid.config import Config
+from fedreid.fl.aggregate import aggregate
+from fedreid.fl.state import clone_state, state_nbytes
+from fedreid.fl.update import Update, to_plain
+from fedreid.utils.seeding import derive_seed
+
+FitFn = Callable[[int, Mapping[str, Tensor], dict], Update]
+EvalFn = Callable[[nn.Module], Mapping[str, Any]]
+
+
+def is_eval_round(round_index: int, every: int, rounds: int) -> bool:
+    """Evaluate after rounds ``every``, ``2 every``, ... and after the last one."""
+    return (round_index + 1) % every == 0 or round_index + 1 == rounds
+
+
+def model_state(model: nn.Module, *, with_head: bool = False) -> "OrderedDict[str, Tensor]":
+    """The global model's state as sent to clients (shared only, unless FedAvg)."""
+    if with_head:
+        return clone_state(model.state_dict())
+    from fedreid.models.reid import shared_state
+
+    return clone_state(shared_state(model))
+
+
+class Server:
+    """Round logic over client indices ``0..N-1`` named ``client_names``."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        model: nn.Module,
+        client_names: Sequence[str],
+        *,
+        hooks: Sequence[Any] = (),
+        evaluator: Optional[EvalFn] = None,
+    ) -> None:
+        if not client_names:
+            raise ValueError("a server needs at least one client")
+        self.cfg = cfg
+        self.model = model
+        self.client_names = list(client_names)
+        self.hooks = list(hooks)
+        self.evaluator = evaluator
+        self.with_head = cfg.fl.aggregation == "fedavg"
+        self.global_state = model_state(model, with_head=self.with_head)
+        self.local_states: dict[int, "OrderedDict[str, Tensor]"] = {}
+        self.sampler = np.random.default_rng(derive_seed(cfg.seed, "sample"))
+        self.round = 0  # rounds completed
+        self.total_bytes = 0
+        k = cfg.fl.clients_per_round
+        if k > len(self.client_names):
+            raise ValueError(
+                f"fl.clients_per_round={k} but the scenario has only {len(self.client_names)} clients"
+            )
+
+    @property
+    def num_clients(self) -> int:
+        return len(self.client_names)
+
+    @property
+    def federated(self) -> bool:
+        return self.cfg.fl.mode == "federated"
+
+    # ----------------------------------------------------------------- round
+
+    def sample_clients(self) -> list[int]:
+        """``K`` client indices, in a seeded random order (consumes the sampler)."""
+        k = self.cfg.fl.clients_per_round or self.num_clients
+        return [int(i) for i in self.sampler.permutation(self.num_clients)[:k]]
+
+    def instructions(self, round_index: int) -> dict[str, Any]:
+        """What every sampled client is asked to do this round."""
+        out: dict[str, Any] = {
+            "round": round_index,
+            "cdw": bool(self.federated and self.cfg.fl.cdw),
+            "kd": False,
+            "evaluate": is_eval_round(round_index, self.cfg.eval.every, self.cfg.fl.rounds),
+        }
+        if self.federated:
+            for hook in self.hooks:
+                for key, value in hook.instructions(round_index).items():
+                    out[key] = out.get(key, False) or value
+        return out
+
+    def payload_for(self, k: int) -> "OrderedDict[str, Tensor]":
+        if self.federated:
+            return self.global_state
+        return self.local_states.get(k, self.global_state)
+
+    def run_round(self, fit: FitFn) -> dict[str, Any]:
+        """One full round; returns its record (see :mod:`fedreid.fl.simulation`)."""
+        round_index = self.round
+        started = time.perf_counter()
+        ids = self.sample_clients()
+        ins = self.instructions(round_index)
+        updates: list[Update] = []
+        sent = 0
+        for k in ids:
+            payload = self.payload_for(k)
+            update = fit(k, payload, dict(ins))
+            if update.client != self.client_names[k]:
+                raise ValueError(f"update from {update.client!r} returned for client {self.client_names[k]!r}")
+            sent += state_nbytes(payload)
+            updates.append(update)
+        received = sum(u.nbytes for u in updates)
+        meta_bytes = sum(u.metadata_nbytes for u in updates)
+        if not self.federated:
+            sent = received = meta_bytes = 0
+        self.total_bytes += sent + received
+        record: dict[str, Any] = {
+            "round": round_index + 1,
+            "mode": self.cfg.fl.mode,
+            "clients": [u.client for u in updates],
+            "train_loss": float(np.mean([u.metadata.get("train_loss", np.nan) for u in updates])),
+            "client_metrics": {},
+            "comm": {
+                "sent_bytes": sent,
+                "received_bytes": received,
+                "total_bytes": sent + received,
+                "metadata_bytes": meta_bytes,
+                "cumulative_bytes": self.total_bytes,
+            },
+            "time": {"clients": {}},
+        }
+        for u in updates:
+            scalars = to_plain(u.scalars())
+            record["time"]["clients"][u.client] = {k: v for k, v in scalars.items() if k.startswith("time_")}
+            record["client_metrics"][u.client] = dict(
+                {k: v for k, v in scalars.items() if not k.startswith("time_")}, num_samples=u.num_samples
+            )
+        t0 = time.perf_counter()
+        if self.federated:
+            agg = aggregate(updates, cdw=ins["cdw"], bn=self.cfg.fl.bn)
+            self.set_global_state(agg.state)
+            record["weighting"] = agg.weighting
+            record["weights"] = dict(zip(agg.clients, agg.weights))
+            if agg.note:
+                record["note"] = agg.note
+            record["time"]["aggregate"] = time.perf_counter() - t0
+            for hook in self.hooks:
+                t0 = time.perf_counter()
+                stats = hook.after_aggregate(round_index, self.model, updates)
+                if stats:
+                    self.global_state = model_state(self.model, with_head=self.with_head)
+                    stats = dict(stats)
+                    record["time"][hook.name] = stats.pop(f"{hook.name}_seconds", time.perf_counter() - t0)
+                    record[hook.name] = to_plain(stats)
+        else:
+            for k, u in zip(ids, updates):
+                self.local_states[k] = u.state
+        del updates
+        if ins["evaluate"] and self.federated and self.evaluator is not None:
+            t0 = time.perf_counter()
+            record["eval"] = to_plain(dict(self.evaluator(self.model)))
+            record["time"]["eval"] = time.perf_counter() - t0
+        self.round += 1
+        timing = record.pop("time")  # keep wall-clock entries last in the record
+        timing["round"] = time.perf_counter() - started
+        record["time"] = timing
+        return record
+
+    def set_global_state(self, state: Mapping[str, Tensor]) -> None:
+        """Adopt an aggregated state and load it into the server's model."""
+        self.global_state = clone_state(state)
+        if self.with_head:
+            self.model.load_state_dict(self.global_state)
+        else:
+            from fedreid.models.reid import load_shared_state
+
+            load_shared_state(self.model, self.global_state)
+
+    # ----------------------------------------------------------- persistence
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "round": self.round,
+            "global_state": clone_state(self.global_state),
+            "local_states": {k: clone_state(v) for k, v in self.local_states.items()},
+            "sampler": self.sampler.bit_generator.state,
+            "total_bytes": self.total_bytes,
+            "client_names": list(self.client_names),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if list(state["client_names"]) != self.client_names:
+            raise ValueError(
+                f"checkpoint clients {state['client_names']} differ from this run's {self.client_names}"
+            )
+        self.round = int(state["round"])
+        self.set_global_state(state["global_state"])
+        self.local_states = {int(k): clone_state(v) for k, v in state["local_states"].items()}
+        self.sampler.bit_generator.state = state["sampler"]
+        self.total_bytes = int(state["total_bytes"])

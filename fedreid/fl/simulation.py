@@ -1,0 +1,323 @@
+"""Server and clients in one process: :func:`run_simulation` and :func:`resume`.
+
+::
+
+    history = run_simulation(cfg, "runs/demo")            # fresh run
+    history = run_simulation(cfg, "runs/demo", resume=True)  # continue after a kill
+    history = resume("runs/demo")                         # same, config from the checkpoint
+
+A run folder holds ``config.yaml``, ``checkpoint.pt`` (full state after the
+last complete round, see :mod:`fedreid.utils.checkpoint`), ``metrics.jsonl`` /
+``metrics.csv`` (one record per round), ``model_final.pt`` at the end, and
+``tensorboard/`` when TensorBoard is installed.
+
+A round record (also the items of the returned history)::
+
+    round            1-based index of the completed round
+    mode             federated | local
+    clients          participating clients, in the round's (sampled) order
+    train_loss       mean of the clients' local training losses
+    client_metrics   {client: {train_loss, train_acc, steps, lr, num_samples, cdw_distance?}}
+    weighting        size | cdw;   weights  {client: normalised aggregation weight}
+    comm             sent_bytes, received_bytes, total_bytes, metadata_bytes, cumulative_bytes
+    kd               {kd_loss, kd_steps, kd_teachers}         (KD rounds)
+    eval             {dataset: {rank1, rank5, rank10, mAP, num_valid_queries, ...}}  (global model)
+    local_eval       {client: {dataset: {...}}}   (each client's model before aggregation)
+    time             seconds: per client, aggregate, kd, eval, round (differs between reruns)
+
+Everything but ``time`` is bit-identical between an uninterrupted run and a
+run killed at any point and resumed (CPU, ``run.deterministic``).
+
+``callbacks``: callables ``cb(event, info)`` with events ``round_start``
+(``{"round"}``, 0-based), ``client_end`` (``{"round", "client", "update"}``)
+and ``round_end`` (``{"round", "record"}``, after the checkpoint is written).
+An exception raised by a callback stops the run (the checkpoint of the last
+complete round stays).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from fedreid.config import Config, ConfigError, dump_config, from_dict, to_dict
+from fedreid.data.prepared import PreparedDataset, load_prepared
+from fedreid.data.scenarios import ClientSplit, build_clients
+from fedreid.fl.client import Client, ClientError, make_public_loader
+from fedreid.fl.evaluation import Evaluator
+from fedreid.fl.server import Server
+from fedreid.fl.server_hooks.kd import KDHook
+from fedreid.fl.update import to_plain
+from fedreid.utils.checkpoint import (
+    checkpoint_path,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
+from fedreid.utils.io import atomic_path, write_text_atomic
+from fedreid.utils.logging import MetricsLogger, flatten
+from fedreid.utils.seeding import deterministic_mode, derive_seed, numpy_rng
+
+Callback = Callable[[str, dict], None]
+
+#: Config keys that may differ when a run is resumed.
+RESUMABLE_CHANGES = ("fl.rounds", "run.", "eval.batch_size", "train.workers")
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("run.device: 'cuda' was asked for but no CUDA device is available")
+    return torch.device(name)
+
+
+@dataclass
+class Federation:
+    """Everything a simulated run is made of."""
+
+    cfg: Config
+    device: torch.device
+    splits: list[ClientSplit]
+    clients: list[Client]
+    server: Server
+    work_model: nn.Module
+    evaluator: Optional[Evaluator]
+    datasets: dict[str, PreparedDataset] = field(default_factory=dict)
+
+
+def load_datasets(cfg: Config) -> dict[str, PreparedDataset]:
+    names = list(cfg.data.datasets)
+    if cfg.scenario.kind != "by_dataset" and cfg.scenario.dataset:
+        names = [cfg.scenario.dataset]
+    return {name: load_prepared(cfg.data.prepared_root, name) for name in names}
+
+
+def public_records(cfg: Config):
+    name = cfg.fl.public_dataset or cfg.data.public_dataset
+    if not name:
+        raise ConfigError("fl.public_dataset: KD needs a public dataset (set fl.public_dataset or data.public_dataset)")
+    ds = load_prepared(cfg.data.prepared_root, name)
+    records = ds.split("train_all") or list(ds.records)
+    if not records:
+        raise ConfigError(f"fl.public_dataset: the public dataset {name!r} has no images")
+    return records
+
+
+def build_federation(
+    cfg: Config, *, datasets: Optional[Mapping[str, PreparedDataset]] = None
+) -> Federation:
+    """Datasets -> client splits -> clients, global model, server (nothing trained yet)."""
+    from fedreid.models.reid import create_reid_model
+
+    device = resolve_device(cfg.run.device)
+    datasets = dict(datasets) if datasets is not None else load_datasets(cfg)
+    splits = build_clients(cfg.scenario, datasets, numpy_rng(cfg.data.split_seed, "scenario"))
+    federated = cfg.fl.mode == "federated"
+    kd = federated and cfg.fl.kd
+    public = public_records(cfg) if kd else None
+    clients = [Client(split, k, cfg, public_records=public, device=device) for k, split in enumerate(splits)]
+
+    num_classes = 0
+    if cfg.fl.aggregation == "fedavg":
+        sizes = {c.num_classes for c in clients}
+        if len(sizes) != 1:
+            raise ConfigError(
+                "fl.aggregation: fedavg averages the identity heads too, which needs the same number "
+                f"of classes on every client (got {sorted(sizes)}); use fedpav"
+            )
+        num_classes = sizes.pop()
+    m = cfg.model
+    global_model = create_reid_model(
+        m.backbone, num_classes, pretrained=m.pretrained, last_stride=m.last_stride,
+        bottleneck_dim=m.bottleneck_dim, dropout=m.dropout, seed=derive_seed(cfg.seed, "model"),
+    ).to(device)
+    global_model.eval()
+    work_model = copy.deepcopy(global_model)
+
+    eval_names = cfg.eval.datasets
+    if eval_names is None:
+        eval_names = list(dict.fromkeys(s.dataset for s in splits))
+    unknown = [n for n in eval_names if n not in datasets]
+    if unknown:
+        datasets.update({n: load_prepared(cfg.data.prepared_root, n) for n in unknown})
+    evaluator = Evaluator.from_config(cfg, {n: datasets[n] for n in eval_names}, device) if eval_names else None
+
+    hooks = []
+    if kd:
+        hooks.append(
+            KDHook(
+                lambda shuffle, seed: make_public_loader(public, cfg, shuffle=shuffle, seed=seed),
+                len(public), every=cfg.fl.kd_every, lr=cfg.fl.kd_lr,
+                normalize_student=cfg.fl.kd_student_normalize, seed=cfg.seed, device=device,
+            )
+        )
+    server = Server(cfg, global_model, [c.name for c in clients], hooks=hooks, evaluator=evaluator)
+    return Federation(cfg, device, splits, clients, server, work_model, evaluator, datasets)
+
+
+def config_changes(old: Config, new: Config) -> list[str]:
+    """Keys whose values differ between two configs."""
+    a, b = flatten(to_dict(old)), flatten(to_dict(new))
+    return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+
+
+def _check_resumable(saved: Config, cfg: Config) -> None:
+    changed = [k for k in config_changes(saved, cfg) if not k.startswith(RESUMABLE_CHANGES)]
+    if changed:
+        raise ConfigError(
+            "cannot resume with a different config; changed keys: " + ", ".join(changed)
+            + f" (only {', '.join(RESUMABLE_CHANGES)} may change)"
+        )
+
+
+def run_simulation(
+    cfg: Optional[Config],
+    run_dir: str | Path,
+    *,
+    resume: bool = False,
+    progress: bool = True,
+    callbacks: Sequence[Callback] = (),
+    datasets: Optional[Mapping[str, PreparedDataset]] = None,
+) -> list[dict[str, Any]]:
+    """Run (or, with ``resume``, continue) a federated or local-baseline training.
+
+    Returns the history: one record per completed round (see the module
+    docstring). ``cfg=None`` is allowed with ``resume`` (the checkpoint's
+    config is used). ``datasets`` overrides loading from ``data.prepared_root``.
+    """
+    run_dir = Path(run_dir)
+    ckpt = None
+    if resume:
+        path = latest_checkpoint(run_dir)
+        if path is not None:
+            ckpt = load_checkpoint(path)
+            saved = from_dict(Config, ckpt["config"])
+            if cfg is None:
+                cfg = saved
+            else:
+                _check_resumable(saved, cfg)
+    elif latest_checkpoint(run_dir) is not None:
+        raise FileExistsError(
+            f"{run_dir} already holds a run ({checkpoint_path(run_dir).name}); "
+            "resume it (resume=True / --resume) or choose another folder"
+        )
+    if cfg is None:
+        raise ValueError(f"no checkpoint in {run_dir} to resume and no config given")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with deterministic_mode(cfg.run.deterministic):
+        return _run(cfg, run_dir, ckpt, progress=progress, callbacks=callbacks, datasets=datasets)
+
+
+def _run(cfg: Config, run_dir: Path, ckpt, *, progress: bool, callbacks, datasets) -> list[dict[str, Any]]:
+    fed = build_federation(cfg, datasets=datasets)
+    server, clients = fed.server, fed.clients
+    history: list[dict[str, Any]] = []
+    if ckpt is not None:
+        server.load_state_dict(ckpt["server"])
+        for client in clients:
+            if client.name not in ckpt["clients"]:
+                raise ClientError(f"checkpoint has no state for client {client.name!r}")
+            client.load_state_dict(ckpt["clients"][client.name])
+        history = list(ckpt["history"])
+    write_text_atomic(run_dir / "config.yaml", dump_config(cfg))
+    logger = MetricsLogger(run_dir, tensorboard=cfg.run.tensorboard)
+    logger.reset(history)
+
+    def emit(event: str, info: dict) -> None:
+        for cb in callbacks:
+            cb(event, info)
+
+    round_bar = tqdm(total=cfg.fl.rounds, initial=server.round, desc="rounds", unit="round",
+                     disable=not progress, dynamic_ncols=True)
+    try:
+        while server.round < cfg.fl.rounds:
+            round_index = server.round
+            emit("round_start", {"round": round_index})
+            local_eval: dict[str, Any] = {}
+            k_round = cfg.fl.clients_per_round or len(clients)
+            client_bar = tqdm(total=k_round, desc=f"round {round_index + 1}", unit="client",
+                              leave=False, disable=not progress, dynamic_ncols=True)
+
+            def fit(k: int, payload, instructions: dict):
+                client = clients[k]
+                client_bar.set_postfix_str(client.name)
+                update = client.fit(fed.work_model, payload, instructions)
+                wants_local = cfg.fl.mode == "local" or cfg.eval.local_models
+                if instructions.get("evaluate") and wants_local and fed.evaluator is not None:
+                    if client.split.dataset in fed.evaluator.datasets:
+                        local_eval[client.name] = to_plain(fed.evaluator(fed.work_model, [client.split.dataset]))
+                client_bar.update(1)
+                emit("client_end", {"round": round_index, "client": client.name, "update": update})
+                return update
+
+            record = server.run_round(fit)
+            client_bar.close()
+            if local_eval:
+                record["local_eval"] = local_eval
+            history.append(record)
+            logger.log(record)
+            save_checkpoint(checkpoint_path(run_dir), _checkpoint_payload(cfg, server, clients, history))
+            round_bar.update(1)
+            round_bar.set_postfix(_postfix(record))
+            emit("round_end", {"round": round_index, "record": record})
+        _save_final_model(run_dir, cfg, server)
+    finally:
+        round_bar.close()
+        logger.close()
+    return history
+
+
+def resume(
+    run_dir: str | Path,
+    *,
+    cfg: Optional[Config] = None,
+    progress: bool = True,
+    callbacks: Sequence[Callback] = (),
+    datasets: Optional[Mapping[str, PreparedDataset]] = None,
+) -> list[dict[str, Any]]:
+    """Continue the run in ``run_dir`` from its last complete round."""
+    if latest_checkpoint(run_dir) is None:
+        raise FileNotFoundError(f"no checkpoint to resume in {run_dir}")
+    return run_simulation(cfg, run_dir, resume=True, progress=progress, callbacks=callbacks, datasets=datasets)
+
+
+def _checkpoint_payload(cfg: Config, server: Server, clients: Sequence[Client], history) -> dict[str, Any]:
+    return {
+        "round": server.round,
+        "config": to_dict(cfg),
+        "server": server.state_dict(),
+        "clients": {c.name: c.state_dict() for c in clients},
+        "history": history,
+        "rng": {"torch": torch.get_rng_state()},
+    }
+
+
+def _save_final_model(run_dir: Path, cfg: Config, server: Server) -> None:
+    payload = {
+        "format": "fedreid.model",
+        "model": to_dict(cfg.model),
+        "mode": cfg.fl.mode,
+        "round": server.round,
+        "state": server.global_state,
+    }
+    if cfg.fl.mode == "local":
+        payload["client_states"] = {server.client_names[k]: v for k, v in server.local_states.items()}
+    with atomic_path(run_dir / "model_final.pt") as tmp:
+        torch.save(payload, tmp)
+
+
+def _postfix(record: Mapping[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {"loss": f"{record.get('train_loss', float('nan')):.3f}"}
+    ev = record.get("eval")
+    if ev:
+        r1 = [v["rank1"] for v in ev.values() if "rank1" in v]
+        if r1:
+            out["R1"] = f"{sum(r1) / len(r1):.3f}"
+    return out

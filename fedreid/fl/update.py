@@ -1,0 +1,99 @@
+"""What a client sends back after a round: the :class:`Update`.
+
+The same plain record travels in simulation and over the network: the
+client's name, its shared parameters (BatchNorm buffers included), its sample
+count and a metadata dict (CDW distance, KD features on the public set, train
+loss, timings). It never carries the private identity head; the check lives in
+one place, :func:`check_no_private`, and runs whenever an Update is built.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional, Sequence
+
+from torch import Tensor
+
+from fedreid.fl.state import has_prefix, state_nbytes
+
+
+class PrivateStateError(ValueError):
+    """A private (identity-head) tensor was about to leave its client."""
+
+
+def private_prefixes() -> tuple[str, ...]:
+    """Key prefixes of the private identity head (from :mod:`fedreid.models.reid`)."""
+    from fedreid.models.reid import PRIVATE_PREFIXES
+
+    return tuple(PRIVATE_PREFIXES)
+
+
+def check_no_private(
+    state: Mapping[str, Tensor], *, client: str = "?", prefixes: Optional[Sequence[str]] = None
+) -> None:
+    """Raise :class:`PrivateStateError` if ``state`` holds a private-head key."""
+    prefixes = tuple(prefixes) if prefixes is not None else private_prefixes()
+    leaked = [k for k in state if has_prefix(k, prefixes)]
+    if leaked:
+        raise PrivateStateError(
+            f"client {client!r}: private identity-head tensors must never leave the client, "
+            f"but the update holds {', '.join(leaked[:4])}{' ...' if len(leaked) > 4 else ''}"
+        )
+
+
+@dataclass
+class Update:
+    """One client's contribution to one round.
+
+    ``state``: shared tensors on CPU. ``num_samples``: the client's training
+    images (FedPav weight ``n_k``). ``metadata``: JSON-like values and tensors,
+    e.g. ``train_loss``, ``cdw_distance``, ``kd_features`` (``[N_public, d]``).
+    ``head_shared`` is set only under ``fl.aggregation=fedavg``, where the whole
+    model (head included) is averaged by definition; otherwise a head key in
+    ``state`` raises :class:`PrivateStateError`.
+    """
+
+    client: str
+    state: dict[str, Tensor]
+    num_samples: int
+    metadata: dict[str, Any] = field(default_factory=dict)
+    head_shared: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.head_shared:
+            check_no_private(self.state, client=self.client)
+        if int(self.num_samples) <= 0:
+            raise ValueError(f"client {self.client!r}: an update needs num_samples > 0, got {self.num_samples}")
+        bad = [k for k, v in self.state.items() if not isinstance(v, Tensor)]
+        if bad:
+            raise TypeError(f"client {self.client!r}: state values must be tensors ({bad[0]})")
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the shared state (the paper's communication unit)."""
+        return state_nbytes(self.state)
+
+    @property
+    def metadata_nbytes(self) -> int:
+        """Bytes of tensors in the metadata (KD features)."""
+        return sum(v.numel() * v.element_size() for v in self.metadata.values() if isinstance(v, Tensor))
+
+    def scalars(self) -> dict[str, Any]:
+        """The metadata without tensors (what gets logged)."""
+        return {k: v for k, v in self.metadata.items() if not isinstance(v, Tensor)}
+
+
+def to_plain(value: Any) -> Any:
+    """Numbers/tensors/numpy values as plain Python (for JSON logs)."""
+    if isinstance(value, Tensor):
+        return value.item() if value.numel() == 1 else value.tolist()
+    if hasattr(value, "item") and getattr(value, "shape", None) == ():
+        return value.item()
+    if isinstance(value, dict):
+        return {k: to_plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [to_plain(v) for v in value]
+    return value
+
+
+__all__ = ["Update", "PrivateStateError", "check_no_private", "private_prefixes", "to_plain"]

@@ -1,0 +1,133 @@
+"""Per-round metrics: ``metrics.jsonl``, ``metrics.csv``, optional TensorBoard.
+
+``metrics.jsonl`` holds one JSON object per round (nested: per-client
+losses, aggregation weights, bytes, times, evaluation results).
+``metrics.csv`` is the same rows flattened (``eval.market1501.rank1``); its
+columns are the union over rounds, so it is rewritten whole after each round
+(small: one line per round). TensorBoard scalars are written when the
+``tensorboard`` package is installed and ``enabled``; otherwise silently not.
+
+On resume, :meth:`MetricsLogger.reset` rewrites both files from the
+checkpoint's history, dropping rows of a round that was logged but never
+checkpointed.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from fedreid.utils.io import write_text_atomic
+
+METRICS_JSONL = "metrics.jsonl"
+METRICS_CSV = "metrics.csv"
+
+
+def flatten(row: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}``; lists become JSON strings."""
+    out: dict[str, Any] = {}
+    for key, value in row.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            out.update(flatten(value, name + "."))
+        elif isinstance(value, (list, tuple)):
+            out[name] = json.dumps(value)
+        else:
+            out[name] = value
+    return out
+
+
+def _json_default(value: Any) -> Any:
+    if hasattr(value, "item"):
+        return value.item()
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    return str(value)
+
+
+def _clean(value: Any) -> Any:
+    """NaN/inf as None (valid JSON)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, Mapping):
+        return {k: _clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_clean(v) for v in value]
+    return value
+
+
+class MetricsLogger:
+    """Writes round records under ``run_dir``."""
+
+    def __init__(self, run_dir: str | Path, *, tensorboard: bool = True) -> None:
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.rows: list[dict[str, Any]] = []
+        self._tb = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(str(self.run_dir / "tensorboard"))
+            except Exception:  # noqa: BLE001 - tensorboard not installed or broken: skip
+                self._tb = None
+
+    @property
+    def jsonl_path(self) -> Path:
+        return self.run_dir / METRICS_JSONL
+
+    @property
+    def csv_path(self) -> Path:
+        return self.run_dir / METRICS_CSV
+
+    def reset(self, history: Sequence[Mapping[str, Any]] = ()) -> None:
+        """Rewrite the files to hold exactly ``history``."""
+        self.rows = [dict(r) for r in history]
+        text = "".join(json.dumps(_clean(r), default=_json_default) + "\n" for r in self.rows)
+        write_text_atomic(self.jsonl_path, text)
+        self._write_csv()
+
+    def log(self, row: Mapping[str, Any]) -> None:
+        row = dict(row)
+        self.rows.append(row)
+        with self.jsonl_path.open("a") as fh:
+            fh.write(json.dumps(_clean(row), default=_json_default) + "\n")
+        self._write_csv()
+        if self._tb is not None:
+            step = int(row.get("round", len(self.rows)))
+            for key, value in flatten(row).items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "round":
+                    self._tb.add_scalar(key.replace(".", "/"), value, step)
+            self._tb.flush()
+
+    def _write_csv(self) -> None:
+        flat = [flatten(r) for r in self.rows]
+        columns: list[str] = []
+        for row in flat:
+            columns += [c for c in row if c not in columns]
+        buf = io.StringIO()
+        writer = csv.DictWriter(buf, fieldnames=columns, lineterminator="\n")
+        writer.writeheader()
+        for row in flat:
+            writer.writerow({k: _clean(v) for k, v in row.items()})
+        write_text_atomic(self.csv_path, buf.getvalue())
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+
+def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    """The rows of ``metrics.jsonl``."""
+    path = Path(run_dir) / METRICS_JSONL
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+__all__ = ["MetricsLogger", "flatten", "read_metrics"]

@@ -1,0 +1,200 @@
+"""End-to-end federated simulation on tiny data: resume, determinism, bytes, modes, errors."""
+
+import numpy as np
+import pytest
+import torch
+
+from fedreid.config import ConfigError, load_config
+from fedreid.data.scenarios import ClientSplit
+from fedreid.fl.client import ClientError, check_split
+from fedreid.fl.simulation import build_federation, resume, run_simulation
+from fedreid.fl.state import state_nbytes, states_equal
+from fedreid.utils.checkpoint import load_checkpoint
+from fedreid.utils.logging import read_metrics
+
+from fl_helpers import strip_time, tiny_config, write_prepared, write_world
+
+FULL = ["fl.cdw=true", "fl.kd=true", "fl.kd_every=2"]
+
+
+class Kill(RuntimeError):
+    pass
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    root = write_world(tmp_path_factory.mktemp("prepared"))
+    write_prepared(root, "dsc", num_ids=3, seed=5)  # same class count as dsa (FedAvg)
+    return root
+
+
+@pytest.fixture(scope="module")
+def baseline(world, tmp_path_factory):
+    """An uninterrupted 3-round run with CDW + KD (KD after round 2)."""
+    run_dir = tmp_path_factory.mktemp("runs") / "full"
+    seen = []
+    history = run_simulation(tiny_config(world, FULL), run_dir, progress=False,
+                             callbacks=[lambda ev, info: seen.append((ev, info))])
+    return run_dir, history, seen
+
+
+def final_state(run_dir):
+    ckpt = load_checkpoint(run_dir / "checkpoint.pt")
+    return ckpt["server"]["global_state"], {k: v["head"] for k, v in ckpt["clients"].items()}
+
+
+def assert_same_run(dir_a, hist_a, dir_b, hist_b):
+    assert strip_time(hist_a) == strip_time(hist_b)
+    ga, ha = final_state(dir_a)
+    gb, hb = final_state(dir_b)
+    assert states_equal(ga, gb)
+    assert ha.keys() == hb.keys() and all(states_equal(ha[k], hb[k]) for k in ha)
+    assert strip_time(read_metrics(dir_b)) == strip_time(hist_b)
+
+
+def test_history_contents(baseline):
+    _, history, _ = baseline
+    assert [r["round"] for r in history] == [1, 2, 3]
+    for rec in history:
+        assert rec["weighting"] == "cdw"
+        assert sum(rec["weights"].values()) == pytest.approx(1.0)
+        assert set(rec["eval"]) == {"dsa", "dsb"}
+        assert set(rec["local_eval"]) == {"dsa", "dsb"}
+        assert 0 <= rec["eval"]["dsa"]["rank1"] <= 1 and "mAP" in rec["eval"]["dsa"]
+        assert all(m["cdw_distance"] > 0 for m in rec["client_metrics"].values())
+    assert "kd" not in history[0] and "kd" in history[1] and "kd" not in history[2]
+    assert history[1]["kd"]["kd_teachers"] == 2 and history[1]["comm"]["metadata_bytes"] > 0
+
+
+def test_heads_never_in_updates_and_persist(baseline):
+    _, _, seen = baseline
+    updates = [info["update"] for ev, info in seen if ev == "client_end"]
+    assert len(updates) == 6
+    for u in updates:
+        assert not any(k.startswith("classifier") for k in u.state)
+        assert any(k.startswith("bottleneck.1.running_mean") for k in u.state)
+    kd_updates = [info["update"] for ev, info in seen if ev == "client_end" and info["round"] == 1]
+    assert all(u.metadata["kd_features"].shape == (6, 16) for u in kd_updates)
+    assert all(torch.allclose(u.metadata["kd_features"].norm(dim=1), torch.ones(6)) for u in kd_updates)
+
+
+def test_comm_bytes_are_two_shared_states_per_client(baseline, world):
+    run_dir, history, _ = baseline
+    shared = state_nbytes(final_state(run_dir)[0])
+    for i, rec in enumerate(history, start=1):
+        assert rec["comm"]["sent_bytes"] == rec["comm"]["received_bytes"] == shared * 2
+        assert rec["comm"]["total_bytes"] == 2 * shared * 2
+        assert rec["comm"]["cumulative_bytes"] == i * 2 * shared * 2
+
+
+@pytest.mark.parametrize("kill_event, kill_round", [("round_end", 1), ("client_end", 1), ("client_end", 2)])
+def test_resume_is_bit_identical(baseline, world, tmp_path, kill_event, kill_round):
+    dir_a, hist_a, _ = baseline
+    run_dir = tmp_path / "killed"
+
+    def killer(event, info):
+        if event == kill_event and info["round"] == kill_round:
+            raise Kill()
+
+    with pytest.raises(Kill):
+        run_simulation(tiny_config(world, FULL), run_dir, progress=False, callbacks=[killer])
+    assert load_checkpoint(run_dir / "checkpoint.pt")["round"] == 2 if kill_event == "round_end" else True
+    with pytest.raises(FileExistsError, match="resume"):
+        run_simulation(tiny_config(world, FULL), run_dir, progress=False)
+    with pytest.raises(ConfigError, match="fl.kd_every"):
+        run_simulation(tiny_config(world, FULL + ["fl.kd_every=3"]), run_dir, resume=True, progress=False)
+    hist_b = resume(run_dir, progress=False)
+    assert_same_run(dir_a, hist_a, run_dir, hist_b)
+
+
+def test_seeded_determinism(baseline, world, tmp_path):
+    dir_a, hist_a, _ = baseline
+    again = run_simulation(tiny_config(world, FULL), tmp_path / "again", progress=False)
+    assert_same_run(dir_a, hist_a, tmp_path / "again", again)
+    other = run_simulation(tiny_config(world, FULL + ["seed=1", "fl.rounds=1"]), tmp_path / "other", progress=False)
+    assert other[0]["train_loss"] != hist_a[0]["train_loss"]
+
+
+@pytest.mark.parametrize("bn, extra", [("first", ["fl.cdw=true", "fl.cdw_mode=train"]), ("local", [])])
+def test_bn_policies_run(world, tmp_path, bn, extra):
+    overrides = [f"fl.bn={bn}", "fl.rounds=2", "eval.every=2", "eval.local_models=false"] + extra
+    hist = run_simulation(tiny_config(world, overrides), tmp_path / bn, progress=False)
+    assert len(hist) == 2 and "eval" in hist[1] and "eval" not in hist[0] and "local_eval" not in hist[1]
+    ckpt = load_checkpoint(tmp_path / bn / "checkpoint.pt")
+    bn_state = ckpt["clients"]["dsa"]["bn_state"]
+    assert (bn_state is not None) == (bn == "local")
+
+
+def test_local_baseline_and_sampling(world, tmp_path):
+    cfg = tiny_config(world, ["fl.mode=local", "fl.rounds=2", "fl.clients_per_round=1"])
+    hist = run_simulation(cfg, tmp_path / "local", progress=False)
+
+    def killer(event, info):
+        if event == "round_end" and info["round"] == 0:
+            raise Kill()
+
+    with pytest.raises(Kill):
+        run_simulation(cfg, tmp_path / "local2", progress=False, callbacks=[killer])
+    assert strip_time(resume(tmp_path / "local2", progress=False)) == strip_time(hist)
+    for rec in hist:
+        assert len(rec["clients"]) == 1 and "weights" not in rec and "eval" not in rec
+        assert rec["comm"]["total_bytes"] == 0
+        (name,) = rec["clients"]
+        assert list(rec["local_eval"]) == [name] and list(rec["local_eval"][name]) == [name]
+    ckpt = load_checkpoint(tmp_path / "local" / "checkpoint.pt")
+    assert len(ckpt["server"]["local_states"]) >= 1
+
+
+def test_fedpav_one_client_per_round_bytes(world, tmp_path):
+    hist = run_simulation(tiny_config(world, ["fl.rounds=1", "fl.clients_per_round=1"]), tmp_path / "k1", progress=False)
+    shared = state_nbytes(load_checkpoint(tmp_path / "k1" / "checkpoint.pt")["server"]["global_state"])
+    assert hist[0]["comm"]["total_bytes"] == 2 * shared * 1
+    assert list(hist[0]["weights"].values()) == [1.0]
+
+
+def test_fedavg_shares_whole_model(world, tmp_path):
+    seen = []
+    cfg = tiny_config(world, ["fl.aggregation=fedavg", "fl.rounds=1"], names=("dsa", "dsc"))
+    hist = run_simulation(cfg, tmp_path / "fedavg", progress=False,
+                          callbacks=[lambda ev, info: seen.append(info["update"]) if ev == "client_end" else None])
+    assert all(u.head_shared and "classifier.weight" in u.state for u in seen)
+    g = load_checkpoint(tmp_path / "fedavg" / "checkpoint.pt")["server"]["global_state"]
+    w = hist[0]["weights"]
+    assert w == {"dsa": 0.5, "dsc": 0.5}
+    expected = sum(w[u.client] * u.state["classifier.weight"].double() for u in seen).float()
+    assert torch.allclose(g["classifier.weight"], expected)
+
+
+def test_clear_errors(world, tmp_path):
+    empty = ClientSplit("cam9", "dsa", [], np.zeros(0, dtype=np.int64), [])
+    with pytest.raises(ClientError, match="'cam9' has an empty training split"):
+        check_split(empty, 4)
+    with pytest.raises(ClientError, match="fewer than train.batch_size=64"):
+        build_federation(tiny_config(world, ["train.batch_size=64"]))
+    with pytest.raises(ValueError, match="clients_per_round=5"):
+        build_federation(tiny_config(world, ["fl.clients_per_round=5"]))
+    with pytest.raises(ConfigError, match="fedavg"):
+        build_federation(tiny_config(world, ["fl.aggregation=fedavg"]))
+    for override, fragment in [
+        ("fl.bn=median", "fl.bn: 'median' is not allowed"),
+        ("fl.kd_every=0", "fl.kd_every: expected a positive value"),
+        ("train.lr=-1", "train.lr: expected a positive value"),
+        ("train.momentum=2", "train.momentum: expected 0 <= value <= 1"),
+        ("fl.cdw_mode=test", "fl.cdw_mode"),
+        ("eval.ap=market", "eval.ap"),
+        ("fl.clients_per_round=-1", "fl.clients_per_round"),
+        ("model.dropout=1", "model.dropout"),
+    ]:
+        with pytest.raises(ConfigError, match=fragment):
+            load_config(None, [override])
+    with pytest.raises(ConfigError, match="fl.kd: the local-training baseline"):
+        load_config(None, ["fl.mode=local", "fl.kd=true"])
+
+
+def test_paper_defaults():
+    cfg = load_config()
+    assert cfg.model.backbone == "resnet50" and (cfg.model.height, cfg.model.width) == (256, 128)
+    assert cfg.train.batch_size == 32 and cfg.train.local_epochs == 1
+    assert cfg.train.lr == 0.05 and cfg.train.lr * cfg.train.lr_backbone_ratio == pytest.approx(0.005)
+    assert cfg.fl.rounds == 300 and cfg.fl.clients_per_round == 0 and cfg.fl.kd_every == 10
+    assert cfg.fl.kd_lr == 5e-4 and cfg.fl.bn == "average" and cfg.fl.aggregation == "fedpav"
