@@ -1,11 +1,11 @@
 # Two commands on a fresh machine with Python >= 3.10:
-#   make demo   venv, install, synthetic benchmark, prepare (then train/evaluate as they land)
+#   make demo   venv, install, synthetic benchmark, prepare, federated training, report
 #   make test   venv, install [test], pytest
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-DEMO_CONFIG ?= configs/demo.yaml
+DEMO_CONFIG ?= configs/fedreid/demo_synthetic.yaml
 
 .PHONY: demo test bench clean-demo
 
@@ -21,11 +21,19 @@ $(STAMP): setup.py
 test: $(STAMP)
 	$(PY) -m pytest -m "not slow" -q
 
+DEMO_RUN ?= runs/demo
+
 demo: $(STAMP)
 	$(PY) tools/prepare_datasets.py --config $(DEMO_CONFIG) --synthetic
+	@# A finished or interrupted demo run is resumed (a finished one only rewrites its report).
+	if [ -f $(DEMO_RUN)/checkpoint.pt ]; then \
+		$(PY) tools/train_fed.py --resume $(DEMO_RUN); \
+	else \
+		$(PY) tools/train_fed.py --config $(DEMO_CONFIG) --out $(DEMO_RUN); \
+	fi
 
 bench: $(STAMP)
 	@for b in bench/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
 
 clean-demo:
-	rm -rf datasets/raw/synthetic datasets/prepared/synthetic runs/demo
+	rm -rf datasets/raw/synthetic datasets/prepared/synthetic $(DEMO_RUN)

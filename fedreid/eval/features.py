@@ -1,0 +1,242 @@
+"""Feature extraction for retrieval, and an .npz cache of the result.
+
+Loader contract: any iterable of batches, each either
+
+* a tuple/list ``(images, pids, camids, paths)``, where only ``images`` is
+  required and the trailing items may be left out (``(images,)``,
+  ``(images, pids)``, ...), or
+* a dict with key ``"images"`` and optional ``"pids"``, ``"camids"``,
+  ``"paths"``;
+
+``images`` is a float tensor [B, 3, H, W], already normalised as the model
+expects; ``pids``/``camids`` are int tensors, arrays or lists of length B;
+``paths`` a list of B strings. Every batch must carry the same fields.
+
+Convention (FedReID, Zhuang et al., ACM MM 2020; layumi's test.py): the
+feature of an image is ``model(x) + model(flip_lr(x))``, then L2-normalised,
+so retrieval by inner product is retrieval by cosine similarity.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+import zipfile
+from pathlib import Path
+from typing import Any, Iterable, NamedTuple, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from fedreid.utils.io import atomic_path
+
+__all__ = ["FeatureSet", "extract_features", "load_features", "save_features", "FEATURE_KEYS"]
+
+FIELDS = ("images", "pids", "camids", "paths")
+#: Keys every feature cache holds.
+FEATURE_KEYS = ("features", "pids", "camids", "paths", "meta")
+
+
+class FeatureSet(NamedTuple):
+    """Features [N, d] float32 and what the loader gave with them (None when it gave nothing)."""
+
+    features: np.ndarray
+    pids: np.ndarray | None
+    camids: np.ndarray | None
+    paths: list[str] | None
+
+
+def _batch_fields(batch: Any) -> dict[str, Any]:
+    """The loader contract: a tuple/list (images[, pids[, camids[, paths]]]) or a dict."""
+    if isinstance(batch, dict):
+        if "images" not in batch:
+            raise ValueError(f"a dict batch needs an 'images' key, got keys {sorted(batch)}")
+        return {name: batch[name] for name in FIELDS if name in batch}
+    if isinstance(batch, (tuple, list)):
+        if not 1 <= len(batch) <= len(FIELDS):
+            raise ValueError(
+                f"a tuple batch is (images, pids, camids, paths) or a prefix of it, got {len(batch)} items"
+            )
+        return dict(zip(FIELDS, batch))
+    raise TypeError(f"a batch must be a tuple, list or dict, got {type(batch).__name__}")
+
+
+def _flip_lr(images: torch.Tensor) -> torch.Tensor:
+    return torch.flip(images, dims=[3])
+
+
+def _as_row_features(output: Any) -> torch.Tensor:
+    if not isinstance(output, torch.Tensor):
+        raise TypeError(f"the model must return a tensor of features, got {type(output).__name__}")
+    return output.reshape(output.shape[0], -1).float()  # [B, d, 1, 1] pooled maps become [B, d]
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    for tensor in model.parameters():
+        return tensor.device
+    for tensor in model.buffers():
+        return tensor.device
+    return torch.device("cpu")
+
+
+def _ids(values: Any) -> np.ndarray:
+    if isinstance(values, torch.Tensor):
+        values = values.detach().cpu().numpy()
+    return np.asarray(values).astype(np.int64).reshape(-1)
+
+
+def extract_features(
+    model: nn.Module,
+    loader: Iterable[Any],
+    *,
+    flip: bool = True,
+    normalize: bool = True,
+    device: str | torch.device | None = None,
+    amp: bool = False,
+    channels_last: bool = False,
+) -> FeatureSet:
+    """Run ``model`` over ``loader`` (see the module docstring) and collect features.
+
+    The model runs in eval mode under ``torch.no_grad``; every submodule's
+    train/eval flag is restored afterwards, so a model with e.g. frozen
+    BatchNorm layers comes back exactly as it was. ``flip`` adds the
+    features of the horizontally flipped images; ``normalize`` L2-normalises
+    the (summed) features (all-zero features stay zero).
+
+    ``device``: where to run; default the model's (first parameter's)
+    device. The model is not moved: put it on ``device`` yourself.
+    ``amp`` (float16 autocast) and ``channels_last`` are CUDA-only speedups:
+    on another device they are not applied and a ``UserWarning`` says so,
+    once per call.
+
+    Returns a :class:`FeatureSet` (a named tuple ``features, pids, camids,
+    paths``); fields the loader did not provide are None.
+    """
+    device = torch.device(device) if device is not None else _model_device(model)
+    on_cuda = device.type == "cuda"
+    if (amp or channels_last) and not on_cuda:
+        requested = " and ".join(name for name, on in (("amp", amp), ("channels_last", channels_last)) if on)
+        warnings.warn(
+            f"{requested} ignored: only used on CUDA, extracting on {device}", UserWarning, stacklevel=2
+        )
+    use_amp, use_channels_last = amp and on_cuda, channels_last and on_cuda
+
+    modes = {module: module.training for module in model.modules()}
+    model.eval()
+    collected: dict[str, list] = {}
+    present: tuple[str, ...] | None = None
+    try:
+        with torch.no_grad(), torch.autocast("cuda", dtype=torch.float16, enabled=use_amp):
+            for batch in loader:
+                fields = _batch_fields(batch)
+                if present is None:
+                    present = tuple(fields)
+                elif tuple(fields) != present:
+                    raise ValueError(
+                        f"batches differ in their fields: first had {present}, a later one {tuple(fields)}"
+                    )
+                images = fields["images"].to(device, non_blocking=True)
+                if use_channels_last:
+                    images = images.contiguous(memory_format=torch.channels_last)
+                feats = _as_row_features(model(images))
+                if flip:
+                    feats = feats + _as_row_features(model(_flip_lr(images)))
+                if normalize:
+                    feats = nn.functional.normalize(feats, p=2, dim=1)
+                collected.setdefault("features", []).append(feats.cpu().numpy())
+                for name in ("pids", "camids"):
+                    if name in fields:
+                        collected.setdefault(name, []).append(_ids(fields[name]))
+                if "paths" in fields:
+                    collected.setdefault("paths", []).extend(str(p) for p in fields["paths"])
+    finally:
+        # Per module, not model.train(flag): that would overwrite mixed modes.
+        for module, training in modes.items():
+            module.training = training
+
+    if "features" not in collected:
+        raise ValueError("the loader yielded no batches")
+    features = np.concatenate(collected["features"])
+    out = FeatureSet(
+        features=features,
+        pids=np.concatenate(collected["pids"]) if "pids" in collected else None,
+        camids=np.concatenate(collected["camids"]) if "camids" in collected else None,
+        paths=collected.get("paths"),
+    )
+    for name in ("pids", "camids", "paths"):
+        value = getattr(out, name)
+        if value is not None and len(value) != features.shape[0]:
+            raise ValueError(f"the loader gave {len(value)} {name} for {features.shape[0]} images")
+    return out
+
+
+# --------------------------------------------------------------------------
+# The .npz cache
+# --------------------------------------------------------------------------
+
+
+def save_features(
+    path: str | Path,
+    feats: np.ndarray,
+    pids: Sequence[int] | np.ndarray,
+    camids: Sequence[int] | np.ndarray,
+    paths: Sequence[str],
+    meta: dict | None = None,
+) -> Path:
+    """Write features and their ids to ``path`` (.npz, no pickles), atomically.
+
+    ``meta`` (JSON-serialisable: model, checkpoint, dataset, flip, ...) is
+    stored as a JSON string. Returns the path.
+    """
+    path = Path(path)
+    feats = np.asarray(feats, dtype=np.float32)
+    pids, camids = np.asarray(pids, dtype=np.int64), np.asarray(camids, dtype=np.int64)
+    paths_arr = np.asarray([str(p) for p in paths], dtype=str)
+    if feats.ndim != 2:
+        raise ValueError(f"feats must be 2-D [N, d], got shape {feats.shape}")
+    lengths = {"feats": feats.shape[0], "pids": pids.size, "camids": camids.size, "paths": paths_arr.size}
+    if len(set(lengths.values())) > 1:
+        raise ValueError("mismatched lengths (" + ", ".join(f"{k}: {v}" for k, v in lengths.items()) + ")")
+    with atomic_path(path) as tmp, open(tmp, "wb") as f:
+        # A file object, not a name: np.savez would append ".npz" to the temporary name.
+        meta_json = np.array(json.dumps(meta or {}))
+        np.savez(f, features=feats, pids=pids, camids=camids, paths=paths_arr, meta=meta_json)
+    return path
+
+
+def load_features(path: str | Path) -> tuple[FeatureSet, dict]:
+    """Read a cache written by :func:`save_features`: ``(FeatureSet, meta)``.
+
+    Raises FileNotFoundError for a missing file and ValueError naming the
+    file for an unreadable one or one missing keys.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"feature cache {path} does not exist")
+    try:
+        data = np.load(path, allow_pickle=False)
+    except (OSError, ValueError, zipfile.BadZipFile, EOFError) as exc:
+        raise ValueError(f"feature cache {path} is not a readable .npz file: {exc}") from None
+    if not isinstance(data, np.lib.npyio.NpzFile):
+        raise ValueError(f"feature cache {path} is a single array, not an .npz archive")
+    try:
+        with data:
+            arrays = {key: data[key] for key in FEATURE_KEYS if key in data.files}
+            present = sorted(data.files)
+    except (OSError, ValueError, zipfile.BadZipFile, EOFError) as exc:
+        raise ValueError(f"feature cache {path} is not a readable .npz file: {exc}") from None
+    missing = [key for key in FEATURE_KEYS if key not in arrays]
+    if missing:
+        raise ValueError(f"feature cache {path} is missing keys {missing} (has {present})")
+    try:
+        meta = json.loads(str(arrays["meta"]))
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"feature cache {path} has unreadable meta: {exc}") from None
+    features = FeatureSet(
+        features=arrays["features"],
+        pids=arrays["pids"],
+        camids=arrays["camids"],
+        paths=[str(p) for p in arrays["paths"]],
+    )
+    return features, meta

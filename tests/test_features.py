@@ -1,0 +1,155 @@
+"""Feature extraction (flip-sum, normalisation, modes, loader contract) and the .npz cache."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from fedreid.eval.features import FeatureSet, extract_features, load_features, save_features
+
+
+class TinyNet(nn.Module):
+    """conv -> BN -> dropout -> global pool: not flip-invariant, and train/eval matter."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = nn.Conv2d(3, 6, 3, padding=1)
+        self.bn = nn.BatchNorm2d(6)
+        self.drop = nn.Dropout(0.5)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+
+    def forward(self, x):
+        return self.pool(self.drop(torch.relu(self.bn(self.conv(x)))))  # [B, 6, 1, 1]
+
+
+def batches(n=10, batch=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    images = torch.randn(n, 3, 8, 6, generator=g)
+    for start in range(0, n, batch):
+        stop = min(n, start + batch)
+        yield (
+            images[start:stop],
+            torch.arange(start, stop),
+            torch.arange(start, stop) % 3,
+            [f"p{i}.jpg" for i in range(start, stop)],
+        )
+
+
+def all_images(n=10):
+    return torch.cat([b[0] for b in batches(n)])
+
+
+def reference(model, images, flip=True, normalize=True):
+    model.eval()
+    with torch.no_grad():
+        f = model(images).flatten(1)
+        if flip:
+            f = f + model(torch.flip(images, dims=[3])).flatten(1)
+        if normalize:
+            f = f / f.norm(dim=1, keepdim=True)
+    return f.numpy()
+
+
+def test_flip_sum_then_normalise():
+    model = TinyNet()
+    out = extract_features(model, batches())
+    expected = reference(TinyNet(), all_images())
+    np.testing.assert_allclose(out.features, expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.linalg.norm(out.features, axis=1), 1.0, rtol=1e-5)
+    assert out.features.dtype == np.float32 and out.features.shape == (10, 6)
+    np.testing.assert_array_equal(out.pids, np.arange(10))
+    np.testing.assert_array_equal(out.camids, np.arange(10) % 3)
+    assert out.paths[3] == "p3.jpg"
+
+
+def test_flip_and_normalisation_can_be_disabled():
+    images = all_images()
+    raw = extract_features(TinyNet(), batches(), flip=False, normalize=False).features
+    expected = reference(TinyNet(), images, flip=False, normalize=False)
+    np.testing.assert_allclose(raw, expected, rtol=1e-5, atol=1e-6)
+    summed = extract_features(TinyNet(), batches(), normalize=False).features
+    np.testing.assert_allclose(summed, reference(TinyNet(), images, normalize=False), rtol=1e-5, atol=1e-6)
+    # The model is not flip-invariant, so the flipped half really contributes.
+    assert not np.allclose(summed, 2 * raw, atol=1e-4)
+
+
+def test_eval_mode_is_used_and_every_module_mode_restored():
+    model = TinyNet()
+    model.train()
+    model.bn.eval()  # a frozen BatchNorm inside a training model: mixed modes
+    running_mean = model.bn.running_mean.clone()
+    a = extract_features(model, batches()).features
+    b = extract_features(model, batches()).features
+    np.testing.assert_array_equal(a, b)  # dropout off, BN uses running stats
+    assert model.training and model.conv.training and model.drop.training
+    assert not model.bn.training
+    assert torch.equal(model.bn.running_mean, running_mean)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_loader_contract_dicts_and_image_only_tuples():
+    dict_loader = ({"images": b[0], "pids": b[1], "camids": b[2], "paths": b[3]} for b in batches())
+    from_dicts = extract_features(TinyNet(), dict_loader)
+    from_tuples = extract_features(TinyNet(), batches())
+    np.testing.assert_array_equal(from_dicts.features, from_tuples.features)
+    assert from_dicts.paths == from_tuples.paths
+    only_images = extract_features(TinyNet(), ((b[0],) for b in batches()))
+    assert isinstance(only_images, FeatureSet)
+    assert only_images.pids is None and only_images.camids is None and only_images.paths is None
+    features, pids, camids, paths = from_tuples  # unpacks like a tuple
+    assert features.shape[0] == len(paths) == 10
+
+
+def test_loader_errors_are_clear():
+    with pytest.raises(ValueError, match="no batches"):
+        extract_features(TinyNet(), [])
+    with pytest.raises(ValueError, match="'images' key"):
+        extract_features(TinyNet(), [{"x": torch.zeros(1, 3, 4, 4)}])
+    mixed = [(torch.zeros(1, 3, 4, 4), [1]), (torch.zeros(1, 3, 4, 4),)]
+    with pytest.raises(ValueError, match="batches differ in their fields"):
+        extract_features(TinyNet(), mixed)
+
+
+def test_cuda_only_options_warn_on_cpu():
+    with pytest.warns(UserWarning, match="amp and channels_last ignored: only used on CUDA"):
+        out = extract_features(TinyNet(), batches(), amp=True, channels_last=True)
+    np.testing.assert_array_equal(out.features, extract_features(TinyNet(), batches()).features)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        extract_features(TinyNet(), batches())  # no warning when nothing is ignored
+
+
+# --------------------------------------------------------------------------
+# The cache
+# --------------------------------------------------------------------------
+
+
+def test_cache_round_trip(tmp_path):
+    out = extract_features(TinyNet(), batches())
+    path = save_features(tmp_path / "feats.npz", *out, meta={"model": "tiny", "flip": True})
+    assert [p.name for p in tmp_path.iterdir()] == ["feats.npz"]  # no temporary leftovers
+    loaded, meta = load_features(path)
+    np.testing.assert_array_equal(loaded.features, out.features)
+    np.testing.assert_array_equal(loaded.pids, out.pids)
+    np.testing.assert_array_equal(loaded.camids, out.camids)
+    assert loaded.paths == out.paths and meta == {"model": "tiny", "flip": True}
+
+
+def test_cache_errors_name_the_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope.npz"):
+        load_features(tmp_path / "nope.npz")
+    partial = tmp_path / "partial.npz"
+    np.savez(partial, features=np.zeros((2, 3), np.float32), pids=np.zeros(2))
+    with pytest.raises(ValueError, match=r"partial.npz is missing keys \['camids', 'paths', 'meta'\]"):
+        load_features(partial)
+    garbage = tmp_path / "garbage.npz"
+    garbage.write_bytes(b"not a zip at all")
+    with pytest.raises(ValueError, match="garbage.npz is not a readable .npz"):
+        load_features(garbage)
+    with pytest.raises(ValueError, match=r"mismatched lengths \(feats: 2, pids: 1"):
+        save_features(tmp_path / "bad.npz", np.zeros((2, 3)), [1], [1, 2], ["a", "b"])
