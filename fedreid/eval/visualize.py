@@ -6,7 +6,8 @@ of each image; all lengths in pixels)::
     GAP | query tile | 2*GAP | tile 1 | GAP | tile 2 | GAP | ... | tile k | GAP
 
 A tile is the resized image inside a ``BORDER``-wide frame (grey for the
-query, green for a true match, red for a wrong one) with a ``CAPTION``-high
+query, green for a true match, red for a wrong one, light grey where the
+identities are unknown) with a ``CAPTION``-high
 strip of text under it (the score). :func:`tile_box` gives each frame's
 pixel box and :func:`canvas_shape` the picture's shape.
 
@@ -35,6 +36,7 @@ __all__ = [
     "CORRECT_BGR",
     "GAP",
     "QUERY_BGR",
+    "UNKNOWN_BGR",
     "WRONG_BGR",
     "canvas_shape",
     "draw_ranked_list",
@@ -45,6 +47,7 @@ __all__ = [
 
 BORDER, GAP, CAPTION = 4, 6, 16
 CORRECT_BGR, WRONG_BGR, QUERY_BGR = (0, 255, 0), (0, 0, 255), (128, 128, 128)
+UNKNOWN_BGR = (200, 200, 200)
 BACKGROUND_BGR, TEXT_BGR = (255, 255, 255), (0, 0, 0)
 
 
@@ -117,7 +120,7 @@ def _write_png(out_path: str | Path, image: np.ndarray) -> Path:
 def draw_ranked_list(
     query_path: str | Path,
     gallery_paths: Sequence[str | Path],
-    correct_flags: Sequence[bool],
+    correct_flags: Sequence[bool | None],
     scores: Sequence[float],
     out_path: str | Path,
     *,
@@ -128,8 +131,9 @@ def draw_ranked_list(
 
     ``gallery_paths``/``correct_flags``/``scores`` are the ranked, already
     filtered list (see :func:`filtered_top_k`); ``size`` is (height, width)
-    per image. Green frames mark true matches, red ones wrong results; the
-    score is printed under each. Written atomically; returns ``out_path``.
+    per image. Green frames mark true matches, red ones wrong results, light
+    grey ones results whose correctness is unknown (flag ``None``: an image
+    without an identity in its name); the score is printed under each. Written atomically; returns ``out_path``.
     """
     lengths = {"gallery_paths": len(gallery_paths), "correct_flags": len(correct_flags)}
     lengths["scores"] = len(scores)
@@ -142,7 +146,8 @@ def draw_ranked_list(
     canvas[:] = BACKGROUND_BGR
     _draw_tile(canvas, 0, _read_image(query_path, size), QUERY_BGR, "query")
     for i in range(n):
-        colour = CORRECT_BGR if correct_flags[i] else WRONG_BGR
+        flag = correct_flags[i]
+        colour = UNKNOWN_BGR if flag is None else CORRECT_BGR if flag else WRONG_BGR
         _draw_tile(canvas, i + 1, _read_image(gallery_paths[i], size), colour, f"{float(scores[i]):.3f}")
     return _write_png(out_path, canvas)
 

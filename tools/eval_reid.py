@@ -1,0 +1,172 @@
+#!/usr/bin/env python
+"""Evaluate a trained ReID model, index a gallery folder, query an index.
+
+Examples:
+  # Rank-1/5/10 and mAP of a run's final model on its evaluation datasets
+  # (prepared root and datasets default to the run's config.yaml)
+  python tools/eval_reid.py evaluate --model runs/fedpav
+
+  # chosen datasets, official (Market-1501 MATLAB) AP, re-ranking, cached features
+  python tools/eval_reid.py evaluate --model runs/fedpav/model_final.pt \\
+      --datasets market1501,dukemtmc --prepared-root datasets/prepared \\
+      --ap official --rerank --save-features runs/fedpav/features
+
+  # evaluate again from the cached features, without the model
+  python tools/eval_reid.py evaluate --features runs/fedpav/features/market1501.npz --out /tmp/eval
+
+  # a FAISS index of a folder of images, then search it
+  python tools/eval_reid.py index --model runs/fedpav --gallery photos/gallery --index runs/fedpav/index
+  python tools/eval_reid.py query --model runs/fedpav --index runs/fedpav/index --images photos/query --top-k 10
+
+--model is a run folder (its model_final.pt, else its checkpoint.pt), a
+model_final.pt or a checkpoint.pt. Features are the flip-averaged,
+L2-normalised embeddings; the device is CUDA when available.
+
+evaluate writes to --out (default <run folder>/eval): results.json, cmc.png
+(rank 1-20), and ranked_lists/<dataset>_{best,worst}_q<index>.png: for each
+dataset the --pictures queries (default 3) with the highest AP (half, rounded
+up) and the lowest AP (the rest), green frames for true matches, red for
+wrong ones, after the usual junk/same-camera filter. A features file
+(--save-features DIR writes DIR/<dataset>.npz) holds the query and gallery
+features of one dataset; pass it back as --features FILE or NAME=FILE
+(comma-separated or repeated for several datasets).
+
+index/query read Market-style names (^<pid>_c<camera>, e.g. 0002_c1s1_000451_01.jpg)
+for identities; other images get -1. query prints each image's top-k (rank,
+score, path) and, with --out, draws one PNG per query: green/red frames where
+both identities are known, grey otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from fedreid.config import load_config
+from fedreid.data.datasets import ImageReadError
+from fedreid.eval import pipeline as pl
+from fedreid.eval.report import format_table
+from fedreid.eval.rerank import RerankMemoryError
+from fedreid.eval.retrieval import IndexFileError
+from fedreid.utils.cli import add_config_arguments, config_from_args, run_main
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{evaluate,index,query}")
+
+    ev = sub.add_parser("evaluate", help="CMC/mAP on prepared datasets", description="CMC/mAP on prepared datasets")
+    source = ev.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model", metavar="PATH", help="run folder, model_final.pt or checkpoint.pt")
+    source.add_argument(
+        "--features", action="append", metavar="[NAME=]FILE",
+        help="features file(s) saved by --save-features (comma-separated or repeated)",
+    )
+    ev.add_argument("--datasets", metavar="A,B|all", help="datasets to evaluate (default: eval.datasets, else data.datasets)")
+    ev.add_argument("--prepared-root", metavar="DIR", help="prepared datasets root (data.prepared_root)")
+    ev.add_argument("--ap", choices=("standard", "official"), help="AP definition (eval.ap)")
+    ev.add_argument("--rerank", action="store_true", help="k-reciprocal re-ranking (k1=20, k2=6, lambda=0.3)")
+    ev.add_argument("--batch-size", type=int, metavar="N", help="images per batch (eval.batch_size)")
+    ev.add_argument("--save-features", metavar="DIR", help="write DIR/<dataset>.npz for later --features runs")
+    ev.add_argument("--pictures", type=int, default=3, metavar="N", help="ranked-list PNGs per dataset (default 3)")
+    ev.add_argument("--out", metavar="DIR", help="output folder (default: <run folder>/eval)")
+    ev.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:1...")
+    add_config_arguments(ev)
+
+    ix = sub.add_parser("index", help="FAISS index of a gallery folder", description="FAISS index of a gallery folder")
+    ix.add_argument("--model", required=True, metavar="PATH", help="run folder, model_final.pt or checkpoint.pt")
+    ix.add_argument("--gallery", required=True, metavar="DIR", help="folder of images (recursive jpg/png/bmp)")
+    ix.add_argument("--index", required=True, metavar="OUT_DIR", help="where to save the index")
+    ix.add_argument("--batch-size", type=int, default=128, metavar="N")
+    ix.add_argument("--device", default="auto")
+
+    qu = sub.add_parser("query", help="search an index with query images", description="search an index")
+    qu.add_argument("--index", required=True, metavar="DIR", help="index folder written by 'index'")
+    qu.add_argument("--model", required=True, metavar="PATH", help="the model the index was built with")
+    qu.add_argument("--images", required=True, metavar="FILE_OR_DIR", help="query image or folder of images")
+    qu.add_argument("--top-k", type=int, default=10, metavar="K")
+    qu.add_argument("--out", metavar="DIR", help="write one ranked-list PNG per query here")
+    qu.add_argument("--batch-size", type=int, default=128, metavar="N")
+    qu.add_argument("--device", default="auto")
+    return parser
+
+
+def _feature_files(items: list[str]) -> list[tuple[str | None, str]]:
+    pairs = []
+    for item in ",".join(items).split(","):
+        if item.strip():
+            name, _, file = item.rpartition("=")
+            pairs.append((name or None, file))
+    return pairs
+
+
+def cmd_evaluate(args: argparse.Namespace) -> int:
+    if args.features:
+        feats = [pl.load_dataset_features(f, name) for name, f in _feature_files(args.features)]
+        source = ", ".join(f for _, f in _feature_files(args.features))
+        out = Path(args.out or Path(_feature_files(args.features)[0][1]).parent / "eval")
+        cfg = config_from_args(args)
+    else:
+        model_file = pl.find_model_file(args.model)
+        run_cfg = pl.run_config_path(args.model)
+        cfg = load_config(run_cfg, args.overrides) if run_cfg and not args.config else config_from_args(args)
+        root = args.prepared_root or cfg.data.prepared_root
+        names = args.datasets.split(",") if args.datasets else (cfg.eval.datasets or cfg.data.dataset_names())
+        names = pl.resolve_datasets([n.strip() for n in names if n.strip()], root)
+        device = pl.resolve_device(args.device)
+        loaded = pl.load_model(model_file, device)
+        feats = []
+        for name in names:
+            print(f"extracting features: {name}", flush=True)
+            fs = pl.dataset_features(loaded, root, name, batch_size=args.batch_size or cfg.eval.batch_size, device=device)
+            if args.save_features:
+                print(f"  saved {pl.save_dataset_features(args.save_features, fs)}")
+            feats.append(fs)
+        source = str(model_file)
+        out = Path(args.out or model_file.parent / "eval")
+    report = pl.evaluate_and_report(
+        feats, out, ap=args.ap or cfg.eval.ap, rerank=args.rerank, pictures=args.pictures, source=source
+    )
+    print(f"\n{'Re-ranked r' if args.rerank else 'R'}esults ({report['ap']} AP), in %:\n")
+    print(format_table(report["datasets"]))
+    print(f"results: {out / 'results.json'}\ncmc plot: {report['cmc_plot']}")
+    print(f"ranked lists: {len(report['pictures'])} in {out / 'ranked_lists'}")
+    return 0
+
+
+def cmd_index(args: argparse.Namespace) -> int:
+    device = pl.resolve_device(args.device)
+    loaded = pl.load_model(args.model, device)
+    folder, n = pl.build_gallery_index(loaded, args.gallery, args.index, batch_size=args.batch_size, device=device)
+    print(f"indexed {n} images of {args.gallery} into {folder}")
+    return 0
+
+
+def cmd_query(args: argparse.Namespace) -> int:
+    if args.top_k < 1:
+        raise pl.EvalInputError(f"--top-k must be >= 1, got {args.top_k}")
+    device = pl.resolve_device(args.device)
+    loaded = pl.load_model(args.model, device)
+    results = pl.query_index(loaded, args.index, args.images, top_k=args.top_k, batch_size=args.batch_size, device=device)
+    for r in results:
+        print(f"{r.path}")
+        for m in r.matches:
+            mark = {True: " +", False: " -", None: ""}[m["correct"]]
+            print(f"  {m['rank']:3d}  {m['score']:.4f}  {m['path']}{mark}")
+    if args.out:
+        pictures = pl.draw_query_pictures(results, args.out)
+        print(f"pictures: {len(pictures)} in {args.out}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    command = {"evaluate": cmd_evaluate, "index": cmd_index, "query": cmd_query}[args.command]
+    try:
+        return command(args)
+    except (IndexFileError, ImageReadError, RerankMemoryError) as exc:
+        raise pl.EvalInputError(str(exc)) from None
+
+
+if __name__ == "__main__":
+    run_main(main)
