@@ -1,6 +1,6 @@
 # Two commands on a fresh machine with Python >= 3.10:
 #   make demo   venv, install, synthetic benchmark, prepare, federated training, report
-#   make test   venv, install [test], pytest
+#   make test   venv, install [test], lint (ruff), pytest
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -19,6 +19,7 @@ $(STAMP): setup.py
 	touch $(STAMP)
 
 test: $(STAMP)
+	$(PY) -m ruff check fedreid tools tests bench
 	$(PY) -m pytest -m "not slow" -q
 
 DEMO_RUN ?= runs/demo
@@ -31,6 +32,8 @@ demo: $(STAMP)
 	else \
 		$(PY) tools/train_fed.py --config $(DEMO_CONFIG) --out $(DEMO_RUN); \
 	fi
+	@# Retrieval table, CMC plot and ranked lists of the final model, into the run's report.
+	$(PY) tools/eval_reid.py evaluate --model $(DEMO_RUN)
 
 bench: $(STAMP)
 	@for b in bench/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done

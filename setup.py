@@ -27,10 +27,10 @@ setup(
         "matplotlib",
     ],
     extras_require={
-        "test": ["pytest>=7", "scikit-learn"],
+        "test": ["pytest>=7", "scikit-learn", "ruff"],
         # faiss-gpu replaces faiss-cpu: install with `pip uninstall faiss-cpu` first.
         "gpu": ["faiss-gpu-cu12"],
         "flower": ["flwr>=1.20"],
     },
-    scripts=["tools/prepare_datasets.py"],
+    scripts=["tools/prepare_datasets.py", "tools/train_fed.py", "tools/eval_reid.py"],
 )

@@ -22,8 +22,10 @@ from typing import Any, Literal, Mapping, Optional, Sequence, Union
 
 import yaml
 
+from fedreid.errors import FedReIDError
 
-class ConfigError(ValueError):
+
+class ConfigError(FedReIDError, ValueError):
     """A bad configuration key or value; the message names the key."""
 
 

@@ -1,6 +1,5 @@
 """Training/test transforms, the image dataset and the seeded loader."""
 
-from pathlib import Path
 
 import cv2
 import numpy as np

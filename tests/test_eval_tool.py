@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from fl_helpers import write_prepared
 
 from fedreid.config import ConfigError, ModelConfig, dump_config, load_config, to_dict
 from fedreid.data.prepared import PreparedDatasetError
 from fedreid.models.reid import create_reid_model, shared_state
 from fedreid.utils.cli import run_main
-from fl_helpers import write_prepared
 
 TOOL = Path(__file__).resolve().parents[1] / "tools" / "eval_reid.py"
 
@@ -93,6 +93,22 @@ def test_evaluate_defaults_from_run_config_with_rerank(world, capsys):
     assert list(results["datasets"]) == ["tiny"]  # data.datasets of the run's config.yaml
     assert results["rerank"] is True and results["ap"] == "official"
     assert len(list((world["run"] / "eval" / "ranked_lists").glob("tiny_*.png"))) == 1
+
+
+def test_evaluating_a_run_folder_adds_the_results_to_its_report(world, tmp_path, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(world["run"], run)
+    row = {"round": 1, "mode": "fedpav", "clients": ["tiny"], "train_loss": 2.0,
+           "comm": {"total_bytes": 2**20, "cumulative_bytes": 2**20}}
+    (run / "metrics.jsonl").write_text(json.dumps(row) + "\n")
+    assert tool.main(["evaluate", "--model", str(run), "--pictures", "2"]) == 0
+    assert f"report: {run / 'report.md'}" in capsys.readouterr().out
+    report = (run / "report.md").read_text()
+    section = report[report.index("## Retrieval evaluation"):]
+    assert "| tiny |" in section and "![CMC](eval/cmc.png)" in section
+    links = [line[line.index("](") + 2:-1] for line in section.splitlines() if line.startswith("![")]
+    assert len(links) == 3 and all((run / link).is_file() for link in links)
+    assert sum(link.startswith("eval/ranked_lists/tiny_") for link in links) == 2
 
 
 def _market_gallery(world, folder: Path) -> list[Path]:

@@ -6,10 +6,10 @@ import pytest
 import torch
 from torch import nn
 
+from fedreid.config import TrainConfig
 from fedreid.fl.aggregate import cdw_distance, cdw_logits_distance
 from fedreid.fl.local.sgd import build_optimizer, epoch_lr_scale
 from fedreid.fl.server_hooks.kd import distill, is_kd_round, kd_loss, kd_target, public_features
-from fedreid.config import TrainConfig
 
 
 class Lin(nn.Module):

@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 import torch
+from fl_helpers import strip_time, tiny_config, write_prepared, write_world
 
 from fedreid.config import ConfigError, load_config
 from fedreid.data.scenarios import ClientSplit
@@ -11,8 +12,6 @@ from fedreid.fl.simulation import build_federation, resume, run_simulation
 from fedreid.fl.state import state_nbytes, states_equal
 from fedreid.utils.checkpoint import load_checkpoint
 from fedreid.utils.logging import read_metrics
-
-from fl_helpers import strip_time, tiny_config, write_prepared, write_world
 
 FULL = ["fl.cdw=true", "fl.kd=true", "fl.kd_every=2"]
 

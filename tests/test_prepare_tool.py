@@ -6,7 +6,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from raw_fixtures import make_market1501_tree, make_msmt17_tree
 
 TOOL = Path(__file__).resolve().parents[1] / "tools" / "prepare_datasets.py"

@@ -11,6 +11,7 @@ from fedreid.eval.visualize import (
     BORDER,
     CORRECT_BGR,
     QUERY_BGR,
+    UNKNOWN_BGR,
     WRONG_BGR,
     canvas_shape,
     draw_ranked_list,
@@ -33,13 +34,13 @@ def solid_images(folder, n, height=40, width=20):
 
 def test_ranked_list_picture_has_the_layout_and_border_colours(tmp_path):
     query, gallery = solid_images(tmp_path, 5)
-    flags = [True, False, True, False, False]
+    flags = [True, False, None, True, False]  # None: identity unknown
     size = (32, 16)
     scores = [0.9, 0.8, 0.7, 0.6, 0.5]
     out = draw_ranked_list(query, gallery, flags, scores, tmp_path / "out" / "rank.png", size=size, top_k=4)
     image = cv2.imread(str(out))
     assert image.shape == canvas_shape(4, size)
-    for position, expected in enumerate([QUERY_BGR] + [CORRECT_BGR if f else WRONG_BGR for f in flags[:4]]):
+    for position, expected in enumerate([QUERY_BGR, CORRECT_BGR, WRONG_BGR, UNKNOWN_BGR, CORRECT_BGR]):
         x0, y0, x1, y1 = tile_box(position, size)
         assert tuple(image[y0, x0]) == expected  # frame corner
         assert tuple(image[y1 - 1, (x0 + x1) // 2]) == expected  # bottom edge

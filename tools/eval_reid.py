@@ -22,7 +22,8 @@ Examples:
 model_final.pt or a checkpoint.pt. Features are the flip-averaged,
 L2-normalised embeddings; the device is CUDA when available.
 
-evaluate writes to --out (default <run folder>/eval): results.json, cmc.png
+evaluate writes to --out (default <run folder>/eval, and then the run's
+report.md gains a retrieval section): results.json, cmc.png
 (rank 1-20), and ranked_lists/<dataset>_{best,worst}_q<index>.png: for each
 dataset the --pictures queries (default 3) with the highest AP (half, rounded
 up) and the lowest AP (the rest), green frames for true matches, red for
@@ -43,12 +44,10 @@ import argparse
 from pathlib import Path
 
 from fedreid.config import load_config
-from fedreid.data.datasets import ImageReadError
 from fedreid.eval import pipeline as pl
-from fedreid.eval.report import format_table
-from fedreid.eval.rerank import RerankMemoryError
-from fedreid.eval.retrieval import IndexFileError
+from fedreid.eval.report import EVAL_DIR, format_table, write_report
 from fedreid.utils.cli import add_config_arguments, config_from_args, run_main
+from fedreid.utils.logging import METRICS_JSONL, read_metrics
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -123,7 +122,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
                 print(f"  saved {pl.save_dataset_features(args.save_features, fs)}")
             feats.append(fs)
         source = str(model_file)
-        out = Path(args.out or model_file.parent / "eval")
+        out = Path(args.out or model_file.parent / EVAL_DIR)
     report = pl.evaluate_and_report(
         feats, out, ap=args.ap or cfg.eval.ap, rerank=args.rerank, pictures=args.pictures, source=source
     )
@@ -131,6 +130,9 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     print(format_table(report["datasets"]))
     print(f"results: {out / 'results.json'}\ncmc plot: {report['cmc_plot']}")
     print(f"ranked lists: {len(report['pictures'])} in {out / 'ranked_lists'}")
+    run_dir = out.parent
+    if out.name == EVAL_DIR and (run_dir / METRICS_JSONL).is_file():
+        print(f"report: {write_report(run_dir, read_metrics(run_dir))}")
     return 0
 
 
@@ -162,10 +164,7 @@ def cmd_query(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     command = {"evaluate": cmd_evaluate, "index": cmd_index, "query": cmd_query}[args.command]
-    try:
-        return command(args)
-    except (IndexFileError, ImageReadError, RerankMemoryError) as exc:
-        raise pl.EvalInputError(str(exc)) from None
+    return command(args)
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, get_worker_info
 
 from fedreid.data.prepared import Record
+from fedreid.errors import FedReIDError
 
 if TYPE_CHECKING:  # pragma: no cover
     from fedreid.data.scenarios import ClientSplit
@@ -41,7 +42,7 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["ImageReadError", "ReIDImageDataset", "make_loader", "read_image", "seed_worker"]
 
 
-class ImageReadError(OSError):
+class ImageReadError(FedReIDError, OSError):
     """An image file is missing or cannot be decoded; the message names it."""
 
 

@@ -38,6 +38,7 @@ from fedreid.data.raw.base import (
     RawRecord,
     Skip,
 )
+from fedreid.errors import FedReIDError
 from fedreid.utils.io import write_json_atomic, write_text_atomic
 
 MANIFEST = "manifest.csv"
@@ -46,11 +47,11 @@ MANIFEST_FIELDS = ("path", "pid", "camid", "split", "source")
 SYNTHETIC_COUNTS_FILE = "synthetic_world.json"
 
 
-class PreparedDatasetError(ValueError):
+class PreparedDatasetError(FedReIDError, ValueError):
     """A prepared folder is missing, incomplete or malformed."""
 
 
-class PrepareError(RuntimeError):
+class PrepareError(FedReIDError, RuntimeError):
     """Preparing a dataset failed; the message names the dataset and the cause."""
 
 

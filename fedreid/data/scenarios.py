@@ -22,9 +22,10 @@ import numpy as np
 
 from fedreid.config import ScenarioConfig
 from fedreid.data.prepared import PreparedDataset, Record
+from fedreid.errors import FedReIDError
 
 
-class ScenarioError(ValueError):
+class ScenarioError(FedReIDError, ValueError):
     """A scenario cannot be built from the data given; the message says why."""
 
 

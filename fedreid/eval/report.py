@@ -5,10 +5,15 @@
 The FedReID paper reports, for each dataset, the mean of the three evaluations
 with the best mean Rank-1 over the four big datasets (MSMT17, DukeMTMC-reID,
 Market-1501, CUHK03-NP); :func:`paper_summary` computes that table.
+
+When ``tools/eval_reid.py evaluate`` has written ``<run>/eval/results.json``,
+the report also shows its table, CMC plot and ranked-list pictures.
 """
 
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -16,6 +21,8 @@ from fedreid.utils.io import atomic_path, write_text_atomic
 
 BIG_FOUR: tuple[str, ...] = ("msmt17", "dukemtmc", "market1501", "cuhk03np")
 METRICS: tuple[str, ...] = ("rank1", "rank5", "rank10", "mAP")
+#: Where ``tools/eval_reid.py evaluate`` writes inside a run folder by default.
+EVAL_DIR = "eval"
 
 
 def eval_rounds(history: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
@@ -149,9 +156,41 @@ def write_report(run_dir: str | Path, history: Sequence[Mapping[str, Any]], *, t
             ]
     if pictures:
         lines += ["## Curves", ""] + [f"![{p.stem}]({p.name})" for p in pictures] + [""]
+    lines += _retrieval_section(run_dir)
     path = run_dir / "report.md"
     write_text_atomic(path, "\n".join(lines))
     return path
+
+
+def _retrieval_section(run_dir: Path) -> list[str]:
+    """The eval_reid results of ``run_dir/eval`` as markdown lines (none if it has not run)."""
+    results_path = run_dir / EVAL_DIR / "results.json"
+    if not results_path.is_file():
+        return []
+    results = json.loads(results_path.read_text())
+
+    def link(path: str) -> str:
+        return Path(os.path.relpath(Path(path).resolve(), run_dir.resolve())).as_posix()
+
+    reranked = ", k-reciprocal re-ranking" if results.get("rerank") else ""
+    lines = [
+        "## Retrieval evaluation (tools/eval_reid.py)",
+        "",
+        f"Model `{Path(results.get('source') or '?').name}`, {results.get('ap', 'standard')} AP{reranked}, "
+        "whole filtered gallery, in %.",
+        "",
+        format_table(results["datasets"]),
+        f"![CMC]({link(results['cmc_plot'])})",
+        "",
+    ]
+    if results.get("pictures"):
+        lines += [
+            "Ranked lists (query in grey, then the top 10: green = true match, red = wrong), "
+            "best and worst queries by AP:",
+            "",
+        ]
+        lines += [f"![{Path(p).stem}]({link(p)})" for p in results["pictures"]] + [""]
+    return lines
 
 
 def _save(fig, path: Path) -> Path:

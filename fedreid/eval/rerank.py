@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from fedreid.errors import FedReIDError
 from fedreid.eval.metrics import _is_torch, _prepare_features, _top_k_rows
 
 __all__ = ["RerankMemoryError", "estimate_rerank_bytes", "k_reciprocal_rerank"]
@@ -40,7 +41,7 @@ DEFAULT_MAX_BYTES = 4 * 2**30
 _ROW_CHUNK = 2048  # rows per step when finding neighbours (bounds the temporaries)
 
 
-class RerankMemoryError(MemoryError):
+class RerankMemoryError(FedReIDError, MemoryError):
     """Re-ranking would need more memory than the caller allowed."""
 
 

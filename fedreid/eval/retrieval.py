@@ -29,15 +29,16 @@ from typing import Any, Sequence
 import faiss
 import numpy as np
 
+from fedreid.errors import FedReIDError
 from fedreid.eval.metrics import (
     DEFAULT_BLOCK_BYTES,
     _as_features,
     _block_rows,
-    _order_by_rule,
-    _top_k_rows,
     _is_torch,
+    _order_by_rule,
     _prepare_features,
     _score_blocks,
+    _top_k_rows,
 )
 from fedreid.utils.io import atomic_path, write_json_atomic
 
@@ -60,7 +61,7 @@ META_KEYS = ("ids", "cameras", "paths")
 DEFAULT_SEARCH_BLOCK = 4096  # queries per FAISS call: bounds the k-best buffers
 
 
-class IndexFileError(ValueError):
+class IndexFileError(FedReIDError, ValueError):
     """A saved index folder is corrupt or inconsistent; the message names the file."""
 
 

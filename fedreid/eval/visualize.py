@@ -26,6 +26,7 @@ import cv2
 import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
 from fedreid.eval.metrics import gallery_masks, ranking_order
 from fedreid.utils.io import atomic_path
@@ -176,6 +177,7 @@ def plot_cmc(
             raise ValueError(f"curve {label!r} must be non-empty fractions in [0, 1]")
         marker = "." if values.size <= 20 else None
         axes.plot(np.arange(1, values.size + 1), 100 * values, marker=marker, label=label)
+    axes.xaxis.set_major_locator(MaxNLocator(integer=True))  # ranks are whole numbers
     axes.set_xlabel("rank")
     axes.set_ylabel("matching rate (%)")
     axes.set_ylim(0, 100)

@@ -33,6 +33,7 @@ from torch import Tensor, nn
 from fedreid.config import Config
 from fedreid.data.prepared import Record
 from fedreid.data.scenarios import ClientSplit
+from fedreid.errors import FedReIDError
 from fedreid.fl.aggregate import cdw_distance
 from fedreid.fl.local.sgd import LocalResult, train_local
 from fedreid.fl.server_hooks.kd import KD_FEATURES, public_features
@@ -41,7 +42,7 @@ from fedreid.fl.update import Update, private_prefixes
 from fedreid.utils.seeding import derive_seed, forked_torch_rng
 
 
-class ClientError(ValueError):
+class ClientError(FedReIDError, ValueError):
     """A client cannot be built or run as configured; the message names it."""
 
 

@@ -62,7 +62,7 @@ from fedreid.utils.checkpoint import (
 )
 from fedreid.utils.io import atomic_path, write_text_atomic
 from fedreid.utils.logging import MetricsLogger, flatten
-from fedreid.utils.seeding import deterministic_mode, derive_seed, numpy_rng
+from fedreid.utils.seeding import derive_seed, deterministic_mode, numpy_rng
 
 Callback = Callable[[str, dict], None]
 

@@ -17,6 +17,8 @@ from typing import Iterable, Literal, Mapping, Sequence
 import torch
 from torch import Tensor
 
+from fedreid.errors import FedReIDError
+
 State = "OrderedDict[str, Tensor]"
 
 #: Buffers of BatchNorm layers (``running_*`` are statistics, the counter is an integer).
@@ -27,7 +29,7 @@ BNPolicy = Literal["average", "first", "local"]
 BN_POLICIES: tuple[str, ...] = ("average", "first", "local")
 
 
-class StateError(ValueError):
+class StateError(FedReIDError, ValueError):
     """States that cannot be combined (different keys or shapes); names the key."""
 
 

@@ -14,10 +14,11 @@ from typing import Any, Mapping, Optional, Sequence
 
 from torch import Tensor
 
+from fedreid.errors import FedReIDError
 from fedreid.fl.state import has_prefix, state_nbytes
 
 
-class PrivateStateError(ValueError):
+class PrivateStateError(FedReIDError, ValueError):
     """A private (identity-head) tensor was about to leave its client."""
 
 

@@ -46,6 +46,8 @@ import timm
 import torch
 from torch import nn
 
+from fedreid.errors import FedReIDError
+
 __all__ = [
     "PretrainedWeightsError",
     "check_state_dict",
@@ -65,7 +67,7 @@ WRAPPER_KEYS = ("state_dict", "model", "model_state_dict")
 _MAX_LISTED = 10
 
 
-class PretrainedWeightsError(ValueError):
+class PretrainedWeightsError(FedReIDError, ValueError):
     """A pretrained file cannot be read or does not fit the backbone."""
 
 

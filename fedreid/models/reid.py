@@ -30,6 +30,7 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
+from fedreid.errors import FedReIDError
 from fedreid.models.backbones import PathLike, check_state_dict, create_backbone
 
 __all__ = [
@@ -50,7 +51,7 @@ SHARED_PREFIXES = ("backbone.", "bottleneck.")
 PRIVATE_PREFIXES = ("classifier.",)
 
 
-class StateMismatchError(ValueError):
+class StateMismatchError(FedReIDError, ValueError):
     """A state dict does not fit a model; the message lists the keys."""
 
 

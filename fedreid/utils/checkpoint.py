@@ -29,6 +29,7 @@ from typing import Any, Mapping, Optional
 
 import torch
 
+from fedreid.errors import FedReIDError
 from fedreid.utils.io import atomic_path
 
 CHECKPOINT_NAME = "checkpoint.pt"
@@ -36,7 +37,7 @@ CHECKPOINT_FORMAT = "fedreid.fl.checkpoint"
 CHECKPOINT_VERSION = 1
 
 
-class CheckpointError(ValueError):
+class CheckpointError(FedReIDError, ValueError):
     """A checkpoint is missing, unreadable or of another format."""
 
 

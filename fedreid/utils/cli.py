@@ -7,6 +7,7 @@ import sys
 from typing import Any, Callable, Sequence
 
 from fedreid.config import ConfigError, load_config
+from fedreid.errors import FedReIDError
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
@@ -34,13 +35,14 @@ def config_from_args(args: argparse.Namespace, flag_overrides: Sequence[str] = (
 
 
 def run_main(main: Callable[[], int]) -> None:
-    """Run a tool's ``main``; expected errors print one clear line, not a traceback."""
-    from fedreid.data.prepared import PrepareError, PreparedDatasetError
-    from fedreid.data.raw.base import RawLayoutError
+    """Run a tool's ``main``; input errors print one clear line, not a traceback.
 
+    Input errors are :class:`~fedreid.errors.FedReIDError` (bad config, layout,
+    dataset, checkpoint, weights file...) and missing or already existing files.
+    """
     try:
         code = main()
-    except (ConfigError, RawLayoutError, PrepareError, PreparedDatasetError, FileNotFoundError) as exc:
+    except (FedReIDError, FileNotFoundError, FileExistsError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         code = 2
     except KeyboardInterrupt:

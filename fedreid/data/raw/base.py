@@ -26,6 +26,8 @@ from typing import Callable, ClassVar, Iterable, Iterator, Optional, Sequence
 
 import numpy as np
 
+from fedreid.errors import FedReIDError
+
 SPLITS: tuple[str, ...] = ("train", "val", "query", "gallery")
 #: Names a user may ask for; ``train_all`` is the union of ``train`` and ``val``.
 SPLIT_NAMES: tuple[str, ...] = ("train_all",) + SPLITS
@@ -36,7 +38,7 @@ IMAGE_EXTENSIONS: tuple[str, ...] = (".jpg", ".jpeg", ".png", ".bmp")
 SYSTEM_FILES: frozenset[str] = frozenset({"thumbs.db", ".ds_store", "desktop.ini"})
 
 
-class RawLayoutError(ValueError):
+class RawLayoutError(FedReIDError, ValueError):
     """The raw folder does not look like the dataset's release.
 
     The message always names the path and what was expected there.

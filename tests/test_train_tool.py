@@ -1,0 +1,61 @@
+"""tools/train_fed.py: a short run, its printed rounds and report, a resume, bad arguments."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+from fl_helpers import write_world
+
+from fedreid.config import ConfigError
+from fedreid.utils.logging import read_metrics
+
+TOOL = Path(__file__).resolve().parents[1] / "tools" / "train_fed.py"
+
+
+def _load_tool():
+    spec = importlib.util.spec_from_file_location("train_fed_tool", TOOL)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+tool = _load_tool()
+
+
+def _overrides(root: Path) -> list[str]:
+    return [
+        f"data.prepared_root={root}", "data.datasets=[dsa,dsb]", "data.public_dataset=null",
+        "model.backbone=test_resnet", "model.bottleneck_dim=16", "model.height=32", "model.width=16",
+        "train.batch_size=4", "eval.every=2", "eval.batch_size=8", "run.device=cpu", "run.tensorboard=false",
+    ]
+
+
+def test_run_then_resume_to_more_rounds(tmp_path, capsys):
+    root = write_world(tmp_path / "prepared")
+    run = tmp_path / "run"
+    assert tool.main(["--out", str(run), "--rounds", "2", *_overrides(root)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    rounds = [line for line in out if line.startswith("round ")]
+    assert rounds[0].startswith("round 1/2  loss ") and "Rank-1" not in rounds[0]
+    assert rounds[1].startswith("round 2/2  loss ") and "mean Rank-1 " in rounds[1] and "mAP " in rounds[1]
+    assert any(line.startswith("| **mean** |") for line in out)
+    assert out[-1] == f"report: {run / 'report.md'}"
+    assert "## Paper convention" in (run / "report.md").read_text()
+    assert (run / "model_final.pt").is_file()
+
+    assert tool.main(["--resume", str(run), "--rounds", "3"]) == 0
+    assert [r["round"] for r in read_metrics(run)] == [1, 2, 3]
+    assert "round 3/3  loss " in capsys.readouterr().out
+
+
+def test_round_line_formats_evaluated_rounds():
+    record = {"round": 4, "train_loss": 1.23456, "time": {"round": 12.34},
+              "eval": {"a": {"rank1": 0.5, "mAP": 0.25}, "b": {"rank1": 0.7, "mAP": 0.35}}}
+    assert tool.round_line(record, 10) == "round 4/10  loss 1.235  mean Rank-1 60.0%  mAP 30.0%  12.3 s"
+
+
+def test_resume_refuses_a_config_file(tmp_path):
+    with pytest.raises(ConfigError, match="--resume uses the run's own config.yaml"):
+        tool.main(["--resume", str(tmp_path), "--config", "x.yaml"])
