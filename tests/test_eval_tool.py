@@ -136,7 +136,7 @@ def test_index_and_query_round_trip(world, capsys):
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == str(query)
     rank, score, path = lines[1].split()[:3]
-    assert rank == "1" and abs(float(score) - 1.0) < 1e-4 and Path(path) == query.resolve()
+    assert rank == "1" and abs(float(score) - 1.0) < 1e-4 and Path(path).resolve() == query.resolve()
     assert len(lines) == 1 + 5 + 1 and lines[1].endswith(" +")
     assert len(list(pics.glob("*.png"))) == 1
 

@@ -144,6 +144,14 @@ def cmd_index(args: argparse.Namespace) -> int:
     return 0
 
 
+def _shown(path: str) -> str:
+    """``path`` relative to the working folder when it lies inside it (the index stores absolute paths)."""
+    try:
+        return str(Path(path).relative_to(Path.cwd()))
+    except ValueError:
+        return path
+
+
 def cmd_query(args: argparse.Namespace) -> int:
     if args.top_k < 1:
         raise pl.EvalInputError(f"--top-k must be >= 1, got {args.top_k}")
@@ -154,7 +162,7 @@ def cmd_query(args: argparse.Namespace) -> int:
         print(f"{r.path}")
         for m in r.matches:
             mark = {True: " +", False: " -", None: ""}[m["correct"]]
-            print(f"  {m['rank']:3d}  {m['score']:.4f}  {m['path']}{mark}")
+            print(f"  {m['rank']:3d}  {m['score']:.4f}  {_shown(m['path'])}{mark}")
     if args.out:
         pictures = pl.draw_query_pictures(results, args.out)
         print(f"pictures: {len(pictures)} in {args.out}")
