@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -22,7 +23,10 @@ from fedreid.data.raw import create_raw_dataset, get_raw_dataset  # noqa: E402
 from fedreid.data.raw.base import ParseResult, RawLayoutError  # noqa: E402
 from fedreid.data.raw.fedreid_layout import FOLDERS, FedReIDLayout  # noqa: E402
 
-DGD_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "fedreid_dgd"
+# The shared test data sits beside the checkout (../shared/data); FEDREID_SHARED_DATA
+# points elsewhere when the checkout lives somewhere else.
+SHARED_DATA = Path(os.environ.get("FEDREID_SHARED_DATA") or Path(__file__).resolve().parents[2] / "shared" / "data")
+DGD_DATA = SHARED_DATA / "fedreid_dgd"
 
 
 def by_split(result: ParseResult) -> dict[str, list]:
@@ -287,7 +291,7 @@ TABLE_1 = {  # folder: (dataset, train ids, train_all imgs, query ids, query img
 def test_dgd_reproduces_table_1(tmp_path, folder):
     source = DGD_DATA / folder
     if not (source / "meta.json").is_file() or not (source / "split.json").is_file():
-        pytest.skip(f"the benchmark's metadata is not at {source} (shared test data, "
+        pytest.skip(f"the benchmark's metadata is not at {source} (shared test data, set FEDREID_SHARED_DATA or "
                     "see ../shared/data/README.md; absent outside CI)")
     dataset, train_ids, train_imgs, query_ids, query_imgs, gallery_imgs = TABLE_1[folder]
     copy_dgd_metadata(source, tmp_path, folder)
