@@ -198,3 +198,24 @@ def test_bad_inputs_give_one_line(world, tmp_path, capsys):
         pl.find_model_file(missing)
     assert pl.parse_market_name("0002_c3s1_000451_01.jpg") == (2, 2)
     assert pl.parse_market_name("-1_c1s1_x.jpg") == (-1, 0) and pl.parse_market_name("a_b.png") == (-1, -1)
+
+
+def test_local_baseline_needs_a_client(world, tmp_path, capsys):
+    payload = torch.load(world["run"] / "model_final.pt", weights_only=True)
+    other = {k: v * 0.9 if v.is_floating_point() else v for k, v in payload["state"].items()}
+    payload.update(mode="local", client_states={"tiny": other, "tiny2": payload["state"]})
+    run = tmp_path / "local"
+    shutil.copytree(world["run"], run)
+    torch.save(payload, run / "model_final.pt")
+    err = _cli_error(["evaluate", "--model", str(run)], capsys)
+    assert "local-training baseline" in err and "--client (tiny, tiny2)" in err
+    assert "has no client 'x'" in _cli_error(["evaluate", "--model", str(run), "--client", "x"], capsys)
+    assert "drop --client" in _cli_error(["evaluate", "--model", str(world["run"]), "--client", "tiny"], capsys)
+
+    from fedreid.eval import pipeline as pl
+
+    x = torch.randn(2, 3, 32, 16)
+    own = pl.load_model(run, client="tiny").model.embed(x)
+    assert not torch.equal(own, pl.load_model(world["run"]).model.embed(x))
+    assert torch.equal(pl.load_model(run, client="tiny2").model.embed(x), pl.load_model(world["run"]).model.embed(x))
+    assert tool.main(["evaluate", "--model", str(run), "--client", "tiny", "--out", str(tmp_path / "ev")]) == 0

@@ -70,6 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--pictures", type=int, default=3, metavar="N", help="ranked-list PNGs per dataset (default 3)")
     ev.add_argument("--out", metavar="DIR", help="output folder (default: <run folder>/eval)")
     ev.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:1...")
+    ev.add_argument("--client", metavar="NAME", help="a local-training baseline run: whose model to evaluate")
     add_config_arguments(ev)
 
     ix = sub.add_parser("index", help="FAISS index of a gallery folder", description="FAISS index of a gallery folder")
@@ -78,6 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     ix.add_argument("--index", required=True, metavar="OUT_DIR", help="where to save the index")
     ix.add_argument("--batch-size", type=int, default=128, metavar="N")
     ix.add_argument("--device", default="auto")
+    ix.add_argument("--client", metavar="NAME", help="a local-training baseline run: whose model to use")
 
     qu = sub.add_parser("query", help="search an index with query images", description="search an index")
     qu.add_argument("--index", required=True, metavar="DIR", help="index folder written by 'index'")
@@ -87,6 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     qu.add_argument("--out", metavar="DIR", help="write one ranked-list PNG per query here")
     qu.add_argument("--batch-size", type=int, default=128, metavar="N")
     qu.add_argument("--device", default="auto")
+    qu.add_argument("--client", metavar="NAME", help="a local-training baseline run: whose model to use")
     return parser
 
 
@@ -113,7 +116,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         names = args.datasets.split(",") if args.datasets else (cfg.eval.datasets or cfg.data.dataset_names())
         names = pl.resolve_datasets([n.strip() for n in names if n.strip()], root)
         device = pl.resolve_device(args.device)
-        loaded = pl.load_model(model_file, device)
+        loaded = pl.load_model(model_file, device, client=args.client)
         feats = []
         for name in names:
             print(f"extracting features: {name}", flush=True)
@@ -138,7 +141,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 
 def cmd_index(args: argparse.Namespace) -> int:
     device = pl.resolve_device(args.device)
-    loaded = pl.load_model(args.model, device)
+    loaded = pl.load_model(args.model, device, client=args.client)
     folder, n = pl.build_gallery_index(loaded, args.gallery, args.index, batch_size=args.batch_size, device=device)
     print(f"indexed {n} images of {args.gallery} into {folder}")
     return 0
@@ -156,7 +159,7 @@ def cmd_query(args: argparse.Namespace) -> int:
     if args.top_k < 1:
         raise pl.EvalInputError(f"--top-k must be >= 1, got {args.top_k}")
     device = pl.resolve_device(args.device)
-    loaded = pl.load_model(args.model, device)
+    loaded = pl.load_model(args.model, device, client=args.client)
     results = pl.query_index(loaded, args.index, args.images, top_k=args.top_k, batch_size=args.batch_size, device=device)
     for r in results:
         print(f"{r.path}")

@@ -120,7 +120,9 @@ def run_config_path(model_path: str | Path) -> Optional[Path]:
     return config if config.is_file() else None
 
 
-def _model_payload(path: Path) -> tuple[dict[str, Any], Mapping[str, torch.Tensor], Optional[int]]:
+def _model_payload(
+    path: Path, client: Optional[str] = None
+) -> tuple[dict[str, Any], Mapping[str, torch.Tensor], Optional[int]]:
     from fedreid.utils.checkpoint import CHECKPOINT_FORMAT
 
     try:
@@ -130,7 +132,7 @@ def _model_payload(path: Path) -> tuple[dict[str, Any], Mapping[str, torch.Tenso
     fmt = data.get("format") if isinstance(data, dict) else None
     try:
         if fmt == MODEL_FORMAT:
-            return dict(data["model"]), data["state"], data.get("round")
+            return dict(data["model"]), _pick_state(path, data, client), data.get("round")
         if fmt == CHECKPOINT_FORMAT:
             return dict(data["config"]["model"]), data["server"]["global_state"], data.get("round")
     except (KeyError, TypeError) as exc:
@@ -141,17 +143,37 @@ def _model_payload(path: Path) -> tuple[dict[str, Any], Mapping[str, torch.Tenso
     )
 
 
-def load_model(path: str | Path, device: str | torch.device = "cpu") -> LoadedModel:
+def _pick_state(path: Path, data: Mapping[str, Any], client: Optional[str]) -> Mapping[str, torch.Tensor]:
+    """The global state, or in a local-training baseline the chosen client's own model."""
+    clients = data.get("client_states")
+    if clients is None:
+        if client is not None:
+            raise EvalInputError(f"{path} holds one global model, not per-client models: drop --client")
+        return data["state"]
+    if client is None or client not in clients:
+        what = "has no client" if client is not None else "is a local-training baseline: every client has its own model"
+        raise EvalInputError(
+            f"{path} {what}{f' {client!r}' if client else ''}; choose one with --client "
+            f"({', '.join(sorted(clients))})"
+        )
+    return clients[client]
+
+
+def load_model(
+    path: str | Path, device: str | torch.device = "cpu", *, client: Optional[str] = None
+) -> LoadedModel:
     """Build the model from a run folder / model_final.pt / checkpoint.pt, in eval mode on ``device``.
 
     The architecture comes from the saved model config, without pretrained
     weights (the saved shared state overwrites them); a saved classifier
-    (FedAvg keeps one) is dropped, features come from ``embed``.
+    (FedAvg keeps one) is dropped, features come from ``embed``. A
+    local-training baseline's ``model_final.pt`` holds one model per client:
+    ``client`` names the one to load.
     """
     from fedreid.models.reid import PRIVATE_PREFIXES, StateMismatchError, create_reid_model, load_shared_state
 
     file = find_model_file(path)
-    cfg, state, rnd = _model_payload(file)
+    cfg, state, rnd = _model_payload(file, client)
     try:
         model = create_reid_model(
             cfg.get("backbone", "resnet50"),

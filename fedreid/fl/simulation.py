@@ -21,8 +21,9 @@ A round record (also the items of the returned history)::
     weighting        size | cdw;   weights  {client: normalised aggregation weight}
     comm             sent_bytes, received_bytes, total_bytes, metadata_bytes, cumulative_bytes
     kd               {kd_loss, kd_steps, kd_teachers}         (KD rounds)
-    eval             {dataset: {rank1, rank5, rank10, mAP, num_valid_queries, ...}}  (global model)
-    local_eval       {client: {dataset: {...}}}   (each client's model before aggregation)
+    eval             {dataset: {rank1, rank5, rank10, mAP, num_valid_queries, ...}}  (global model;
+                     in `local` mode {client: {...}}, each client's model on its own data)
+    local_eval       {client: {dataset: {...}}}   (federated mode: each client's model before aggregation)
     time             seconds: per client, aggregate, kd, eval, round (differs between reruns)
 
 Everything but ``time`` is bit-identical between an uninterrupted run and a
@@ -259,7 +260,11 @@ def _run(cfg: Config, run_dir: Path, ckpt, *, progress: bool, callbacks, dataset
 
             record = server.run_round(fit)
             client_bar.close()
-            if local_eval:
+            if local_eval and cfg.fl.mode == "local":
+                # The baseline's own result: every client's model on its own data,
+                # reported like a global evaluation so tables and curves show it.
+                record["eval"] = {client: next(iter(ev.values())) for client, ev in local_eval.items()}
+            elif local_eval:
                 record["local_eval"] = local_eval
             history.append(record)
             logger.log(record)

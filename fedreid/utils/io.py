@@ -20,6 +20,7 @@ def _plain_file_mode() -> int:
 
 _FILE_MODE = _plain_file_mode()
 
+
 @contextmanager
 def atomic_path(path: str | Path) -> Iterator[Path]:
     """Yield a temporary path beside ``path``; on success it replaces ``path``.
