@@ -1,4 +1,5 @@
-"""Models: timm backbones and the FedReID IDE model (shared backbone + bottleneck, private head)."""
+"""Models: timm backbones, the FedReID IDE model (shared backbone + bottleneck, private head),
+classifiers for the classification track."""
 
 from fedreid.models.backbones import (
     PretrainedWeightsError,
@@ -7,6 +8,15 @@ from fedreid.models.backbones import (
     read_state_dict,
     set_last_stride,
     torchvision_to_timm,
+)
+from fedreid.models.classifiers import (
+    ClassificationModel,
+    ModelConfigError,
+    UnknownModelError,
+    count_parameters,
+    create_classifier,
+    list_classifiers,
+    register_classifier,
 )
 from fedreid.models.reid import (
     PRIVATE_PREFIXES,
@@ -21,6 +31,13 @@ from fedreid.models.reid import (
 )
 
 __all__ = [
+    "ClassificationModel",
+    "ModelConfigError",
+    "UnknownModelError",
+    "count_parameters",
+    "create_classifier",
+    "list_classifiers",
+    "register_classifier",
     "PRIVATE_PREFIXES",
     "SHARED_PREFIXES",
     "PretrainedWeightsError",

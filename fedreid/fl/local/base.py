@@ -1,0 +1,305 @@
+"""Client objectives: the interface, FedAvg's plain cross-entropy, and shared pieces.
+
+Every federated method's *client side* is one small object. It owns the
+client's persistent method state (SCAFFOLD's ``c_i``, FedDyn's gradient
+term, MOON's previous local model) and nothing else: no data, no optimizer,
+no global randomness. A training loop drives it like this::
+
+    from fedreid.fl.local.objectives import build_objective
+
+    obj = build_objective("fedprox", mu=0.01)          # one object per client
+    obj.load_state_dict(saved)                         # its state from the last checkpoint, if any
+
+    # each round, after the received shared state (and the client's own
+    # private head) has been loaded into ``model``:
+    obj.begin_round(model, global_state, round_index=r, payload=server_payload)
+    for images, labels in loader:
+        if obj.needs_features:                         # MOON: one forward gives both
+            features = representation(model, images)
+            logits = model.classifier(features)
+        else:
+            features, logits = None, model(images)
+        loss = obj.loss(model, images, labels, logits, features)
+        optimizer.zero_grad()
+        loss.backward()
+        obj.before_step(model, optimizer)              # SCAFFOLD: g <- g - c_i + c
+        optimizer.step()
+        obj.after_step(model, optimizer)               # counts steps (and, for SCAFFOLD, learning rates)
+    metadata = obj.end_round(model)                    # updates the client state; goes into Update.metadata
+    saved = obj.state_dict()                           # checkpoint it with the client
+
+Contract of the arguments:
+
+* ``model``: ``model(x)`` returns logits, ``model.features(x)`` the
+  penultimate representation (:func:`representation` also accepts
+  :class:`~fedreid.models.reid.ReIDModel`'s ``embed``), and
+  ``model.classifier`` is the last Linear, so
+  ``model.classifier(model.features(x)) == model(x)``.
+* ``global_state``: the shared tensors the server sent, ``{name: tensor}``
+  with the model's ``state_dict`` names. It is the reference point
+  ``w_global`` / ``theta^{t-1}`` / ``x`` of FedProx, FedDyn and SCAFFOLD.
+  The *method parameters* are the model's trainable parameters whose names are
+  in ``global_state`` (:func:`shared_parameters`): buffers (BatchNorm
+  statistics) are not parameters, and the private identity head is not in the
+  global state, so neither gets a proximal term, a control variate or a
+  FedDyn term -- there is no global value for them.
+* ``round_index``: 0-based, as ``Server.instructions()["round"]``; only
+  FedLMD's Tf -> teacher switch reads it.
+* ``payload``: method-specific tensors from the server (SCAFFOLD's server
+  control variate under ``"control"``); ``None`` when the method needs none.
+* Teachers (FedNTD, FedLMD, MOON's global model) are frozen copies of
+  ``model`` taken in :meth:`LocalObjective.begin_round`, i.e. the received
+  global state plus the client's own private head, in eval mode (BatchNorm
+  uses running statistics, dropout is off: teacher outputs are deterministic
+  and draw no random numbers).
+
+:meth:`LocalObjective.loss` returns the full loss of one batch (the mean
+cross-entropy plus the method's terms) and leaves the detached terms in
+``last_terms`` for logging.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import OrderedDict
+from typing import Any, ClassVar, Mapping, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from fedreid.errors import FedReIDError
+
+TensorDict = "OrderedDict[str, Tensor]"
+
+
+class ObjectiveError(FedReIDError, ValueError):
+    """A client objective is misconfigured or driven out of order; the message says which."""
+
+
+# ---------------------------------------------------------------------------
+# Small helpers shared by the methods
+# ---------------------------------------------------------------------------
+
+
+def check_positive(name: str, value: float, *, allow_zero: bool = True) -> float:
+    """``value`` as float; raises :class:`ObjectiveError` when negative (or zero if not allowed)."""
+    v = float(value)
+    if not (v > 0 or (allow_zero and v == 0)):
+        raise ObjectiveError(f"{name} must be {'>= 0' if allow_zero else '> 0'}, got {value!r}")
+    return v
+
+
+def check_choice(name: str, value: str, choices: tuple[str, ...]) -> str:
+    if value not in choices:
+        raise ObjectiveError(f"unknown {name} {value!r}; choose one of {', '.join(choices)}")
+    return value
+
+
+def representation(model: nn.Module, x: Tensor) -> Tensor:
+    """The penultimate representation: ``model.features(x)``, else ``model.embed(x)`` (ReIDModel)."""
+    for attr in ("features", "embed"):
+        fn = getattr(model, attr, None)
+        if callable(fn):
+            return fn(x)
+    raise ObjectiveError(
+        f"{type(model).__name__} has neither features() nor embed(); MOON needs the penultimate representation"
+    )
+
+
+def shared_parameters(model: nn.Module, global_state: Mapping[str, Tensor]) -> "OrderedDict[str, nn.Parameter]":
+    """The trainable parameters of ``model`` whose names are keys of ``global_state``, in model order.
+
+    Shapes must agree; keys of ``global_state`` that are buffers are skipped
+    (they are not optimised).
+    """
+    out: "OrderedDict[str, nn.Parameter]" = OrderedDict()
+    for name, p in model.named_parameters():
+        if not p.requires_grad or name not in global_state:
+            continue
+        if tuple(global_state[name].shape) != tuple(p.shape):
+            raise ObjectiveError(
+                f"{name}: global shape {tuple(global_state[name].shape)} differs from the model's {tuple(p.shape)}"
+            )
+        out[name] = p
+    return out
+
+
+def reference_point(
+    params: Mapping[str, nn.Parameter], global_state: Mapping[str, Tensor]
+) -> "OrderedDict[str, Tensor]":
+    """Detached copies of ``global_state[name]`` on each parameter's device and dtype."""
+    return OrderedDict(
+        (n, global_state[n].detach().to(device=p.device, dtype=p.dtype, copy=True)) for n, p in params.items()
+    )
+
+
+def cpu_clone(tensors: Mapping[str, Tensor]) -> "OrderedDict[str, Tensor]":
+    return OrderedDict((k, v.detach().to("cpu", copy=True)) for k, v in tensors.items())
+
+
+def frozen_copy(model: nn.Module, state: Optional[Mapping[str, Tensor]] = None) -> nn.Module:
+    """A deep copy of ``model`` (optionally loaded with ``state``), eval mode, no gradients.
+
+    Used for teachers and MOON's previous model; eval mode makes their outputs
+    deterministic (no dropout draws, BatchNorm running statistics).
+    """
+    twin = copy.deepcopy(model)
+    if state is not None:
+        twin.load_state_dict(dict(state), strict=True)
+    for p in twin.parameters():
+        p.requires_grad_(False)
+        p.grad = None
+    return twin.eval()
+
+
+def masked_softmax(logits: Tensor, keep: Tensor) -> Tensor:
+    """Softmax of each row over the entries where ``keep`` is True; 0 elsewhere.
+
+    A row with no kept entry gives all zeros (not NaN): "no distribution", so
+    a KL term against it is 0.
+    """
+    x = logits.masked_fill(~keep, float("-inf"))
+    x = x.masked_fill(~keep.any(dim=1, keepdim=True), 0.0)  # empty rows: finite input, zeroed below
+    return torch.softmax(x, dim=1) * keep
+
+
+def masked_log_softmax(logits: Tensor, keep: Tensor) -> Tensor:
+    """Log-softmax of each row over the kept entries; ``-inf`` at the dropped ones.
+
+    Exact masking: the dropped entries are removed from the normaliser, which
+    is what "softmax over the logits with class c removed" means.
+    """
+    x = logits.masked_fill(~keep, float("-inf"))
+    x = x.masked_fill(~keep.any(dim=1, keepdim=True), 0.0)
+    return torch.log_softmax(x, dim=1)
+
+
+def kl_teacher_student(p_teacher: Tensor, log_q_student: Tensor, support: Optional[Tensor] = None) -> Tensor:
+    """Per-row ``KL(p_teacher || q_student) = sum_c p_c (log p_c - log q_c)``, shape ``[B]``.
+
+    The direction of knowledge distillation (Hinton et al. 2015): the teacher
+    distribution weights the log-ratio. It equals
+    ``F.kl_div(log_q_student, p_teacher, reduction="none").sum(1)``
+    (``kl_div`` takes the student's *log*-probabilities first and the teacher's
+    probabilities second). The sum runs over ``support`` (default
+    ``p_teacher > 0``; ``0 log 0 = 0``), so entries the student masked out
+    (``log q = -inf``) with zero teacher mass never produce ``0 * inf``.
+    """
+    if support is None:
+        support = p_teacher > 0
+    p = p_teacher.masked_fill(~support, 0.0)
+    log_q = log_q_student.masked_fill(~support, 0.0)
+    log_p = torch.log(p.masked_fill(~support | (p <= 0), 1.0))  # log 1 = 0 where p is 0
+    return (p * (log_p - log_q)).sum(dim=1)
+
+
+def one_hot_mask(labels: Tensor, num_classes: int) -> Tensor:
+    """Boolean ``[B, C]`` mask, True at each sample's true class."""
+    # F.one_hot itself rejects labels outside [0, num_classes)
+    return F.one_hot(labels.reshape(-1).long(), num_classes).bool()
+
+
+# ---------------------------------------------------------------------------
+# The interface, with FedAvg's behaviour
+# ---------------------------------------------------------------------------
+
+
+class LocalObjective:
+    """FedAvg's client (McMahan et al. 2017, Algorithm 1 ``ClientUpdate``): mean cross-entropy only.
+
+    The base class of every method (see the module docstring for the call
+    order). Subclasses override the hooks they need; each hook is cheap when
+    unused.
+    """
+
+    #: Registry name (``fl.local`` config value).
+    name: ClassVar[str] = "fedavg"
+    #: Whether :meth:`loss` wants the local model's penultimate ``features`` (MOON).
+    needs_features: ClassVar[bool] = False
+
+    def __init__(self) -> None:
+        self.round_index: int = 0
+        self.steps: int = 0
+        self.last_terms: dict[str, Tensor] = {}
+        self._in_round = False
+
+    # -- round ---------------------------------------------------------------
+    def begin_round(
+        self,
+        model: nn.Module,
+        global_state: Mapping[str, Tensor],
+        *,
+        round_index: int = 0,
+        payload: Optional[Mapping[str, Any]] = None,
+    ) -> None:
+        """Snapshot what the method needs from the received model (call after loading it)."""
+        self.round_index = int(round_index)
+        self.steps = 0
+        self.last_terms = {}
+        self._in_round = True
+
+    def loss(
+        self,
+        model: nn.Module,
+        images: Tensor,
+        labels: Tensor,
+        logits: Tensor,
+        features: Optional[Tensor] = None,
+    ) -> Tensor:
+        """Full loss of one batch: ``CE(logits, labels)`` (mean over the batch) + method terms."""
+        self._check_in_round("loss")
+        ce = F.cross_entropy(logits, labels.long())
+        self.last_terms = {"ce": ce.detach()}
+        return ce
+
+    def before_step(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Between ``loss.backward()`` and ``optimizer.step()`` (gradient corrections)."""
+
+    def after_step(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """After ``optimizer.step()``; counts local steps."""
+        self.steps += 1
+
+    def end_round(self, model: nn.Module) -> dict[str, Any]:
+        """Update the client state from the trained ``model``; return metadata for the Update."""
+        self._check_in_round("end_round")
+        self._in_round = False
+        return {}
+
+    # -- persistence -----------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The client's persistent method state (CPU tensors; ``torch.save``-able)."""
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if state:
+            raise ObjectiveError(f"{self.name} keeps no client state, got keys {sorted(state)}")
+
+    # -- internals -------------------------------------------------------------
+    def _check_in_round(self, what: str) -> None:
+        if not self._in_round:
+            raise ObjectiveError(f"{self.name}: {what}() called outside a round; call begin_round() first")
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r})"
+
+
+FedAvg = LocalObjective
+
+
+__all__ = [
+    "FedAvg",
+    "LocalObjective",
+    "ObjectiveError",
+    "check_choice",
+    "check_positive",
+    "cpu_clone",
+    "frozen_copy",
+    "kl_teacher_student",
+    "masked_log_softmax",
+    "masked_softmax",
+    "one_hot_mask",
+    "reference_point",
+    "representation",
+    "shared_parameters",
+]

@@ -1,0 +1,90 @@
+"""FedProx's client objective (Li et al., "Federated Optimization in Heterogeneous Networks", MLSys 2020).
+
+Paper, Eq. (2) (the local subproblem of Algorithm 2)::
+
+    min_w  h_k(w; w^t) = F_k(w) + mu/2 * ||w - w^t||^2
+
+with ``F_k`` the local empirical loss (here: the batch's mean cross-entropy)
+and ``w^t`` the global model received this round. The proximal term is a true
+term of the loss, over every method parameter (the shared trainable
+parameters, see :func:`fedreid.fl.local.base.shared_parameters`), so its
+gradient is ``mu (w - w^t)``.
+
+The official code (``litian96/FedProx``, TensorFlow) adds ``mu (w - w^t)`` to
+the gradient inside its ``PerturbedGradientDescent`` optimizer instead of to
+the loss; the gradient, hence training, is the same, only the logged loss
+differs (ours includes the term). The paper tunes ``mu`` in
+``{0.001, 0.01, 0.1, 1}``; the default here is 0.01.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional
+
+import torch
+from torch import Tensor, nn
+
+from fedreid.fl.local.base import (
+    LocalObjective,
+    check_positive,
+    reference_point,
+    shared_parameters,
+)
+
+
+def proximal_term(params: Mapping[str, Tensor], reference: Mapping[str, Tensor], mu: float) -> Tensor:
+    """``mu/2 * sum_names ||w - w_ref||^2`` (Eq. 2's proximal term); gradient ``mu (w - w_ref)``."""
+    total: Optional[Tensor] = None
+    for name, p in params.items():
+        sq = (p - reference[name]).pow(2).sum()
+        total = sq if total is None else total + sq
+    if total is None:
+        return torch.zeros(())
+    return 0.5 * mu * total
+
+
+class FedProx(LocalObjective):
+    """``CE + mu/2 ||w - w_global||^2`` over the shared trainable parameters."""
+
+    name = "fedprox"
+
+    def __init__(self, mu: float = 0.01) -> None:
+        super().__init__()
+        self.mu = check_positive("fedprox mu", mu)
+        self._params: dict[str, nn.Parameter] = {}
+        self._ref: dict[str, Tensor] = {}
+
+    def begin_round(
+        self,
+        model: nn.Module,
+        global_state: Mapping[str, Tensor],
+        *,
+        round_index: int = 0,
+        payload: Optional[Mapping[str, Any]] = None,
+    ) -> None:
+        super().begin_round(model, global_state, round_index=round_index, payload=payload)
+        self._params = shared_parameters(model, global_state)
+        self._ref = reference_point(self._params, global_state)
+
+    def loss(
+        self,
+        model: nn.Module,
+        images: Tensor,
+        labels: Tensor,
+        logits: Tensor,
+        features: Optional[Tensor] = None,
+    ) -> Tensor:
+        ce = super().loss(model, images, labels, logits, features)
+        prox = proximal_term(self._params, self._ref, self.mu).to(ce.device)
+        self.last_terms["prox"] = prox.detach()
+        return ce + prox
+
+    def end_round(self, model: nn.Module) -> dict[str, Any]:
+        self._params, self._ref = {}, {}
+        return super().end_round(model)
+
+    def __repr__(self) -> str:
+        return f"FedProx(mu={self.mu})"
+
+
+__all__ = ["FedProx", "proximal_term"]
