@@ -177,8 +177,16 @@ class TrainConfig:
     workers: int = 0
     random_erasing: float = 0.0
     color_jitter: float = 0.0
+    #: Client objective (:mod:`fedreid.fl.local.objectives`): ``fedavg`` (plain
+    #: cross-entropy, FedPav's client), ``fedprox``, ``scaffold``, ``feddyn``,
+    #: ``moon``, ``fedntd``, ``fedlmd``, ``fedlmd_tf``.
+    objective: str = "fedavg"
+    #: Keyword options of the objective, e.g. ``{mu: 0.01}`` (FedProx), ``{alpha: 0.01}``
+    #: (FedDyn), ``{tau: 0.5, mu: 5}`` (MOON); FedLMD's class counts come from the client's data.
+    objective_options: dict[str, Any] = field(default_factory=dict)
 
     def validate(self, prefix: str) -> None:
+        _check_objective(prefix, self.objective, self.objective_options)
         for name in ("local_epochs", "batch_size", "lr", "lr_step_size"):
             _check_positive(f"{prefix}.{name}", getattr(self, name))
         for name in ("lr_backbone_ratio", "lr_gamma"):
@@ -189,6 +197,23 @@ class TrainConfig:
             raise ConfigError(f"{prefix}.weight_decay: expected a value >= 0, got {self.weight_decay}")
         if self.workers < 0:
             raise ConfigError(f"{prefix}.workers: expected a value >= 0, got {self.workers}")
+
+
+def _check_objective(prefix: str, name: str, options: Mapping[str, Any]) -> None:
+    import inspect
+
+    from fedreid.fl.local.objectives import OBJECTIVES
+
+    if name not in OBJECTIVES:
+        raise ConfigError(f"{prefix}.objective: unknown {name!r}; allowed: {', '.join(OBJECTIVES)}")
+    params = inspect.signature(OBJECTIVES[name].__init__).parameters
+    allowed = [p for p in params if p not in ("self", "class_counts")]
+    for key in options:
+        if key not in allowed:
+            raise ConfigError(
+                f"{prefix}.objective_options.{key}: not an option of {name!r}; "
+                f"allowed: {', '.join(allowed) or 'none'}"
+            )
 
 
 @dataclass

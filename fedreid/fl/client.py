@@ -9,8 +9,10 @@ received shared state plus its own head into it, trains, and returns an
 "local model" evaluation measures).
 
 What persists across rounds (and goes into :meth:`state_dict`): the private
-head, the client's BatchNorm statistics under ``fl.bn=local``, and the count
-of rounds trained. No optimizer state persists: the reference builds a new
+head, the client's BatchNorm statistics under ``fl.bn=local``, the state of
+its objective (``train.objective``: SCAFFOLD's ``c_i``, FedDyn's gradient
+term, MOON's previous model; see :mod:`fedreid.fl.local.objectives`) and the
+count of rounds trained. No optimizer state persists: the reference builds a new
 optimizer and scheduler in every ``Client.train`` call (``client.py``), see
 :mod:`fedreid.fl.local.sgd`.
 
@@ -35,6 +37,8 @@ from fedreid.data.prepared import Record
 from fedreid.data.scenarios import ClientSplit
 from fedreid.errors import FedReIDError
 from fedreid.fl.aggregate import cdw_distance
+from fedreid.fl.local.base import OBJECTIVE_PAYLOAD, LocalObjective
+from fedreid.fl.local.objectives import build_objective
 from fedreid.fl.local.sgd import LocalResult, train_local
 from fedreid.fl.server_hooks.kd import KD_FEATURES, public_features
 from fedreid.fl.state import bn_buffers, clone_state, split_state
@@ -96,6 +100,7 @@ class Client:
         self.head: Optional["OrderedDict[str, Tensor]"] = None
         self.bn_state: Optional["OrderedDict[str, Tensor]"] = None
         self.rounds_trained = 0
+        self._objective: Optional[LocalObjective] = None
         self._train_transform = None
         self._train_dataset = None
         self._public_loader = None
@@ -142,7 +147,27 @@ class Client:
             self._public_loader = make_public_loader(self.public_records, self.cfg, shuffle=False)
         return self._public_loader
 
+    def class_counts(self) -> list[int]:
+        """Training images per class of this client's label space (FedLMD, FedFTG)."""
+        counts = [0] * self.num_classes
+        for label in self.split.labels:
+            counts[int(label)] += 1
+        return counts
+
     # ----------------------------------------------------------------- model
+
+    @property
+    def objective(self) -> Optional[LocalObjective]:
+        """The client's objective (built on first use); ``None`` for plain cross-entropy."""
+        name = self.cfg.train.objective
+        if name == "fedavg":
+            return None
+        if self._objective is None:
+            options = dict(self.cfg.train.objective_options)
+            if name in ("fedlmd", "fedlmd_tf"):
+                options["class_counts"] = self.class_counts()
+            self._objective = build_objective(name, **options)
+        return self._objective
 
     def init_head(self, model: nn.Module) -> None:
         """Create this client's identity head (seeded) from ``model``'s classifier layout."""
@@ -189,8 +214,15 @@ class Client:
         def epoch_loader(epoch: int):
             return self.train_loader(derive_seed(seed, "epoch", epoch))
 
+        objective = self.objective
+        if objective is not None:
+            objective.begin_round(
+                model, payload, round_index=round_index, payload=instructions.get(OBJECTIVE_PAYLOAD)
+            )
         with forked_torch_rng(derive_seed(seed, "dropout"), self.device):
-            result: LocalResult = train_local(model, epoch_loader, self.cfg.train, device=self.device)
+            result: LocalResult = train_local(
+                model, epoch_loader, self.cfg.train, device=self.device, objective=objective
+            )
         metadata: dict[str, Any] = {
             "train_loss": result.loss,
             "train_acc": result.accuracy,
@@ -198,6 +230,8 @@ class Client:
             "lr": result.lrs[-1] if result.lrs else self.cfg.train.lr,
             "time_train": result.seconds,
         }
+        if objective is not None:
+            metadata.update(objective.end_round(model))
         if start is not None:
             t0 = time.perf_counter()
             metadata["cdw_distance"] = self.cdw_distance(start, model, seed)
@@ -243,6 +277,7 @@ class Client:
             "rounds_trained": self.rounds_trained,
             "head": clone_state(self.head) if self.head is not None else None,
             "bn_state": clone_state(self.bn_state) if self.bn_state is not None else None,
+            "objective": self.objective.state_dict() if self.objective is not None else {},
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -256,6 +291,10 @@ class Client:
         self.rounds_trained = int(state["rounds_trained"])
         self.head = clone_state(state["head"]) if state.get("head") is not None else None
         self.bn_state = clone_state(state["bn_state"]) if state.get("bn_state") is not None else None
+        if self.objective is not None:
+            self.objective.load_state_dict(state.get("objective", {}))
+        elif state.get("objective"):
+            raise ClientError(f"client {self.name!r}: the checkpoint has objective state, train.objective is fedavg")
 
 
 def make_public_loader(records: Sequence[Record], cfg: Config, *, shuffle: bool, seed: int = 0):

@@ -127,6 +127,10 @@ class Server:
         round_index = self.round
         started = time.perf_counter()
         ids = self.sample_clients()
+        if self.federated:
+            for hook in self.hooks:
+                if hasattr(hook, "begin_round"):
+                    hook.begin_round(round_index, self.global_state)
         ins = self.instructions(round_index)
         updates: list[Update] = []
         sent = 0
@@ -214,6 +218,7 @@ class Server:
             "sampler": self.sampler.bit_generator.state,
             "total_bytes": self.total_bytes,
             "client_names": list(self.client_names),
+            "hooks": {h.name: h.state_dict() for h in self.hooks if hasattr(h, "state_dict")},
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -226,3 +231,9 @@ class Server:
         self.local_states = {int(k): clone_state(v) for k, v in state["local_states"].items()}
         self.sampler.bit_generator.state = state["sampler"]
         self.total_bytes = int(state["total_bytes"])
+        saved_hooks = state.get("hooks", {})
+        for hook in self.hooks:
+            if hasattr(hook, "load_state_dict"):
+                if hook.name not in saved_hooks:
+                    raise ValueError(f"checkpoint has no state for server hook {hook.name!r}")
+                hook.load_state_dict(saved_hooks[hook.name])

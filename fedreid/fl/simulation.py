@@ -39,6 +39,7 @@ complete round stays).
 from __future__ import annotations
 
 import copy
+import inspect
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence
@@ -150,7 +151,7 @@ def build_federation(
         datasets.update({n: load_prepared(cfg.data.prepared_root, n) for n in unknown})
     evaluator = Evaluator.from_config(cfg, {n: datasets[n] for n in eval_names}, device) if eval_names else None
 
-    hooks = []
+    hooks = server_objective_hooks(cfg, len(clients)) if federated else []
     if kd:
         hooks.append(
             KDHook(
@@ -291,6 +292,21 @@ def resume(
     if latest_checkpoint(run_dir) is None:
         raise FileNotFoundError(f"no checkpoint to resume in {run_dir}")
     return run_simulation(cfg, run_dir, resume=True, progress=progress, callbacks=callbacks, datasets=datasets)
+
+
+def server_objective_hooks(cfg: Config, num_clients: int) -> list[Any]:
+    """The server half of the client objective, if it has one (SCAFFOLD, FedDyn); runs before KD."""
+    from fedreid.fl.local.feddyn import FedDyn
+    from fedreid.fl.server_hooks.objectives import FedDynHook, ScaffoldHook
+
+    options = cfg.train.objective_options
+    if cfg.train.objective == "scaffold":
+        return [ScaffoldHook(num_clients)]
+    if cfg.train.objective == "feddyn":
+        # the server's alpha must be the clients' alpha
+        alpha = options.get("alpha", inspect.signature(FedDyn.__init__).parameters["alpha"].default)
+        return [FedDynHook(num_clients, alpha=float(alpha))]
+    return []
 
 
 def _checkpoint_payload(cfg: Config, server: Server, clients: Sequence[Client], history) -> dict[str, Any]:

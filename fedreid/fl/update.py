@@ -76,12 +76,29 @@ class Update:
 
     @property
     def metadata_nbytes(self) -> int:
-        """Bytes of tensors in the metadata (KD features)."""
-        return sum(v.numel() * v.element_size() for v in self.metadata.values() if isinstance(v, Tensor))
+        """Bytes of tensors in the metadata (KD features, SCAFFOLD's control delta)."""
+        return sum(_tensor_nbytes(v) for v in self.metadata.values())
 
     def scalars(self) -> dict[str, Any]:
-        """The metadata without tensors (what gets logged)."""
-        return {k: v for k, v in self.metadata.items() if not isinstance(v, Tensor)}
+        """The metadata without tensors or tensor dicts (what gets logged)."""
+        return {k: v for k, v in self.metadata.items() if not _holds_tensors(v)}
+
+
+def _holds_tensors(value: Any) -> bool:
+    if isinstance(value, Tensor):
+        return True
+    if isinstance(value, Mapping):
+        return any(_holds_tensors(v) for v in value.values())
+    return False
+
+
+def _tensor_nbytes(value: Any) -> int:
+    """Bytes of the tensors in ``value`` (a tensor, or a possibly nested dict of them)."""
+    if isinstance(value, Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, Mapping):
+        return sum(_tensor_nbytes(v) for v in value.values())
+    return 0
 
 
 def to_plain(value: Any) -> Any:

@@ -72,6 +72,10 @@ from fedreid.errors import FedReIDError
 
 TensorDict = "OrderedDict[str, Tensor]"
 
+#: Key of the round's instructions under which the server sends method tensors
+#: to every client's objective (``begin_round(payload=...)``; SCAFFOLD's ``c``).
+OBJECTIVE_PAYLOAD = "objective_payload"
+
 
 class ObjectiveError(FedReIDError, ValueError):
     """A client objective is misconfigured or driven out of order; the message says which."""
@@ -288,6 +292,7 @@ FedAvg = LocalObjective
 
 
 __all__ = [
+    "OBJECTIVE_PAYLOAD",
     "FedAvg",
     "LocalObjective",
     "ObjectiveError",

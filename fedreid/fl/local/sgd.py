@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from fedreid.config import TrainConfig
+from fedreid.fl.local.base import LocalObjective, representation
 
 
 @dataclass
@@ -88,12 +89,18 @@ def train_local(
     *,
     device: torch.device | str = "cpu",
     on_step: Optional[Callable[[int, float], None]] = None,
+    objective: Optional["LocalObjective"] = None,
 ) -> LocalResult:
-    """``cfg.local_epochs`` epochs of SGD + cross-entropy on ``model``'s logits.
+    """``cfg.local_epochs`` epochs of SGD on ``model``'s logits.
 
     ``make_epoch_loader(e)`` returns the (seeded) loader of epoch ``e``;
     batches are ``{"image", "label", ...}`` dicts or ``(images, labels)``.
     A fresh optimizer is built here, every call (the reference's behaviour).
+
+    The loss is cross-entropy, or ``objective``'s loss when one is given (an
+    objective of :mod:`fedreid.fl.local.objectives` whose ``begin_round`` the
+    caller has already run; its ``before_step``/``after_step`` wrap every
+    optimizer step). ``LocalResult.loss`` is always the full objective.
     """
     device = torch.device(device)
     started = time.perf_counter()
@@ -117,15 +124,27 @@ def train_local(
             if b < cfg.batch_size:  # the reference skips partial batches
                 continue
             optimizer.zero_grad(set_to_none=True)
-            logits = model(images)
-            loss = criterion(logits, labels)
+            if objective is None:
+                logits = model(images)
+                loss = criterion(logits, labels)
+            elif objective.needs_features:  # one forward gives both (MOON)
+                features = representation(model, images)
+                logits = model.classifier(features)
+                loss = objective.loss(model, images, labels, logits, features)
+            else:
+                logits = model(images)
+                loss = objective.loss(model, images, labels, logits)
             if not math.isfinite(loss.item()):
                 raise FloatingPointError(
                     f"local training diverged (loss {loss.item()}) at epoch {epoch}, step {steps}; "
                     "lower train.lr"
                 )
             loss.backward()
+            if objective is not None:
+                objective.before_step(model, optimizer)
             optimizer.step()
+            if objective is not None:
+                objective.after_step(model, optimizer)
             steps += 1
             ep_loss += loss.item() * b
             ep_images += b

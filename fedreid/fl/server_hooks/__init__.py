@@ -3,7 +3,10 @@
 A hook has a ``name``, ``instructions(round) -> dict`` (what the clients must
 add to their updates this round, e.g. ``{"kd": True}``) and
 ``after_aggregate(round, model, updates) -> dict | None`` (may train
-``model`` in place; returns metrics to log).
+``model`` in place; returns metrics to log). Optional: ``begin_round(round,
+global_state)`` (called before the clients train, with the state they get)
+and ``state_dict()``/``load_state_dict()`` for state that persists across
+rounds (checkpointed with the server).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from typing import Any, Mapping, Optional, Protocol, Sequence
 from torch import nn
 
 from fedreid.fl.server_hooks.kd import KDHook
+from fedreid.fl.server_hooks.objectives import FedDynHook, ScaffoldHook
 from fedreid.fl.update import Update
 
 
@@ -26,4 +30,4 @@ class ServerHook(Protocol):
     ) -> Optional[Mapping[str, Any]]: ...
 
 
-__all__ = ["KDHook", "ServerHook"]
+__all__ = ["FedDynHook", "KDHook", "ScaffoldHook", "ServerHook"]

@@ -1,0 +1,136 @@
+"""The server halves of SCAFFOLD and FedDyn, as server hooks.
+
+Their client halves live in :mod:`fedreid.fl.local.scaffold` and
+:mod:`fedreid.fl.local.feddyn`; the math of both halves is there too (pure
+functions), these hooks only carry the server state across rounds and apply
+it after the usual aggregation:
+
+* :class:`ScaffoldHook` (Karimireddy et al., ICML 2020, Algorithm 1 lines
+  16-17): sends the server control variate ``c`` to every sampled client; after
+  the round, ``x <- x + eta_g * mean_S(y_i - x)`` and
+  ``c <- c + |S|/N * mean_S(Delta c_i)``. The means are unweighted, as in the
+  paper; the parameters replace the size-weighted average the server computed,
+  buffers (BatchNorm statistics) keep it.
+* :class:`FedDynHook` (Acar et al., ICLR 2021, Algorithm 1 server step):
+  ``h <- h - alpha * (1/m) sum_k (theta_k - theta^{t-1})`` and
+  ``theta^t = mean_k(theta_k) - h / alpha`` over the parameters; buffers keep
+  the usual average.
+
+Both act on the trainable parameters named in the global state (the shared
+part: with FedPav the private identity heads stay out, as everywhere).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any, Mapping, Optional, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from fedreid.fl.local.base import OBJECTIVE_PAYLOAD, cpu_clone
+from fedreid.fl.local.feddyn import feddyn_server_update
+from fedreid.fl.local.scaffold import (
+    CONTROL_KEY,
+    DELTA_C_KEY,
+    scaffold_server_control_update,
+    scaffold_server_model_update,
+)
+from fedreid.fl.update import Update
+
+
+def _parameter_names(model: nn.Module, state: Mapping[str, Tensor]) -> list[str]:
+    return [name for name, p in model.named_parameters() if p.requires_grad and name in state]
+
+
+def _load(model: nn.Module, tensors: Mapping[str, Tensor]) -> None:
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, value in tensors.items():
+            params[name].copy_(value.to(params[name]))
+
+
+def _norm(tensors: Mapping[str, Tensor]) -> float:
+    return float(torch.sqrt(sum((t.double() ** 2).sum() for t in tensors.values()))) if tensors else 0.0
+
+
+class _RoundStart:
+    """Remembers the parameters the clients received this round (``x`` / ``theta^{t-1}``)."""
+
+    def __init__(self) -> None:
+        self._sent: "OrderedDict[str, Tensor]" = OrderedDict()
+
+    def begin_round(self, round_index: int, global_state: Mapping[str, Tensor]) -> None:
+        self._sent = OrderedDict((k, v.detach().clone()) for k, v in global_state.items())
+
+
+class ScaffoldHook(_RoundStart):
+    """SCAFFOLD's server: control variate ``c`` out, ``Delta c_i`` in (see the module docstring)."""
+
+    name = "scaffold"
+
+    def __init__(self, num_clients: int, *, global_lr: float = 1.0) -> None:
+        super().__init__()
+        self.num_clients = int(num_clients)
+        self.global_lr = float(global_lr)
+        self.control: "OrderedDict[str, Tensor]" = OrderedDict()
+
+    def instructions(self, round_index: int) -> dict[str, Any]:
+        return {OBJECTIVE_PAYLOAD: {CONTROL_KEY: self.control}}
+
+    def after_aggregate(
+        self, round_index: int, model: nn.Module, updates: Sequence[Update]
+    ) -> Optional[Mapping[str, Any]]:
+        missing = [u.client for u in updates if DELTA_C_KEY not in u.metadata]
+        if missing:
+            raise ValueError(f"SCAFFOLD round {round_index}: client {missing[0]!r} sent no {DELTA_C_KEY}")
+        names = _parameter_names(model, self._sent)
+        x = OrderedDict((n, self._sent[n]) for n in names)
+        deltas = [OrderedDict((n, u.state[n].to(x[n]) - x[n]) for n in names) for u in updates]
+        _load(model, scaffold_server_model_update(x, deltas, self.global_lr))
+        self.control = cpu_clone(
+            scaffold_server_control_update(self.control or None, [u.metadata[DELTA_C_KEY] for u in updates],
+                                           self.num_clients)
+        )
+        return {"control_norm": _norm(self.control)}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"control": cpu_clone(self.control)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.control = cpu_clone(state["control"])
+
+
+class FedDynHook(_RoundStart):
+    """FedDyn's server: the state ``h`` and the corrected model (see the module docstring)."""
+
+    name = "feddyn"
+
+    def __init__(self, num_clients: int, *, alpha: float = 0.01) -> None:
+        super().__init__()
+        self.num_clients = int(num_clients)
+        self.alpha = float(alpha)
+        self.h: "OrderedDict[str, Tensor]" = OrderedDict()
+
+    def instructions(self, round_index: int) -> dict[str, Any]:
+        return {}
+
+    def after_aggregate(
+        self, round_index: int, model: nn.Module, updates: Sequence[Update]
+    ) -> Optional[Mapping[str, Any]]:
+        names = _parameter_names(model, self._sent)
+        theta_prev = OrderedDict((n, self._sent[n]) for n in names)
+        thetas = [OrderedDict((n, u.state[n]) for n in names) for u in updates]
+        theta, self.h = feddyn_server_update(theta_prev, thetas, self.h or None, self.alpha, self.num_clients)
+        self.h = cpu_clone(self.h)
+        _load(model, theta)
+        return {"h_norm": _norm(self.h)}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"h": cpu_clone(self.h)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.h = cpu_clone(state["h"])
+
+
+__all__ = ["FedDynHook", "ScaffoldHook"]
