@@ -177,6 +177,9 @@ class TrainConfig:
     workers: int = 0
     random_erasing: float = 0.0
     color_jitter: float = 0.0
+    #: Skip each epoch's last partial batch, as the FedReID reference client does;
+    #: classification clients (often smaller than a batch) train on it.
+    drop_last: bool = True
     #: Client objective (:mod:`fedreid.fl.local.objectives`): ``fedavg`` (plain
     #: cross-entropy, FedPav's client), ``fedprox``, ``scaffold``, ``feddyn``,
     #: ``moon``, ``fedntd``, ``fedlmd``, ``fedlmd_tf``.
@@ -245,9 +248,21 @@ class FLConfig:
     kd_student_normalize: bool = False
     #: The unlabeled public set; null means ``data.public_dataset``.
     public_dataset: Optional[str] = None
+    #: FedFTG data-free server fine-tuning after every aggregation (classification).
+    fedftg: bool = False
+    #: FedFTG options (:class:`fedreid.fl.server_hooks.fedftg.FedFTGConfig`), e.g.
+    #: ``{iterations: 10, hard_sample_mining: false}``; image size and channels come from the data.
+    fedftg_options: dict[str, Any] = field(default_factory=dict)
 
     def validate(self, prefix: str) -> None:
         _check_positive(f"{prefix}.rounds", self.rounds)
+        if self.fedftg_options:
+            from fedreid.fl.server_hooks.fedftg import FedFTGConfig
+
+            try:
+                FedFTGConfig.from_dict(self.fedftg_options)
+            except (ValueError, TypeError) as exc:
+                raise ConfigError(f"{prefix}.fedftg_options: {exc}") from None
         if self.clients_per_round < 0:
             raise ConfigError(
                 f"{prefix}.clients_per_round: expected 0 (all) or a positive count, "
@@ -304,10 +319,64 @@ class RunConfig:
 
 
 @dataclass
+class ClassificationConfig:
+    """The classification track (``task: classification``; :mod:`fedreid.fl.classification`).
+
+    A dataset read from local files (:mod:`fedreid.data.classification`) is
+    partitioned over ``num_clients`` clients (:mod:`fedreid.data.partition`);
+    the global model is evaluated by its accuracy on the test split.
+    """
+
+    #: ``digits`` (bundled with scikit-learn), ``fashion_mnist``, ``mnist``,
+    #: ``cifar10``, ``cifar100``, ``imagefolder``.
+    dataset: str = "digits"
+    #: Folder of the dataset files; null: the dataset's default (Fashion-MNIST:
+    #: Debian's /usr/share/datasets/fashion-mnist; digits needs none).
+    root: Optional[str] = None
+    partition: Literal["iid", "dirichlet", "dirichlet_prior", "shards"] = "dirichlet"
+    num_clients: int = 10
+    #: Dirichlet concentration: alpha of ``dirichlet`` (per class over clients),
+    #: beta of ``dirichlet_prior`` (per client over classes).
+    alpha: float = 0.5
+    #: ``dirichlet``: redraw until every client has at least this many samples.
+    min_size: int = 10
+    shards_per_client: int = 2
+    #: ``dirichlet_prior``: lognormal sigma of the client sizes (0: equal sizes).
+    unbalanced_sigma: float = 0.0
+    #: Relative noise on the class counts clients report (FedFTG discusses <= 0.1).
+    count_noise: float = 0.0
+    #: ``digits``: share of each class held out for testing.
+    test_fraction: float = 0.2
+    #: Seed of the partition and the digits split.
+    split_seed: int = 0
+    #: Accuracies whose first round is reported ("rounds to reach", the papers' tables).
+    target_accuracies: list[float] = field(default_factory=lambda: [0.5, 0.7, 0.8])
+
+    def validate(self, prefix: str) -> None:
+        from fedreid.data.classification import CLASSIFICATION_DATASETS
+
+        if self.dataset not in CLASSIFICATION_DATASETS:
+            raise ConfigError(
+                f"{prefix}.dataset: unknown {self.dataset!r}; allowed: {', '.join(CLASSIFICATION_DATASETS)}"
+            )
+        for name in ("num_clients", "alpha", "shards_per_client"):
+            _check_positive(f"{prefix}.{name}", getattr(self, name))
+        if self.min_size < 0 or self.unbalanced_sigma < 0:
+            raise ConfigError(f"{prefix}.min_size and unbalanced_sigma: expected values >= 0")
+        _check_range(f"{prefix}.count_noise", self.count_noise, 0, 1)
+        _check_range(f"{prefix}.test_fraction", self.test_fraction, 0, 1, low_open=True)
+        for t in self.target_accuracies:
+            _check_range(f"{prefix}.target_accuracies", t, 0, 1)
+
+
+@dataclass
 class Config:
     """The root of every experiment config."""
 
     seed: int = 0
+    #: ``reid`` (FedPav on ReID datasets) or ``classification`` (FedAvg-family
+    #: methods, FedFTG, FedLMD on a partitioned classification dataset).
+    task: Literal["reid", "classification"] = "reid"
     data: DataConfig = field(default_factory=DataConfig)
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
     scenario: ScenarioConfig = field(default_factory=ScenarioConfig)
@@ -316,6 +385,18 @@ class Config:
     fl: FLConfig = field(default_factory=FLConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    classification: ClassificationConfig = field(default_factory=ClassificationConfig)
+
+    def validate(self, prefix: str) -> None:
+        if self.task != "classification":
+            if self.fl.fedftg:
+                raise ConfigError("fl.fedftg: implemented for task=classification only")
+            return
+        if self.fl.aggregation != "fedavg":
+            raise ConfigError("fl.aggregation: classification averages whole models; set fl.aggregation=fedavg")
+        for key in ("cdw", "kd"):
+            if getattr(self.fl, key):
+                raise ConfigError(f"fl.{key}: a FedReID method, not available with task=classification")
 
 
 # ---------------------------------------------------------------------------

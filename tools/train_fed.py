@@ -24,7 +24,14 @@ from pathlib import Path
 from typing import Any
 
 from fedreid.config import ConfigError, load_config
-from fedreid.eval.report import format_table, paper_summary, write_report
+from fedreid.eval.report import (
+    classification_summary,
+    format_classification_summary,
+    format_table,
+    is_classification,
+    paper_summary,
+    write_report,
+)
 from fedreid.utils.cli import add_config_arguments, config_from_args, run_main
 
 
@@ -49,7 +56,9 @@ def round_line(record: dict[str, Any], total_rounds: int) -> str:
     """``round 3/6  loss 2.663  mean Rank-1 45.1%  mAP 50.2%  36.0 s`` (metrics only on evaluated rounds)."""
     parts = [f"round {record['round']}/{total_rounds}", f"loss {record.get('train_loss', float('nan')):.3f}"]
     evaluated = record.get("eval") or {}
-    if evaluated:
+    if "accuracy" in evaluated.get("test", {}):
+        parts.append(f"accuracy {100 * evaluated['test']['accuracy']:.1f}%")
+    elif evaluated:
         for key, label in (("rank1", "mean Rank-1"), ("mAP", "mAP")):
             parts.append(f"{label} {100 * sum(ev[key] for ev in evaluated.values()) / len(evaluated):.1f}%")
     seconds = record.get("time", {}).get("round")
@@ -91,7 +100,12 @@ def main(argv: list[str] | None = None) -> int:
     # Without bars (a log file, CI, --no-progress) one line per round says how it goes.
     callbacks = [] if progress else [_round_printer(cfg.fl.rounds)]
     history = run_simulation(cfg, run_dir, resume=resume, progress=progress, callbacks=callbacks)
-    report = write_report(run_dir, history)
+    report = write_report(run_dir, history, targets=cfg.classification.target_accuracies)
+    if is_classification(history):
+        print("\n" + format_classification_summary(
+            classification_summary(history, cfg.classification.target_accuracies)))
+        print(f"report: {report}")
+        return 0
     summary = paper_summary(history)
     if summary["datasets"]:
         print(f"\nMean of the best {len(summary['rounds'])} evaluations (rounds {summary['rounds']}), in %:\n")

@@ -59,6 +59,45 @@ def paper_summary(
     return {"rounds": [r["round"] for r in best], "selected_by": selectors, "datasets": table}
 
 
+def is_classification(history: Sequence[Mapping[str, Any]]) -> bool:
+    """Whether the run's evaluations are classification accuracies (``task: classification``)."""
+    rounds = eval_rounds(history)
+    return bool(rounds) and "accuracy" in next(iter(rounds[-1]["eval"].values()))
+
+
+def classification_summary(
+    history: Sequence[Mapping[str, Any]], targets: Sequence[float] = (0.5, 0.7, 0.8), split: str = "test"
+) -> dict[str, Any]:
+    """Best and final test accuracy, and the first round reaching each target (the papers' tables).
+
+    A target never reached maps to ``None``. ``traffic_mib`` is the cumulative
+    traffic after the last round.
+    """
+    rounds = [r for r in eval_rounds(history) if split in r["eval"]]
+    if not rounds:
+        return {}
+    accs = [(r["round"], r["eval"][split]["accuracy"]) for r in rounds]
+    best_round, best = max(accs, key=lambda x: (x[1], -x[0]))
+    reach = {float(t): next((rnd for rnd, a in accs if a >= t), None) for t in targets}
+    comm = history[-1].get("comm", {}) if history else {}
+    return {
+        "final_accuracy": accs[-1][1], "final_round": accs[-1][0], "best_accuracy": best,
+        "best_round": best_round, "rounds_to_target": reach,
+        "traffic_mib": comm.get("cumulative_bytes", 0) / 2**20,
+    }
+
+
+def format_classification_summary(summary: Mapping[str, Any]) -> str:
+    """The summary as a small markdown table."""
+    lines = ["| metric | value |", "|---|---:|",
+             f"| final accuracy (round {summary['final_round']}) | {100 * summary['final_accuracy']:.2f}% |",
+             f"| best accuracy (round {summary['best_round']}) | {100 * summary['best_accuracy']:.2f}% |"]
+    for target, rnd in summary["rounds_to_target"].items():
+        lines.append(f"| rounds to {100 * target:.0f}% | {rnd if rnd is not None else 'not reached'} |")
+    lines.append(f"| traffic | {summary['traffic_mib']:.1f} MiB |")
+    return "\n".join(lines) + "\n"
+
+
 def plot_curves(history: Sequence[Mapping[str, Any]], out_dir: str | Path) -> list[Path]:
     """Rank-1 and mAP per dataset vs round, loss and traffic; returns the PNG paths."""
     import matplotlib
@@ -69,9 +108,9 @@ def plot_curves(history: Sequence[Mapping[str, Any]], out_dir: str | Path) -> li
     out_dir = Path(out_dir)
     written = []
     rounds = eval_rounds(history)
-    for metric, label in (("rank1", "Rank-1"), ("mAP", "mAP")):
-        if not rounds:
-            break
+    for metric, label in (("rank1", "Rank-1"), ("mAP", "mAP"), ("accuracy", "Accuracy")):
+        if not rounds or metric not in next(iter(rounds[-1]["eval"].values())):
+            continue
         fig, ax = plt.subplots(figsize=(6.4, 4.0))
         for name in rounds[-1]["eval"]:
             xs = [r["round"] for r in rounds if name in r["eval"]]
@@ -116,8 +155,17 @@ def format_table(table: Mapping[str, Mapping[str, float]], title_column: str = "
     return "\n".join(lines) + "\n"
 
 
-def write_report(run_dir: str | Path, history: Sequence[Mapping[str, Any]], *, title: str = "") -> Path:
-    """Write ``run_dir/report.md`` and its curves; returns the report's path."""
+def write_report(
+    run_dir: str | Path,
+    history: Sequence[Mapping[str, Any]],
+    *,
+    title: str = "",
+    targets: Sequence[float] = (0.5, 0.7, 0.8),
+) -> Path:
+    """Write ``run_dir/report.md`` and its curves; returns the report's path.
+
+    ``targets``: accuracies whose first round a classification run reports.
+    """
     run_dir = Path(run_dir)
     pictures = plot_curves(history, run_dir)
     rounds = eval_rounds(history)
@@ -132,7 +180,12 @@ def write_report(run_dir: str | Path, history: Sequence[Mapping[str, Any]], *, t
             f"({comm.get('total_bytes', 0) / 2**20:.2f} MiB per round).",
             "",
         ]
-    if rounds:
+    if rounds and is_classification(history):
+        summary = classification_summary(history, targets)
+        lines += ["## Test accuracy", "", format_classification_summary(summary)]
+        if (run_dir / "partition.png").is_file():
+            lines += ["![partition: samples per client and class](partition.png)", ""]
+    elif rounds:
         summary = paper_summary(history)
         lines += [
             "## Paper convention",

@@ -50,7 +50,7 @@ class ClientError(FedReIDError, ValueError):
     """A client cannot be built or run as configured; the message names it."""
 
 
-def check_split(split: ClientSplit, batch_size: int) -> None:
+def check_split(split: ClientSplit, batch_size: int, drop_last: bool = True) -> None:
     if len(split) == 0:
         raise ClientError(f"client {split.name!r} has an empty training split (no images to train on)")
     if len(split.labels) != len(split.records):
@@ -59,7 +59,7 @@ def check_split(split: ClientSplit, batch_size: int) -> None:
         )
     if split.num_classes == 0:
         raise ClientError(f"client {split.name!r} has no identities")
-    if len(split) < batch_size:
+    if drop_last and len(split) < batch_size:
         raise ClientError(
             f"client {split.name!r} has {len(split)} training images, fewer than "
             f"train.batch_size={batch_size}: local training skips partial batches (as the "
@@ -90,7 +90,7 @@ class Client:
         public_records: Optional[Sequence[Record]] = None,
         device: torch.device | str = "cpu",
     ) -> None:
-        check_split(split, cfg.train.batch_size)
+        check_split(split, cfg.train.batch_size, cfg.train.drop_last)
         self.split = split
         self.name = split.name
         self.index = index
@@ -130,14 +130,15 @@ class Client:
             )
         return self._train_dataset
 
-    def train_loader(self, seed: int, *, drop_last: bool = True):
+    def train_loader(self, seed: int, *, drop_last: Optional[bool] = None):
         """A loader over the training split; shuffle and augmentation seeded by ``seed``."""
         from fedreid.data.datasets import make_loader
 
         # make_loader seeds the shuffle order and reseeds the augmentation with the same seed
         return make_loader(
             self._dataset(), self.cfg.train.batch_size, shuffle=True, seed=derive_seed(seed, "loader"),
-            num_workers=self.cfg.train.workers, drop_last=drop_last,
+            num_workers=self.cfg.train.workers,
+            drop_last=self.cfg.train.drop_last if drop_last is None else drop_last,
         )
 
     def public_loader(self):

@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence
 
+import numpy as np
 import torch
 from torch import nn
 from tqdm import tqdm
@@ -67,6 +68,8 @@ from fedreid.utils.logging import MetricsLogger, flatten
 from fedreid.utils.seeding import derive_seed, deterministic_mode, numpy_rng
 
 Callback = Callable[[str, dict], None]
+#: The partition heat-map of a classification run (clients x classes).
+PARTITION_PICTURE = "partition.png"
 
 #: Config keys that may differ when a run is resumed.
 RESUMABLE_CHANGES = ("fl.rounds", "run.", "eval.batch_size", "train.workers")
@@ -92,6 +95,8 @@ class Federation:
     work_model: nn.Module
     evaluator: Optional[Evaluator]
     datasets: dict[str, PreparedDataset] = field(default_factory=dict)
+    #: Classification: samples per (client, class) of the partition (drawn as a heat-map).
+    class_counts: Optional[np.ndarray] = None
 
 
 def load_datasets(cfg: Config) -> dict[str, PreparedDataset]:
@@ -116,6 +121,10 @@ def build_federation(
     cfg: Config, *, datasets: Optional[Mapping[str, PreparedDataset]] = None
 ) -> Federation:
     """Datasets -> client splits -> clients, global model, server (nothing trained yet)."""
+    if cfg.task == "classification":
+        from fedreid.fl.classification import build_classification_federation
+
+        return build_classification_federation(cfg)
     from fedreid.models.reid import create_reid_model
 
     device = resolve_device(cfg.run.device)
@@ -219,6 +228,12 @@ def run_simulation(
 
 def _run(cfg: Config, run_dir: Path, ckpt, *, progress: bool, callbacks, datasets) -> list[dict[str, Any]]:
     fed = build_federation(cfg, datasets=datasets)
+    if fed.class_counts is not None and not (run_dir / PARTITION_PICTURE).is_file():
+        from fedreid.data.partition import save_partition_heatmap
+
+        c = cfg.classification
+        save_partition_heatmap(fed.class_counts, run_dir / PARTITION_PICTURE,
+                               title=f"{c.dataset}: {c.partition} partition, {c.num_clients} clients")
     server, clients = fed.server, fed.clients
     history: list[dict[str, Any]] = []
     if ckpt is not None:

@@ -13,7 +13,7 @@ Facts from the reference client (``client.py`` ``Client.train`` and
   ``e`` (0-based) runs at ``lr * gamma ** ((e + 1) // step_size)``; with the
   benchmark's E=1 the rate never decays. :func:`epoch_lr_scale` is that rule.
 * Batches smaller than the batch size are skipped (``if b < self.batch_size:
-  continue``), i.e. ``drop_last``; the epoch loss is the sum of ``loss * b``
+  continue``), i.e. ``drop_last`` (``train.drop_last``, on by default); the epoch loss is the sum of ``loss * b``
   over the used images divided by their count.
 
 Nothing here touches global random state: the caller seeds the loader, the
@@ -59,6 +59,12 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.SGD:
     everything outside the reference's ``model.classifier`` block forms its
     low-lr group.
     """
+    if not hasattr(model, "backbone"):  # a classifier: one learning rate for everything
+        params = [p for p in model.parameters() if p.requires_grad]
+        return torch.optim.SGD(
+            [{"params": params, "lr": cfg.lr, "base_lr": cfg.lr}], lr=cfg.lr, momentum=cfg.momentum,
+            weight_decay=cfg.weight_decay, nesterov=cfg.nesterov and cfg.momentum > 0,
+        )
     backbone = {id(p) for p in model.backbone.parameters()}
     low = [p for p in model.parameters() if id(p) in backbone and p.requires_grad]
     high = [p for p in model.parameters() if id(p) not in backbone and p.requires_grad]
@@ -121,7 +127,7 @@ def train_local(
         for batch in make_epoch_loader(epoch):
             images, labels = _batch(batch, device)
             b = images.shape[0]
-            if b < cfg.batch_size:  # the reference skips partial batches
+            if cfg.drop_last and b < cfg.batch_size:  # the reference skips partial batches
                 continue
             optimizer.zero_grad(set_to_none=True)
             if objective is None:

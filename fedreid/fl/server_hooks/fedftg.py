@@ -105,14 +105,14 @@ Teachers are run either in a Python loop or batched with
 ``torch.func.stack_module_state``-style stacking + ``functional_call`` +
 ``vmap`` (same architecture for all); both give the same logits (to float
 rounding). ``teacher_forward="loop"`` is the default: in
-``bench/fedftg_teachers.py`` (CPU, one intra-op thread, K=10, batch 64) vmap
-was 1.5-1.9x slower than the loop for the 2-conv CNN and for ResNet-18, and
-a whole fine-tuning 12.0 s (loop) vs 13.7 s (vmap) -- vmap turns the
-convolutions of batched activations into grouped convolutions, which CPU
-kernels run slower than K separate ones. (With two threads on a machine busy
-with another process the ranking flipped for some rows: thread contention
-punishes the loop's many small ops; the timings were 2-6x worse overall.) No
-accelerator was available to measure; try "vmap" there.
+``bench/fedftg_teachers.py`` (2-core CPU, K=10, batch 64) vmap took 1.5-2.2x
+the loop's time for the 2-conv CNN and for ResNet-18, forward and
+forward+backward, and a whole fine-tuning 8.1 s (loop) vs 20.9 s (vmap)
+(one thread: 1.5-1.9x, 12.0 s vs 13.7 s) -- vmap turns the convolutions of
+batched activations into grouped convolutions, which CPU kernels run slower
+than K separate ones. (While another process kept the 2 cores busy, the
+ranking flipped for some rows: thread contention punishes the loop's many
+small ops.) No accelerator was available to measure; try "vmap" there.
 
 Every random draw (labels, noise, dropout if the global model runs in train
 mode) comes from the ``torch.Generator`` passed to :meth:`FedFTGHook.finetune`;
@@ -883,6 +883,12 @@ class FedFTGHook:
             # step, so the global model distils on the hard samples that step
             # mined; the running statistics (official "running") lag behind a
             # generator that changes every step and are poor in early rounds.
+            # "running" is also fragile: the conv biases in front of BatchNorm
+            # have an analytically zero gradient, Adam turns its rounding noise
+            # into +-lr steps, and only eval-mode BN lets those biases reach the
+            # images -- float-rounding changes (loop vs vmap, CPU vs GPU) then
+            # change the result by ~1e-2 instead of ~1e-7 (still deterministic
+            # for one setup).
             gen_model.train(cfg.generator_bn == "batch")
             x = gen_model(z, y)
             # The batch and the teachers are fixed for the I_d steps: one teacher pass.

@@ -1,0 +1,187 @@
+"""The classification track on the same core: partitioned clients, whole-model averaging, accuracy.
+
+``task: classification`` reuses everything of the ReID engine -- the
+:class:`~fedreid.fl.client.Client` round (seeded loaders, the client
+objective, :func:`~fedreid.fl.local.sgd.train_local`), the
+:class:`~fedreid.fl.server.Server` (sampling, averaging, hooks, checkpoints)
+and :func:`~fedreid.fl.simulation.run_simulation` -- and changes only what
+differs:
+
+* data: a dataset read from local files
+  (:func:`fedreid.data.classification.load_classification_dataset`) split over
+  ``classification.num_clients`` clients by a seeded partitioner
+  (:func:`fedreid.data.partition.partition`); every client keeps the global
+  label space, so a client's split is ``ClientSplit(records=<sample indices>,
+  labels=<their labels>, pids=range(C))``;
+* model: a classifier of :mod:`fedreid.models.classifiers` named by
+  ``model.backbone``, averaged whole (``fl.aggregation=fedavg``: there is no
+  private head);
+* evaluation: top-1 accuracy and mean cross-entropy of the global model on
+  the test split (:class:`AccuracyEvaluator`);
+* metadata: on request (``instructions["class_counts"]``, FedFTG) a client
+  reports its per-class sample counts, optionally with relative noise
+  (``classification.count_noise``);
+* server hooks: SCAFFOLD/FedDyn's server halves, then FedFTG's data-free
+  fine-tuning (``fl.fedftg``, :mod:`fedreid.fl.server_hooks.fedftg`) on top of
+  any client objective.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any, Mapping, Optional
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from fedreid.config import Config, ConfigError
+from fedreid.data.classification import ArrayDataset, ClassificationDataset, load_classification_dataset
+from fedreid.data.partition import class_counts, noisy_counts, partition
+from fedreid.data.scenarios import ClientSplit
+from fedreid.fl.client import Client
+from fedreid.fl.server_hooks.fedftg import CLASS_COUNTS
+from fedreid.fl.state import clone_state
+from fedreid.fl.update import Update
+from fedreid.utils.seeding import derive_seed
+
+
+def load_train_test(cfg: Config) -> tuple[ArrayDataset, ArrayDataset]:
+    """The configured dataset's train and test splits (digits: a seeded stratified split)."""
+    c = cfg.classification
+    kw: dict[str, Any] = {}
+    if c.dataset == "digits":
+        kw = {"rng": np.random.default_rng(derive_seed(c.split_seed, "digits")), "test_fraction": c.test_fraction}
+    return (
+        load_classification_dataset(c.dataset, c.root, "train", **kw),
+        load_classification_dataset(c.dataset, c.root, "test", **kw),
+    )
+
+
+def partition_clients(cfg: Config, train: ArrayDataset) -> list[ClientSplit]:
+    """``classification.num_clients`` splits of ``train`` by the configured (seeded) partitioner."""
+    c = cfg.classification
+    options: dict[str, Any] = {
+        "iid": {},
+        "dirichlet": {"alpha": c.alpha, "min_size": c.min_size},
+        "dirichlet_prior": {"beta": c.alpha, "unbalanced_sigma": c.unbalanced_sigma},
+        "shards": {"shards_per_client": c.shards_per_client},
+    }[c.partition]
+    rng = np.random.default_rng(derive_seed(c.split_seed, "partition"))
+    parts = partition(train.labels, c.partition, c.num_clients, rng, **options)
+    classes = list(range(train.num_classes))
+    splits = []
+    for k, indices in enumerate(parts):
+        if len(indices) == 0:
+            raise ConfigError(
+                f"classification: client {k} got no samples from the {c.partition} partition; "
+                "use fewer clients or a larger alpha"
+            )
+        splits.append(ClientSplit(f"client{k:03d}", train.name, [int(i) for i in indices],
+                                  train.labels[indices].astype(np.int64), classes))
+    return splits
+
+
+class ClassificationClient(Client):
+    """A client holding a partition of a classification dataset; trains and sends the whole model."""
+
+    def __init__(self, split: ClientSplit, index: int, cfg: Config, data: ArrayDataset, *,
+                 device: torch.device | str = "cpu") -> None:
+        super().__init__(split, index, cfg, device=device)
+        self.data = data
+
+    def _dataset(self) -> ClassificationDataset:
+        if self._train_dataset is None:
+            self._train_dataset = ClassificationDataset(self.data.subset(np.asarray(self.split.records)))
+        return self._train_dataset
+
+    def init_head(self, model: nn.Module) -> None:
+        self.head = OrderedDict()  # the classifier is shared like every other layer
+
+    def prepare_model(self, model: nn.Module, payload: Mapping[str, Tensor]) -> nn.Module:
+        model.load_state_dict(payload)
+        return model.to(self.device)
+
+    def fit(self, model: nn.Module, payload: Mapping[str, Tensor], instructions: Mapping[str, Any]) -> Update:
+        update = super().fit(model, payload, instructions)
+        if instructions.get(CLASS_COUNTS):
+            counts = np.asarray(self.class_counts(), dtype=np.int64)
+            noise = self.cfg.classification.count_noise
+            if noise > 0:
+                rng = np.random.default_rng(derive_seed(self.cfg.seed, "count-noise", instructions["round"], self.index))
+                counts = noisy_counts(counts, noise, rng)
+            update.metadata[CLASS_COUNTS] = torch.as_tensor(counts, dtype=torch.float32)
+        return update
+
+    def _make_update(self, model: nn.Module, metadata: dict[str, Any]) -> Update:
+        return Update(self.name, clone_state(model.state_dict()), self.num_samples, metadata, head_shared=True)
+
+
+class AccuracyEvaluator:
+    """Top-1 accuracy and mean cross-entropy of a model on a test split."""
+
+    def __init__(self, test: ArrayDataset, *, batch_size: int = 256, device: torch.device | str = "cpu") -> None:
+        self.dataset = ClassificationDataset(test)
+        self.batch_size = batch_size
+        self.device = torch.device(device)
+        #: No client trains on the test split, so there is no local-model evaluation.
+        self.datasets: list[str] = []
+
+    @torch.no_grad()
+    def __call__(self, model: nn.Module, names: Optional[list[str]] = None) -> dict[str, dict[str, float]]:
+        was_training = model.training
+        model.eval()
+        loader = torch.utils.data.DataLoader(self.dataset, batch_size=self.batch_size, shuffle=False)
+        correct, loss, n = 0, 0.0, 0
+        for images, labels in loader:
+            images, labels = images.to(self.device), labels.to(self.device)
+            logits = model(images)
+            loss += float(F.cross_entropy(logits, labels, reduction="sum"))
+            correct += int((logits.argmax(1) == labels).sum())
+            n += labels.numel()
+        model.train(was_training)
+        return {"test": {"accuracy": correct / n, "loss": loss / n, "num_samples": n}}
+
+
+def build_classification_federation(cfg: Config):
+    """Data -> partition -> clients, global classifier, server, evaluator (nothing trained yet)."""
+    import copy
+
+    from fedreid.fl.server import Server
+    from fedreid.fl.simulation import Federation, resolve_device, server_objective_hooks
+    from fedreid.models.classifiers import create_classifier
+
+    device = resolve_device(cfg.run.device)
+    train, test = load_train_test(cfg)
+    splits = partition_clients(cfg, train)
+    clients = [ClassificationClient(split, k, cfg, train, device=device) for k, split in enumerate(splits)]
+    height, width = train.images.shape[1:3]
+    model = create_classifier(
+        cfg.model.backbone, train.num_classes, in_channels=train.channels, image_size=(height, width),
+        seed=derive_seed(cfg.seed, "model"), pretrained=cfg.model.pretrained,
+    ).to(device)
+    model.eval()
+    evaluator = AccuracyEvaluator(test, batch_size=cfg.eval.batch_size, device=device)
+    hooks = server_objective_hooks(cfg, len(clients)) if cfg.fl.mode == "federated" else []
+    if cfg.fl.fedftg and cfg.fl.mode == "federated":
+        from fedreid.fl.server_hooks.fedftg import FedFTGConfig, FedFTGHook
+
+        options = {"image_size": (int(height), int(width)), "image_channels": train.channels,
+                   **cfg.fl.fedftg_options}
+        hooks.append(FedFTGHook(FedFTGConfig.from_dict(options), num_classes=train.num_classes,
+                                seed=derive_seed(cfg.seed, "fedftg"), device=device))
+    server = Server(cfg, model, [c.name for c in clients], hooks=hooks, evaluator=evaluator)
+    fed = Federation(cfg, device, splits, clients, server, copy.deepcopy(model), evaluator, {})
+    fed.class_counts = class_counts(train.labels, [np.asarray(s.records) for s in splits], train.num_classes)
+    return fed
+
+
+__all__ = [
+    "AccuracyEvaluator",
+    "CLASS_COUNTS",
+    "ClassificationClient",
+    "build_classification_federation",
+    "load_train_test",
+    "partition_clients",
+]

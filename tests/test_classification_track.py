@@ -1,0 +1,103 @@
+"""task: classification on the same engine: partitioned digits, objectives, accuracy, resume."""
+
+import numpy as np
+import pytest
+import torch
+
+from fedreid.config import ConfigError, load_config
+from fedreid.fl.classification import CLASS_COUNTS, build_classification_federation
+from fedreid.fl.simulation import PARTITION_PICTURE, resume, run_simulation
+from fedreid.utils.checkpoint import load_checkpoint
+
+BASE = [
+    "task=classification", "fl.aggregation=fedavg", "model.backbone=cnn_lmd", "classification.num_clients=5",
+    "classification.alpha=0.5", "train.batch_size=32", "train.drop_last=false", "train.local_epochs=1",
+    "train.weight_decay=0", "train.nesterov=false", "fl.rounds=3", "eval.every=1", "run.device=cpu",
+    "run.tensorboard=false",
+]
+
+
+class Kill(RuntimeError):
+    pass
+
+
+def cfg_with(*extra):
+    return load_config(None, BASE + list(extra))
+
+
+def test_partitioned_clients_cover_the_training_split_once():
+    fed = build_classification_federation(cfg_with())
+    indices = np.concatenate([np.asarray(s.records) for s in fed.splits])
+    assert len(indices) == len(np.unique(indices)) == 1438  # digits train split
+    assert fed.class_counts.shape == (5, 10) and fed.class_counts.sum() == 1438
+    for client, row in zip(fed.clients, fed.class_counts):
+        assert client.num_classes == 10 and client.class_counts() == row.tolist()
+
+
+def test_fedavg_learns_and_writes_accuracy_and_partition(tmp_path):
+    hist = run_simulation(cfg_with("fl.rounds=5", "train.local_epochs=2"), tmp_path / "run", progress=False)
+    acc = [r["eval"]["test"]["accuracy"] for r in hist]
+    assert acc[-1] > 0.5 and acc[-1] > acc[0]  # 10 classes: chance is 0.1
+    assert (tmp_path / "run" / PARTITION_PICTURE).is_file()
+    assert hist[0]["comm"]["sent_bytes"] == hist[0]["comm"]["received_bytes"] > 0
+
+
+@pytest.mark.parametrize("objective", ["scaffold", "fedlmd_tf"])
+def test_resume_is_bit_identical(tmp_path, objective):
+    cfg = cfg_with(f"train.objective={objective}")
+    full = run_simulation(cfg, tmp_path / "full", progress=False)
+
+    def killer(event, info):
+        if event == "client_end" and info["round"] == 1 and info["client"] == "client002":
+            raise Kill()
+
+    with pytest.raises(Kill):
+        run_simulation(cfg, tmp_path / "killed", progress=False, callbacks=[killer])
+    again = resume(tmp_path / "killed", progress=False)
+    strip = [{k: v for k, v in r.items() if k != "time"} for r in full]
+    assert [{k: v for k, v in r.items() if k != "time"} for r in again] == strip
+    a = load_checkpoint(tmp_path / "full" / "checkpoint.pt")["server"]["global_state"]
+    b = load_checkpoint(tmp_path / "killed" / "checkpoint.pt")["server"]["global_state"]
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_class_counts_travel_on_request_with_bounded_noise():
+    fed = build_classification_federation(cfg_with("classification.count_noise=0.1"))
+    client = fed.clients[0]
+    update = client.fit(fed.work_model, fed.server.global_state, {"round": 0, CLASS_COUNTS: True})
+    true = np.asarray(client.class_counts(), dtype=float)
+    sent = update.metadata[CLASS_COUNTS].numpy()
+    assert np.all(np.abs(sent - true) <= 0.1 * true + 1e-9) and np.all(sent[true == 0] == 0)
+    assert CLASS_COUNTS not in client.fit(fed.work_model, fed.server.global_state, {"round": 0}).metadata
+
+
+def test_classification_config_errors():
+    with pytest.raises(ConfigError, match="set fl.aggregation=fedavg"):
+        load_config(None, ["task=classification"])
+    with pytest.raises(ConfigError, match="fl.kd: a FedReID method"):
+        load_config(None, ["task=classification", "fl.aggregation=fedavg", "fl.kd=true"])
+    with pytest.raises(ConfigError, match="classification.dataset: unknown 'svhn'"):
+        load_config(None, ["classification.dataset=svhn"])
+
+
+def test_fedftg_on_top_of_a_client_objective_resumes_exactly(tmp_path):
+    cfg = cfg_with("fl.rounds=2", "train.objective=fedprox", "fl.fedftg=true",
+                   "fl.fedftg_options={iterations: 2, global_steps: 2, batch_size: 16}")
+    full = run_simulation(cfg, tmp_path / "full", progress=False)
+    assert all("fedftg" in r and r["fedftg"]["fedftg_md_after"] >= 0 for r in full)
+    ckpt = load_checkpoint(tmp_path / "full" / "checkpoint.pt")
+    assert "fedftg" in ckpt["server"]["hooks"]
+
+    def killer(event, info):
+        if event == "round_end" and info["round"] == 0:
+            raise Kill()
+
+    with pytest.raises(Kill):
+        run_simulation(cfg, tmp_path / "killed", progress=False, callbacks=[killer])
+    again = resume(tmp_path / "killed", progress=False)
+    drop_time = [{k: v for k, v in r.items() if k != "time"} for r in full]
+    assert [{k: v for k, v in r.items() if k != "time"} for r in again] == drop_time
+    a, b = ckpt["server"]["global_state"], load_checkpoint(tmp_path / "killed" / "checkpoint.pt")["server"]["global_state"]
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    with pytest.raises(ConfigError, match="fl.fedftg_options"):
+        cfg_with("fl.fedftg=true", "fl.fedftg_options={iterationz: 2}")
