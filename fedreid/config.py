@@ -173,6 +173,9 @@ class TrainConfig:
     #: StepLR of the reference client, recreated every round (see ``fl/local/sgd.py``).
     lr_step_size: int = 40
     lr_gamma: float = 0.1
+    #: Learning rate of round ``t`` (0-based) = ``lr * lr_round_decay ** t`` (FedLMD: 0.99,
+    #: FedDyn/FedFTG code: 0.998); 1 keeps it constant (FedPav).
+    lr_round_decay: float = 1.0
     #: DataLoader workers per client.
     workers: int = 0
     random_erasing: float = 0.0
@@ -192,7 +195,7 @@ class TrainConfig:
         _check_objective(prefix, self.objective, self.objective_options)
         for name in ("local_epochs", "batch_size", "lr", "lr_step_size"):
             _check_positive(f"{prefix}.{name}", getattr(self, name))
-        for name in ("lr_backbone_ratio", "lr_gamma"):
+        for name in ("lr_backbone_ratio", "lr_gamma", "lr_round_decay"):
             _check_range(f"{prefix}.{name}", getattr(self, name), 0, 1, low_open=True)
         for name in ("momentum", "random_erasing", "color_jitter"):
             _check_range(f"{prefix}.{name}", getattr(self, name), 0, 1)

@@ -25,6 +25,14 @@ def cfg_with(*extra):
     return load_config(None, BASE + list(extra))
 
 
+def test_digits_train_and_test_are_disjoint():
+    from fedreid.fl.classification import load_train_test
+
+    train, test = load_train_test(cfg_with())
+    seen = {image.tobytes() for image in train.images}  # the 1,797 digits images are all distinct
+    assert len(train) + len(test) == 1797 and not any(image.tobytes() in seen for image in test.images)
+
+
 def test_partitioned_clients_cover_the_training_split_once():
     fed = build_classification_federation(cfg_with())
     indices = np.concatenate([np.asarray(s.records) for s in fed.splits])
@@ -101,3 +109,9 @@ def test_fedftg_on_top_of_a_client_objective_resumes_exactly(tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
     with pytest.raises(ConfigError, match="fl.fedftg_options"):
         cfg_with("fl.fedftg=true", "fl.fedftg_options={iterationz: 2}")
+
+
+def test_learning_rate_decays_per_round(tmp_path):
+    hist = run_simulation(cfg_with("train.lr=0.04", "train.lr_round_decay=0.5"), tmp_path / "decay", progress=False)
+    for rec, expected in zip(hist, (0.04, 0.02, 0.01)):
+        assert [m["lr"] for m in rec["client_metrics"].values()] == pytest.approx([expected] * 5)

@@ -37,7 +37,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fedreid.config import Config, ConfigError
-from fedreid.data.classification import ArrayDataset, ClassificationDataset, load_classification_dataset
+from fedreid.data.classification import (
+    ArrayDataset,
+    ClassificationDataset,
+    digits_train_test,
+    load_classification_dataset,
+)
 from fedreid.data.partition import class_counts, noisy_counts, partition
 from fedreid.data.scenarios import ClientSplit
 from fedreid.fl.client import Client
@@ -50,13 +55,10 @@ from fedreid.utils.seeding import derive_seed
 def load_train_test(cfg: Config) -> tuple[ArrayDataset, ArrayDataset]:
     """The configured dataset's train and test splits (digits: a seeded stratified split)."""
     c = cfg.classification
-    kw: dict[str, Any] = {}
-    if c.dataset == "digits":
-        kw = {"rng": np.random.default_rng(derive_seed(c.split_seed, "digits")), "test_fraction": c.test_fraction}
-    return (
-        load_classification_dataset(c.dataset, c.root, "train", **kw),
-        load_classification_dataset(c.dataset, c.root, "test", **kw),
-    )
+    if c.dataset == "digits":  # one draw gives both parts, so they are complementary
+        rng = np.random.default_rng(derive_seed(c.split_seed, "digits"))
+        return digits_train_test(rng, test_fraction=c.test_fraction)
+    return load_classification_dataset(c.dataset, c.root, "train"), load_classification_dataset(c.dataset, c.root, "test")
 
 
 def partition_clients(cfg: Config, train: ArrayDataset) -> list[ClientSplit]:

@@ -222,7 +222,8 @@ class Client:
             )
         with forked_torch_rng(derive_seed(seed, "dropout"), self.device):
             result: LocalResult = train_local(
-                model, epoch_loader, self.cfg.train, device=self.device, objective=objective
+                model, epoch_loader, self.cfg.train, device=self.device, objective=objective,
+                lr_scale=self.cfg.train.lr_round_decay ** round_index,
             )
         metadata: dict[str, Any] = {
             "train_loss": result.loss,

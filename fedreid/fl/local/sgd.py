@@ -52,17 +52,18 @@ def epoch_lr_scale(epoch: int, step_size: int = 40, gamma: float = 0.1) -> float
     return gamma ** ((epoch + 1) // step_size)
 
 
-def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.SGD:
+def build_optimizer(model: nn.Module, cfg: TrainConfig, lr_scale: float = 1.0) -> torch.optim.SGD:
     """Backbone at ``lr * lr_backbone_ratio``; bottleneck + head at ``lr``.
 
     Parameters outside ``model.backbone`` form the high-lr group, as
     everything outside the reference's ``model.classifier`` block forms its
     low-lr group.
     """
+    lr = cfg.lr * lr_scale
     if not hasattr(model, "backbone"):  # a classifier: one learning rate for everything
         params = [p for p in model.parameters() if p.requires_grad]
         return torch.optim.SGD(
-            [{"params": params, "lr": cfg.lr, "base_lr": cfg.lr}], lr=cfg.lr, momentum=cfg.momentum,
+            [{"params": params, "lr": lr, "base_lr": lr}], lr=lr, momentum=cfg.momentum,
             weight_decay=cfg.weight_decay, nesterov=cfg.nesterov and cfg.momentum > 0,
         )
     backbone = {id(p) for p in model.backbone.parameters()}
@@ -70,10 +71,10 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.SGD:
     high = [p for p in model.parameters() if id(p) not in backbone and p.requires_grad]
     return torch.optim.SGD(
         [
-            {"params": low, "lr": cfg.lr * cfg.lr_backbone_ratio, "base_lr": cfg.lr * cfg.lr_backbone_ratio},
-            {"params": high, "lr": cfg.lr, "base_lr": cfg.lr},
+            {"params": low, "lr": lr * cfg.lr_backbone_ratio, "base_lr": lr * cfg.lr_backbone_ratio},
+            {"params": high, "lr": lr, "base_lr": lr},
         ],
-        lr=cfg.lr,
+        lr=lr,
         momentum=cfg.momentum,
         weight_decay=cfg.weight_decay,
         nesterov=cfg.nesterov and cfg.momentum > 0,
@@ -96,6 +97,7 @@ def train_local(
     device: torch.device | str = "cpu",
     on_step: Optional[Callable[[int, float], None]] = None,
     objective: Optional["LocalObjective"] = None,
+    lr_scale: float = 1.0,
 ) -> LocalResult:
     """``cfg.local_epochs`` epochs of SGD on ``model``'s logits.
 
@@ -107,11 +109,12 @@ def train_local(
     objective of :mod:`fedreid.fl.local.objectives` whose ``begin_round`` the
     caller has already run; its ``before_step``/``after_step`` wrap every
     optimizer step). ``LocalResult.loss`` is always the full objective.
+    ``lr_scale`` multiplies every learning rate (the per-round decay).
     """
     device = torch.device(device)
     started = time.perf_counter()
     model.to(device).train()
-    optimizer = build_optimizer(model, cfg)
+    optimizer = build_optimizer(model, cfg, lr_scale)
     criterion = nn.CrossEntropyLoss()
     total_loss = total_correct = 0.0
     total_images = steps = 0
@@ -120,7 +123,7 @@ def train_local(
         scale = epoch_lr_scale(epoch, cfg.lr_step_size, cfg.lr_gamma)
         for group in optimizer.param_groups:
             group["lr"] = group["base_lr"] * scale
-        result.lrs.append(cfg.lr * scale)
+        result.lrs.append(cfg.lr * lr_scale * scale)
         model.train()
         ep_loss = 0.0
         ep_images = 0
