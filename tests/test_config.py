@@ -103,3 +103,11 @@ def test_shipped_configs_load():
     assert paths, "no configs shipped"
     for path in paths:
         load_config(path)
+
+
+def test_exponent_without_dot_is_a_number(tmp_path):
+    # YAML 1.1 (PyYAML) reads 1e-5 as a string; float fields accept it, from a file and an override.
+    cfg = load_config(write(tmp_path, "train:\n  weight_decay: 1e-5\n"), ["train.lr=2e-3"])
+    assert cfg.train.weight_decay == pytest.approx(1e-5)
+    assert cfg.train.lr == pytest.approx(2e-3)
+    assert isinstance(cfg.train.weight_decay, float)
