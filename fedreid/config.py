@@ -231,6 +231,10 @@ class FLConfig:
     rounds: int = 300
     #: Clients sampled per round; 0 means all (the benchmark: all 9 every round).
     clients_per_round: int = 0
+    #: The fewest usable updates for a round to count. Across machines a client
+    #: may be lost or send a malformed update (rejected, logged); the round then
+    #: completes with the others if at least this many remain, else it fails.
+    min_clients: int = 1
     #: ``fedpav``: identity heads stay private; ``fedavg``: the whole model is
     #: averaged (needs the same number of classes on every client).
     aggregation: Literal["fedpav", "fedavg"] = "fedpav"
@@ -271,7 +275,7 @@ class FLConfig:
                 f"{prefix}.clients_per_round: expected 0 (all) or a positive count, "
                 f"got {self.clients_per_round}"
             )
-        for name in ("kd_every", "kd_lr", "kd_batch_size"):
+        for name in ("kd_every", "kd_lr", "kd_batch_size", "min_clients"):
             _check_positive(f"{prefix}.{name}", getattr(self, name))
         if self.mode == "local" and (self.cdw or self.kd):
             which = "cdw" if self.cdw else "kd"

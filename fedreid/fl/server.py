@@ -26,20 +26,39 @@ counted separately (``metadata_bytes``).
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 import numpy as np
 from torch import Tensor, nn
 
 from fedreid.config import Config
+from fedreid.errors import FedReIDError
 from fedreid.fl.aggregate import aggregate
 from fedreid.fl.state import clone_state, state_nbytes
-from fedreid.fl.update import Update, to_plain
+from fedreid.fl.update import Update, check_update, to_plain
 from fedreid.utils.seeding import derive_seed
 
 FitFn = Callable[[int, Mapping[str, Tensor], dict], Update]
+log = logging.getLogger(__name__)
+
+
+class RoundFailedError(FedReIDError, RuntimeError):
+    """Too few clients returned a usable update for the round to count."""
+
+
+@dataclass(frozen=True)
+class RoundPlan:
+    """A round in flight: its index, the sampled client indices and what they are asked to do."""
+
+    round_index: int
+    ids: list[int]
+    instructions: dict[str, Any]
+    started: float
+
 EvalFn = Callable[[nn.Module], Mapping[str, Any]]
 
 
@@ -123,7 +142,23 @@ class Server:
         return self.local_states.get(k, self.global_state)
 
     def run_round(self, fit: FitFn) -> dict[str, Any]:
-        """One full round; returns its record (see :mod:`fedreid.fl.simulation`)."""
+        """One full round, clients one after another; returns its record (see :mod:`fedreid.fl.simulation`).
+
+        A transport that trains clients concurrently calls :meth:`begin_round`,
+        dispatches ``plan.ids`` itself and hands what came back to
+        :meth:`finish_round`; this method is that sequence in one process.
+        """
+        plan = self.begin_round()
+        updates: list[Update] = []
+        for k in plan.ids:
+            update = fit(k, self.payload_for(k), dict(plan.instructions))
+            if update.client != self.client_names[k]:
+                raise ValueError(f"update from {update.client!r} returned for client {self.client_names[k]!r}")
+            updates.append(update)
+        return self.finish_round(plan, updates)
+
+    def begin_round(self) -> RoundPlan:
+        """Sample this round's clients, let the hooks prepare, and fix the instructions."""
         round_index = self.round
         started = time.perf_counter()
         ids = self.sample_clients()
@@ -131,26 +166,57 @@ class Server:
             for hook in self.hooks:
                 if hasattr(hook, "begin_round"):
                     hook.begin_round(round_index, self.global_state)
-        ins = self.instructions(round_index)
-        updates: list[Update] = []
-        sent = 0
-        for k in ids:
-            payload = self.payload_for(k)
-            update = fit(k, payload, dict(ins))
-            if update.client != self.client_names[k]:
-                raise ValueError(f"update from {update.client!r} returned for client {self.client_names[k]!r}")
-            sent += state_nbytes(payload)
-            updates.append(update)
-        received = sum(u.nbytes for u in updates)
-        meta_bytes = sum(u.metadata_nbytes for u in updates)
+        return RoundPlan(round_index, ids, self.instructions(round_index), started)
+
+    def finish_round(
+        self, plan: RoundPlan, updates: Sequence[Update], failures: Optional[Mapping[str, str]] = None
+    ) -> dict[str, Any]:
+        """Validate, aggregate, run the hooks and evaluate; returns the round's record.
+
+        ``updates``: what the sampled clients returned, in any order.
+        ``failures``: client name -> why nothing came back (a lost connection).
+        Updates that fail :func:`fedreid.fl.update.check_update` against the
+        global state (non-finite values, missing or reshaped tensors) are
+        rejected and logged with the failures, never averaged. Fewer than
+        ``fl.min_clients`` accepted updates raise :class:`RoundFailedError`
+        and leave the server as it was before the round.
+        """
+        if plan.round_index != self.round:
+            raise ValueError(f"plan for round {plan.round_index + 1} finished in round {self.round + 1}")
+        failed: dict[str, str] = dict(failures or {})
+        accepted: list[Update] = []
+        # Aggregate in the sampled order whatever order replies came in: float sums depend on it.
+        order = {self.client_names[k]: i for i, k in enumerate(plan.ids)}
+        for u in sorted(updates, key=lambda u: order.get(u.client, len(order))):
+            if u.client not in order:
+                failed[u.client] = "update from a client that was not sampled this round"
+                continue
+            problem = check_update(u, self.payload_for(self.client_names.index(u.client)))
+            if problem:
+                failed[u.client] = f"update rejected: {problem}"
+                continue
+            accepted.append(u)
+        need = min(self.cfg.fl.min_clients, len(plan.ids))
+        if len(accepted) < need:
+            detail = "; ".join(f"{name}: {why}" for name, why in sorted(failed.items())) or "none replied"
+            raise RoundFailedError(
+                f"round {plan.round_index + 1}: {len(accepted)} of {len(plan.ids)} sampled clients returned a "
+                f"usable update, fl.min_clients={self.cfg.fl.min_clients} ({detail})"
+            )
+        for name, why in sorted(failed.items()):
+            log.warning("round %d: client %s left out: %s", plan.round_index + 1, name, why)
+        round_index, ins = plan.round_index, plan.instructions
+        sent = sum(state_nbytes(self.payload_for(k)) for k in plan.ids)
+        received = sum(u.nbytes for u in accepted)
+        meta_bytes = sum(u.metadata_nbytes for u in accepted)
         if not self.federated:
             sent = received = meta_bytes = 0
         self.total_bytes += sent + received
         record: dict[str, Any] = {
             "round": round_index + 1,
             "mode": self.cfg.fl.mode,
-            "clients": [u.client for u in updates],
-            "train_loss": float(np.mean([u.metadata.get("train_loss", np.nan) for u in updates])),
+            "clients": [u.client for u in accepted],
+            "train_loss": float(np.mean([u.metadata.get("train_loss", np.nan) for u in accepted])),
             "client_metrics": {},
             "comm": {
                 "sent_bytes": sent,
@@ -161,7 +227,9 @@ class Server:
             },
             "time": {"clients": {}},
         }
-        for u in updates:
+        if failed:
+            record["failed"] = dict(sorted(failed.items()))
+        for u in accepted:
             scalars = to_plain(u.scalars())
             record["time"]["clients"][u.client] = {k: v for k, v in scalars.items() if k.startswith("time_")}
             record["client_metrics"][u.client] = dict(
@@ -169,7 +237,7 @@ class Server:
             )
         t0 = time.perf_counter()
         if self.federated:
-            agg = aggregate(updates, cdw=ins["cdw"], bn=self.cfg.fl.bn)
+            agg = aggregate(accepted, cdw=ins["cdw"], bn=self.cfg.fl.bn)
             self.set_global_state(agg.state)
             record["weighting"] = agg.weighting
             record["weights"] = dict(zip(agg.clients, agg.weights))
@@ -178,23 +246,23 @@ class Server:
             record["time"]["aggregate"] = time.perf_counter() - t0
             for hook in self.hooks:
                 t0 = time.perf_counter()
-                stats = hook.after_aggregate(round_index, self.model, updates)
+                stats = hook.after_aggregate(round_index, self.model, accepted)
                 if stats:
                     self.global_state = model_state(self.model, with_head=self.with_head)
                     stats = dict(stats)
                     record["time"][hook.name] = stats.pop(f"{hook.name}_seconds", time.perf_counter() - t0)
                     record[hook.name] = to_plain(stats)
         else:
-            for k, u in zip(ids, updates):
-                self.local_states[k] = u.state
-        del updates
+            for u in accepted:
+                self.local_states[self.client_names.index(u.client)] = u.state
+        del accepted
         if ins["evaluate"] and self.federated and self.evaluator is not None:
             t0 = time.perf_counter()
             record["eval"] = to_plain(dict(self.evaluator(self.model)))
             record["time"]["eval"] = time.perf_counter() - t0
         self.round += 1
         timing = record.pop("time")  # keep wall-clock entries last in the record
-        timing["round"] = time.perf_counter() - started
+        timing["round"] = time.perf_counter() - plan.started
         record["time"] = timing
         return record
 

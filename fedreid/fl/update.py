@@ -9,6 +9,7 @@ one place, :func:`check_no_private`, and runs whenever an Update is built.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence
 
@@ -84,6 +85,45 @@ class Update:
         return {k: v for k, v in self.metadata.items() if not _holds_tensors(v)}
 
 
+def check_update(update: Update, reference: Mapping[str, Tensor]) -> Optional[str]:
+    """Why ``update`` must not be averaged into ``reference`` (the state it was trained from), or None.
+
+    The shared state must hold exactly the reference's tensors with the same
+    shapes, and every floating tensor in the state and the metadata must be
+    finite: one NaN averaged in poisons the global model for every client.
+    """
+    missing = [k for k in reference if k not in update.state]
+    extra = [k for k in update.state if k not in reference]
+    if missing or extra:
+        parts = []
+        if missing:
+            parts.append(f"missing {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}")
+        if extra:
+            parts.append(f"unexpected {', '.join(extra[:3])}{' ...' if len(extra) > 3 else ''}")
+        return "; ".join(parts)
+    for key, ref in reference.items():
+        got = update.state[key]
+        if tuple(got.shape) != tuple(ref.shape):
+            return f"{key} has shape {tuple(got.shape)}, expected {tuple(ref.shape)}"
+        if got.is_floating_point() and not bool(got.isfinite().all()):
+            return f"{key} holds non-finite values"
+    for key, value in update.metadata.items():
+        if _holds_tensors(value) and not _all_finite(value):
+            return f"metadata {key!r} holds non-finite values"
+    cdw = update.metadata.get("cdw_distance")
+    if cdw is not None and not math.isfinite(float(cdw)):
+        return f"metadata 'cdw_distance' is {cdw}"
+    return None
+
+
+def _all_finite(value: Any) -> bool:
+    if isinstance(value, Tensor):
+        return not value.is_floating_point() or bool(value.isfinite().all())
+    if isinstance(value, Mapping):
+        return all(_all_finite(v) for v in value.values())
+    return True
+
+
 def _holds_tensors(value: Any) -> bool:
     if isinstance(value, Tensor):
         return True
@@ -114,4 +154,4 @@ def to_plain(value: Any) -> Any:
     return value
 
 
-__all__ = ["Update", "PrivateStateError", "check_no_private", "private_prefixes", "to_plain"]
+__all__ = ["Update", "PrivateStateError", "check_no_private", "check_update", "private_prefixes", "to_plain"]
