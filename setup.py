@@ -30,7 +30,7 @@ setup(
         "test": ["pytest>=7", "scikit-learn", "ruff"],
         # faiss-gpu replaces faiss-cpu: install with `pip uninstall faiss-cpu` first.
         "gpu": ["faiss-gpu-cu12"],
-        "flower": ["flwr>=1.20"],
+        "flower": ["flwr>=1.41,<2"],
     },
     scripts=["tools/prepare_datasets.py", "tools/train_fed.py", "tools/eval_reid.py"],
 )

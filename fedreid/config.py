@@ -424,6 +424,17 @@ def load_config(
     return from_dict(cls, data)
 
 
+def load_config_text(text: str, overrides: Sequence[str] = (), cls: type = Config) -> Any:
+    """Like :func:`load_config`, from YAML text (a config sent to another machine)."""
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"the config text is not valid YAML: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"the config text: expected a mapping of keys, got {type(data).__name__}")
+    return from_dict(cls, apply_overrides(data, overrides))
+
+
 def read_yaml(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     try:

@@ -51,7 +51,7 @@ from tqdm import tqdm
 
 from fedreid.config import Config, ConfigError, dump_config, from_dict, to_dict
 from fedreid.data.prepared import PreparedDataset, load_prepared
-from fedreid.data.scenarios import ClientSplit, build_clients
+from fedreid.data.scenarios import ClientSplit, build_clients, by_dataset
 from fedreid.fl.client import Client, ClientError, make_public_loader
 from fedreid.fl.evaluation import Evaluator
 from fedreid.fl.server import Server
@@ -73,6 +73,10 @@ PARTITION_PICTURE = "partition.png"
 
 #: Config keys that may differ when a run is resumed.
 RESUMABLE_CHANGES = ("fl.rounds", "run.", "eval.batch_size", "train.workers")
+
+
+#: Runs one round on clients in other processes: ``record = remote_round(server)``.
+RemoteRound = Callable[[Server], dict[str, Any]]
 
 
 def resolve_device(name: str) -> torch.device:
@@ -125,8 +129,6 @@ def build_federation(
         from fedreid.fl.classification import build_classification_federation
 
         return build_classification_federation(cfg)
-    from fedreid.models.reid import create_reid_model
-
     device = resolve_device(cfg.run.device)
     datasets = dict(datasets) if datasets is not None else load_datasets(cfg)
     splits = build_clients(cfg.scenario, datasets, numpy_rng(cfg.data.split_seed, "scenario"))
@@ -144,12 +146,7 @@ def build_federation(
                 f"of classes on every client (got {sorted(sizes)}); use fedpav"
             )
         num_classes = sizes.pop()
-    m = cfg.model
-    global_model = create_reid_model(
-        m.backbone, num_classes, pretrained=m.pretrained, last_stride=m.last_stride,
-        bottleneck_dim=m.bottleneck_dim, dropout=m.dropout, seed=derive_seed(cfg.seed, "model"),
-    ).to(device)
-    global_model.eval()
+    global_model = _reid_model(cfg, num_classes, device)
     work_model = copy.deepcopy(global_model)
 
     eval_names = cfg.eval.datasets
@@ -171,6 +168,43 @@ def build_federation(
         )
     server = Server(cfg, global_model, [c.name for c in clients], hooks=hooks, evaluator=evaluator)
     return Federation(cfg, device, splits, clients, server, work_model, evaluator, datasets)
+
+
+def _reid_model(cfg: Config, num_classes: int, device: torch.device) -> nn.Module:
+    from fedreid.models.reid import create_reid_model
+
+    m = cfg.model
+    model = create_reid_model(
+        m.backbone, num_classes, pretrained=m.pretrained, last_stride=m.last_stride,
+        bottleneck_dim=m.bottleneck_dim, dropout=m.dropout, seed=derive_seed(cfg.seed, "model"),
+    ).to(device)
+    return model.eval()
+
+
+def build_client(cfg: Config, name: str) -> tuple[Client, nn.Module]:
+    """The client ``name`` and a work model, as the machine that holds its data builds them.
+
+    With one client per dataset (the ReID benchmark) only that dataset is read;
+    the other scenarios split one dataset, which that machine then holds. The
+    client's index, and so its seeds, are its position in the whole federation,
+    so it trains exactly as in a simulation of the same config.
+    """
+    if cfg.task == "reid" and cfg.scenario.kind == "by_dataset":
+        names = cfg.data.dataset_names()
+        if name not in names:
+            raise ConfigError(f"client {name!r} is not one of data.datasets ({', '.join(names)})")
+        split = by_dataset([load_prepared(cfg.data.prepared_root, name)], cfg.scenario.train_split)[0]
+        device = resolve_device(cfg.run.device)
+        kd = cfg.fl.mode == "federated" and cfg.fl.kd
+        client = Client(split, names.index(name), cfg, public_records=public_records(cfg) if kd else None,
+                        device=device)
+        num_classes = client.num_classes if cfg.fl.aggregation == "fedavg" else 0
+        return client, _reid_model(cfg, num_classes, device)
+    fed = build_federation(cfg)
+    by_name = {c.name: c for c in fed.clients}
+    if name not in by_name:
+        raise ConfigError(f"client {name!r} is not in this federation ({', '.join(by_name)})")
+    return by_name[name], fed.work_model
 
 
 def config_changes(old: Config, new: Config) -> list[str]:
@@ -196,12 +230,16 @@ def run_simulation(
     progress: bool = True,
     callbacks: Sequence[Callback] = (),
     datasets: Optional[Mapping[str, PreparedDataset]] = None,
+    remote_round: Optional[RemoteRound] = None,
 ) -> list[dict[str, Any]]:
     """Run (or, with ``resume``, continue) a federated or local-baseline training.
 
     Returns the history: one record per completed round (see the module
     docstring). ``cfg=None`` is allowed with ``resume`` (the checkpoint's
     config is used). ``datasets`` overrides loading from ``data.prepared_root``.
+    ``remote_round(server) -> record``: the clients live elsewhere (Flower,
+    :mod:`fedreid.flower`) and keep their own state; the round is run through
+    it instead of in this process, and checkpoints hold the server's side only.
     """
     run_dir = Path(run_dir)
     ckpt = None
@@ -223,10 +261,12 @@ def run_simulation(
         raise ValueError(f"no checkpoint in {run_dir} to resume and no config given")
     run_dir.mkdir(parents=True, exist_ok=True)
     with deterministic_mode(cfg.run.deterministic):
-        return _run(cfg, run_dir, ckpt, progress=progress, callbacks=callbacks, datasets=datasets)
+        return _run(cfg, run_dir, ckpt, progress=progress, callbacks=callbacks, datasets=datasets,
+                    remote_round=remote_round)
 
 
-def _run(cfg: Config, run_dir: Path, ckpt, *, progress: bool, callbacks, datasets) -> list[dict[str, Any]]:
+def _run(cfg: Config, run_dir: Path, ckpt, *, progress: bool, callbacks, datasets,
+         remote_round: Optional[RemoteRound] = None) -> list[dict[str, Any]]:
     fed = build_federation(cfg, datasets=datasets)
     if fed.class_counts is not None and not (run_dir / PARTITION_PICTURE).is_file():
         from fedreid.data.partition import save_partition_heatmap
@@ -234,7 +274,8 @@ def _run(cfg: Config, run_dir: Path, ckpt, *, progress: bool, callbacks, dataset
         c = cfg.classification
         save_partition_heatmap(fed.class_counts, run_dir / PARTITION_PICTURE,
                                title=f"{c.dataset}: {c.partition} partition, {c.num_clients} clients")
-    server, clients = fed.server, fed.clients
+    server = fed.server
+    clients = fed.clients if remote_round is None else []
     history: list[dict[str, Any]] = []
     if ckpt is not None:
         server.load_state_dict(ckpt["server"])
@@ -274,7 +315,7 @@ def _run(cfg: Config, run_dir: Path, ckpt, *, progress: bool, callbacks, dataset
                 emit("client_end", {"round": round_index, "client": client.name, "update": update})
                 return update
 
-            record = server.run_round(fit)
+            record = server.run_round(fit) if remote_round is None else remote_round(server)
             client_bar.close()
             if local_eval and cfg.fl.mode == "local":
                 # The baseline's own result: every client's model on its own data,

@@ -1,0 +1,298 @@
+"""Flower ``ServerApp`` and ``ClientApp`` around the project's own server and client code.
+
+No algorithm lives here. The ServerApp runs
+:func:`fedreid.fl.simulation.run_simulation` with a ``remote_round`` that
+sends each sampled client its payload and instructions through the Flower
+grid and hands the replies to :meth:`fedreid.fl.server.Server.finish_round`
+(sampling, aggregation, CDW, KD, FedFTG, SCAFFOLD/FedDyn halves, evaluation,
+checkpoints and resume are the in-process code). The ClientApp is
+:class:`fedreid.flower.node.NodeClient`: it builds its client from the
+config the server sends, trains with :meth:`fedreid.fl.client.Client.fit`
+and keeps its private state on its own disk.
+
+Run config (``flwr run ... --run-config``; see :class:`ServerSettings`):
+``config`` (the project's YAML, a path on the server machine), ``overrides``
+(``key.sub=value`` separated by spaces), ``out`` (the run folder),
+``resume``, ``round-timeout``, ``join-timeout``, ``secure-aggregation``.
+
+Node config (``flower-supernode --node-config``; see :class:`NodeSettings`):
+``client`` (the client this machine is: a dataset name such as
+``market1501``, or ``client_3`` of a partition), ``state-dir`` (its private
+state), and machine-local paths: ``prepared-root``, ``classification-root``,
+``device``.
+"""
+
+from __future__ import annotations
+
+import logging
+import shlex
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+from flwr.app import Context, Message, MessageType
+from flwr.clientapp import ClientApp
+from flwr.serverapp import Grid, ServerApp
+
+from fedreid.config import Config, ConfigError, dump_config, load_config, load_config_text
+from fedreid.errors import FedReIDError
+from fedreid.fl.server import RoundFailedError, Server
+from fedreid.flower.codec import CodecError, pack, unpack, update_from_plain, update_to_plain
+from fedreid.flower.node import LOCAL_EVAL, NodeClient
+
+log = logging.getLogger("fedreid.flower")
+
+#: Node-config keys and the config key each one sets on that machine only.
+NODE_PATHS = {
+    "prepared-root": "data.prepared_root",
+    "classification-root": "classification.root",
+    "device": "run.device",
+}
+
+
+def _flag(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    return str(value).strip().lower() in {"1", "true", "yes", "on"}
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """The run config of the ServerApp."""
+
+    config: Optional[str]
+    overrides: list[str]
+    out: Path
+    resume: bool = False
+    round_timeout: float = 3600.0
+    join_timeout: float = 300.0
+    secure_aggregation: bool = False
+
+    @classmethod
+    def from_run_config(cls, run_config: Mapping[str, Any]) -> "ServerSettings":
+        known = {"config", "overrides", "out", "resume", "round-timeout", "join-timeout", "secure-aggregation"}
+        unknown = sorted(set(run_config) - known)
+        if unknown:
+            raise ConfigError(f"flower run config: unknown key(s) {', '.join(unknown)}; allowed: "
+                              f"{', '.join(sorted(known))}")
+        if not str(run_config.get("out", "")).strip():
+            raise ConfigError("flower run config: 'out' (the run folder on the server machine) is required")
+        config = str(run_config.get("config", "")).strip() or None
+        return cls(
+            config=config,
+            overrides=shlex.split(str(run_config.get("overrides", ""))),
+            out=Path(str(run_config["out"])),
+            resume=_flag(run_config.get("resume", False)),
+            round_timeout=float(run_config.get("round-timeout", 3600.0)),
+            join_timeout=float(run_config.get("join-timeout", 300.0)),
+            secure_aggregation=_flag(run_config.get("secure-aggregation", False)),
+        )
+
+
+@dataclass(frozen=True)
+class NodeSettings:
+    """The node config of a SuperNode: who it is, where its state and data are."""
+
+    client: str
+    state_dir: Path
+    local_overrides: tuple[str, ...] = ()
+
+    @classmethod
+    def from_node_config(cls, node_config: Mapping[str, Any]) -> "NodeSettings":
+        client = str(node_config.get("client", "")).strip()
+        if not client:
+            raise ConfigError("flower node config: 'client' (which client this machine is) is required, "
+                              "e.g. --node-config \"client='market1501' state-dir='/var/lib/fedreid'\"")
+        overrides = tuple(f"{key}={node_config[name]}" for name, key in NODE_PATHS.items() if name in node_config)
+        state_dir = Path(str(node_config.get("state-dir", "fedreid_state")))
+        return cls(client, state_dir, overrides)
+
+
+def check_secure_aggregation(cfg: Config, requested: bool) -> None:
+    """Refuse secure aggregation: the server-side methods need every client's own model or features."""
+    if not requested:
+        return
+    needs = [name for name, on in (("fl.kd (public-set KD)", cfg.fl.kd), ("fl.cdw", cfg.fl.cdw),
+                                   ("fl.fedftg", cfg.fl.fedftg)) if on]
+    if needs:
+        raise ConfigError(
+            f"secure aggregation hides individual client models, which {', '.join(needs)} need; "
+            "turn those off or run without secure-aggregation"
+        )
+    raise ConfigError("secure aggregation is not supported by fedreid's Flower app yet; "
+                      "run without secure-aggregation (use TLS for transport security)")
+
+
+# ------------------------------------------------------------------ server
+
+
+class GridRound:
+    """``remote_round`` for :func:`run_simulation`: one round over the Flower grid."""
+
+    def __init__(self, grid: Grid, cfg: Config, settings: ServerSettings) -> None:
+        self.grid = grid
+        self.cfg = cfg
+        self.settings = settings
+        self.config_text = dump_config(cfg)
+        self.run_name = settings.out.resolve().name
+        self.nodes: dict[str, int] = {}  # client name -> node id
+        self.strangers: set[int] = set()
+
+    def discover(self, client_names: list[str], *, wait: float) -> None:
+        """Ask nodes not yet known which client they are (a restarted node comes back with a new id)."""
+        deadline = time.monotonic() + wait
+        while True:
+            present = set(self.grid.get_node_ids())
+            self.nodes = {name: node for name, node in self.nodes.items() if node in present}
+            new = sorted(present - set(self.nodes.values()) - self.strangers)
+            if new:
+                hello = [Message(content=pack(hello={"run": self.run_name}), dst_node_id=node,
+                                 message_type=MessageType.QUERY, group_id="hello") for node in new]
+                for reply in self.grid.send_and_receive(hello, timeout=max(5.0, deadline - time.monotonic())):
+                    node = reply.metadata.src_node_id
+                    if reply.has_error():
+                        log.warning("node %s did not say which client it is: %s", node, reply.error.reason)
+                        continue
+                    name = str(unpack(reply.content, "hello").get("client"))
+                    if name not in client_names:
+                        log.warning("node %s says it is client %r, which this run does not have (%s); ignored",
+                                    node, name, ", ".join(client_names))
+                        self.strangers.add(node)
+                    elif name in self.nodes:
+                        log.warning("node %s and node %s both say they are client %r; keeping the first",
+                                    self.nodes[name], node, name)
+                        self.strangers.add(node)
+                    else:
+                        self.nodes[name] = node
+            if len(self.nodes) == len(client_names) or time.monotonic() >= deadline:
+                return
+            time.sleep(1.0)
+
+    def __call__(self, server: Server) -> dict[str, Any]:
+        names = server.client_names
+        wait = self.settings.join_timeout if server.round == 0 and not self.nodes else 0.0
+        self.discover(names, wait=wait)
+        plan = server.begin_round()
+        failures: dict[str, str] = {}
+        messages, sent_to = [], {}
+        for k in plan.ids:
+            name = names[k]
+            node = self.nodes.get(name)
+            if node is None:
+                failures[name] = "not connected"
+                continue
+            content = pack(payload=dict(server.payload_for(k)), instructions=plan.instructions,
+                           run={"name": self.run_name, "config": self.config_text, "client": name})
+            messages.append(Message(content=content, dst_node_id=node, message_type=MessageType.TRAIN,
+                                    group_id=str(plan.round_index)))
+            sent_to[node] = name
+        updates = []
+        replies = self.grid.send_and_receive(messages, timeout=self.settings.round_timeout) if messages else []
+        for reply in replies:
+            node = reply.metadata.src_node_id
+            name = sent_to.pop(node, None)
+            if name is None:
+                continue
+            if reply.has_error():
+                failures[name] = f"client failed: {reply.error.reason}"
+                continue
+            try:
+                update = update_from_plain(unpack(reply.content, "update"))
+            except (CodecError, FedReIDError, ValueError, TypeError) as exc:
+                failures[name] = f"update rejected: {exc}"
+                continue
+            if update.client != name:
+                failures[name] = f"update rejected: it names client {update.client!r}"
+                continue
+            updates.append(update)
+        for name in sent_to.values():
+            failures[name] = f"no reply within {self.settings.round_timeout:g} s"
+        for name in failures:  # a lost node is asked again next round, under its new id
+            self.nodes.pop(name, None)
+        local_eval = {u.client: u.metadata.pop(LOCAL_EVAL) for u in updates if LOCAL_EVAL in u.metadata}
+        record = server.finish_round(plan, updates, failures)
+        if local_eval:  # as the simulation records it: the clients' models before aggregation
+            order = {name: i for i, name in enumerate(record["clients"])}
+            kept = sorted((n for n in local_eval if n in order), key=order.__getitem__)
+            record["local_eval"] = {name: local_eval[name] for name in kept}
+        return record
+
+
+server_app = ServerApp()
+
+
+@server_app.main()
+def server_main(grid: Grid, context: Context) -> None:
+    from fedreid.eval.report import write_report
+    from fedreid.fl.simulation import run_simulation
+
+    settings = ServerSettings.from_run_config(context.run_config)
+    cfg = load_config(settings.config, settings.overrides) if settings.config else None
+    if cfg is None and not settings.resume:
+        raise ConfigError("flower run config: 'config' (the YAML on the server machine) is required unless resuming")
+    if cfg is not None:
+        check_secure_aggregation(cfg, settings.secure_aggregation)
+    if cfg is not None and cfg.fl.mode != "federated":
+        raise ConfigError("fl.mode: the local-training baseline has no server; run it with tools/train_fed.py")
+    holder: dict[str, GridRound] = {}
+
+    def remote_round(server: Server) -> dict[str, Any]:
+        if "round" not in holder:
+            holder["round"] = GridRound(grid, server.cfg, settings)
+        return holder["round"](server)
+
+    try:
+        history = run_simulation(cfg, settings.out, resume=settings.resume, progress=False,
+                                 callbacks=[_log_round], remote_round=remote_round)
+    except RoundFailedError as exc:
+        log.error("%s; the run stops here and can be resumed (resume=true) from its last round", exc)
+        raise
+    saved = load_config(settings.out / "config.yaml")
+    write_report(settings.out, history, targets=saved.classification.target_accuracies)
+    log.info("finished: %d rounds, report in %s", len(history), settings.out / "report.md")
+
+
+def _log_round(event: str, info: dict) -> None:
+    if event != "round_end":
+        return
+    record = info["record"]
+    lost = record.get("failed", {})
+    log.info("round %d: %d clients, loss %.3f%s", record["round"], len(record["clients"]),
+             record["train_loss"], f", left out: {', '.join(lost)}" if lost else "")
+
+
+# ------------------------------------------------------------------ client
+
+client_app = ClientApp()
+_NODES: dict[tuple[str, str, str], NodeClient] = {}
+
+
+def _node_client(run: Mapping[str, Any], settings: NodeSettings) -> NodeClient:
+    """This machine's client for the run (rebuilt when the process is new or the config changed)."""
+    key = (str(run["name"]), settings.client, str(run["config"]))
+    if key not in _NODES:
+        _NODES.clear()
+        cfg = load_config_text(str(run["config"]), list(settings.local_overrides))
+        _NODES[key] = NodeClient(cfg, settings.client, settings.state_dir, str(run["name"]))
+    return _NODES[key]
+
+
+@client_app.query()
+def client_hello(msg: Message, context: Context) -> Message:
+    settings = NodeSettings.from_node_config(context.node_config)
+    return Message(pack(hello={"client": settings.client}), reply_to=msg)
+
+
+@client_app.train()
+def client_train(msg: Message, context: Context) -> Message:
+    settings = NodeSettings.from_node_config(context.node_config)
+    run = unpack(msg.content, "run")
+    if run.get("client") != settings.client:
+        raise ConfigError(f"this node is client {settings.client!r}, the server asked for {run.get('client')!r}")
+    node = _node_client(run, settings)
+    update = node.fit(unpack(msg.content, "payload"), unpack(msg.content, "instructions"))
+    return Message(pack(update=update_to_plain(update)), reply_to=msg)
+
+
+__all__ = ["server_app", "client_app", "ServerSettings", "NodeSettings", "GridRound", "check_secure_aggregation"]

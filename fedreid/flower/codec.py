@@ -1,0 +1,118 @@
+"""The project's plain records as Flower ``RecordDict`` contents, and back.
+
+Nothing is pickled on the wire. A value is split into a JSON document and a
+flat set of tensors: every tensor inside (nested dicts and lists of them
+included, e.g. SCAFFOLD's control variates or KD features) is replaced by a
+``{"__tensor__": key}`` placeholder and travels in an ``ArrayRecord`` under
+that key (Flower serialises arrays with ``numpy.save``: dtype and shape
+survive exactly). The receiving side puts the tensors back.
+
+* the server's request: ``payload`` (the state to train from) and
+  ``instructions`` (round, cdw, kd, objective payload, ...);
+* the client's reply: an :class:`fedreid.fl.update.Update` (shared state,
+  sample count, metadata, ``head_shared``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from typing import Any, Mapping
+
+import torch
+from torch import Tensor
+
+from fedreid.errors import FedReIDError
+
+TENSOR_TAG = "__tensor__"
+
+
+class CodecError(FedReIDError, ValueError):
+    """A message did not hold what this side expected."""
+
+
+def flatten(value: Any, prefix: str = "") -> tuple[Any, dict[str, Tensor]]:
+    """``value`` with its tensors replaced by placeholders, and the tensors by key."""
+    tensors: dict[str, Tensor] = {}
+
+    def walk(v: Any, path: str) -> Any:
+        if isinstance(v, Tensor):
+            tensors[path] = v.detach().cpu().contiguous()
+            return {TENSOR_TAG: path}
+        if isinstance(v, Mapping):
+            for key in v:
+                if not isinstance(key, str):
+                    raise CodecError(f"{path or 'value'}: only string keys can travel, got {key!r}")
+            return {k: walk(x, f"{path}/{k}") for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [walk(x, f"{path}/{i}") for i, x in enumerate(v)]
+        if hasattr(v, "item") and getattr(v, "shape", None) == ():  # numpy scalars
+            return v.item()
+        if v is None or isinstance(v, (bool, int, float, str)):
+            return v
+        raise CodecError(f"{path or 'value'}: cannot send a {type(v).__name__}")
+
+    return walk(value, prefix), tensors
+
+
+def unflatten(doc: Any, tensors: Mapping[str, Tensor]) -> Any:
+    """Inverse of :func:`flatten`."""
+    if isinstance(doc, dict):
+        if set(doc) == {TENSOR_TAG}:
+            key = doc[TENSOR_TAG]
+            if key not in tensors:
+                raise CodecError(f"the message names tensor {key!r} but does not carry it")
+            return tensors[key]
+        return {k: unflatten(v, tensors) for k, v in doc.items()}
+    if isinstance(doc, list):
+        return [unflatten(v, tensors) for v in doc]
+    return doc
+
+
+def pack(**parts: Any):
+    """A Flower ``RecordDict`` holding each keyword part as a JSON document and an ``ArrayRecord``."""
+    from flwr.app import ArrayRecord, ConfigRecord, RecordDict
+
+    content = RecordDict()
+    for name, value in parts.items():
+        doc, tensors = flatten(value, name)
+        content[f"{name}.arrays"] = ArrayRecord.from_torch_state_dict(tensors)
+        content[f"{name}.json"] = ConfigRecord({"json": json.dumps(doc, allow_nan=True)})
+    return content
+
+
+def unpack(content, name: str) -> Any:
+    """The part ``name`` of a :func:`pack`-ed ``RecordDict``."""
+    try:
+        doc = json.loads(content[f"{name}.json"]["json"])
+        arrays = content[f"{name}.arrays"]
+    except KeyError:
+        raise CodecError(f"the message has no {name!r} part (has {', '.join(sorted(content.keys()))})") from None
+    tensors = {k: torch.from_numpy(arrays[k].numpy().copy()) for k in arrays.keys()}
+    return unflatten(doc, tensors)
+
+
+def update_to_plain(update) -> dict[str, Any]:
+    """An :class:`~fedreid.fl.update.Update` as a plain dict for :func:`pack`."""
+    return {
+        "client": update.client,
+        "state": OrderedDict(update.state),
+        "num_samples": int(update.num_samples),
+        "metadata": dict(update.metadata),
+        "head_shared": bool(update.head_shared),
+    }
+
+
+def update_from_plain(value: Mapping[str, Any]):
+    """Rebuild the :class:`~fedreid.fl.update.Update` (its checks run again on this side)."""
+    from fedreid.fl.update import Update
+
+    try:
+        state = OrderedDict(value["state"])
+        return Update(str(value["client"]), state, int(value["num_samples"]), dict(value["metadata"]),
+                      head_shared=bool(value["head_shared"]))
+    except (KeyError, TypeError) as exc:
+        raise CodecError(f"malformed update: {exc}") from None
+
+
+__all__ = ["CodecError", "flatten", "unflatten", "pack", "unpack", "update_to_plain", "update_from_plain"]

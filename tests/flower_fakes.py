@@ -1,0 +1,54 @@
+"""An in-process stand-in for Flower's Grid: messages go straight to ``client_app`` (no sockets).
+
+Flower's own classes carry the messages (``Message``, ``Context``, records), so
+the app's encoding, routing and reply handling run exactly as over the
+network; tests of real processes on 127.0.0.1 live in ``test_flower_deploy.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable, Optional
+
+from flwr.app import Context, Message, RecordDict
+from flwr.supercore.task_identity import TaskIdentity
+
+
+class FakeGrid:
+    """Nodes ``{node_id: node_config}``; ``tamper(node_id, reply) -> reply | None`` (None: the node is lost)."""
+
+    def __init__(self, client_app, nodes: dict[int, dict], *, tamper: Optional[Callable] = None) -> None:
+        self.client_app = client_app
+        self.nodes = dict(nodes)
+        self.tamper = tamper
+        self.sent: list[Message] = []
+        # What a ServerApp process has set when its main() runs (Message() reads it).
+        self._saved = (TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id)
+        TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = 1, 1, 0
+
+    def close(self) -> None:
+        TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id = self._saved
+
+    def __enter__(self) -> "FakeGrid":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def get_node_ids(self) -> Iterable[int]:
+        return list(self.nodes)
+
+    def send_and_receive(self, messages: Iterable[Message], *, timeout: Optional[float] = None) -> list[Message]:
+        replies = []
+        for msg in messages:
+            self.sent.append(msg)
+            node = msg.metadata.dst_node_id
+            if node not in self.nodes:
+                continue
+            context = Context(run_id=1, node_id=node, node_config=dict(self.nodes[node]),
+                              state=RecordDict(), run_config={})
+            reply = self.client_app(msg, context)
+            if self.tamper is not None:
+                reply = self.tamper(node, msg, reply)
+            if reply is not None:
+                replies.append(reply)
+        return replies

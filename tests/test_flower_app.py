@@ -1,0 +1,192 @@
+"""The Flower ServerApp/ClientApp over an in-process grid: same numbers as the simulator, lost and bad clients.
+
+Messages are real Flower ``Message``s encoded by :mod:`fedreid.flower.codec`
+and dispatched by ``client_app`` itself; only the sockets are missing (see
+``flower_fakes.py``). Every ClientApp call starts from an empty process
+cache, as a SuperNode may start a fresh process per message, so the private
+heads must come back from the node's disk.
+"""
+
+import math
+
+import pytest
+import torch
+from fl_helpers import strip_time, tiny_config, write_prepared, write_world
+from flower_fakes import FakeGrid
+from flwr.app import Context, Message, RecordDict
+
+from fedreid.config import ConfigError, dump_config
+from fedreid.fl.server import RoundFailedError
+from fedreid.fl.simulation import run_simulation
+from fedreid.fl.state import states_equal
+from fedreid.fl.update import private_prefixes
+from fedreid.flower import app as flower_app
+from fedreid.flower.codec import pack, unpack, update_from_plain, update_to_plain
+from fedreid.flower.node import NodeClient
+from fedreid.utils.checkpoint import load_checkpoint
+
+NAMES = ("dsa", "dsb", "dsc")
+METHOD = ["fl.cdw=true", "fl.kd=true", "fl.kd_every=2", "fl.rounds=2", "eval.every=1"]
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    root = write_world(tmp_path_factory.mktemp("prepared"))
+    write_prepared(root, "dsc", num_ids=3, seed=5)
+    return root
+
+
+@pytest.fixture(scope="module")
+def simulated(world, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("sim") / "run"
+    history = run_simulation(tiny_config(world, METHOD, names=NAMES), run_dir, progress=False)
+    return run_dir, history
+
+
+def write_config(tmp_path, cfg):
+    path = tmp_path / "run.yaml"
+    path.write_text(dump_config(cfg))
+    return path
+
+
+def fresh_process(tamper=None):
+    """A tamper hook that also empties the ClientApp's process cache after every message."""
+
+    def hook(node, msg, reply):
+        flower_app._NODES.clear()
+        return tamper(node, msg, reply) if tamper else reply
+
+    return hook
+
+
+def serve(grid, run_config):
+    flower_app.server_main(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(),
+                                         run_config=run_config))
+
+
+def nodes_for(tmp_path, names=NAMES):
+    return {100 + i: {"client": name, "state-dir": str(tmp_path / "state" / name)} for i, name in enumerate(names)}
+
+
+def test_flower_run_equals_the_simulation(world, simulated, tmp_path):
+    sim_dir, sim_history = simulated
+    cfg_path = write_config(tmp_path, tiny_config(world, METHOD, names=NAMES))
+    out = tmp_path / "flower_run"
+    with FakeGrid(flower_app.client_app, nodes_for(tmp_path), tamper=fresh_process()) as grid:
+        serve(grid, {"config": str(cfg_path), "out": str(out), "join-timeout": 5})
+    flower_ckpt = load_checkpoint(out / "checkpoint.pt")
+    sim_ckpt = load_checkpoint(sim_dir / "checkpoint.pt")
+    assert states_equal(flower_ckpt["server"]["global_state"], sim_ckpt["server"]["global_state"])
+    assert strip_time(flower_ckpt["history"]) == strip_time(sim_history)
+    assert flower_ckpt["clients"] == {}  # client state stays on the nodes
+    # Each node kept its private head on its own disk, equal to the simulated client's.
+    for i, name in enumerate(NAMES):
+        saved = sorted((tmp_path / "state" / name).rglob("after_round_*.pt"))
+        assert [p.name for p in saved] == ["after_round_00000.pt", "after_round_00001.pt"]
+        head = torch.load(saved[-1], weights_only=False)["head"]
+        assert states_equal(head, sim_ckpt["clients"][name]["head"])
+    assert (out / "report.md").is_file()
+    trains = [msg for msg in grid.sent if msg.metadata.message_type == "train"]
+    assert len(trains) == 2 * len(NAMES)
+    sent_keys = {k for msg in trains for k in unpack(msg.content, "payload")}
+    assert sent_keys and not any(k.startswith(private_prefixes()) for k in sent_keys)  # no head goes out either
+
+
+def test_lost_client_round_completes_and_it_rejoins(world, tmp_path):
+    cfg_path = write_config(tmp_path, tiny_config(world, ["fl.rounds=2", "eval.every=100"], names=NAMES))
+    out = tmp_path / "run"
+    lost = {"round": 0}
+
+    def drop_dsb_in_first_round(node, msg, reply):
+        if msg.metadata.message_type == "train" and node == 101 and msg.metadata.group_id == "0":
+            lost["round"] += 1
+            return None  # the node died: no reply
+        return reply
+
+    with FakeGrid(flower_app.client_app, nodes_for(tmp_path), tamper=drop_dsb_in_first_round) as grid:
+        serve(grid, {"config": str(cfg_path), "out": str(out), "join-timeout": 5, "round-timeout": 1})
+    history = load_checkpoint(out / "checkpoint.pt")["history"]
+    assert lost["round"] == 1
+    assert history[0]["clients"] == sorted(set(NAMES) - {"dsb"}, key=history[0]["clients"].index)
+    assert "dsb" in history[0]["failed"] and "no reply" in history[0]["failed"]["dsb"]
+    assert sorted(history[1]["clients"]) == sorted(NAMES) and "failed" not in history[1]
+    hellos = [m for m in grid.sent if m.metadata.message_type == "query" and m.metadata.dst_node_id == 101]
+    assert len(hellos) == 2  # asked again who it is after it was lost
+
+
+def test_nan_update_is_rejected_and_the_round_goes_on(world, tmp_path, caplog):
+    cfg_path = write_config(tmp_path, tiny_config(world, ["fl.rounds=1", "eval.every=100"], names=NAMES))
+    out = tmp_path / "run"
+
+    def poison(node, msg, reply):
+        if msg.metadata.message_type != "train" or node != 102:
+            return reply
+        plain = unpack(reply.content, "update")
+        key = next(k for k, v in plain["state"].items() if v.is_floating_point())
+        plain["state"][key] = torch.full_like(plain["state"][key], math.nan)
+        return Message(pack(update=plain), reply_to=msg)
+
+    with caplog.at_level("WARNING"), FakeGrid(flower_app.client_app, nodes_for(tmp_path), tamper=poison) as grid:
+        serve(grid, {"config": str(cfg_path), "out": str(out), "join-timeout": 5})
+    record = load_checkpoint(out / "checkpoint.pt")["history"][0]
+    assert "dsc" not in record["clients"] and "non-finite" in record["failed"]["dsc"]
+    state = load_checkpoint(out / "checkpoint.pt")["server"]["global_state"]
+    assert all(bool(v.isfinite().all()) for v in state.values() if v.is_floating_point())
+    assert "dsc" in caplog.text
+
+
+def test_too_few_clients_stop_the_run_resumably(world, tmp_path):
+    cfg_path = write_config(tmp_path, tiny_config(world, ["fl.rounds=2", "eval.every=100", "fl.min_clients=3"],
+                                                  names=NAMES))
+    out = tmp_path / "run"
+    two_nodes = nodes_for(tmp_path, NAMES[:2])
+    with FakeGrid(flower_app.client_app, two_nodes) as grid, pytest.raises(RoundFailedError, match="min_clients=3"):
+        serve(grid, {"config": str(cfg_path), "out": str(out), "join-timeout": 0})
+    assert not (out / "checkpoint.pt").exists()
+    with FakeGrid(flower_app.client_app, nodes_for(tmp_path)) as grid:
+        serve(grid, {"config": str(cfg_path), "out": str(out), "join-timeout": 5, "resume": "true"})
+    assert len(load_checkpoint(out / "checkpoint.pt")["history"]) == 2
+
+
+def test_a_node_retrains_a_round_from_the_state_before_it(world, tmp_path):
+    cfg = tiny_config(world, names=NAMES)
+    node = NodeClient(cfg, "dsa", tmp_path / "state", "run")
+    payload = {k: v.clone() for k, v in node.work_model.state_dict().items() if not k.startswith(private_prefixes())}
+    first = node.fit(payload, {"round": 0})
+    again = NodeClient(cfg, "dsa", tmp_path / "state", "run")  # a new process, the server retries round 0
+    assert again.restore(0) is None
+    second = again.fit(payload, {"round": 0})
+    assert states_equal(first.state, second.state)
+    assert again.restore(1) == 0
+
+
+def test_settings_and_refusals(world):
+    with pytest.raises(ConfigError, match="'out'"):
+        flower_app.ServerSettings.from_run_config({"config": "x.yaml"})
+    with pytest.raises(ConfigError, match="unknown key.*outt"):
+        flower_app.ServerSettings.from_run_config({"outt": "runs/x"})
+    with pytest.raises(ConfigError, match="'client'"):
+        flower_app.NodeSettings.from_node_config({"state-dir": "/tmp/x"})
+    node = flower_app.NodeSettings.from_node_config({"client": "dsa", "prepared-root": "/data/prepared",
+                                                     "device": "cuda:1"})
+    assert node.local_overrides == ("data.prepared_root=/data/prepared", "run.device=cuda:1")
+    with pytest.raises(ConfigError, match="fl.kd.*need"):
+        flower_app.check_secure_aggregation(tiny_config(world, ["fl.kd=true"]), True)
+    with pytest.raises(ConfigError, match="not supported"):
+        flower_app.check_secure_aggregation(tiny_config(world), True)
+    flower_app.check_secure_aggregation(tiny_config(world, ["fl.kd=true"]), False)
+
+
+def test_codec_round_trips_nested_tensors_exactly():
+    from fedreid.fl.update import Update
+
+    state = {"w": torch.randn(3, 2), "bn.num_batches_tracked": torch.tensor(7), "h": torch.randn(4).half()}
+    meta = {"train_loss": 0.25, "kd_features": torch.randn(5, 4), "counts": [3, 0, 2],
+            "control": {"a.b": torch.randn(2), "c": torch.zeros(1, dtype=torch.float64)}, "note": None}
+    back = update_from_plain(unpack(pack(update=update_to_plain(Update("dsa", state, 10, meta))), "update"))
+    assert back.client == "dsa" and back.num_samples == 10 and list(back.state) == list(state)
+    assert all(torch.equal(back.state[k], v) and back.state[k].dtype == v.dtype for k, v in state.items())
+    assert torch.equal(back.metadata["kd_features"], meta["kd_features"])
+    assert torch.equal(back.metadata["control"]["a.b"], meta["control"]["a.b"])
+    assert back.metadata["control"]["c"].dtype == torch.float64
+    assert back.metadata["counts"] == [3, 0, 2] and back.metadata["note"] is None
