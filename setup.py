@@ -13,6 +13,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["fedreid", "fedreid.*"]),
+    package_data={"fedreid.flower": ["project/pyproject.toml"]},
     install_requires=[
         "torch>=2.2",
         "torchvision",

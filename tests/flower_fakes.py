@@ -21,6 +21,8 @@ class FakeGrid:
         self.nodes = dict(nodes)
         self.tamper = tamper
         self.sent: list[Message] = []
+        self.replies: dict[str, Message] = {}
+        self._count = 0
         # What a ServerApp process has set when its main() runs (Message() reads it).
         self._saved = (TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id)
         TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = 1, 1, 0
@@ -37,10 +39,15 @@ class FakeGrid:
     def get_node_ids(self) -> Iterable[int]:
         return list(self.nodes)
 
-    def send_and_receive(self, messages: Iterable[Message], *, timeout: Optional[float] = None) -> list[Message]:
-        replies = []
+    def push_messages(self, messages: Iterable[Message]) -> list[str]:
+        """Deliver each message now; its reply (unless tampered away) waits to be pulled."""
+        ids = []
         for msg in messages:
+            self._count += 1
+            mid = f"m{self._count}"
+            msg.metadata.__dict__["_message_id"] = mid  # what the real grid sets when pushing
             self.sent.append(msg)
+            ids.append(mid)
             node = msg.metadata.dst_node_id
             if node not in self.nodes:
                 continue
@@ -50,5 +57,8 @@ class FakeGrid:
             if self.tamper is not None:
                 reply = self.tamper(node, msg, reply)
             if reply is not None:
-                replies.append(reply)
-        return replies
+                self.replies[mid] = reply
+        return ids
+
+    def pull_messages(self, message_ids: Iterable[str]) -> list[Message]:
+        return [self.replies.pop(mid) for mid in list(message_ids) if mid in self.replies]

@@ -128,7 +128,18 @@ def check_secure_aggregation(cfg: Config, requested: bool) -> None:
 
 
 class GridRound:
-    """``remote_round`` for :func:`run_simulation`: one round over the Flower grid."""
+    """``remote_round`` for :func:`run_simulation`: one round over the Flower grid.
+
+    Replies are matched to requests by message id (an error reply the
+    SuperLink writes for a vanished node comes from the SuperLink, not from
+    that node). Which client a node is comes from its answer to a ``query``
+    message; those answers are collected without blocking a round, so a
+    client that restarts mid-run (under a new node id) joins the next round.
+    """
+
+    poll_seconds = 0.5
+    #: A node that has not answered "which client are you?" after this long is asked again.
+    hello_retry_seconds = 60.0
 
     def __init__(self, grid: Grid, cfg: Config, settings: ServerSettings) -> None:
         self.grid = grid
@@ -138,36 +149,61 @@ class GridRound:
         self.run_name = settings.out.resolve().name
         self.nodes: dict[str, int] = {}  # client name -> node id
         self.strangers: set[int] = set()
+        self.hellos: dict[str, tuple[int, float]] = {}  # message id -> (node id, sent at)
+
+    def _ask_new_nodes(self) -> None:
+        present = set(self.grid.get_node_ids())
+        self.nodes = {name: node for name, node in self.nodes.items() if node in present}
+        now = time.monotonic()
+        self.hellos = {mid: (node, t) for mid, (node, t) in self.hellos.items()
+                       if node in present and now - t < self.hello_retry_seconds}
+        asked = {node for node, _ in self.hellos.values()}
+        new = sorted(present - set(self.nodes.values()) - self.strangers - asked)
+        if not new:
+            return
+        hello = [Message(content=pack(hello={"run": self.run_name}), dst_node_id=node,
+                         message_type=MessageType.QUERY, group_id="hello") for node in new]
+        for mid, node in zip(self.grid.push_messages(hello), new):
+            if mid:
+                self.hellos[mid] = (node, now)
+
+    def _collect_hellos(self, client_names: list[str]) -> None:
+        if not self.hellos:
+            return
+        for reply in self.grid.pull_messages(list(self.hellos)):
+            node, _ = self.hellos.pop(reply.metadata.reply_to_message_id, (None, 0.0))
+            if node is None:
+                continue
+            if reply.has_error():
+                log.warning("node %s did not say which client it is: %s", node, reply.error.reason)
+                continue
+            try:
+                name = str(unpack(reply.content, "hello").get("client"))
+            except CodecError as exc:
+                log.warning("node %s: malformed answer (%s); ignored", node, exc)
+                self.strangers.add(node)
+                continue
+            if name not in client_names:
+                log.warning("node %s says it is client %r, which this run does not have (%s); ignored",
+                            node, name, ", ".join(client_names))
+                self.strangers.add(node)
+            elif name in self.nodes and self.nodes[name] != node:
+                log.warning("node %s and node %s both say they are client %r; keeping the first",
+                            self.nodes[name], node, name)
+                self.strangers.add(node)
+            else:
+                self.nodes[name] = node
+                log.info("client %s is node %s", name, node)
 
     def discover(self, client_names: list[str], *, wait: float) -> None:
-        """Ask nodes not yet known which client they are (a restarted node comes back with a new id)."""
+        """Learn which node is which client, waiting up to ``wait`` seconds for all of them."""
         deadline = time.monotonic() + wait
         while True:
-            present = set(self.grid.get_node_ids())
-            self.nodes = {name: node for name, node in self.nodes.items() if node in present}
-            new = sorted(present - set(self.nodes.values()) - self.strangers)
-            if new:
-                hello = [Message(content=pack(hello={"run": self.run_name}), dst_node_id=node,
-                                 message_type=MessageType.QUERY, group_id="hello") for node in new]
-                for reply in self.grid.send_and_receive(hello, timeout=max(5.0, deadline - time.monotonic())):
-                    node = reply.metadata.src_node_id
-                    if reply.has_error():
-                        log.warning("node %s did not say which client it is: %s", node, reply.error.reason)
-                        continue
-                    name = str(unpack(reply.content, "hello").get("client"))
-                    if name not in client_names:
-                        log.warning("node %s says it is client %r, which this run does not have (%s); ignored",
-                                    node, name, ", ".join(client_names))
-                        self.strangers.add(node)
-                    elif name in self.nodes:
-                        log.warning("node %s and node %s both say they are client %r; keeping the first",
-                                    self.nodes[name], node, name)
-                        self.strangers.add(node)
-                    else:
-                        self.nodes[name] = node
+            self._ask_new_nodes()
+            self._collect_hellos(client_names)
             if len(self.nodes) == len(client_names) or time.monotonic() >= deadline:
                 return
-            time.sleep(1.0)
+            time.sleep(self.poll_seconds)
 
     def __call__(self, server: Server) -> dict[str, Any]:
         names = server.client_names
@@ -175,7 +211,7 @@ class GridRound:
         self.discover(names, wait=wait)
         plan = server.begin_round()
         failures: dict[str, str] = {}
-        messages, sent_to = [], {}
+        messages, targets = [], []
         for k in plan.ids:
             name = names[k]
             node = self.nodes.get(name)
@@ -186,29 +222,38 @@ class GridRound:
                            run={"name": self.run_name, "config": self.config_text, "client": name})
             messages.append(Message(content=content, dst_node_id=node, message_type=MessageType.TRAIN,
                                     group_id=str(plan.round_index)))
-            sent_to[node] = name
+            targets.append(name)
+        pending: dict[str, str] = {}
+        for mid, name in zip(self.grid.push_messages(messages) if messages else [], targets):
+            if mid:
+                pending[mid] = name
+            else:
+                failures[name] = "the SuperLink did not accept the message"
+        started = time.monotonic()
         updates = []
-        replies = self.grid.send_and_receive(messages, timeout=self.settings.round_timeout) if messages else []
-        for reply in replies:
-            node = reply.metadata.src_node_id
-            name = sent_to.pop(node, None)
-            if name is None:
-                continue
-            if reply.has_error():
-                failures[name] = f"client failed: {reply.error.reason}"
-                continue
-            try:
-                update = update_from_plain(unpack(reply.content, "update"))
-            except (CodecError, FedReIDError, ValueError, TypeError) as exc:
-                failures[name] = f"update rejected: {exc}"
-                continue
-            if update.client != name:
-                failures[name] = f"update rejected: it names client {update.client!r}"
-                continue
-            updates.append(update)
-        for name in sent_to.values():
-            failures[name] = f"no reply within {self.settings.round_timeout:g} s"
-        for name in failures:  # a lost node is asked again next round, under its new id
+        while pending and time.monotonic() - started < self.settings.round_timeout:
+            for reply in self.grid.pull_messages(list(pending)):
+                name = pending.pop(reply.metadata.reply_to_message_id, None)
+                if name is None:
+                    continue
+                if reply.has_error():
+                    failures[name] = f"client failed: {reply.error.reason}"
+                    continue
+                try:
+                    update = update_from_plain(unpack(reply.content, "update"))
+                except (CodecError, FedReIDError, ValueError, TypeError) as exc:
+                    failures[name] = f"update rejected: {exc}"
+                    continue
+                if update.client != name:
+                    failures[name] = f"update rejected: it names client {update.client!r}"
+                    continue
+                updates.append(update)
+            self._collect_hellos(names)  # a restarted client answers while others train
+            if pending:
+                time.sleep(self.poll_seconds)
+        for name in pending.values():
+            failures[name] = f"no reply within round-timeout={self.settings.round_timeout:g} s"
+        for name in failures:  # a lost node is asked again who it is (a restart gives a new id)
             self.nodes.pop(name, None)
         local_eval = {u.client: u.metadata.pop(LOCAL_EVAL) for u in updates if LOCAL_EVAL in u.metadata}
         record = server.finish_round(plan, updates, failures)
@@ -227,6 +272,7 @@ def server_main(grid: Grid, context: Context) -> None:
     from fedreid.eval.report import write_report
     from fedreid.fl.simulation import run_simulation
 
+    _log_to_stderr()
     settings = ServerSettings.from_run_config(context.run_config)
     cfg = load_config(settings.config, settings.overrides) if settings.config else None
     if cfg is None and not settings.resume:
@@ -251,6 +297,16 @@ def server_main(grid: Grid, context: Context) -> None:
     saved = load_config(settings.out / "config.yaml")
     write_report(settings.out, history, targets=saved.classification.target_accuracies)
     log.info("finished: %d rounds, report in %s", len(history), settings.out / "report.md")
+
+
+def _log_to_stderr() -> None:
+    """Round lines and warnings reach ``flwr run --stream`` and the SuperLink's log."""
+    root = logging.getLogger("fedreid")
+    if not root.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("fedreid %(levelname)s: %(message)s"))
+        root.addHandler(handler)
+        root.setLevel(logging.INFO)
 
 
 def _log_round(event: str, info: dict) -> None:
