@@ -188,9 +188,11 @@ class GridRound:
                             node, name, ", ".join(client_names))
                 self.strangers.add(node)
             elif name in self.nodes and self.nodes[name] != node:
-                log.warning("node %s and node %s both say they are client %r; keeping the first",
-                            self.nodes[name], node, name)
-                self.strangers.add(node)
+                # A restarted client comes back under a new id before its old one is dropped.
+                log.warning("client %r now answers from node %s (was node %s): the newer one is used",
+                            name, node, self.nodes[name])
+                self.strangers.add(self.nodes[name])
+                self.nodes[name] = node
             else:
                 self.nodes[name] = node
                 log.info("client %s is node %s", name, node)
@@ -211,7 +213,7 @@ class GridRound:
         self.discover(names, wait=wait)
         plan = server.begin_round()
         failures: dict[str, str] = {}
-        messages, targets = [], []
+        messages, targets, sent_to = [], [], {}
         for k in plan.ids:
             name = names[k]
             node = self.nodes.get(name)
@@ -223,6 +225,7 @@ class GridRound:
             messages.append(Message(content=content, dst_node_id=node, message_type=MessageType.TRAIN,
                                     group_id=str(plan.round_index)))
             targets.append(name)
+            sent_to[name] = node
         pending: dict[str, str] = {}
         for mid, name in zip(self.grid.push_messages(messages) if messages else [], targets):
             if mid:
@@ -248,13 +251,15 @@ class GridRound:
                     failures[name] = f"update rejected: it names client {update.client!r}"
                     continue
                 updates.append(update)
-            self._collect_hellos(names)  # a restarted client answers while others train
+            self._ask_new_nodes()  # a restarted client is asked, and answers, while others train
+            self._collect_hellos(names)
             if pending:
                 time.sleep(self.poll_seconds)
         for name in pending.values():
             failures[name] = f"no reply within round-timeout={self.settings.round_timeout:g} s"
         for name in failures:  # a lost node is asked again who it is (a restart gives a new id)
-            self.nodes.pop(name, None)
+            if name in sent_to and self.nodes.get(name) == sent_to[name]:
+                del self.nodes[name]
         local_eval = {u.client: u.metadata.pop(LOCAL_EVAL) for u in updates if LOCAL_EVAL in u.metadata}
         record = server.finish_round(plan, updates, failures)
         if local_eval:  # as the simulation records it: the clients' models before aggregation

@@ -1,0 +1,88 @@
+"""Flower as separate processes on 127.0.0.1: SuperLink, one SuperNode per client, ``flwr run``.
+
+Each test starts its own processes (free ports, its own folder and
+FLWR_HOME) and stops them by their PIDs and process groups, whatever
+happens. Time is bounded by ``flwr run``'s timeout and the run's
+``join-timeout`` / ``round-timeout``. Results are compared with the
+in-process simulator of the same config and seed.
+"""
+
+import threading
+import time
+
+import pytest
+import torch
+from fl_helpers import strip_time, tiny_config, write_world
+
+from fedreid.config import dump_config
+from fedreid.fl.simulation import run_simulation
+from fedreid.fl.state import states_equal
+from fedreid.flower.launch import LocalDeployment, TLSFiles, run_config_string
+from fedreid.flower.security import make_node_key, make_tls_files
+
+CLIENTS = ["dsa", "dsb"]
+RUN_TIMEOUT = 480
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    return write_world(tmp_path_factory.mktemp("prepared"))
+
+
+def history_of(run_dir):
+    return torch.load(run_dir / "checkpoint.pt", weights_only=False)
+
+
+def test_tls_and_node_auth_run_equals_the_simulation_and_strangers_are_refused(world, tmp_path):
+    cfg = tiny_config(world, ["fl.rounds=2", "eval.every=2"])
+    (tmp_path / "run.yaml").write_text(dump_config(cfg))
+    make_tls_files(tmp_path / "tls")
+    keys = {c: make_node_key(tmp_path / "keys", c)["private"] for c in CLIENTS}
+    stranger_key = make_node_key(tmp_path / "keys", "stranger")["private"]
+    with LocalDeployment(tmp_path / "dep", CLIENTS, tls=TLSFiles.from_dir(tmp_path / "tls"), node_keys=keys) as dep:
+        rc = dep.cli.run(run_config_string(tmp_path / "run.yaml", tmp_path / "flower_run", join_timeout=120,
+                                           round_timeout=240), log=tmp_path / "flwr_run.log", timeout=RUN_TIMEOUT)
+        stranger = dep.start_node("dsb", private_key=stranger_key, name="stranger")
+        stranger.wait(timeout=60)
+        superlink_log = dep.log_path("superlink").read_text(errors="replace")
+        stranger_log = dep.log_path("stranger").read_text(errors="replace")
+    assert rc == 0, (tmp_path / "flwr_run.log").read_text(errors="replace")[-3000:]
+    # The registered nodes trained over TLS; the result is the simulator's, bit for bit.
+    sim = tmp_path / "sim"
+    sim_history = run_simulation(cfg, sim, progress=False)
+    flower, simulated = history_of(tmp_path / "flower_run"), history_of(sim)
+    assert states_equal(flower["server"]["global_state"], simulated["server"]["global_state"])
+    assert strip_time(flower["history"]) == strip_time(sim_history)
+    assert (tmp_path / "flower_run" / "report.md").is_file()
+    # The unregistered key is refused at activation and the node gives up.
+    assert stranger.returncode != 0
+    assert "Failed to activate SuperNode" in stranger_log
+    assert "No SuperNode found with the given public key" in superlink_log
+
+
+def test_a_client_killed_mid_round_is_left_out_and_rejoins(world, tmp_path):
+    cfg = tiny_config(world, ["fl.rounds=2", "eval.every=100", "fl.min_clients=1"])
+    (tmp_path / "run.yaml").write_text(dump_config(cfg))
+    events = {}
+    with LocalDeployment(tmp_path / "dep", CLIENTS) as dep:
+
+        def kill_dsb_while_it_trains():
+            log = dep.log_path("node-dsb")
+            deadline = time.monotonic() + RUN_TIMEOUT
+            while time.monotonic() < deadline and "Receiving: train message" not in log.read_text(errors="replace"):
+                time.sleep(0.2)
+            dep.stop_process("node-dsb", 9)  # SIGKILL to the node and its ClientApp
+            events["killed"] = True
+            dep.start_node("dsb", name="node-dsb-restarted")
+
+        killer = threading.Thread(target=kill_dsb_while_it_trains, daemon=True)
+        killer.start()
+        rc = dep.cli.run(run_config_string(tmp_path / "run.yaml", tmp_path / "run", join_timeout=120,
+                                           round_timeout=240), log=tmp_path / "flwr_run.log", timeout=RUN_TIMEOUT)
+        killer.join(timeout=10)
+    log = (tmp_path / "flwr_run.log").read_text(errors="replace")
+    assert rc == 0 and events.get("killed"), log[-3000:]
+    first, second = history_of(tmp_path / "run")["history"]
+    assert first["clients"] == ["dsa"] and set(first["failed"]) == {"dsb"}
+    assert "round 1: client dsb left out" in log
+    assert sorted(second["clients"]) == CLIENTS and "failed" not in second  # it came back under a new node id
