@@ -210,6 +210,9 @@ class LocalDeployment:
         return self.workdir / "logs" / f"{name.replace('/', '_')}.log"
 
     def _start(self, name: str, cmd: list[str]) -> subprocess.Popen:
+        running = self.procs.get(name)
+        if running is not None and running.poll() is None:
+            raise LaunchError(f"{name} is already running (PID {running.pid}); give the new process another name")
         log = self.log_path(name)
         log.parent.mkdir(parents=True, exist_ok=True)
         # Each deployment keeps Flower's own files (installed app bundles) in its folder, not ~/.flwr.

@@ -1,0 +1,271 @@
+#!/usr/bin/env python
+"""Federated training across machines on Flower: the same server and client code as train_fed.py.
+
+One SuperLink (the server host), one SuperNode per client (each on the
+machine holding that client's data), and a run submitted to the SuperLink.
+The ServerApp samples, aggregates, runs CDW / KD / FedFTG, evaluates and
+checkpoints as the in-process simulator does, and writes the same run folder;
+each client keeps its private identity head and objective state on its own
+disk. Telemetry and runtime dependency installation are off.
+
+Across machines (replace HOST; TLS files from `certs`, node keys from `node-key`):
+  # on the server host
+  python tools/flower_fed.py certs --out tls --host HOST
+  python tools/flower_fed.py superlink --tls tls --node-auth
+  python tools/flower_fed.py register keys/market1501.pub --superlink HOST:8000 --ca tls/ca.crt
+  # on each client host (its own data, its own key; copy tls/ca.crt there)
+  python tools/flower_fed.py node-key --out keys market1501
+  python tools/flower_fed.py node --client market1501 --superlink HOST:8000 --ca ca.crt \\
+      --key keys/market1501 --prepared-root datasets/prepared --state-dir fedreid_state
+  # from anywhere that reaches HOST:8000
+  python tools/flower_fed.py run --config configs/fedreid/fedpav.yaml --out runs/fedpav_flower \\
+      --superlink HOST:8000 --ca tls/ca.crt
+
+On one host (SuperLink and a SuperNode per client on 127.0.0.1, stopped at the end):
+  python tools/flower_fed.py local --config configs/fedreid/synthetic_fedpav.yaml --out runs/flower_local
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Optional
+
+from fedreid.config import ConfigError, load_config
+from fedreid.utils.cli import run_main
+
+
+def _security(args: argparse.Namespace, what: str) -> Optional[Path]:
+    """The CA file, or None with --insecure; refuses to guess."""
+    ca = getattr(args, "ca", None)
+    if ca and args.insecure:
+        raise ConfigError(f"{what}: give either --ca or --insecure, not both")
+    if not ca and not args.insecure:
+        raise ConfigError(f"{what}: pass --ca CA_FILE for TLS (see `certs`), or --insecure for plain "
+                          "HTTP on a trusted network")
+    return Path(ca) if ca else None
+
+
+def cmd_certs(args: argparse.Namespace) -> int:
+    from fedreid.flower.security import make_tls_files
+
+    paths = make_tls_files(args.out, args.host or ["127.0.0.1", "localhost"], days=args.days)
+    print(f"CA certificate:     {paths['ca']}  (give it to every SuperNode and to `run`)")
+    print(f"server certificate: {paths['cert']}  (SuperLink only)")
+    print(f"server key:         {paths['key']}  (SuperLink only; keep it private)")
+    return 0
+
+
+def cmd_node_key(args: argparse.Namespace) -> int:
+    from fedreid.flower.security import make_node_key
+
+    paths = make_node_key(args.out, args.name)
+    print(f"private key: {paths['private']}  (stays on this SuperNode: --key)")
+    print(f"public key:  {paths['public']}  (register it on the SuperLink: `register`)")
+    return 0
+
+
+def _exec(cmd: list[str], print_only: bool) -> int:
+    from fedreid.flower.launch import flower_env
+
+    print(" ".join(cmd), flush=True)
+    if print_only:
+        return 0
+    os.execvpe(cmd[0], cmd, flower_env())
+    return 1  # not reached
+
+
+def cmd_superlink(args: argparse.Namespace) -> int:
+    from fedreid.flower.launch import TLSFiles, superlink_command
+
+    if not args.tls and not args.insecure:
+        raise ConfigError("superlink: pass --tls DIR (from `certs`) or --insecure for plain HTTP on a trusted network")
+    tls = TLSFiles.from_dir(args.tls) if args.tls else None
+    cmd = superlink_command(port=args.port, host=args.host, tls=tls, node_auth=args.node_auth,
+                            database=Path(args.database) if args.database else None)
+    return _exec(cmd, args.print_only)
+
+
+def cmd_node(args: argparse.Namespace) -> int:
+    from fedreid.flower.launch import supernode_command
+
+    ca = _security(args, "node")
+    # Absolute paths: the node's ClientApp processes do not run in this folder.
+    local = {"prepared_root": args.prepared_root and str(Path(args.prepared_root).resolve()),
+             "classification_root": args.classification_root and str(Path(args.classification_root).resolve()),
+             "device": args.device}
+    key = Path(args.key).resolve() if args.key else None
+    if key is not None and not key.is_file():
+        raise FileNotFoundError(f"node key {key} not found (make it with `node-key`)")
+    cmd = supernode_command(args.superlink, args.client, Path(args.state_dir).resolve(), port=args.port,
+                            root_cert=ca.resolve() if ca else None, private_key=key,
+                            **{k: v for k, v in local.items() if v})
+    return _exec(cmd, args.print_only)
+
+
+def cmd_register(args: argparse.Namespace) -> int:
+    from fedreid.flower.launch import FlowerCli
+
+    ca = _security(args, "register")
+    if not Path(args.public_key).is_file():
+        raise FileNotFoundError(f"public key {args.public_key} not found (make it with `node-key`)")
+    FlowerCli(args.superlink, root_cert=ca).register(Path(args.public_key))
+    print(f"registered {args.public_key} on {args.superlink}")
+    return 0
+
+
+def _finish(out: Path, rounds: int, rc: int, log: Optional[Path]) -> int:
+    from fedreid.utils.checkpoint import latest_checkpoint, load_checkpoint
+
+    ckpt_path = latest_checkpoint(out)
+    done = len(load_checkpoint(ckpt_path)["history"]) if ckpt_path is not None else 0
+    where = f" (flwr's output: {log})" if log else ""
+    if rc == 0 and done >= rounds:
+        print(f"run finished: {done} rounds, report: {out / 'report.md'}")
+        return 0
+    print(f"run stopped after {done} of {rounds} rounds, flwr exit code {rc}{where}; "
+          f"continue it with --resume", file=sys.stderr)
+    return 1
+
+
+def _run_config(args: argparse.Namespace) -> tuple[Path, str, int]:
+    from fedreid.flower.launch import run_config_string
+
+    out = Path(args.out)
+    if args.resume:
+        if args.config:
+            raise ConfigError("--resume uses the run's own config.yaml; pass overrides only")
+        config = out / "config.yaml"
+        if not config.is_file():
+            raise FileNotFoundError(f"{config} not found: nothing to resume in {out}")
+    else:
+        if not args.config:
+            raise ConfigError("--config is required (or --resume)")
+        config = Path(args.config)
+    cfg = load_config(config, args.overrides)  # fails here, clearly, before any process starts
+    text = run_config_string(config, out, args.overrides, resume=args.resume, round_timeout=args.round_timeout,
+                             join_timeout=args.join_timeout)
+    return out, text, cfg.fl.rounds
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from fedreid.flower.launch import FlowerCli
+
+    ca = _security(args, "run")
+    out, text, rounds = _run_config(args)
+    rc = FlowerCli(args.superlink, root_cert=ca).run(text)
+    return _finish(out, rounds, rc, None)
+
+
+def cmd_local(args: argparse.Namespace) -> int:
+    from fedreid.fl.simulation import build_federation
+    from fedreid.flower.launch import LocalDeployment, TLSFiles
+    from fedreid.flower.security import make_node_key, make_tls_files
+
+    out, text, rounds = _run_config(args)
+    cfg = load_config(out / "config.yaml" if args.resume else args.config, args.overrides)
+    clients = build_federation(cfg).server.client_names
+    work = Path(args.workdir) if args.workdir else out.parent / f"{out.name}_flower"
+    tls = None
+    if args.tls:
+        if not (work / "tls" / "ca.crt").exists():
+            make_tls_files(work / "tls")
+        tls = TLSFiles.from_dir(work / "tls")
+    keys = {}
+    if args.node_auth:
+        for i, name in enumerate(clients):
+            key = work / "keys" / f"node{i}"
+            keys[name] = key if key.exists() else make_node_key(work / "keys", f"node{i}")["private"]
+    print(f"one host: SuperLink + {len(clients)} SuperNodes ({', '.join(clients)}); logs in {work / 'logs'}",
+          flush=True)
+    with LocalDeployment(work, clients, tls=tls, node_keys=keys) as dep:
+        log = work / "flwr_run.log"
+        rc = dep.cli.run(text, log=log)
+    return _finish(out, rounds, rc, log)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("certs", help="a test CA and the SuperLink's TLS certificate and key")
+    p.add_argument("--out", required=True, help="folder for ca.crt, server.pem, server.key")
+    p.add_argument("--host", action="append", help="server name or IP the clients use (repeat); "
+                   "default 127.0.0.1 and localhost")
+    p.add_argument("--days", type=int, default=365, help="validity (default 365)")
+    p.set_defaults(func=cmd_certs)
+
+    p = sub.add_parser("node-key", help="a SuperNode key pair for node authentication")
+    p.add_argument("--out", required=True, help="folder for NAME and NAME.pub")
+    p.add_argument("name", help="file name, e.g. the client's name")
+    p.set_defaults(func=cmd_node_key)
+
+    def security(q: argparse.ArgumentParser, ca: bool = True) -> None:
+        if ca:
+            q.add_argument("--ca", help="the CA certificate (ca.crt from `certs`): TLS")
+        q.add_argument("--insecure", action="store_true", help="plain HTTP, no TLS (trusted networks only)")
+
+    p = sub.add_parser("superlink", help="start the SuperLink on the server host")
+    p.add_argument("--tls", metavar="DIR", help="folder from `certs` (ca.crt, server.pem, server.key)")
+    security(p, ca=False)
+    p.add_argument("--node-auth", action="store_true", help="only SuperNodes registered with `register` join")
+    p.add_argument("--host", default="0.0.0.0", help="interface to listen on (default all)")
+    p.add_argument("--port", type=int, default=8000, help="port of the Fleet, Control and Runtime APIs (8000)")
+    p.add_argument("--database", help="SQLite file for the SuperLink's state (default in memory)")
+    p.add_argument("--print-only", action="store_true", help="print the command instead of running it")
+    p.set_defaults(func=cmd_superlink)
+
+    p = sub.add_parser("node", help="start the SuperNode of one client on the host holding its data")
+    p.add_argument("--client", required=True, help="which client this machine is (a dataset name, or client_<k>)")
+    p.add_argument("--superlink", required=True, metavar="HOST:PORT")
+    security(p)
+    p.add_argument("--key", help="this node's private key (from `node-key`) when the SuperLink has --node-auth")
+    p.add_argument("--state-dir", default="fedreid_state", help="private head and client state (never sent)")
+    p.add_argument("--prepared-root", help="this machine's data.prepared_root")
+    p.add_argument("--classification-root", help="this machine's classification.root")
+    p.add_argument("--device", help="this machine's run.device, e.g. cuda:0")
+    p.add_argument("--port", type=int, default=9094, help="local port for the node's ClientApp runtime (9094)")
+    p.add_argument("--print-only", action="store_true", help="print the command instead of running it")
+    p.set_defaults(func=cmd_node)
+
+    p = sub.add_parser("register", help="allow a SuperNode's public key on a SuperLink started with --node-auth")
+    p.add_argument("public_key")
+    p.add_argument("--superlink", required=True, metavar="HOST:PORT")
+    security(p)
+    p.set_defaults(func=cmd_register)
+
+    def run_arguments(q: argparse.ArgumentParser) -> None:
+        q.add_argument("--config", help="YAML experiment config (read on the server host)")
+        q.add_argument("--out", required=True, help="run folder on the server host")
+        q.add_argument("--resume", action="store_true", help="continue the run in --out from its last round")
+        q.add_argument("--round-timeout", type=float, help="seconds to wait for a round's replies (3600)")
+        q.add_argument("--join-timeout", type=float, help="seconds to wait for all clients at the start (300)")
+        q.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
+
+    p = sub.add_parser("run", help="submit a training run to a SuperLink and follow it to the end")
+    p.add_argument("--superlink", required=True, metavar="HOST:PORT", help="the SuperLink's address")
+    security(p)
+    run_arguments(p)
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("local", help="SuperLink, one SuperNode per client and the run, all on 127.0.0.1")
+    run_arguments(p)
+    p.add_argument("--tls", action="store_true", help="TLS with a test CA made in the work folder")
+    p.add_argument("--node-auth", action="store_true", help="node authentication with keys made in the work folder")
+    p.add_argument("--workdir", help="logs, node state, keys (default <out>_flower next to --out)")
+    p.set_defaults(func=cmd_local)
+    return parser
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    for item in getattr(args, "overrides", []):
+        if "=" not in item:
+            raise ConfigError(f"unexpected argument {item!r}: overrides look like key.sub=value")
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    run_main(main)
