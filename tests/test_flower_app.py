@@ -92,6 +92,18 @@ def test_flower_run_equals_the_simulation(world, simulated, tmp_path):
     assert sent_keys and not any(k.startswith(private_prefixes()) for k in sent_keys)  # no head goes out either
 
 
+def test_simulation_engine_partitions_map_to_clients(world, simulated, tmp_path):
+    # Flower's simulation engine gives nodes partition-id/num-partitions, not a client name.
+    sim_dir, _ = simulated
+    cfg_path = write_config(tmp_path, tiny_config(world, METHOD, names=NAMES))
+    nodes = {7 + i: {"partition-id": i, "num-partitions": len(NAMES), "state-dir": str(tmp_path / "state")}
+             for i in reversed(range(len(NAMES)))}
+    with FakeGrid(flower_app.client_app, nodes) as grid:
+        serve(grid, {"config": str(cfg_path), "out": str(tmp_path / "run"), "join-timeout": 5})
+    ours = load_checkpoint(tmp_path / "run" / "checkpoint.pt")["server"]["global_state"]
+    assert states_equal(ours, load_checkpoint(sim_dir / "checkpoint.pt")["server"]["global_state"])
+
+
 def test_lost_client_round_completes_and_it_rejoins(world, tmp_path):
     cfg_path = write_config(tmp_path, tiny_config(world, ["fl.rounds=2", "eval.every=100"], names=NAMES))
     out = tmp_path / "run"

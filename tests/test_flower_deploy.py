@@ -7,8 +7,11 @@ happens. Time is bounded by ``flwr run``'s timeout and the run's
 in-process simulator of the same config and seed.
 """
 
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +23,7 @@ from fedreid.fl.state import states_equal
 from fedreid.flower.launch import LocalDeployment, TLSFiles, run_config_string
 from fedreid.flower.security import make_node_key, make_tls_files
 
+ROOT = Path(__file__).resolve().parents[1]
 CLIENTS = ["dsa", "dsb"]
 RUN_TIMEOUT = 480
 
@@ -86,3 +90,19 @@ def test_a_client_killed_mid_round_is_left_out_and_rejoins(world, tmp_path):
     assert first["clients"] == ["dsa"] and set(first["failed"]) == {"dsb"}
     assert "round 1: client dsb left out" in log
     assert sorted(second["clients"]) == CLIENTS and "failed" not in second  # it came back under a new node id
+
+
+def test_flower_simulation_engine_run_equals_the_simulation(world, tmp_path):
+    cfg = tiny_config(world, ["fl.rounds=2", "eval.every=2"])
+    (tmp_path / "run.yaml").write_text(dump_config(cfg))
+    done = subprocess.run([sys.executable, str(ROOT / "tools" / "flower_fed.py"), "simulate", "--config",
+                           str(tmp_path / "run.yaml"), "--out", str(tmp_path / "flower_sim")],
+                          capture_output=True, text=True, timeout=RUN_TIMEOUT, stdin=subprocess.DEVNULL)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "run finished: 2 rounds" in done.stdout
+    sim_history = run_simulation(cfg, tmp_path / "sim", progress=False)
+    flower, simulated = history_of(tmp_path / "flower_sim"), history_of(tmp_path / "sim")
+    assert states_equal(flower["server"]["global_state"], simulated["server"]["global_state"])
+    assert strip_time(flower["history"]) == strip_time(sim_history)
+    # Node state went to the run's work folder, one folder per client.
+    assert sorted(p.name for p in (tmp_path / "flower_sim_flower" / "fedreid_state" / "flower_sim").iterdir()) == CLIENTS

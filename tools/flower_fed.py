@@ -23,6 +23,8 @@ Across machines (replace HOST; TLS files from `certs`, node keys from `node-key`
 
 On one host (SuperLink and a SuperNode per client on 127.0.0.1, stopped at the end):
   python tools/flower_fed.py local --config configs/fedreid/synthetic_fedpav.yaml --out runs/flower_local
+On Flower's simulation engine (Ray, the [flower-sim] extra):
+  python tools/flower_fed.py simulate --config configs/fedreid/synthetic_fedpav.yaml --out runs/flower_sim
 """
 
 from __future__ import annotations
@@ -186,6 +188,22 @@ def cmd_local(args: argparse.Namespace) -> int:
     return _finish(out, rounds, rc, log)
 
 
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from fedreid.fl.simulation import build_federation
+    from fedreid.flower.launch import LocalDeployment
+
+    out, text, rounds = _run_config(args)
+    cfg = load_config(out / "config.yaml" if args.resume else args.config, args.overrides)
+    clients = build_federation(cfg).server.client_names
+    work = Path(args.workdir) if args.workdir else out.parent / f"{out.name}_flower"
+    print(f"Flower simulation engine: {len(clients)} virtual SuperNodes ({', '.join(clients)}); "
+          f"node state in {work / 'fedreid_state'}", flush=True)
+    with LocalDeployment(work, clients, simulation=True) as dep:
+        log = work / "flwr_run.log"
+        rc = dep.cli.run(text, log=log)
+    return _finish(out, rounds, rc, log)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -256,6 +274,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--node-auth", action="store_true", help="node authentication with keys made in the work folder")
     p.add_argument("--workdir", help="logs, node state, keys (default <out>_flower next to --out)")
     p.set_defaults(func=cmd_local)
+
+    p = sub.add_parser("simulate", help="the same apps on Flower's simulation engine (Ray), one command")
+    run_arguments(p)
+    p.add_argument("--workdir", help="Flower's files, node state, the log (default <out>_flower next to --out)")
+    p.set_defaults(func=cmd_simulate)
     return parser
 
 

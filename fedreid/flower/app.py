@@ -94,19 +94,26 @@ class ServerSettings:
 class NodeSettings:
     """The node config of a SuperNode: who it is, where its state and data are."""
 
-    client: str
+    client: Optional[str]
     state_dir: Path
     local_overrides: tuple[str, ...] = ()
+    #: Flower's simulation engine names nodes by ``partition-id`` instead: the k-th client of the federation.
+    partition: Optional[int] = None
 
     @classmethod
     def from_node_config(cls, node_config: Mapping[str, Any]) -> "NodeSettings":
-        client = str(node_config.get("client", "")).strip()
-        if not client:
+        client = str(node_config.get("client", "")).strip() or None
+        partition = node_config.get("partition-id")
+        if client is None and partition is None:
             raise ConfigError("flower node config: 'client' (which client this machine is) is required, "
                               "e.g. --node-config \"client='market1501' state-dir='/var/lib/fedreid'\"")
         overrides = tuple(f"{key}={node_config[name]}" for name, key in NODE_PATHS.items() if name in node_config)
         state_dir = Path(str(node_config.get("state-dir", "fedreid_state")))
-        return cls(client, state_dir, overrides)
+        return cls(client, state_dir, overrides, None if client is not None else int(partition))
+
+    def hello(self) -> dict[str, Any]:
+        """The answer to "which client are you?"."""
+        return {"client": self.client} if self.client is not None else {"partition": self.partition}
 
 
 def check_secure_aggregation(cfg: Config, requested: bool) -> None:
@@ -178,8 +185,11 @@ class GridRound:
                 log.warning("node %s did not say which client it is: %s", node, reply.error.reason)
                 continue
             try:
-                name = str(unpack(reply.content, "hello").get("client"))
-            except CodecError as exc:
+                answer = unpack(reply.content, "hello")
+                name = str(answer.get("client"))
+                if "partition" in answer and 0 <= int(answer["partition"]) < len(client_names):
+                    name = client_names[int(answer["partition"])]
+            except (CodecError, TypeError, ValueError) as exc:
                 log.warning("node %s: malformed answer (%s); ignored", node, exc)
                 self.strangers.add(node)
                 continue
@@ -342,14 +352,16 @@ def _node_client(run: Mapping[str, Any], settings: NodeSettings) -> NodeClient:
 @client_app.query()
 def client_hello(msg: Message, context: Context) -> Message:
     settings = NodeSettings.from_node_config(context.node_config)
-    return Message(pack(hello={"client": settings.client}), reply_to=msg)
+    return Message(pack(hello=settings.hello()), reply_to=msg)
 
 
 @client_app.train()
 def client_train(msg: Message, context: Context) -> Message:
     settings = NodeSettings.from_node_config(context.node_config)
     run = unpack(msg.content, "run")
-    if run.get("client") != settings.client:
+    if settings.client is None:  # a simulation partition: the server mapped it to its client
+        settings = NodeSettings(str(run.get("client")), settings.state_dir, settings.local_overrides)
+    elif run.get("client") != settings.client:
         raise ConfigError(f"this node is client {settings.client!r}, the server asked for {run.get('client')!r}")
     node = _node_client(run, settings)
     update = node.fit(unpack(msg.content, "payload"), unpack(msg.content, "instructions"))

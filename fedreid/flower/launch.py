@@ -127,21 +127,25 @@ def run_config_string(config: Path, out: Path, overrides: Sequence[str] = (), *,
 class FlowerCli:
     """The ``flwr`` command against one SuperLink, with a private FLWR_HOME holding its connection."""
 
-    def __init__(self, superlink: str, *, root_cert: Optional[Path] = None, home: Optional[Path] = None) -> None:
+    def __init__(self, superlink: str, *, root_cert: Optional[Path] = None, home: Optional[Path] = None,
+                 options: Optional[Mapping[str, int]] = None) -> None:
         self.superlink = superlink
         self.home = Path(home) if home is not None else Path(tempfile.mkdtemp(prefix="fedreid-flwr-"))
         self.home.mkdir(parents=True, exist_ok=True)
         lines = ["[superlink]", 'default = "fedreid"', "", "[superlink.fedreid]", f'address = "{superlink}"']
         lines.append("insecure = true" if root_cert is None else f'root-certificates = "{Path(root_cert).resolve()}"')
+        if options:  # e.g. num-supernodes for a SuperLink in simulation mode
+            lines += ["", "[superlink.fedreid.options]", *(f"{k} = {int(v)}" for k, v in options.items())]
         (self.home / "config.toml").write_text("\n".join(lines) + "\n")
 
-    def _run(self, args: Sequence[str], *, timeout: Optional[float], log: Optional[Path] = None):
+    def _run(self, args: Sequence[str], *, timeout: Optional[float], log: Optional[Path] = None,
+             cwd: Optional[Path] = None):
         cmd = [_exe("flwr"), *args]
         env = flower_env({"FLWR_HOME": str(self.home)})
         out = open(log, "ab") if log is not None else subprocess.PIPE
         try:
             return subprocess.run(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=timeout,
-                                  stdin=subprocess.DEVNULL, check=False)
+                                  stdin=subprocess.DEVNULL, check=False, cwd=cwd)
         finally:
             if log is not None:
                 out.close()
@@ -152,10 +156,11 @@ class FlowerCli:
         if done.returncode != 0:
             raise LaunchError(f"flwr supernode register {public_key} failed: {done.stdout.decode(errors='replace')}")
 
-    def run(self, run_config: str, *, log: Optional[Path] = None, timeout: Optional[float] = None) -> int:
+    def run(self, run_config: str, *, log: Optional[Path] = None, timeout: Optional[float] = None,
+            cwd: Optional[Path] = None) -> int:
         """``flwr run`` the fedreid app and stream its logs until it ends; returns flwr's exit code."""
         done = self._run(["run", str(PROJECT_DIR), "fedreid", "--run-config", run_config, "--stream"],
-                         timeout=timeout, log=log)
+                         timeout=timeout, log=log, cwd=cwd)
         return done.returncode
 
 
@@ -194,13 +199,23 @@ class LocalDeployment:
     node_keys: Mapping[str, Path] = field(default_factory=dict)  # client -> private key (enables auth)
     local: Mapping[str, str] = field(default_factory=dict)  # prepared_root=..., device=... for every node
     start_timeout: float = 120.0
+    #: Flower's simulation engine (Ray) instead of SuperNode processes: one virtual node per client.
+    simulation: bool = False
 
     def __post_init__(self) -> None:
         self.workdir = Path(self.workdir)
         self.port = free_port()
         self.procs: dict[str, subprocess.Popen] = {}
+        if self.simulation and (self.tls or self.node_keys):
+            raise LaunchError("Flower's simulation engine runs in one process: no TLS or node keys")
+        if self.simulation:
+            try:
+                import ray  # noqa: F401
+            except ImportError:
+                raise LaunchError("Flower's simulation engine needs Ray: pip install -e .[flower-sim]") from None
         self.cli = FlowerCli(f"127.0.0.1:{self.port}", root_cert=self.tls.ca if self.tls else None,
-                             home=self.workdir / "flwr_home")
+                             home=self.workdir / "flwr_home",
+                             options={"num-supernodes": len(self.clients)} if self.simulation else None)
 
     @property
     def superlink(self) -> str:
@@ -226,6 +241,8 @@ class LocalDeployment:
     def start_superlink(self) -> None:
         cmd = superlink_command(port=self.port, host="127.0.0.1", tls=self.tls, node_auth=bool(self.node_keys),
                                 database=self.workdir / "superlink.db")
+        if self.simulation:
+            cmd.append("--simulation")
         proc = self._start("superlink", cmd)
         wait_for_port(self.port, timeout=self.start_timeout, proc=proc, what="flower-superlink",
                       log=self.log_path("superlink"))
@@ -243,8 +260,9 @@ class LocalDeployment:
     def start(self) -> "LocalDeployment":
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.start_superlink()
-        for client in self.clients:
-            self.start_node(client)
+        if not self.simulation:
+            for client in self.clients:
+                self.start_node(client)
         return self
 
     def stop_process(self, name: str, sig: int = signal.SIGTERM, *, wait: float = 20.0) -> None:
