@@ -104,6 +104,30 @@ def test_simulation_engine_partitions_map_to_clients(world, simulated, tmp_path)
     assert states_equal(ours, load_checkpoint(sim_dir / "checkpoint.pt")["server"]["global_state"])
 
 
+@pytest.mark.parametrize("objective", ["scaffold", "moon"])
+def test_classification_objective_state_lives_on_the_nodes(tmp_path, objective):
+    # SCAFFOLD's control variate and MOON's previous model persist on each node's disk across fresh processes.
+    from fedreid.config import load_config
+
+    overrides = ["task=classification", "fl.aggregation=fedavg", "model.backbone=cnn_lmd",
+                 "classification.num_clients=5", "classification.alpha=0.5", "train.batch_size=32",
+                 "train.drop_last=false", "train.local_epochs=1", "train.weight_decay=0", "train.nesterov=false",
+                 "train.lr=0.01", "fl.rounds=3", "eval.every=3",
+                 "run.device=cpu", "run.tensorboard=false", f"train.objective={objective}"]
+    cfg = load_config(None, overrides)
+    sim_history = run_simulation(cfg, tmp_path / "sim", progress=False)
+    cfg_path = write_config(tmp_path, cfg)
+    names = [f"client{k:03d}" for k in range(5)]
+    with FakeGrid(flower_app.client_app, nodes_for(tmp_path, names), tamper=fresh_process()) as grid:
+        serve(grid, {"config": str(cfg_path), "out": str(tmp_path / "run"), "join-timeout": 5})
+    ours = load_checkpoint(tmp_path / "run" / "checkpoint.pt")
+    theirs = load_checkpoint(tmp_path / "sim" / "checkpoint.pt")
+    assert states_equal(ours["server"]["global_state"], theirs["server"]["global_state"])
+    assert strip_time(ours["history"]) == strip_time(sim_history)
+    saved = torch.load(sorted((tmp_path / "state").rglob("client000/after_round_*.pt"))[-1], weights_only=False)
+    assert saved["objective"] and saved["rounds_trained"] == theirs["clients"]["client000"]["rounds_trained"]
+
+
 def test_lost_client_round_completes_and_it_rejoins(world, tmp_path):
     cfg_path = write_config(tmp_path, tiny_config(world, ["fl.rounds=2", "eval.every=100"], names=NAMES))
     out = tmp_path / "run"

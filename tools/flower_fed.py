@@ -236,7 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_superlink)
 
     p = sub.add_parser("node", help="start the SuperNode of one client on the host holding its data")
-    p.add_argument("--client", required=True, help="which client this machine is (a dataset name, or client_<k>)")
+    p.add_argument("--client", required=True, help="which client this machine is (a dataset name, or client<kkk> of a partition, e.g. client003)")
     p.add_argument("--superlink", required=True, metavar="HOST:PORT")
     security(p)
     p.add_argument("--key", help="this node's private key (from `node-key`) when the SuperLink has --node-auth")

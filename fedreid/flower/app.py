@@ -17,7 +17,7 @@ Run config (``flwr run ... --run-config``; see :class:`ServerSettings`):
 
 Node config (``flower-supernode --node-config``; see :class:`NodeSettings`):
 ``client`` (the client this machine is: a dataset name such as
-``market1501``, or ``client_3`` of a partition), ``state-dir`` (its private
+``market1501``, or ``client003`` of a partition), ``state-dir`` (its private
 state), and machine-local paths: ``prepared-root``, ``classification-root``,
 ``device``.
 """
