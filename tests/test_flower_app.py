@@ -184,6 +184,21 @@ def test_too_few_clients_stop_the_run_resumably(world, tmp_path):
     assert len(load_checkpoint(out / "checkpoint.pt")["history"]) == 2
 
 
+def test_server_resume_continues_bit_identically(world, simulated, tmp_path):
+    # The server stops after round 1 (a crash, or a planned stop) and is resumed; nodes restart too.
+    sim_dir, sim_history = simulated
+    cfg_path = write_config(tmp_path, tiny_config(world, METHOD, names=NAMES))
+    out = tmp_path / "run"
+    with FakeGrid(flower_app.client_app, nodes_for(tmp_path), tamper=fresh_process()) as grid:
+        serve(grid, {"config": str(cfg_path), "out": str(out), "overrides": "fl.rounds=1", "join-timeout": 5})
+    assert len(load_checkpoint(out / "checkpoint.pt")["history"]) == 1
+    with FakeGrid(flower_app.client_app, nodes_for(tmp_path), tamper=fresh_process()) as grid:
+        serve(grid, {"config": str(cfg_path), "out": str(out), "resume": True, "join-timeout": 5})
+    ours = load_checkpoint(out / "checkpoint.pt")
+    assert states_equal(ours["server"]["global_state"], load_checkpoint(sim_dir / "checkpoint.pt")["server"]["global_state"])
+    assert strip_time(ours["history"]) == strip_time(sim_history)
+
+
 def test_a_node_retrains_a_round_from_the_state_before_it(world, tmp_path):
     cfg = tiny_config(world, names=NAMES)
     node = NodeClient(cfg, "dsa", tmp_path / "state", "run")
