@@ -14,8 +14,7 @@ from fedreid.utils.cli import run_main
 
 def _all_input_errors() -> list[type]:
     for module in pkgutil.walk_packages(fedreid.__path__, "fedreid."):
-        if not module.name.startswith("fedreid.flower"):  # optional extra
-            importlib.import_module(module.name)
+        importlib.import_module(module.name)
     found, todo = [], [FedReIDError]
     while todo:
         cls = todo.pop()
@@ -29,7 +28,8 @@ def test_every_input_error_prints_one_line(capsys):
     names = {cls.__name__ for cls in errors}
     # the errors users meet first, from config to checkpoints
     assert {"ConfigError", "RawLayoutError", "PreparedDatasetError", "ScenarioError", "ClientError",
-            "CheckpointError", "PretrainedWeightsError", "IndexFileError", "ImageReadError"} <= names
+            "CheckpointError", "PretrainedWeightsError", "IndexFileError", "ImageReadError",
+            "RoundFailedError", "CodecError", "LaunchError"} <= names
     for cls in errors:
         def main(cls=cls) -> int:
             raise cls(f"/data/x.yaml: bad value ({cls.__name__})")
