@@ -51,6 +51,8 @@ def test_commands_it_would_run(tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (["superlink", "--print-only"], "--tls DIR"),
+    (["superlink", "--insecure", "--node-auth", "--print-only"], "needs TLS"),
+    (["local", "--config", "c.yaml", "--out", "r", "--node-auth"], "needs --tls"),
     (["node", "--client", "a", "--superlink", "h:1", "--print-only"], "--ca CA_FILE"),
     (["node", "--client", "a", "--superlink", "h:1", "--insecure", "--ca", "x", "--print-only"], "not both"),
     (["node", "--client", "a", "--superlink", "h:1", "--insecure", "--key", "nope", "--print-only"], "nope"),

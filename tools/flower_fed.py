@@ -166,6 +166,8 @@ def cmd_local(args: argparse.Namespace) -> int:
     from fedreid.flower.launch import LocalDeployment, TLSFiles
     from fedreid.flower.security import make_node_key, make_tls_files
 
+    if args.node_auth and not args.tls:
+        raise ConfigError("--node-auth needs --tls: Flower authenticates SuperNodes over TLS only")
     out, text, rounds = _run_config(args)
     cfg = load_config(out / "config.yaml" if args.resume else args.config, args.overrides)
     clients = build_federation(cfg).server.client_names

@@ -292,9 +292,10 @@ def server_main(grid: Grid, context: Context) -> None:
     cfg = load_config(settings.config, settings.overrides) if settings.config else None
     if cfg is None and not settings.resume:
         raise ConfigError("flower run config: 'config' (the YAML on the server machine) is required unless resuming")
-    if cfg is not None:
-        check_secure_aggregation(cfg, settings.secure_aggregation)
-    if cfg is not None and cfg.fl.mode != "federated":
+    # Without a config, a resumed run is its saved one.
+    effective = cfg if cfg is not None else load_config(settings.out / "config.yaml", settings.overrides)
+    check_secure_aggregation(effective, settings.secure_aggregation)
+    if effective.fl.mode != "federated":
         raise ConfigError("fl.mode: the local-training baseline has no server; run it with tools/train_fed.py")
     holder: dict[str, GridRound] = {}
 
@@ -304,7 +305,7 @@ def server_main(grid: Grid, context: Context) -> None:
         return holder["round"](server)
 
     try:
-        history = run_simulation(cfg, settings.out, resume=settings.resume, progress=False,
+        history = run_simulation(effective, settings.out, resume=settings.resume, progress=False,
                                  callbacks=[_log_round], remote_round=remote_round)
     except RoundFailedError as exc:
         log.error("%s; the run stops here and can be resumed (resume=true) from its last round", exc)

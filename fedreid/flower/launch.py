@@ -1,7 +1,8 @@
 """Starting Flower's processes for fedreid: SuperLink, SuperNodes, runs, and all of them on one host.
 
-Every process gets Flower's telemetry off (``FLWR_TELEMETRY_ENABLED=0``) and
-the SuperLink runs with runtime dependency installation off (SuperNodes have
+Every process gets Flower's telemetry and update check off
+(``FLWR_TELEMETRY_ENABLED=0``, ``FLWR_DISABLE_UPDATE_CHECK=1``) and the
+SuperLink runs with runtime dependency installation off (SuperNodes have
 it off unless asked): the machines install ``fedreid[flower]`` themselves
 and nothing is fetched at run time.
 
@@ -58,6 +59,8 @@ def flower_env(extra: Optional[Mapping[str, str]] = None) -> dict[str, str]:
     """The environment for Flower processes: telemetry off, this interpreter's scripts first on PATH."""
     env = dict(os.environ)
     env["FLWR_TELEMETRY_ENABLED"] = "0"
+    env["FLWR_DISABLE_UPDATE_CHECK"] = "1"
+    env["FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION"] = "1"
     bindir = str(Path(sys.executable).parent)
     env["PATH"] = bindir + os.pathsep + env.get("PATH", "")
     env.update(extra or {})
@@ -73,6 +76,8 @@ def superlink_command(*, port: int = 8000, host: str = "0.0.0.0", tls: Optional[
                       node_auth: bool = False, database: Optional[Path] = None) -> list[str]:
     """``flower-superlink`` serving Fleet, Control and Runtime APIs on ``host:port``."""
     cmd = [_exe("flower-superlink"), "--host", host, "--port", str(port), "--disable-runtime-dependency-installation"]
+    if node_auth and tls is None:
+        raise LaunchError("SuperNode authentication needs TLS: give the SuperLink its certificate files")
     if tls is None:
         cmd.append("--insecure")
     else:
