@@ -28,7 +28,9 @@ setup(
         "matplotlib",
     ],
     extras_require={
-        "test": ["pytest>=7", "scikit-learn", "ruff"],
+        # tensorboard: the run logger's TensorBoard path is tested too.
+        "test": ["pytest>=7", "scikit-learn", "ruff", "tensorboard"],
+        "tensorboard": ["tensorboard"],
         # faiss-gpu replaces faiss-cpu: install with `pip uninstall faiss-cpu` first.
         "gpu": ["faiss-gpu-cu12"],
         "flower": ["flwr>=1.41,<2"],

@@ -1,5 +1,7 @@
 """End-to-end federated simulation on tiny data: resume, determinism, bytes, modes, errors."""
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -9,7 +11,9 @@ from fedreid.config import ConfigError, load_config
 from fedreid.data.scenarios import ClientSplit
 from fedreid.fl.client import ClientError, check_split
 from fedreid.fl.simulation import build_federation, resume, run_simulation
-from fedreid.fl.state import state_nbytes, states_equal
+from fedreid.fl.state import bn_buffers, clone_state, state_nbytes, states_equal
+from fedreid.fl.update import Update
+from fedreid.models.reid import private_state
 from fedreid.utils.checkpoint import load_checkpoint
 from fedreid.utils.logging import read_metrics
 
@@ -97,7 +101,10 @@ def test_resume_is_bit_identical(baseline, world, tmp_path, kill_event, kill_rou
 
     with pytest.raises(Kill):
         run_simulation(tiny_config(world, FULL), run_dir, progress=False, callbacks=[killer])
-    assert load_checkpoint(run_dir / "checkpoint.pt")["round"] == 2 if kill_event == "round_end" else True
+    # The checkpoint holds the rounds finished before the kill: a kill at a round's
+    # end comes after that round's checkpoint, one mid-round leaves the round before.
+    finished = kill_round + 1 if kill_event == "round_end" else kill_round
+    assert load_checkpoint(run_dir / "checkpoint.pt")["round"] == finished
     with pytest.raises(FileExistsError, match="resume"):
         run_simulation(tiny_config(world, FULL), run_dir, progress=False)
     with pytest.raises(ConfigError, match="fl.kd_every"):
@@ -198,3 +205,62 @@ def test_paper_defaults():
     assert cfg.train.lr == 0.05 and cfg.train.lr * cfg.train.lr_backbone_ratio == pytest.approx(0.005)
     assert cfg.fl.rounds == 300 and cfg.fl.clients_per_round == 0 and cfg.fl.kd_every == 10
     assert cfg.fl.kd_lr == 5e-4 and cfg.fl.bn == "average" and cfg.fl.aggregation == "fedpav"
+
+
+def _shifted_bn(state, shift: float):
+    """``state`` with every BatchNorm running mean moved by ``shift`` (a recognisable payload)."""
+    out = clone_state(state)
+    for key in bn_buffers(out):
+        if key.endswith("running_mean"):
+            out[key] += shift
+    return out
+
+
+def test_private_head_persists_and_starts_the_next_round(world):
+    fed = build_federation(tiny_config(world, ["fl.rounds=2"]))
+    client = fed.clients[0]
+    client.fit(fed.work_model, fed.server.global_state, {"round": 0})
+    trained_head = clone_state(client.head)
+
+    untouched = build_federation(tiny_config(world, ["fl.rounds=2"])).clients[0]
+    untouched.init_head(copy.deepcopy(fed.work_model))
+    assert not states_equal(trained_head, untouched.head), "local training left the head unchanged"
+
+    # Round 2 (and CDW's "old head") start from the head this client trained,
+    # whatever head the shared work model carries from the previous client.
+    fed.clients[1].fit(fed.work_model, fed.server.global_state, {"round": 0})
+    model = fed.clients[0].prepare_model(fed.work_model, fed.server.global_state)
+    assert states_equal(dict(private_state(model)), trained_head)
+
+
+@pytest.mark.parametrize("bn", ["average", "local"])
+def test_bn_policy_decides_whose_statistics_a_client_starts_from(world, bn):
+    fed = build_federation(tiny_config(world, [f"fl.bn={bn}", "fl.rounds=2"]))
+    client = fed.clients[0]
+    client.fit(fed.work_model, fed.server.global_state, {"round": 0})
+    payload = _shifted_bn(fed.server.global_state, 5.0)
+    model_bn = bn_buffers(client.prepare_model(fed.work_model, payload).state_dict())
+    if bn == "local":
+        assert client.bn_state is not None and states_equal(model_bn, client.bn_state)
+    else:
+        assert client.bn_state is None and states_equal(model_bn, bn_buffers(payload))
+
+
+def test_bn_first_takes_the_first_sampled_client_not_client_zero(world):
+    base = ["fl.bn=first", "fl.rounds=1", "eval.every=100", "eval.local_models=false"]
+    for seed in range(20):  # a seed whose sampled order does not start with client 0
+        fed = build_federation(tiny_config(world, [f"seed={seed}", *base]))
+        if copy.deepcopy(fed.server.sampler).permutation(2)[0] == 1:
+            break
+    else:
+        pytest.fail("no seed in 0..19 samples client 1 first")
+    before = clone_state(fed.server.global_state)
+
+    def fit(k, payload, instructions):
+        state = _shifted_bn(payload, 10.0 * (k + 1))
+        return Update(fed.clients[k].name, state, fed.clients[k].num_samples, {"train_loss": 0.0})
+
+    record = fed.server.run_round(fit)
+    assert record["clients"][0] == fed.clients[1].name
+    after = bn_buffers(fed.server.global_state)
+    assert states_equal(after, bn_buffers(_shifted_bn(before, 20.0)))

@@ -5,7 +5,8 @@ losses, aggregation weights, bytes, times, evaluation results).
 ``metrics.csv`` is the same rows flattened (``eval.market1501.rank1``); its
 columns are the union over rounds, so it is rewritten whole after each round
 (small: one line per round). TensorBoard scalars are written when the
-``tensorboard`` package is installed and ``enabled``; otherwise silently not.
+``tensorboard`` package is installed (the ``[tensorboard]`` extra) and
+``tensorboard`` is on; otherwise only the two files.
 
 On resume, :meth:`MetricsLogger.reset` rewrites both files from the
 checkpoint's history, dropping rows of a round that was logged but never
@@ -67,14 +68,23 @@ class MetricsLogger:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.rows: list[dict[str, Any]] = []
+        self.tensorboard = tensorboard
         self._tb = None
-        if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
+        self._tb_opened = False
 
-                self._tb = SummaryWriter(str(self.run_dir / "tensorboard"))
-            except Exception:  # noqa: BLE001 - tensorboard not installed or broken: skip
-                self._tb = None
+    def _open_tensorboard(self, purge_step: int | None) -> None:
+        """(Re)open the event writer; ``purge_step`` hides events a resumed run redoes."""
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+        self._tb_opened = True
+        if not self.tensorboard:
+            return
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:  # tensorboard not installed: the jsonl/csv logs are enough
+            return
+        self._tb = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=purge_step)
 
     @property
     def jsonl_path(self) -> Path:
@@ -85,20 +95,32 @@ class MetricsLogger:
         return self.run_dir / METRICS_CSV
 
     def reset(self, history: Sequence[Mapping[str, Any]] = ()) -> None:
-        """Rewrite the files to hold exactly ``history``."""
+        """Rewrite the files to hold exactly ``history``.
+
+        TensorBoard events cannot be rewritten; instead the writer purges every
+        event after the last round of ``history``, so rounds logged by a run
+        that was killed before their checkpoint do not show twice.
+        """
         self.rows = [dict(r) for r in history]
+        self._open_tensorboard(purge_step=self._step(self.rows[-1]) + 1 if self.rows else None)
         text = "".join(json.dumps(_clean(r), default=_json_default) + "\n" for r in self.rows)
         write_text_atomic(self.jsonl_path, text)
         self._write_csv()
 
+    @staticmethod
+    def _step(row: Mapping[str, Any]) -> int:
+        return int(row["round"])
+
     def log(self, row: Mapping[str, Any]) -> None:
         row = dict(row)
         self.rows.append(row)
+        if not self._tb_opened:
+            self._open_tensorboard(purge_step=None)
         with self.jsonl_path.open("a") as fh:
             fh.write(json.dumps(_clean(row), default=_json_default) + "\n")
         self._write_csv()
         if self._tb is not None:
-            step = int(row.get("round", len(self.rows)))
+            step = self._step(row)
             for key, value in flatten(row).items():
                 if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "round":
                     self._tb.add_scalar(key.replace(".", "/"), value, step)

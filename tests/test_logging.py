@@ -1,0 +1,43 @@
+"""Metrics logs: jsonl/csv rewritten on resume, TensorBoard events purged past the checkpoint."""
+
+import pytest
+
+from fedreid.utils.logging import MetricsLogger, read_metrics
+
+event_accumulator = pytest.importorskip(
+    "tensorboard.backend.event_processing.event_accumulator",
+    reason="tensorboard is part of the [test] extra; without it the TensorBoard path cannot run",
+)
+
+
+def scalars(run_dir, tag):
+    acc = event_accumulator.EventAccumulator(str(run_dir / "tensorboard"))
+    acc.Reload()
+    return [(e.step, e.value) for e in acc.Scalars(tag)]
+
+
+def test_tensorboard_scalars_and_resume_purges_rounds_logged_after_the_checkpoint(tmp_path):
+    first = MetricsLogger(tmp_path, tensorboard=True)
+    first.reset([])
+    for r, loss in [(1, 3.0), (2, 2.0), (3, 1.5)]:
+        first.log({"round": r, "train_loss": loss, "eval": {"dsa": {"mAP": loss / 10}}})
+    first.close()
+    assert scalars(tmp_path, "train_loss") == [(1, 3.0), (2, 2.0), (3, 1.5)]
+    assert [s for s, _ in scalars(tmp_path, "eval/dsa/mAP")] == [1, 2, 3]
+
+    # Killed after logging rounds 2 and 3 but with only round 1 checkpointed: resume redoes 2.
+    resumed = MetricsLogger(tmp_path, tensorboard=True)
+    resumed.reset(read_metrics(tmp_path)[:1])
+    resumed.log({"round": 2, "train_loss": 2.5})
+    resumed.close()
+    assert scalars(tmp_path, "train_loss") == [(1, 3.0), (2, 2.5)]
+    assert [r["round"] for r in read_metrics(tmp_path)] == [1, 2]
+
+
+def test_tensorboard_off_writes_no_events(tmp_path):
+    logger = MetricsLogger(tmp_path, tensorboard=False)
+    logger.reset([])
+    logger.log({"round": 1, "train_loss": 1.0})
+    logger.close()
+    assert not (tmp_path / "tensorboard").exists()
+    assert read_metrics(tmp_path) == [{"round": 1, "train_loss": 1.0}]
