@@ -85,6 +85,29 @@ class DataConfig:
         _check_positive(f"{prefix}.workers", self.workers)
         if not self.datasets:
             raise ConfigError(f"{prefix}.datasets: expected at least one dataset name")
+        self._check_per_dataset_keys(prefix)
+
+    def _check_per_dataset_keys(self, prefix: str) -> None:
+        """Keys of ``split_files`` / ``options`` must be registered datasets, options real ones.
+
+        A typo here would otherwise be silently ignored (a split file never
+        used) or fail late as ``__init__() got an unexpected keyword argument``.
+        """
+        if not self.split_files and not self.options:
+            return  # the common case needs no parser imports
+        # Imported here: the parser registry itself imports this module.
+        from fedreid.data.raw import check_parser_options, list_raw_datasets
+
+        known = list_raw_datasets()
+        for section, mapping in (("split_files", self.split_files), ("options", self.options)):
+            for name in mapping:
+                if name not in known:
+                    raise ConfigError(
+                        f"{prefix}.{section}.{name}: unknown dataset {name!r}; "
+                        f"allowed names: {', '.join(known)}"
+                    )
+        for name, options in self.options.items():
+            check_parser_options(name, options, layout=self.layout, where=f"{prefix}.options.{name}")
 
 
 @dataclass

@@ -8,8 +8,9 @@ import pkgutil
 import pytest
 
 import fedreid
+from fedreid.config import load_config
 from fedreid.errors import FedReIDError
-from fedreid.utils.cli import run_main
+from fedreid.utils.cli import literal_override, run_main
 
 
 def _all_input_errors() -> list[type]:
@@ -40,8 +41,10 @@ def test_every_input_error_prints_one_line(capsys):
         assert capsys.readouterr().err == f"error: /data/x.yaml: bad value ({cls.__name__})\n"
 
 
-@pytest.mark.parametrize("exc_type", [FileNotFoundError, FileExistsError])
-def test_missing_or_existing_files_print_one_line(exc_type, capsys):
+@pytest.mark.parametrize(
+    "exc_type", [FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError, NotADirectoryError]
+)
+def test_errors_about_user_paths_print_one_line(exc_type, capsys):
     def main() -> int:
         raise exc_type("runs/demo already exists")
 
@@ -50,12 +53,37 @@ def test_missing_or_existing_files_print_one_line(exc_type, capsys):
     assert exc.value.code == 2 and capsys.readouterr().err == "error: runs/demo already exists\n"
 
 
-def test_bugs_are_not_hidden():
-    def main() -> int:
-        raise ZeroDivisionError("a bug")
+def test_unreadable_folder_prints_one_line(tmp_path, capsys):
+    import os
 
-    with pytest.raises(ZeroDivisionError):
+    if os.geteuid() == 0:
+        pytest.skip("root reads every folder")
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o000)
+    try:
+        with pytest.raises(SystemExit) as exc:
+            run_main(lambda: len(list(locked.iterdir())))
+    finally:
+        locked.chmod(0o700)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.startswith("error: ") and str(locked) in err
+    assert err.count("\n") == 1
+
+
+@pytest.mark.parametrize("exc", [ZeroDivisionError("a bug"), OSError(28, "No space left on device")])
+def test_bugs_and_other_os_errors_are_not_hidden(exc):
+    def main() -> int:
+        raise exc
+
+    with pytest.raises(type(exc)):
         run_main(main)
+
+
+@pytest.mark.parametrize("path", ["/tmp/run #2", "/x/my: out", "null", "true", "3", "[a, b]", "a\"b\\c", "é #1"])
+def test_literal_override_keeps_the_string(path):
+    # Overrides are YAML: a bare "/tmp/run #2" would silently become "/tmp/run".
+    cfg = load_config(None, [literal_override("run.out_dir", path)])
+    assert cfg.run.out_dir == path
 
 
 def test_success_exit_code():

@@ -111,3 +111,35 @@ def test_exponent_without_dot_is_a_number(tmp_path):
     assert cfg.train.weight_decay == pytest.approx(1e-5)
     assert cfg.train.lr == pytest.approx(2e-3)
     assert isinstance(cfg.train.weight_decay, float)
+
+
+@pytest.mark.parametrize("section", ["split_files", "options"])
+def test_per_dataset_keys_must_be_known_datasets(section):
+    value = "split.json" if section == "split_files" else "{boxes: labeled}"
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [f"data.{section}.cuhk03=" + value])
+    msg = str(err.value)
+    assert f"data.{section}.cuhk03: unknown dataset 'cuhk03'" in msg
+    assert "cuhk03np" in msg and "market1501" in msg and "viper" in msg
+
+
+def test_known_per_dataset_keys_load():
+    cfg = load_config(None, ["data.split_files.viper=/s/viper split.json", "data.options.prid2011.max_frames=3"])
+    assert cfg.data.split_files == {"viper": "/s/viper split.json"}
+    assert cfg.data.options == {"prid2011": {"max_frames": 3}}
+
+
+@pytest.mark.parametrize(
+    "overrides, fragments",
+    [
+        (["data.options.cuhk03np.box=labeled"], ("data.options.cuhk03np.box", "cuhk03np parser", "allowed options: boxes")),
+        (["data.options.prid2011.frames=3"], ("prid2011.frames", "allowed options: max_frames, num_shared")),
+        (["data.options.viper.seed=3"], ("viper.seed", "allowed options: none", "data.split_seed")),
+        (["data.options.cuhk03np.boxes=labeled", "data.layout=fedreid"], ("layout fedreid", "allowed options: none")),
+    ],
+)
+def test_misspelt_parser_option_names_dataset_option_and_allowed(overrides, fragments):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, overrides)
+    for fragment in fragments:
+        assert fragment in str(err.value)

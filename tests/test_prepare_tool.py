@@ -69,3 +69,63 @@ def test_bad_input_is_one_clear_line(tmp_path, args, fragment):
     assert out.returncode == 2
     assert fragment in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def tree_digest(root: Path) -> dict:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_raw_root_inside_the_output_dataset_folder_is_refused(tmp_path):
+    # --raw-root data/market1501 --out data: the target data/market1501 *is* the raw root.
+    raw = tmp_path / "data" / "market1501"
+    make_market1501_tree(raw)
+    before = tree_digest(raw)
+    out = run_tool("--raw-root", str(raw), "--out", str(tmp_path / "data"), "--datasets", "market1501",
+                   "data.public_dataset=null", "--force", cwd=tmp_path)
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    assert f"the raw root {raw}" in out.stderr and "nothing was moved or deleted" in out.stderr
+    assert tree_digest(raw) == before, "raw data must never change"
+    assert sorted(p.name for p in (tmp_path / "data").iterdir()) == ["market1501"]
+
+
+def test_path_flags_are_taken_literally(tmp_path):
+    # As YAML, "#..." would be a comment and ": " would start a mapping.
+    raw = tmp_path / "my: raw #1"
+    make_market1501_tree(raw)
+    split = tmp_path / "split #2.json"
+    out = run_tool("--raw-root", str(raw), "--out", str(tmp_path / "run #2"), "--datasets", "market1501",
+                   "--split-file", f"market1501={split}", "data.public_dataset=null", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    made = json.loads((tmp_path / "run #2" / "market1501" / "prepare.json").read_text())
+    assert made["raw_root"] == str(raw.resolve()) and made["split_file"] == str(split)
+    assert not (tmp_path / "run").exists()
+
+
+def test_cards_md_keeps_the_datasets_of_earlier_runs(tmp_path):
+    raw = tmp_path / "raw"
+    make_market1501_tree(raw)
+    make_msmt17_tree(raw)
+    for name in ("market1501", "msmt17"):
+        out = run_tool("--raw-root", str(raw), "--out", str(tmp_path / "prep"), "--datasets", name,
+                       "data.public_dataset=null", cwd=tmp_path)
+        assert out.returncode == 0, out.stderr
+    assert "| market1501 |" not in out.stdout  # the printed summary is this run's
+    cards = (tmp_path / "prep" / "cards.md").read_text()
+    # benchmark order: msmt17 first, as in the paper's Table 1
+    assert cards.index("| msmt17 |") < cards.index("| market1501 |")
+    assert "1 dataset(s) prepared by earlier runs" in out.stdout
+
+
+@pytest.mark.parametrize(
+    "override, fragments",
+    [
+        ("data.options.cuhk03np.box=labeled", ("data.options.cuhk03np.box", "cuhk03np", "allowed options: boxes")),
+        ("data.split_files.vipr=split.json", ("data.split_files.vipr", "unknown dataset 'vipr'", "viper")),
+    ],
+)
+def test_misspelt_dataset_or_option_is_one_clear_line(tmp_path, override, fragments):
+    out = run_tool("--datasets", "cuhk03np", override, cwd=tmp_path)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "unexpected keyword" not in out.stderr
+    for fragment in fragments:
+        assert fragment in out.stderr

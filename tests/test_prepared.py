@@ -46,14 +46,17 @@ class ToyParser(RawDataset):
         return ParseResult(sorted(records, key=lambda r: str(r.path)), skipped, {"seed": self.seed})
 
 
-@pytest.fixture
-def raw_root(tmp_path):
-    root = tmp_path / "raw"
+def make_toy_raw(root: Path) -> Path:
     parser = ToyParser(root)
     for i, rec in enumerate(parser.parse().records):
         write_image(rec.path, seed=i)
     (root / "Toy" / "train" / "Thumbs.db").write_bytes(b"\x00junk")
     return root
+
+
+@pytest.fixture
+def raw_root(tmp_path):
+    return make_toy_raw(tmp_path / "raw")
 
 
 def tree_digest(root: Path) -> dict:
@@ -204,3 +207,112 @@ def test_unknown_split_name(raw_root, tmp_path):
     prepare_dataset(ToyParser(raw_root), tmp_path / "out", progress=False)
     with pytest.raises(ValueError, match="unknown split 'test'"):
         load_prepared(tmp_path / "out", "toy").split("test")
+
+
+# -- the raw data and foreign folders are never moved or deleted ------------------
+@pytest.mark.parametrize("inside", ["", "downloads/toy"])
+def test_refuses_raw_root_inside_the_target_folder(tmp_path, inside):
+    # The raw root is <out>/toy itself, or a folder below it: replacing the
+    # target would move the raw data aside and delete it.
+    out = tmp_path / "data"
+    raw = make_toy_raw(out / "toy" / inside)
+    before = tree_digest(out)
+    for force in (False, True):
+        with pytest.raises(PrepareError) as err:
+            prepare_dataset(ToyParser(raw), out, force=force, progress=False)
+        msg = str(err.value)
+        assert str(raw) in msg and str(out / "toy") in msg and "nothing was moved or deleted" in msg
+    assert tree_digest(out) == before, "raw data must never change"
+    assert sorted(p.name for p in out.iterdir()) == ["toy"]
+
+
+@pytest.mark.parametrize("force", [False, True])
+def test_never_replaces_a_folder_it_did_not_prepare(raw_root, tmp_path, force):
+    out = tmp_path / "out"
+    (out / "toy").mkdir(parents=True)
+    (out / "toy" / "thesis.tex").write_text("precious")
+    # a prepare.json of another dataset does not make the folder ours either
+    (out / "toy" / "prepare.json").write_text(json.dumps({"dataset": "viper"}))
+    with pytest.raises(PrepareError, match="was not prepared by tools/prepare_datasets.py") as err:
+        prepare_dataset(ToyParser(raw_root), out, force=force, progress=False)
+    assert str(out / "toy") in str(err.value)
+    assert (out / "toy" / "thesis.tex").read_text() == "precious"
+    assert sorted(p.name for p in out.iterdir()) == ["toy"], "no temporary folder left"
+
+
+def test_move_into_place_checks_the_target_itself(tmp_path):
+    # the last line of defence, whatever its caller checked before
+    tmp, target = tmp_path / ".toy.tmp-00000000", tmp_path / "toy"
+    tmp.mkdir()
+    target.mkdir()
+    (target / "notes.txt").write_text("mine")
+    with pytest.raises(PrepareError, match="not replaced"):
+        prepared_mod._move_into_place(tmp, target)
+    assert (target / "notes.txt").read_text() == "mine"
+    link = tmp_path / "link"
+    link.symlink_to(target, target_is_directory=True)
+    with pytest.raises(PrepareError, match="symbolic link"):
+        prepared_mod._move_into_place(tmp, link)
+    assert (target / "notes.txt").read_text() == "mine"
+
+
+def test_an_empty_target_folder_is_used(raw_root, tmp_path):
+    (tmp_path / "out" / "toy").mkdir(parents=True)
+    report = prepare_dataset(ToyParser(raw_root), tmp_path / "out", progress=False)
+    assert report.num_images == 10 and (tmp_path / "out/toy/manifest.csv").is_file()
+
+
+def test_rerun_from_another_raw_root_warns(raw_root, tmp_path):
+    out = tmp_path / "out"
+    prepare_dataset(ToyParser(raw_root), out, progress=False)
+    other = make_toy_raw(tmp_path / "other")
+    again = prepare_dataset(ToyParser(other), out, progress=False)
+    assert again.skipped_existing
+    [warning] = again.warnings
+    assert str(raw_root.resolve()) in warning and str(other.resolve()) in warning
+    assert "--force" in warning
+    assert json.loads((out / "toy" / "prepare.json").read_text())["raw_root"] == str(raw_root.resolve())
+    assert not prepare_dataset(ToyParser(raw_root), out, progress=False).warnings
+
+
+def test_leftovers_of_a_killed_run_are_removed_and_reported(raw_root, tmp_path):
+    out = tmp_path / "out"
+    leftovers = [out / ".toy.tmp-0123abcd", out / ".toy.old-89abcdef"]
+    kept = [out / ".other.tmp-0123abcd", out / ".toy.tmp-mine", out / "toy-notes"]
+    for folder in leftovers + kept:
+        (folder / "images").mkdir(parents=True)
+        (folder / "images" / "x.jpg").write_bytes(b"x")
+    report = prepare_dataset(ToyParser(raw_root), out, progress=False)
+    assert not any(p.exists() for p in leftovers)
+    assert all((p / "images" / "x.jpg").is_file() for p in kept)
+    [note] = report.notes
+    assert "removed 2 temporary folder(s)" in note and ".toy.tmp-0123abcd" in note
+    # also when the dataset is already prepared and otherwise skipped
+    leftovers[0].mkdir()
+    again = prepare_dataset(ToyParser(raw_root), out, progress=False)
+    assert again.skipped_existing and not leftovers[0].exists() and len(again.notes) == 1
+
+
+def test_temp_folder_of_a_running_process_is_left_alone(raw_root, tmp_path):
+    import os
+    import socket
+
+    busy = tmp_path / "out" / ".toy.tmp-0123abcd"
+    busy.mkdir(parents=True)
+    (busy / ".owner.json").write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
+    report = prepare_dataset(ToyParser(raw_root), tmp_path / "out", progress=False)
+    assert busy.is_dir()
+    assert any("being written by running process" in n and str(busy) in n for n in report.notes)
+    assert not (tmp_path / "out" / "toy" / ".owner.json").exists()
+
+
+def test_prepared_cards_lists_every_prepared_dataset(raw_root, tmp_path):
+    out = tmp_path / "out"
+    prepare_dataset(ToyParser(raw_root), out, progress=False)
+    (out / "not-prepared").mkdir()
+    (out / "broken").mkdir()
+    for name in ("manifest.csv", "prepare.json", "card.json"):
+        (out / "broken" / name).write_text("{")
+    cards, problems = prepared_mod.prepared_cards(out)
+    assert list(cards) == ["toy"] and cards["toy"]["train_all"]["images"] == 6
+    assert len(problems) == 1 and str(out / "broken" / "card.json") in problems[0]

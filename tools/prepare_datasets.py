@@ -12,7 +12,10 @@ Examples:
   python tools/prepare_datasets.py --synthetic --out datasets/prepared/synthetic
 
 Re-running skips datasets that are already prepared (use --force to redo them).
-Nothing under the raw root is ever modified. See datasets/README.md for layouts.
+Nothing under the raw root is ever modified, and only folders this tool prepared
+are ever replaced. <out>/<name>/card.md describes one dataset; <out>/cards.md
+summarises every dataset prepared under <out>, earlier runs' included.
+See datasets/README.md for layouts.
 """
 
 from __future__ import annotations
@@ -22,11 +25,18 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from fedreid.config import DataConfig
-from fedreid.data.prepared import PrepareError, format_summary, prepare_dataset, synthetic_world
-from fedreid.data.raw import create_raw_dataset, list_raw_datasets
+from fedreid.config import BENCHMARK_DATASETS, ConfigError, DataConfig
+from fedreid.data.prepared import (
+    PrepareError,
+    PrepareReport,
+    format_summary,
+    prepare_dataset,
+    prepared_cards,
+    synthetic_world,
+)
+from fedreid.data.raw import PUBLIC_DATASET, create_raw_dataset, list_raw_datasets
 from fedreid.data.raw.base import RawLayoutError
-from fedreid.utils.cli import add_config_arguments, config_from_args, run_main
+from fedreid.utils.cli import add_config_arguments, config_from_args, literal_override, run_main
 from fedreid.utils.io import write_text_atomic
 
 
@@ -64,11 +74,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def flag_overrides(args: argparse.Namespace) -> list[str]:
+    # Paths go in quoted (literal_override): as bare YAML "/tmp/run #2" would
+    # lose its comment part and "/x/my: out" would be read as a mapping.
     out = []
     if args.raw_root:
-        out.append(f"data.raw_root={args.raw_root}")
+        out.append(literal_override("data.raw_root", args.raw_root))
     if args.out:
-        out.append(f"data.prepared_root={args.out}")
+        out.append(literal_override("data.prepared_root", args.out))
     if args.datasets:
         out.append(f"data.datasets=[{args.datasets}]")
     if args.layout:
@@ -80,9 +92,12 @@ def flag_overrides(args: argparse.Namespace) -> list[str]:
         out.append(f"data.split_seed={args.split_seed}")
     for item in args.split_file:
         name, sep, path = item.partition("=")
-        if not sep:
-            raise RawLayoutError(f"--split-file {item!r}: expected NAME=FILE")
-        out.append(f"data.split_files.{name}={path}")
+        if not sep or not name.strip() or not path:
+            raise ConfigError(f"--split-file {item!r}: expected NAME=FILE, e.g. viper=split.json")
+        # The name becomes a config key; a dot in it would nest a level deeper.
+        if "." in name:
+            raise ConfigError(f"--split-file {item!r}: {name!r} is not a dataset name")
+        out.append(literal_override(f"data.split_files.{name.strip()}", path))
     if args.workers is not None:
         out.append(f"data.workers={args.workers}")
     return out
@@ -144,10 +159,9 @@ def main(argv: list[str] | None = None) -> int:
         print_report(report)
 
     if cards:
-        summary = format_summary(cards)
         print("\nDataset card\n")
-        print(summary)
-        write_text_atomic(out_root / "cards.md", summary)
+        print(format_summary(cards))
+        write_combined_card(out_root, cards)
     if failures:
         print(f"{len(failures)} dataset(s) failed:", file=sys.stderr)
         for line in failures:
@@ -156,7 +170,25 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def print_report(report) -> None:
+def write_combined_card(out_root: Path, cards: dict[str, dict]) -> None:
+    """``cards.md`` over every dataset prepared in ``out_root``, not only this run's.
+
+    Datasets of earlier runs (with other ``--datasets``) are read back from
+    their ``card.json``, so the combined card never loses them.
+    """
+    found, problems = prepared_cards(out_root)
+    for problem in problems:
+        print(f"warning: {problem}", file=sys.stderr)
+    merged = {**found, **cards}
+    order = list(BENCHMARK_DATASETS) + [PUBLIC_DATASET]
+    names = sorted(merged, key=lambda n: (order.index(n) if n in order else len(order), n))
+    write_text_atomic(out_root / "cards.md", format_summary({n: merged[n] for n in names}))
+    earlier = len(set(merged) - set(cards))
+    if earlier:
+        print(f"{out_root / 'cards.md'} also lists {earlier} dataset(s) prepared by earlier runs")
+
+
+def print_report(report: PrepareReport) -> None:
     if report.skipped_existing:
         print(f"[{report.name}] already prepared in {report.out_dir} (use --force to redo)")
     else:
@@ -170,6 +202,8 @@ def print_report(report) -> None:
             example = next(s.path for s in report.skipped if s.rule.startswith(rule))
             print(f"  skipped {count} file(s): {rule} (e.g. {example})")
         print(f"  every skipped file is listed in {report.out_dir / 'skipped.csv'}")
+    for note in report.notes:
+        print(f"  note: {note}")
     for warning in report.warnings:
         print(f"  warning: {warning}")
 

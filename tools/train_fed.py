@@ -32,7 +32,7 @@ from fedreid.eval.report import (
     paper_summary,
     write_report,
 )
-from fedreid.utils.cli import add_config_arguments, config_from_args, run_main
+from fedreid.utils.cli import add_config_arguments, config_from_args, literal_override, run_main
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         resume = True
     else:
         if args.out:
-            flags.append(f"run.out_dir={args.out}")
+            flags.append(literal_override("run.out_dir", args.out))  # a path: taken literally
         cfg = config_from_args(args, flags)
         run_dir = Path(cfg.run.out_dir)
         resume = False

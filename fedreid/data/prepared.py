@@ -9,7 +9,11 @@
 
 It writes into a hidden temporary folder and renames it into place at the end,
 so an interrupted run leaves no half dataset, and it never writes under the raw
-root. ``PreparedDataset.load`` reads the result back.
+root. It only ever replaces or deletes folders it made itself: a target that
+holds its ``prepare.json`` naming the dataset, and its own hidden temporary
+folders (``.<name>.tmp-*``, ``.<name>.old-*``), which a killed run may leave
+behind and the next run of the same dataset removes. ``PreparedDataset.load``
+reads the result back.
 """
 
 from __future__ import annotations
@@ -18,7 +22,9 @@ import csv
 import io
 import json
 import os
+import re
 import shutil
+import socket
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -45,6 +51,12 @@ MANIFEST = "manifest.csv"
 MANIFEST_FIELDS = ("path", "pid", "camid", "split", "source")
 #: Written by the synthetic generator: counts its releases must parse to.
 SYNTHETIC_COUNTS_FILE = "synthetic_world.json"
+#: Written last into every prepared folder. A folder holding it (naming its
+#: dataset) is this tool's own, the only kind of target it replaces.
+PREPARE_RECORD = "prepare.json"
+#: Inside a temporary folder while a run fills it: which process owns it, so a
+#: concurrent run of the same dataset does not delete it as a leftover.
+OWNER_FILE = ".owner.json"
 
 
 class PreparedDatasetError(FedReIDError, ValueError):
@@ -72,6 +84,8 @@ class PrepareReport:
     skipped: list[Skip] = field(default_factory=list)
     card: dict = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
+    #: Housekeeping worth one line (e.g. leftovers of a killed run removed).
+    notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
 
 
@@ -254,7 +268,32 @@ def _format_cameras(cams: list[int]) -> str:
 
 
 def is_prepared(out_dir: Path) -> bool:
-    return (out_dir / MANIFEST).is_file() and (out_dir / "prepare.json").is_file()
+    return (out_dir / MANIFEST).is_file() and (out_dir / PREPARE_RECORD).is_file()
+
+
+def prepared_cards(out_root: str | Path) -> tuple[dict[str, dict], list[str]]:
+    """The card of every prepared dataset under ``out_root``, and problems reading them.
+
+    Used for the combined ``cards.md``, so that it lists the datasets of
+    earlier runs too, not only the latest run's.
+    """
+    out_root = Path(out_root)
+    cards: dict[str, dict] = {}
+    problems: list[str] = []
+    if not out_root.is_dir():
+        return cards, problems
+    for folder in sorted(out_root.iterdir()):
+        if folder.name.startswith(".") or not folder.is_dir() or not is_prepared(folder):
+            continue
+        card_path = folder / "card.json"
+        try:
+            card = json.loads(card_path.read_text())
+            card_counts(card)  # the summary needs these keys; check them now
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            problems.append(f"{card_path}: not a readable dataset card ({exc}); left out of cards.md")
+            continue
+        cards[folder.name] = card
+    return cards, problems
 
 
 def prepare_dataset(
@@ -270,30 +309,39 @@ def prepare_dataset(
 
     Already prepared datasets are left alone unless ``force``. Images that
     cannot be decoded are reported as skips naming the file; a split that ends
-    up empty is a :class:`PrepareError`.
+    up empty is a :class:`PrepareError`. A raw root that lies inside (or is)
+    the target folder, and a target that this tool did not prepare, are
+    refused before anything is moved or deleted.
     """
     started = time.perf_counter()
     out_root = Path(out_root)
     target = out_root / parser.name
     report = PrepareReport(parser.name, target)
+    # First, before anything is moved or deleted: the raw data must be out of reach.
+    _refuse_overlap(out_root, target, parser.raw_root)
+    report.notes = _remove_leftovers(out_root, parser.name, parser.raw_root)
     if is_prepared(target) and not force:
         report.skipped_existing = True
         report.card = json.loads((target / "card.json").read_text())
         report.warnings = _option_changes(target, parser, resize)
         return report
-    _refuse_inside(out_root, parser.raw_root)
+    # Fail before the (long) copy, not after it, when the target is not ours to replace.
+    _check_replaceable(target, parser.name)
 
     result = parser.parse()
     _check_not_empty(parser, result.records)
     out_root.mkdir(parents=True, exist_ok=True)
     tmp = out_root / f".{parser.name}.tmp-{uuid.uuid4().hex[:8]}"
     try:
+        tmp.mkdir()
+        write_json_atomic(tmp / OWNER_FILE, {"pid": os.getpid(), "host": socket.gethostname()})
         records, bad = _copy_images(parser, result.records, tmp, resize, workers, progress)
         skipped = list(result.skipped) + bad
         _check_not_empty(parser, records)
         card = dataset_card(records)
         warnings = count_mismatches(parser.name, card, expected_counts(parser))
         _write_metadata(tmp, parser, records, skipped, card, warnings, result.id_split, resize)
+        (tmp / OWNER_FILE).unlink()
         _move_into_place(tmp, target)
     finally:
         if tmp.exists():
@@ -310,28 +358,142 @@ def _option_changes(
     target: Path, parser: RawDataset, resize: Optional[Sequence[int]]
 ) -> list[str]:
     """Warnings for options that differ from those the existing copy was made with."""
-    made = json.loads((target / "prepare.json").read_text())
+    made = json.loads((target / PREPARE_RECORD).read_text())
+    warnings = []
+    # A copy made from other raw data is the most surprising thing to keep silently.
+    raw_root = str(parser.raw_root.resolve())
+    if made.get("raw_root") is not None and made["raw_root"] != raw_root:
+        warnings.append(
+            f"{parser.name}: already prepared from the raw root {made['raw_root']}, "
+            f"not {raw_root}; kept as is (use --force to prepare again)"
+        )
     wanted = {
         "layout": type(parser).__name__,
         "split_seed": parser.seed,
         "split_file": str(parser.split_file) if parser.split_file else None,
         "resize": list(resize) if resize is not None else None,
     }
-    return [
+    warnings += [
         f"{parser.name}: already prepared with {key}={made.get(key)!r}, not {value!r}; "
         "kept as is (use --force to prepare again)"
         for key, value in wanted.items()
         if made.get(key) != value
     ]
+    return warnings
 
 
-def _refuse_inside(out_root: Path, raw_root: Path) -> None:
-    out, raw = out_root.resolve(), raw_root.resolve()
+def _refuse_overlap(out_root: Path, target: Path, raw_root: Path) -> None:
+    """Refuse outputs that could touch the raw data, before anything is written or moved.
+
+    The output root must not lie inside the raw root (we would write there),
+    and the raw root must not be, or lie inside, the dataset's target folder
+    (replacing the target would move the raw data aside and delete it).
+    """
+    out, tgt, raw = out_root.resolve(), target.resolve(), raw_root.resolve()
     if out == raw or raw in out.parents:
         raise PrepareError(
             f"the output folder {out_root} lies inside the raw root {raw_root}; "
             "prepared data must be written elsewhere so raw data is never modified"
         )
+    if raw == tgt or tgt in raw.parents:
+
+        def shown(given: Path, real: Path) -> str:  # the real path too when a link hides it
+            return str(given) if given.absolute() == real else f"{given} (= {real})"
+
+        where = "is" if raw == tgt else "lies inside"
+        raise PrepareError(
+            f"{target.name}: the raw root {shown(raw_root, raw)} {where} the folder "
+            f"{shown(target, tgt)} that the prepared copy would replace; choose an output "
+            f"root whose '{target.name}' subfolder does not hold the raw data (e.g. a separate "
+            "'prepared' folder); nothing was moved or deleted"
+        )
+
+
+def _check_replaceable(target: Path, name: str) -> None:
+    """Raise unless ``target`` is absent, an empty folder, or a folder this tool prepared.
+
+    Only such folders are ever moved aside and deleted; anything else (the
+    user's own files, a link, a folder without our ``prepare.json``) is refused.
+    """
+    if target.is_symlink():
+        raise PrepareError(
+            f"{name}: {target} is a symbolic link, not a folder this tool prepared; "
+            "remove the link or choose another output root (nothing was deleted)"
+        )
+    if not target.exists():
+        return
+    if not target.is_dir():
+        raise PrepareError(
+            f"{name}: {target} exists and is not a folder; move it away or choose another "
+            "output root (nothing was deleted)"
+        )
+    if not any(target.iterdir()):
+        return
+    record = target / PREPARE_RECORD
+    try:
+        made = json.loads(record.read_text())
+    except (OSError, ValueError):
+        made = None
+    if not isinstance(made, dict) or made.get("dataset") != name:
+        raise PrepareError(
+            f"{name}: {target} exists but was not prepared by tools/prepare_datasets.py "
+            f"(no {PREPARE_RECORD} naming dataset {name!r}); it is not replaced: move it away "
+            "or choose another output root (nothing was deleted)"
+        )
+
+
+def _remove_leftovers(out_root: Path, name: str, raw_root: Path) -> list[str]:
+    """Remove this dataset's temporary folders left by a killed run; one line saying so.
+
+    Only hidden folders named exactly as :func:`prepare_dataset` names them are
+    touched; one still owned by a running process, a link, or one holding the
+    raw root is left alone and reported.
+    """
+    if not out_root.is_dir():
+        return []
+    pattern = re.compile(rf"\.{re.escape(name)}\.(tmp|old)-[0-9a-f]{{8}}")
+    raw = raw_root.resolve()
+    removed, notes = [], []
+    for path in sorted(out_root.iterdir()):
+        if not pattern.fullmatch(path.name):
+            continue
+        if path.is_symlink() or not path.is_dir():
+            notes.append(f"{name}: {path} is not a folder this tool made; left alone")
+            continue
+        if raw == path.resolve() or path.resolve() in raw.parents:
+            notes.append(f"{name}: {path} holds the raw root {raw_root}; left alone")
+            continue
+        owner = _live_owner(path)
+        if owner is not None:
+            notes.append(f"{name}: {path} is being written by running process {owner}; left alone")
+            continue
+        shutil.rmtree(path)
+        removed.append(path.name)
+    if removed:
+        notes.insert(
+            0,
+            f"{name}: removed {len(removed)} temporary folder(s) left in {out_root} by an "
+            f"interrupted run ({', '.join(removed)})",
+        )
+    return notes
+
+
+def _live_owner(tmp: Path) -> Optional[int]:
+    """The id of the running process on this machine that is filling ``tmp``, if any."""
+    try:
+        owner = json.loads((tmp / OWNER_FILE).read_text())
+        pid, host = int(owner["pid"]), owner["host"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if host != socket.gethostname():
+        return None  # cannot tell; a shared output root across machines is not supported
+    try:
+        os.kill(pid, 0)  # signal 0: only checks that the process exists
+    except ProcessLookupError:
+        return None
+    except PermissionError:
+        return pid  # exists, owned by another user
+    return pid
 
 
 def _check_not_empty(parser: RawDataset, records: Iterable[RawRecord]) -> None:
@@ -427,8 +589,9 @@ def _write_metadata(
     for skip in skipped:
         writer.writerow([str(skip.path), skip.rule])
     write_text_atomic(tmp / "skipped.csv", buf.getvalue())
+    # Written last: it is the mark of a complete folder of ours (see PREPARE_RECORD).
     write_json_atomic(
-        tmp / "prepare.json",
+        tmp / PREPARE_RECORD,
         {
             "dataset": parser.name,
             "layout": type(parser).__name__,
@@ -446,7 +609,14 @@ def _write_metadata(
 
 
 def _move_into_place(tmp: Path, target: Path) -> None:
-    """Swap ``tmp`` in for ``target``; an old prepared copy is removed only after."""
+    """Swap ``tmp`` in for ``target``; an old prepared copy is removed only after.
+
+    The target is checked again right here, so that nothing but a folder this
+    tool prepared (or an empty one) is ever moved aside and deleted.
+    """
+    _check_replaceable(target, target.name)
+    if target.is_dir() and not any(target.iterdir()):
+        target.rmdir()
     if target.exists():
         old = target.with_name(f".{target.name}.old-{uuid.uuid4().hex[:8]}")
         os.replace(target, old)
