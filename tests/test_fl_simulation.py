@@ -84,10 +84,18 @@ def test_heads_never_in_updates_and_persist(baseline):
 def test_comm_bytes_are_two_shared_states_per_client(baseline, world):
     run_dir, history, _ = baseline
     shared = state_nbytes(final_state(run_dir)[0])
+    cumulative = 0
     for i, rec in enumerate(history, start=1):
-        assert rec["comm"]["sent_bytes"] == rec["comm"]["received_bytes"] == shared * 2
-        assert rec["comm"]["total_bytes"] == 2 * shared * 2
-        assert rec["comm"]["cumulative_bytes"] == i * 2 * shared * 2
+        comm = rec["comm"]
+        assert comm["sent"]["model"] == comm["received"]["model"] == shared * 2
+        assert comm["paper_bytes"] == 2 * shared * 2
+        assert comm["cumulative_paper_bytes"] == i * 2 * shared * 2
+        # Everything that crossed the wire: the models, and KD's features in its round.
+        kd_bytes = 2 * 6 * 16 * 4 if "kd" in rec else 0  # 2 clients x 6 public images x 16-d float32
+        assert comm["received"].get("kd_features", 0) == kd_bytes
+        assert comm["total_bytes"] == comm["paper_bytes"] + kd_bytes
+        cumulative += comm["total_bytes"]
+        assert comm["cumulative_bytes"] == cumulative
 
 
 @pytest.mark.parametrize("kill_event, kill_round", [("round_end", 1), ("client_end", 1), ("client_end", 2)])

@@ -22,7 +22,7 @@ from fedreid.fl.state import states_equal
 from fedreid.fl.update import private_prefixes
 from fedreid.flower import app as flower_app
 from fedreid.flower.codec import pack, unpack, update_from_plain, update_to_plain
-from fedreid.flower.node import NodeClient
+from fedreid.flower.node import NodeClient, NodeStateError
 from fedreid.utils.checkpoint import load_checkpoint
 
 NAMES = ("dsa", "dsb", "dsc")
@@ -83,7 +83,7 @@ def test_flower_run_equals_the_simulation(world, simulated, tmp_path):
     for i, name in enumerate(NAMES):
         saved = sorted((tmp_path / "state" / name).rglob("after_round_*.pt"))
         assert [p.name for p in saved] == ["after_round_00000.pt", "after_round_00001.pt"]
-        head = torch.load(saved[-1], weights_only=False)["head"]
+        head = torch.load(saved[-1], weights_only=False)["state"]["head"]
         assert states_equal(head, sim_ckpt["clients"][name]["head"])
     assert (out / "report.md").is_file()
     trains = [msg for msg in grid.sent if msg.metadata.message_type == "train"]
@@ -125,7 +125,8 @@ def test_classification_objective_state_lives_on_the_nodes(tmp_path, objective):
     assert states_equal(ours["server"]["global_state"], theirs["server"]["global_state"])
     assert strip_time(ours["history"]) == strip_time(sim_history)
     saved = torch.load(sorted((tmp_path / "state").rglob("client000/after_round_*.pt"))[-1], weights_only=False)
-    assert saved["objective"] and saved["rounds_trained"] == theirs["clients"]["client000"]["rounds_trained"]
+    assert saved["state"]["objective"]
+    assert saved["state"]["rounds_trained"] == theirs["clients"]["client000"]["rounds_trained"]
 
 
 def test_lost_client_round_completes_and_it_rejoins(world, tmp_path):
@@ -192,23 +193,190 @@ def test_server_resume_continues_bit_identically(world, simulated, tmp_path):
     with FakeGrid(flower_app.client_app, nodes_for(tmp_path), tamper=fresh_process()) as grid:
         serve(grid, {"config": str(cfg_path), "out": str(out), "overrides": "fl.rounds=1", "join-timeout": 5})
     assert len(load_checkpoint(out / "checkpoint.pt")["history"]) == 1
+    first_id = load_checkpoint(out / "checkpoint.pt")["server"]["run_id"]
     with FakeGrid(flower_app.client_app, nodes_for(tmp_path), tamper=fresh_process()) as grid:
         serve(grid, {"config": str(cfg_path), "out": str(out), "resume": True, "join-timeout": 5})
     ours = load_checkpoint(out / "checkpoint.pt")
     assert states_equal(ours["server"]["global_state"], load_checkpoint(sim_dir / "checkpoint.pt")["server"]["global_state"])
     assert strip_time(ours["history"]) == strip_time(sim_history)
+    # The resumed run kept its id, so the nodes found (and kept adding to) its own state.
+    assert ours["server"]["run_id"] == first_id
+    for name in NAMES:
+        assert run_ids(tmp_path / "state" / name) == {first_id: ["after_round_00000.pt", "after_round_00001.pt"]}
 
 
 def test_a_node_retrains_a_round_from_the_state_before_it(world, tmp_path):
     cfg = tiny_config(world, names=NAMES)
-    node = NodeClient(cfg, "dsa", tmp_path / "state", "run")
+    node = NodeClient(cfg, "dsa", tmp_path / "state", "run-0001")
     payload = {k: v.clone() for k, v in node.work_model.state_dict().items() if not k.startswith(private_prefixes())}
     first = node.fit(payload, {"round": 0})
-    again = NodeClient(cfg, "dsa", tmp_path / "state", "run")  # a new process, the server retries round 0
+    again = NodeClient(cfg, "dsa", tmp_path / "state", "run-0001")  # a new process, the server retries round 0
     assert again.restore(0) is None
     second = again.fit(payload, {"round": 0})
     assert states_equal(first.state, second.state)
     assert again.restore(1) == 0
+
+
+def run_ids(state_dir):
+    """The run folders under a node's state dir, and the rounds each holds."""
+    return {p.name: sorted(q.name for q in p.rglob("after_round_*.pt")) for p in state_dir.iterdir()}
+
+
+def test_runs_reusing_a_folder_name_keep_their_own_client_state(world, simulated, tmp_path):
+    # An old run of three rounds in .../a/run, then a new run in .../b/run (same folder name) on the same
+    # nodes: the new run starts from fresh client state, exactly as the simulator, and the old run's state stays.
+    sim_dir, sim_history = simulated
+    old_cfg = write_config(tmp_path, tiny_config(world, ["fl.rounds=3", "eval.every=100"], names=NAMES))
+    with FakeGrid(flower_app.client_app, nodes_for(tmp_path), tamper=fresh_process()) as grid:
+        serve(grid, {"config": str(old_cfg), "out": str(tmp_path / "a" / "run"), "join-timeout": 5})
+    new_cfg = write_config(tmp_path, tiny_config(world, METHOD, names=NAMES))
+    with FakeGrid(flower_app.client_app, nodes_for(tmp_path), tamper=fresh_process()) as grid:
+        serve(grid, {"config": str(new_cfg), "out": str(tmp_path / "b" / "run"), "join-timeout": 5})
+    old, new = (load_checkpoint(tmp_path / d / "run" / "checkpoint.pt") for d in ("a", "b"))
+    assert old["server"]["run_id"] != new["server"]["run_id"]
+    assert states_equal(new["server"]["global_state"], load_checkpoint(sim_dir / "checkpoint.pt")["server"]["global_state"])
+    assert strip_time(new["history"]) == strip_time(sim_history)
+    for name in NAMES:  # each run pruned only its own files
+        assert run_ids(tmp_path / "state" / name) == {
+            old["server"]["run_id"]: ["after_round_00001.pt", "after_round_00002.pt"],
+            new["server"]["run_id"]: ["after_round_00000.pt", "after_round_00001.pt"],
+        }
+
+
+def test_a_node_refuses_another_runs_state_and_bad_run_ids(world, tmp_path):
+    cfg = tiny_config(world, names=NAMES)
+    node = NodeClient(cfg, "dsa", tmp_path / "state", "run-aaaa")
+    payload = {k: v.clone() for k, v in node.work_model.state_dict().items() if not k.startswith(private_prefixes())}
+    node.fit(payload, {"round": 0})
+    # A state file that ended up under another run's folder (copied by hand) is refused, not trained from.
+    (tmp_path / "state" / "run-bbbb").mkdir()
+    (tmp_path / "state" / "run-aaaa" / "dsa").rename(tmp_path / "state" / "run-bbbb" / "dsa")
+    with pytest.raises(NodeStateError, match="run 'run-aaaa'.*this is run 'run-bbbb'"):
+        NodeClient(cfg, "dsa", tmp_path / "state", "run-bbbb").restore(1)
+    for bad in ("../../etc", "short", "", "a" * 65):
+        with pytest.raises(NodeStateError, match="run id"):
+            NodeClient(cfg, "dsa", tmp_path / "state", bad)
+
+
+def tamper_update(node_id, change):
+    """A tamper hook: ``change(plain_update)`` on node ``node_id``'s train replies (then re-encoded)."""
+
+    def hook(node, msg, reply):
+        if msg.metadata.message_type != "train" or node != node_id:
+            return reply
+        plain = unpack(reply.content, "update")
+        change(plain)
+        return Message(pack(update=plain), reply_to=msg)
+
+    return hook
+
+
+def both(*hooks):
+    def hook(node, msg, reply):
+        for h in hooks:
+            reply = h(node, msg, reply)
+        return reply
+
+    return hook
+
+
+def test_bad_kd_features_leave_the_client_out_not_the_run(world, tmp_path, caplog):
+    cfg_path = write_config(tmp_path, tiny_config(world, ["fl.kd=true", "fl.kd_every=1", "fl.rounds=1",
+                                                          "eval.every=100", "fl.min_clients=1"], names=NAMES))
+
+    def truncate(plain):
+        plain["metadata"]["kd_features"] = plain["metadata"]["kd_features"][:-1]
+
+    def drop(plain):
+        del plain["metadata"]["kd_features"]
+
+    tamper = both(tamper_update(101, truncate), tamper_update(102, drop))
+    with caplog.at_level("WARNING"), FakeGrid(flower_app.client_app, nodes_for(tmp_path), tamper=tamper) as grid:
+        serve(grid, {"config": str(cfg_path), "out": str(tmp_path / "run"), "join-timeout": 5})
+    record = load_checkpoint(tmp_path / "run" / "checkpoint.pt")["history"][0]
+    assert record["clients"] == ["dsa"] and record["kd"]["kd_teachers"] == 1
+    assert "kd: kd_features has shape" in record["failed"]["dsb"]
+    assert "kd: no kd_features" in record["failed"]["dsc"]
+    assert "dsb" in caplog.text and "dsc" in caplog.text
+
+
+def test_wrong_dtype_and_nested_non_finite_metadata_are_rejected(world, tmp_path):
+    cfg_path = write_config(tmp_path, tiny_config(world, ["fl.rounds=1", "eval.every=100"], names=NAMES))
+
+    def to_int(plain):
+        key = next(k for k, v in plain["state"].items() if v.is_floating_point())
+        plain["state"][key] = plain["state"][key].long()
+
+    def nested_nan(plain):
+        plain["metadata"]["extra"] = {"parts": [torch.zeros(2), torch.tensor([1.0, math.inf])]}
+
+    tamper = both(tamper_update(101, to_int), tamper_update(102, nested_nan))
+    with FakeGrid(flower_app.client_app, nodes_for(tmp_path), tamper=tamper) as grid:
+        serve(grid, {"config": str(cfg_path), "out": str(tmp_path / "run"), "join-timeout": 5})
+    record = load_checkpoint(tmp_path / "run" / "checkpoint.pt")["history"][0]
+    assert record["clients"] == ["dsa"]
+    assert "dtype torch.int64, expected torch.float32" in record["failed"]["dsb"]
+    assert "metadata 'extra' holds non-finite values" in record["failed"]["dsc"]
+
+
+def test_bad_fedftg_class_counts_leave_the_client_out(tmp_path):
+    from fedreid.config import load_config
+
+    overrides = ["task=classification", "fl.aggregation=fedavg", "model.backbone=cnn_lmd",
+                 "classification.num_clients=4", "classification.alpha=0.5", "train.batch_size=32",
+                 "train.drop_last=false", "fl.rounds=1", "eval.every=1", "run.device=cpu", "run.tensorboard=false",
+                 "fl.fedftg=true", "fl.fedftg_options={iterations: 1, global_steps: 1, batch_size: 8}"]
+    cfg_path = write_config(tmp_path, load_config(None, overrides))
+    names = [f"client{k:03d}" for k in range(4)]
+
+    def short(plain):
+        plain["metadata"]["class_counts"] = plain["metadata"]["class_counts"][:-1]
+
+    def negative(plain):
+        plain["metadata"]["class_counts"][0] = -1.0
+
+    def missing(plain):
+        del plain["metadata"]["class_counts"]
+
+    tamper = both(tamper_update(101, short), tamper_update(102, negative), tamper_update(103, missing))
+    with FakeGrid(flower_app.client_app, nodes_for(tmp_path, names), tamper=tamper) as grid:
+        serve(grid, {"config": str(cfg_path), "out": str(tmp_path / "run"), "join-timeout": 5})
+    record = load_checkpoint(tmp_path / "run" / "checkpoint.pt")["history"][0]
+    assert record["clients"] == ["client000"] and record["fedftg"]["fedftg_teachers"] == 1
+    assert "fedftg: class_counts has shape (9,), expected (10,)" in record["failed"]["client001"]
+    assert "fedftg: class_counts must be finite and >= 0" in record["failed"]["client002"]
+    assert "fedftg: no class_counts" in record["failed"]["client003"]
+
+
+@pytest.mark.parametrize("node_auth", [True, False])
+def test_a_second_node_claiming_a_held_client(world, tmp_path, caplog, node_auth):
+    # Node 103 also says it is dsb while node 101 (dsb) is connected. With node authentication it is refused
+    # until 101 has left (after round 1 here); without, the newer claim wins (a restarted node, new id).
+    cfg_path = write_config(tmp_path, tiny_config(world, ["fl.rounds=2", "eval.every=100"], names=NAMES))
+    nodes = nodes_for(tmp_path)
+    nodes[103] = {"client": "dsb", "state-dir": str(tmp_path / "state" / "other")}
+    grids = []
+
+    def node_101_leaves_after_round_1(node, msg, reply):
+        if msg.metadata.message_type == "train" and node == 101:
+            del grids[0].nodes[101]
+        return reply
+
+    with caplog.at_level("WARNING"), FakeGrid(flower_app.client_app, nodes, tamper=node_101_leaves_after_round_1) as grid:
+        grids.append(grid)
+        serve(grid, {"config": str(cfg_path), "out": str(tmp_path / "run"), "join-timeout": 5,
+                     "node-auth": node_auth})
+    trained_by = [(int(m.metadata.group_id), m.metadata.dst_node_id) for m in grid.sent
+                  if m.metadata.message_type == "train" and unpack(m.content, "run")["client"] == "dsb"]
+    history = load_checkpoint(tmp_path / "run" / "checkpoint.pt")["history"]
+    assert all(sorted(rec["clients"]) == sorted(NAMES) for rec in history)
+    if node_auth:
+        assert trained_by == [(0, 101), (1, 103)]
+        assert "node 103 claims to be client 'dsb', which connected node 101 is: refused" in caplog.text
+        assert "client 'dsb' is now node 103 (node 101, which held it, has left)" in caplog.text
+    else:
+        assert trained_by == [(0, 103), (1, 103)]
+        assert "client 'dsb' now answers from node 103 (was node 101)" in caplog.text
 
 
 def test_settings_and_refusals(world):
@@ -221,6 +389,8 @@ def test_settings_and_refusals(world):
     node = flower_app.NodeSettings.from_node_config({"client": "dsa", "prepared-root": "/data/prepared",
                                                      "device": "cuda:1"})
     assert node.local_overrides == ("data.prepared_root=/data/prepared", "run.device=cuda:1")
+    assert flower_app.ServerSettings.from_run_config({"out": "r", "node-auth": "true"}).node_auth
+    assert not flower_app.ServerSettings.from_run_config({"out": "r"}).node_auth
     with pytest.raises(ConfigError, match="fl.kd.*need"):
         flower_app.check_secure_aggregation(tiny_config(world, ["fl.kd=true"]), True)
     with pytest.raises(ConfigError, match="not supported"):

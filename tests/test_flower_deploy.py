@@ -7,6 +7,8 @@ happens. Time is bounded by ``flwr run``'s timeout and the run's
 in-process simulator of the same config and seed.
 """
 
+import os
+import signal
 import subprocess
 import sys
 import threading
@@ -45,7 +47,8 @@ def test_tls_and_node_auth_run_equals_the_simulation_and_strangers_are_refused(w
     stranger_key = make_node_key(tmp_path / "keys", "stranger")["private"]
     with LocalDeployment(tmp_path / "dep", CLIENTS, tls=TLSFiles.from_dir(tmp_path / "tls"), node_keys=keys) as dep:
         rc = dep.cli.run(run_config_string(tmp_path / "run.yaml", tmp_path / "flower_run", join_timeout=120,
-                                           round_timeout=240), log=tmp_path / "flwr_run.log", timeout=RUN_TIMEOUT)
+                                           round_timeout=240, node_auth=True),
+                         log=tmp_path / "flwr_run.log", timeout=RUN_TIMEOUT)
         stranger = dep.start_node("dsb", private_key=stranger_key, name="stranger")
         stranger.wait(timeout=60)
         superlink_log = dep.log_path("superlink").read_text(errors="replace")
@@ -68,22 +71,34 @@ def test_a_client_killed_mid_round_is_left_out_and_rejoins(world, tmp_path):
     cfg = tiny_config(world, ["fl.rounds=2", "eval.every=100", "fl.min_clients=1"])
     (tmp_path / "run.yaml").write_text(dump_config(cfg))
     events = {}
+    # The killer thread must not start a node once the run is over (the deployment is being stopped), and must
+    # live until then: a process dies with the thread that started it (PR_SET_PDEATHSIG, see launch.py).
+    stop, lock = threading.Event(), threading.Lock()
     with LocalDeployment(tmp_path / "dep", CLIENTS) as dep:
 
         def kill_dsb_while_it_trains():
             log = dep.log_path("node-dsb")
             deadline = time.monotonic() + RUN_TIMEOUT
-            while time.monotonic() < deadline and "Receiving: train message" not in log.read_text(errors="replace"):
+            while (not stop.is_set() and time.monotonic() < deadline
+                   and "Receiving: train message" not in log.read_text(errors="replace")):
                 time.sleep(0.2)
-            dep.stop_process("node-dsb", 9)  # SIGKILL to the node and its ClientApp
-            events["killed"] = True
-            dep.start_node("dsb", name="node-dsb-restarted")
+            with lock:
+                if stop.is_set():
+                    return
+                dep.stop_process("node-dsb", 9)  # SIGKILL to the node and its ClientApp
+                events["killed"] = True
+                dep.start_node("dsb", name="node-dsb-restarted")
+            stop.wait()
 
         killer = threading.Thread(target=kill_dsb_while_it_trains, daemon=True)
         killer.start()
-        rc = dep.cli.run(run_config_string(tmp_path / "run.yaml", tmp_path / "run", join_timeout=120,
-                                           round_timeout=240), log=tmp_path / "flwr_run.log", timeout=RUN_TIMEOUT)
-        killer.join(timeout=10)
+        try:
+            rc = dep.cli.run(run_config_string(tmp_path / "run.yaml", tmp_path / "run", join_timeout=120,
+                                               round_timeout=240), log=tmp_path / "flwr_run.log", timeout=RUN_TIMEOUT)
+        finally:
+            with lock:
+                stop.set()
+            killer.join(timeout=10)
     log = (tmp_path / "flwr_run.log").read_text(errors="replace")
     assert rc == 0 and events.get("killed"), log[-3000:]
     first, second = history_of(tmp_path / "run")["history"]
@@ -95,14 +110,26 @@ def test_a_client_killed_mid_round_is_left_out_and_rejoins(world, tmp_path):
 def test_flower_simulation_engine_run_equals_the_simulation(world, tmp_path):
     cfg = tiny_config(world, ["fl.rounds=2", "eval.every=2"])
     (tmp_path / "run.yaml").write_text(dump_config(cfg))
-    done = subprocess.run([sys.executable, str(ROOT / "tools" / "flower_fed.py"), "simulate", "--config",
-                           str(tmp_path / "run.yaml"), "--out", str(tmp_path / "flower_sim")],
-                          capture_output=True, text=True, timeout=RUN_TIMEOUT, stdin=subprocess.DEVNULL)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "run finished: 2 rounds" in done.stdout
+    tool = subprocess.Popen([sys.executable, str(ROOT / "tools" / "flower_fed.py"), "simulate", "--config",
+                             str(tmp_path / "run.yaml"), "--out", str(tmp_path / "flower_sim")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL,
+                            start_new_session=True)
+    try:
+        stdout, stderr = tool.communicate(timeout=RUN_TIMEOUT)
+    finally:
+        if tool.poll() is None:  # timed out (or this test was interrupted): the tool stops what it started on SIGTERM
+            tool.terminate()
+            try:
+                tool.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(tool.pid, signal.SIGKILL)
+                tool.wait(timeout=10)
+    assert tool.returncode == 0, stdout + stderr
+    assert "run finished: 2 rounds" in stdout
     sim_history = run_simulation(cfg, tmp_path / "sim", progress=False)
     flower, simulated = history_of(tmp_path / "flower_sim"), history_of(tmp_path / "sim")
     assert states_equal(flower["server"]["global_state"], simulated["server"]["global_state"])
     assert strip_time(flower["history"]) == strip_time(sim_history)
-    # Node state went to the run's work folder, one folder per client.
-    assert sorted(p.name for p in (tmp_path / "flower_sim_flower" / "fedreid_state" / "flower_sim").iterdir()) == CLIENTS
+    # Node state went to the run's work folder, under the run's id, one folder per client.
+    run_id = flower["server"]["run_id"]
+    assert sorted(p.name for p in (tmp_path / "flower_sim_flower" / "fedreid_state" / run_id).iterdir()) == CLIENTS

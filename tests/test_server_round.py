@@ -7,10 +7,12 @@ import pytest
 import torch
 from fl_helpers import tiny_config, write_prepared, write_world
 
+from fedreid.fl.local.base import OBJECTIVE_PAYLOAD
+from fedreid.fl.local.scaffold import DELTA_C_KEY
 from fedreid.fl.server import RoundFailedError
 from fedreid.fl.simulation import build_federation
-from fedreid.fl.state import states_equal
-from fedreid.fl.update import Update, check_update
+from fedreid.fl.state import state_nbytes, states_equal
+from fedreid.fl.update import Update, check_update, tensor_nbytes
 
 
 @pytest.fixture(scope="module")
@@ -105,3 +107,67 @@ def test_check_update_names_the_problem(world):
     feats = Update(update.client, update.state, update.num_samples,
                    {"kd_features": torch.tensor([[0.0, math.nan]])})
     assert "kd_features" in check_update(feats, ref)
+    nested = Update(update.client, update.state, update.num_samples,
+                    {"deltas": [{"a": torch.zeros(2)}, {"b": torch.tensor([math.inf])}]})
+    assert "'deltas' holds non-finite" in check_update(nested, ref)
+    key = first_float_key(update)
+    retyped = poisoned(update, key, update.state[key].to(torch.float64))
+    assert check_update(retyped, ref) == f"{key} has dtype torch.float64, expected torch.float32"
+
+
+def test_traffic_counts_scaffold_control_variates_both_ways(world):
+    # Down: the model and SCAFFOLD's server control variate c, to each sampled client; up: each client's
+    # shared state and its Delta c. The paper's measure (2 x model x K) is kept on its own.
+    fed = federation(world, "train.objective=scaffold")
+    server = fed.server
+    records = []
+    for _ in range(2):
+        model_bytes = state_nbytes(server.global_state)
+        c_bytes = tensor_nbytes(server.hooks[0].control)  # empty before the first round
+        plan = server.begin_round()
+        updates = train_all(fed, plan)
+        record = server.finish_round(plan, updates)
+        records.append(record)
+        comm, k = record["comm"], len(plan.ids)
+        delta_c = sum(tensor_nbytes(u.metadata[DELTA_C_KEY]) for u in updates)
+        assert delta_c > 0
+        assert comm["sent"] == {"model": model_bytes * k, **({OBJECTIVE_PAYLOAD: c_bytes * k} if c_bytes else {})}
+        assert comm["received"] == {"model": sum(u.nbytes for u in updates), DELTA_C_KEY: delta_c}
+        assert comm["sent_bytes"] == (model_bytes + c_bytes) * k
+        assert comm["received_bytes"] == sum(u.nbytes for u in updates) + delta_c
+        assert comm["metadata_bytes"] == delta_c
+        assert comm["total_bytes"] == comm["sent_bytes"] + comm["received_bytes"]
+        assert comm["paper_bytes"] == 2 * model_bytes * k
+    assert tensor_nbytes(server.hooks[0].control) > 0 and OBJECTIVE_PAYLOAD in records[1]["comm"]["sent"]
+    assert records[1]["comm"]["cumulative_bytes"] == sum(r["comm"]["total_bytes"] for r in records)
+    assert records[1]["comm"]["cumulative_paper_bytes"] == sum(r["comm"]["paper_bytes"] for r in records)
+    assert records[1]["comm"]["cumulative_bytes"] > records[1]["comm"]["cumulative_paper_bytes"]
+    # The counters survive a checkpoint.
+    again = federation(world, "train.objective=scaffold").server
+    again.load_state_dict(server.state_dict())
+    assert (again.total_bytes, again.total_paper_bytes, again.run_id) == (
+        server.total_bytes, server.total_paper_bytes, server.run_id)
+
+
+def test_a_hooks_check_leaves_the_bad_update_out(world):
+    # finish_round asks every hook about every update before aggregating.
+    fed = federation(world, "fl.min_clients=1")
+
+    class Picky:
+        name = "picky"
+
+        def instructions(self, round_index):
+            return {}
+
+        def check_update(self, round_index, update, model):
+            return "wants more" if update.client == "dsb" else None
+
+        def after_aggregate(self, round_index, model, updates):
+            assert [u.client for u in updates] != [] and all(u.client != "dsb" for u in updates)
+            return None
+
+    fed.server.hooks.append(Picky())
+    plan = fed.server.begin_round()
+    record = fed.server.finish_round(plan, train_all(fed, plan))
+    assert record["failed"] == {"dsb": "update rejected: picky: wants more"}
+    assert sorted(record["clients"]) == ["dsa", "dsc"]

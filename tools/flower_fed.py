@@ -19,18 +19,22 @@ Across machines (replace HOST; TLS files from `certs`, node keys from `node-key`
       --key keys/market1501 --prepared-root datasets/prepared --state-dir fedreid_state
   # from anywhere that reaches HOST:8000
   python tools/flower_fed.py run --config configs/fedreid/fedpav.yaml --out runs/fedpav_flower \\
-      --superlink HOST:8000 --ca tls/ca.crt
+      --superlink HOST:8000 --ca tls/ca.crt --node-auth
 
 On one host (SuperLink and a SuperNode per client on 127.0.0.1, stopped at the end):
   python tools/flower_fed.py local --config configs/fedreid/synthetic_fedpav.yaml --out runs/flower_local
 On Flower's simulation engine (Ray, the [flower-sim] extra):
   python tools/flower_fed.py simulate --config configs/fedreid/synthetic_fedpav.yaml --out runs/flower_sim
+
+`local` and `simulate` stop every process they started when they end, on
+Ctrl-C, SIGTERM or SIGHUP, and (Linux) when the tool itself is killed.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Optional
@@ -148,7 +152,7 @@ def _run_config(args: argparse.Namespace) -> tuple[Path, str, int]:
         config = Path(args.config)
     cfg = load_config(config, args.overrides)  # fails here, clearly, before any process starts
     text = run_config_string(config, out, args.overrides, resume=args.resume, round_timeout=args.round_timeout,
-                             join_timeout=args.join_timeout)
+                             join_timeout=args.join_timeout, node_auth=bool(getattr(args, "node_auth", False)))
     return out, text, cfg.fl.rounds
 
 
@@ -267,6 +271,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("run", help="submit a training run to a SuperLink and follow it to the end")
     p.add_argument("--superlink", required=True, metavar="HOST:PORT", help="the SuperLink's address")
     security(p)
+    p.add_argument("--node-auth", action="store_true",
+                   help="the SuperLink authenticates SuperNodes (superlink --node-auth): a client name held by "
+                        "a connected node is refused to any other node")
     run_arguments(p)
     p.set_defaults(func=cmd_run)
 
@@ -285,11 +292,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    from fedreid.flower.launch import Terminated, stop_on_signals
+
     args = build_parser().parse_args(argv)
     for item in getattr(args, "overrides", []):
         if "=" not in item:
             raise ConfigError(f"unexpected argument {item!r}: overrides look like key.sub=value")
-    return args.func(args)
+    # SIGTERM/SIGHUP stop the tool like Ctrl-C: `local`/`simulate` then stop their SuperLink and SuperNodes,
+    # `flwr run` is stopped with its process group. A SIGKILL is covered by PR_SET_PDEATHSIG (see launch.py).
+    try:
+        with stop_on_signals():
+            return args.func(args)
+    except Terminated as exc:
+        print(f"stopped by {signal.Signals(exc.signum).name} (the processes this tool started were stopped)",
+              file=sys.stderr)
+        return int(exc.code)
 
 
 if __name__ == "__main__":

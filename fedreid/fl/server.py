@@ -17,17 +17,35 @@ Modes (``fl.mode``):
   schedule. The same loop runs; the payload of client ``k`` is its own last
   shared state and nothing is aggregated or communicated.
 
-Communication is counted from the tensors' bytes: ``sent`` = the payloads to
-the participating clients, ``received`` = their updates' shared states, so a
-round of FedPav costs ``2 x shared-state bytes x K`` (the paper's
-``rounds x 2 x model size`` per client); KD features in the metadata are
-counted separately (``metadata_bytes``).
+Communication is counted from the bytes of every tensor that crosses the wire
+(scalars and names travel as small JSON and are not counted), per direction
+and per kind, in the round record's ``comm``:
+
+* ``sent_bytes``: to each sampled client, the model payload plus the tensors
+  in the instructions (a hook's payload, e.g. SCAFFOLD's control variate
+  ``c``); ``sent``: the same split by kind (``model``, then the instruction
+  keys);
+* ``received_bytes``: every update that came back (rejected ones too: they
+  crossed the wire), its shared state plus the tensors in its metadata (KD
+  features, SCAFFOLD's ``Delta c``, FedFTG's class counts); ``received``: by
+  kind (``model``, then the metadata keys); ``metadata_bytes`` is the
+  metadata part;
+* ``total_bytes`` = sent + received, ``cumulative_bytes`` its running sum;
+* ``paper_bytes`` = ``2 x shared-model bytes x K`` (K = clients whose update
+  was accepted): the paper's ``rounds x 2 x model size`` per client, which
+  counts the model only; ``cumulative_paper_bytes`` its running sum. For
+  plain FedPav the two measures agree.
+
+Each run has a ``run_id`` (:func:`new_run_id`), made when the server is built
+and kept in its checkpoint, so a resumed run keeps it: remote clients key the
+state they keep between rounds by it (:mod:`fedreid.flower.node`).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional, Sequence
@@ -38,8 +56,9 @@ from torch import Tensor, nn
 from fedreid.config import Config
 from fedreid.errors import FedReIDError
 from fedreid.fl.aggregate import aggregate
+from fedreid.fl.server_hooks import hook_problem
 from fedreid.fl.state import clone_state, state_nbytes
-from fedreid.fl.update import Update, check_update, to_plain
+from fedreid.fl.update import Update, check_update, tensor_nbytes, to_plain
 from fedreid.utils.seeding import derive_seed
 
 FitFn = Callable[[int, Mapping[str, Tensor], dict], Update]
@@ -60,6 +79,17 @@ class RoundPlan:
     started: float
 
 EvalFn = Callable[[nn.Module], Mapping[str, Any]]
+
+
+def new_run_id() -> str:
+    """A fresh identifier of a run (32 hex digits).
+
+    Deliberately not drawn from the run's seeded generators: two runs of the
+    same config and seed must still get different ids (otherwise a node would
+    mistake one run's private client state for the other's), and the id
+    never changes any number of the run.
+    """
+    return uuid.uuid4().hex
 
 
 def is_eval_round(round_index: int, every: int, rounds: int) -> bool:
@@ -101,6 +131,8 @@ class Server:
         self.sampler = np.random.default_rng(derive_seed(cfg.seed, "sample"))
         self.round = 0  # rounds completed
         self.total_bytes = 0
+        self.total_paper_bytes = 0
+        self.run_id = new_run_id()  # replaced by the checkpoint's on resume
         k = cfg.fl.clients_per_round
         if k > len(self.client_names):
             raise ValueError(
@@ -176,8 +208,10 @@ class Server:
         ``updates``: what the sampled clients returned, in any order.
         ``failures``: client name -> why nothing came back (a lost connection).
         Updates that fail :func:`fedreid.fl.update.check_update` against the
-        global state (non-finite values, missing or reshaped tensors) are
-        rejected and logged with the failures, never averaged. Fewer than
+        global state (non-finite values, missing, reshaped or retyped tensors)
+        or a hook's ``check_update`` (metadata the hook needs: KD features,
+        class counts) are rejected and logged with the failures, never
+        averaged. Fewer than
         ``fl.min_clients`` accepted updates raise :class:`RoundFailedError`
         and leave the server as it was before the round.
         """
@@ -192,6 +226,9 @@ class Server:
                 failed[u.client] = "update from a client that was not sampled this round"
                 continue
             problem = check_update(u, self.payload_for(self.client_names.index(u.client)))
+            if not problem and self.federated:  # hooks run on federated rounds only
+                problem = next(filter(None, (hook_problem(h, plan.round_index, u, self.model) for h in self.hooks)),
+                               None)
             if problem:
                 failed[u.client] = f"update rejected: {problem}"
                 continue
@@ -206,25 +243,14 @@ class Server:
         for name, why in sorted(failed.items()):
             log.warning("round %d: client %s left out: %s", plan.round_index + 1, name, why)
         round_index, ins = plan.round_index, plan.instructions
-        sent = sum(state_nbytes(self.payload_for(k)) for k in plan.ids)
-        received = sum(u.nbytes for u in accepted)
-        meta_bytes = sum(u.metadata_nbytes for u in accepted)
-        if not self.federated:
-            sent = received = meta_bytes = 0
-        self.total_bytes += sent + received
+        comm = self._traffic(plan, [u for u in updates if u.client in order], len(accepted))
         record: dict[str, Any] = {
             "round": round_index + 1,
             "mode": self.cfg.fl.mode,
             "clients": [u.client for u in accepted],
             "train_loss": float(np.mean([u.metadata.get("train_loss", np.nan) for u in accepted])),
             "client_metrics": {},
-            "comm": {
-                "sent_bytes": sent,
-                "received_bytes": received,
-                "total_bytes": sent + received,
-                "metadata_bytes": meta_bytes,
-                "cumulative_bytes": self.total_bytes,
-            },
+            "comm": comm,
             "time": {"clients": {}},
         }
         if failed:
@@ -266,6 +292,43 @@ class Server:
         record["time"] = timing
         return record
 
+    def _traffic(self, plan: RoundPlan, received: Sequence[Update], participants: int) -> dict[str, Any]:
+        """The round's ``comm`` record (see the module docstring); adds to the running totals.
+
+        ``received``: the updates that came back from sampled clients;
+        ``participants``: how many were accepted (the paper's K).
+        """
+        if not self.federated:  # the local baseline communicates nothing
+            sent_by: dict[str, int] = {}
+            received_by: dict[str, int] = {}
+            paper = 0
+        else:
+            # Every sampled client gets its payload and the same instructions.
+            sent_by = {"model": sum(state_nbytes(self.payload_for(k)) for k in plan.ids)}
+            for key, value in plan.instructions.items():
+                if tensor_nbytes(value):
+                    sent_by[key] = tensor_nbytes(value) * len(plan.ids)
+            received_by = {"model": sum(u.nbytes for u in received)}
+            for u in received:
+                for key, n in u.metadata_nbytes_by_key().items():
+                    received_by[key] = received_by.get(key, 0) + n
+            # Before aggregation the global state is still the one the clients received.
+            paper = 2 * state_nbytes(self.global_state) * participants
+        sent, got = sum(sent_by.values()), sum(received_by.values())
+        self.total_bytes += sent + got
+        self.total_paper_bytes += paper
+        return {
+            "sent_bytes": sent,
+            "received_bytes": got,
+            "total_bytes": sent + got,
+            "metadata_bytes": got - received_by.get("model", 0),
+            "cumulative_bytes": self.total_bytes,
+            "paper_bytes": paper,
+            "cumulative_paper_bytes": self.total_paper_bytes,
+            "sent": sent_by,
+            "received": received_by,
+        }
+
     def set_global_state(self, state: Mapping[str, Tensor]) -> None:
         """Adopt an aggregated state and load it into the server's model."""
         self.global_state = clone_state(state)
@@ -285,6 +348,8 @@ class Server:
             "local_states": {k: clone_state(v) for k, v in self.local_states.items()},
             "sampler": self.sampler.bit_generator.state,
             "total_bytes": self.total_bytes,
+            "total_paper_bytes": self.total_paper_bytes,
+            "run_id": self.run_id,
             "client_names": list(self.client_names),
             "hooks": {h.name: h.state_dict() for h in self.hooks if hasattr(h, "state_dict")},
         }
@@ -299,6 +364,13 @@ class Server:
         self.local_states = {int(k): clone_state(v) for k, v in state["local_states"].items()}
         self.sampler.bit_generator.state = state["sampler"]
         self.total_bytes = int(state["total_bytes"])
+        # Checkpoints from before these fields: model-only traffic was all that was counted.
+        self.total_paper_bytes = int(state.get("total_paper_bytes", self.total_bytes))
+        if state.get("run_id"):
+            self.run_id = str(state["run_id"])
+        else:
+            log.warning("the checkpoint has no run id (written by an older fedreid); this run continues as %s, "
+                        "and remote clients start from fresh client state", self.run_id)
         saved_hooks = state.get("hooks", {})
         for hook in self.hooks:
             if hasattr(hook, "load_state_dict"):

@@ -19,7 +19,10 @@ A round record (also the items of the returned history)::
     train_loss       mean of the clients' local training losses
     client_metrics   {client: {train_loss, train_acc, steps, lr, num_samples, cdw_distance?}}
     weighting        size | cdw;   weights  {client: normalised aggregation weight}
-    comm             sent_bytes, received_bytes, total_bytes, metadata_bytes, cumulative_bytes
+    comm             sent_bytes, received_bytes, total_bytes, metadata_bytes, cumulative_bytes (every
+                     tensor on the wire, both ways), sent / received {kind: bytes} (model, SCAFFOLD's
+                     control variates, KD features, class counts...), paper_bytes and
+                     cumulative_paper_bytes (the paper's 2 x model bytes x K); see fedreid.fl.server
     kd               {kd_loss, kd_steps, kd_teachers}         (KD rounds)
     eval             {dataset: {rank1, rank5, rank10, mAP, num_valid_queries, ...}}  (global model;
                      in `local` mode {client: {...}}, each client's model on its own data)

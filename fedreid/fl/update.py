@@ -77,8 +77,12 @@ class Update:
 
     @property
     def metadata_nbytes(self) -> int:
-        """Bytes of tensors in the metadata (KD features, SCAFFOLD's control delta)."""
-        return sum(_tensor_nbytes(v) for v in self.metadata.values())
+        """Bytes of tensors in the metadata (KD features, SCAFFOLD's control delta, class counts)."""
+        return sum(self.metadata_nbytes_by_key().values())
+
+    def metadata_nbytes_by_key(self) -> dict[str, int]:
+        """Bytes of the tensors under each metadata key that holds any (scalars travel as JSON, not counted)."""
+        return {k: tensor_nbytes(v) for k, v in self.metadata.items() if _holds_tensors(v)}
 
     def scalars(self) -> dict[str, Any]:
         """The metadata without tensors or tensor dicts (what gets logged)."""
@@ -89,8 +93,12 @@ def check_update(update: Update, reference: Mapping[str, Tensor]) -> Optional[st
     """Why ``update`` must not be averaged into ``reference`` (the state it was trained from), or None.
 
     The shared state must hold exactly the reference's tensors with the same
-    shapes, and every floating tensor in the state and the metadata must be
-    finite: one NaN averaged in poisons the global model for every client.
+    shapes and dtypes (an integer tensor where a float one belongs would be
+    averaged into garbage, or cast silently), and every floating tensor in the
+    state and the metadata (nested dicts and lists included) must be finite:
+    one NaN averaged in poisons the global model for every client. Metadata a
+    server hook needs is checked by that hook (``check_update``, see
+    :mod:`fedreid.fl.server_hooks`).
     """
     missing = [k for k in reference if k not in update.state]
     extra = [k for k in update.state if k not in reference]
@@ -105,6 +113,8 @@ def check_update(update: Update, reference: Mapping[str, Tensor]) -> Optional[st
         got = update.state[key]
         if tuple(got.shape) != tuple(ref.shape):
             return f"{key} has shape {tuple(got.shape)}, expected {tuple(ref.shape)}"
+        if got.dtype != ref.dtype:
+            return f"{key} has dtype {got.dtype}, expected {ref.dtype}"
         if got.is_floating_point() and not bool(got.isfinite().all()):
             return f"{key} holds non-finite values"
     for key, value in update.metadata.items():
@@ -116,29 +126,33 @@ def check_update(update: Update, reference: Mapping[str, Tensor]) -> Optional[st
     return None
 
 
+def _children(value: Any) -> Sequence[Any]:
+    """The values inside a dict, list or tuple (the containers the codec carries); else none."""
+    if isinstance(value, Mapping):
+        return list(value.values())
+    if isinstance(value, (list, tuple)):
+        return value
+    return ()
+
+
 def _all_finite(value: Any) -> bool:
+    """Every floating tensor in ``value`` (nested dicts and lists too) is finite."""
     if isinstance(value, Tensor):
         return not value.is_floating_point() or bool(value.isfinite().all())
-    if isinstance(value, Mapping):
-        return all(_all_finite(v) for v in value.values())
-    return True
+    return all(_all_finite(v) for v in _children(value))
 
 
 def _holds_tensors(value: Any) -> bool:
     if isinstance(value, Tensor):
         return True
-    if isinstance(value, Mapping):
-        return any(_holds_tensors(v) for v in value.values())
-    return False
+    return any(_holds_tensors(v) for v in _children(value))
 
 
-def _tensor_nbytes(value: Any) -> int:
-    """Bytes of the tensors in ``value`` (a tensor, or a possibly nested dict of them)."""
+def tensor_nbytes(value: Any) -> int:
+    """Bytes of the tensors in ``value`` (a tensor, or nested dicts and lists of them; other values 0)."""
     if isinstance(value, Tensor):
         return value.numel() * value.element_size()
-    if isinstance(value, Mapping):
-        return sum(_tensor_nbytes(v) for v in value.values())
-    return 0
+    return sum(tensor_nbytes(v) for v in _children(value))
 
 
 def to_plain(value: Any) -> Any:
@@ -154,4 +168,5 @@ def to_plain(value: Any) -> Any:
     return value
 
 
-__all__ = ["Update", "PrivateStateError", "check_no_private", "check_update", "private_prefixes", "to_plain"]
+__all__ = ["Update", "PrivateStateError", "check_no_private", "check_update", "private_prefixes", "tensor_nbytes",
+           "to_plain"]

@@ -13,7 +13,9 @@ and keeps its private state on its own disk.
 Run config (``flwr run ... --run-config``; see :class:`ServerSettings`):
 ``config`` (the project's YAML, a path on the server machine), ``overrides``
 (``key.sub=value`` separated by spaces), ``out`` (the run folder),
-``resume``, ``round-timeout``, ``join-timeout``, ``secure-aggregation``.
+``resume``, ``round-timeout``, ``join-timeout``, ``secure-aggregation``,
+``node-auth`` (the SuperLink authenticates SuperNodes: a client name held by
+a connected node is never handed to another node, see :class:`GridRound`).
 
 Node config (``flower-supernode --node-config``; see :class:`NodeSettings`):
 ``client`` (the client this machine is: a dataset name such as
@@ -68,10 +70,12 @@ class ServerSettings:
     round_timeout: float = 3600.0
     join_timeout: float = 300.0
     secure_aggregation: bool = False
+    node_auth: bool = False
 
     @classmethod
     def from_run_config(cls, run_config: Mapping[str, Any]) -> "ServerSettings":
-        known = {"config", "overrides", "out", "resume", "round-timeout", "join-timeout", "secure-aggregation"}
+        known = {"config", "overrides", "out", "resume", "round-timeout", "join-timeout", "secure-aggregation",
+                 "node-auth"}
         unknown = sorted(set(run_config) - known)
         if unknown:
             raise ConfigError(f"flower run config: unknown key(s) {', '.join(unknown)}; allowed: "
@@ -87,6 +91,7 @@ class ServerSettings:
             round_timeout=float(run_config.get("round-timeout", 3600.0)),
             join_timeout=float(run_config.get("join-timeout", 300.0)),
             secure_aggregation=_flag(run_config.get("secure-aggregation", False)),
+            node_auth=_flag(run_config.get("node-auth", False)),
         )
 
 
@@ -142,6 +147,13 @@ class GridRound:
     that node). Which client a node is comes from its answer to a ``query``
     message; those answers are collected without blocking a round, so a
     client that restarts mid-run (under a new node id) joins the next round.
+
+    Two nodes claiming one client name: without node authentication (a
+    trusted network) the newer claim wins, as a restarted node reappears
+    under a new id before its old one is dropped. With ``node-auth`` a
+    registered node keeps its node id across restarts, so a second node
+    claiming a name held by a connected node is another key holder: it is
+    refused and logged, and considered again only once the holder has left.
     """
 
     poll_seconds = 0.5
@@ -153,22 +165,31 @@ class GridRound:
         self.cfg = cfg
         self.settings = settings
         self.config_text = dump_config(cfg)
-        self.run_name = settings.out.resolve().name
+        #: fedreid's run id (the server's, kept across resumes): nodes key their client state by it.
+        self.run_id: Optional[str] = None
         self.nodes: dict[str, int] = {}  # client name -> node id
         self.strangers: set[int] = set()
         self.hellos: dict[str, tuple[int, float]] = {}  # message id -> (node id, sent at)
+        self.claims: dict[int, tuple[str, int]] = {}  # refused node -> (client it claims, node holding it)
 
     def _ask_new_nodes(self) -> None:
         present = set(self.grid.get_node_ids())
         self.nodes = {name: node for name, node in self.nodes.items() if node in present}
+        for node, (name, holder) in sorted(self.claims.items()):
+            if node not in present:
+                del self.claims[node]
+            elif holder not in present and name not in self.nodes:
+                del self.claims[node]
+                self.nodes[name] = node
+                log.warning("client %r is now node %s (node %s, which held it, has left)", name, node, holder)
         now = time.monotonic()
         self.hellos = {mid: (node, t) for mid, (node, t) in self.hellos.items()
                        if node in present and now - t < self.hello_retry_seconds}
         asked = {node for node, _ in self.hellos.values()}
-        new = sorted(present - set(self.nodes.values()) - self.strangers - asked)
+        new = sorted(present - set(self.nodes.values()) - self.strangers - asked - set(self.claims))
         if not new:
             return
-        hello = [Message(content=pack(hello={"run": self.run_name}), dst_node_id=node,
+        hello = [Message(content=pack(hello={"run": self.run_id}), dst_node_id=node,
                          message_type=MessageType.QUERY, group_id="hello") for node in new]
         for mid, node in zip(self.grid.push_messages(hello), new):
             if mid:
@@ -197,6 +218,11 @@ class GridRound:
                 log.warning("node %s says it is client %r, which this run does not have (%s); ignored",
                             node, name, ", ".join(client_names))
                 self.strangers.add(node)
+            elif name in self.nodes and self.nodes[name] != node and self.settings.node_auth:
+                log.warning("node %s claims to be client %r, which connected node %s is: refused (with node "
+                            "authentication a restarted node keeps its id; is a key shared between sites?)",
+                            node, name, self.nodes[name])
+                self.claims[node] = (name, self.nodes[name])
             elif name in self.nodes and self.nodes[name] != node:
                 # A restarted client comes back under a new id before its old one is dropped.
                 log.warning("client %r now answers from node %s (was node %s): the newer one is used",
@@ -219,6 +245,7 @@ class GridRound:
 
     def __call__(self, server: Server) -> dict[str, Any]:
         names = server.client_names
+        self.run_id = server.run_id
         wait = self.settings.join_timeout if server.round == 0 and not self.nodes else 0.0
         self.discover(names, wait=wait)
         plan = server.begin_round()
@@ -231,7 +258,7 @@ class GridRound:
                 failures[name] = "not connected"
                 continue
             content = pack(payload=dict(server.payload_for(k)), instructions=plan.instructions,
-                           run={"name": self.run_name, "config": self.config_text, "client": name})
+                           run={"id": server.run_id, "config": self.config_text, "client": name})
             messages.append(Message(content=content, dst_node_id=node, message_type=MessageType.TRAIN,
                                     group_id=str(plan.round_index)))
             targets.append(name)
@@ -342,11 +369,14 @@ _NODES: dict[tuple[str, str, str], NodeClient] = {}
 
 def _node_client(run: Mapping[str, Any], settings: NodeSettings) -> NodeClient:
     """This machine's client for the run (rebuilt when the process is new or the config changed)."""
-    key = (str(run["name"]), settings.client, str(run["config"]))
+    if not run.get("id"):
+        raise ConfigError("the train message carries no fedreid run id (a server from an older fedreid?); "
+                          "run the same fedreid version on the server and the nodes")
+    key = (str(run["id"]), settings.client, str(run["config"]))
     if key not in _NODES:
         _NODES.clear()
         cfg = load_config_text(str(run["config"]), list(settings.local_overrides))
-        _NODES[key] = NodeClient(cfg, settings.client, settings.state_dir, str(run["name"]))
+        _NODES[key] = NodeClient(cfg, settings.client, settings.state_dir, str(run["id"]))
     return _NODES[key]
 
 

@@ -12,10 +12,20 @@ and nothing is fetched at run time.
   SuperLink, with its own ``FLWR_HOME`` (the user's ``~/.flwr`` is untouched);
 * :class:`LocalDeployment`: SuperLink and one SuperNode per client on
   127.0.0.1, stopped by their own PIDs.
+
+Nothing is left running when the tool that started these processes goes
+away: each process starts in its own process group, which is what gets
+stopped (Flower's own children included); :func:`stop_on_signals` turns
+SIGTERM and SIGHUP into the same clean stop as Ctrl-C; and, for a SIGKILL
+nothing can catch, every direct child is started with Linux's
+``PR_SET_PDEATHSIG`` (:func:`die_with_parent`), so it gets SIGTERM when its
+parent dies, and Flower's processes stop their own children on SIGTERM (they
+watch their parent's PID too).
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shlex
 import signal
@@ -23,10 +33,12 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping, Optional, Sequence
+from typing import Callable, Iterator, Mapping, Optional, Sequence
 
 from fedreid.errors import FedReIDError
 from fedreid.flower import PROJECT_DIR
@@ -34,6 +46,101 @@ from fedreid.flower import PROJECT_DIR
 
 class LaunchError(FedReIDError, RuntimeError):
     """A Flower process did not start or a run did not finish."""
+
+
+class Terminated(SystemExit):
+    """SIGTERM or SIGHUP arrived (:func:`stop_on_signals`); exits with ``128 + signal`` like a killed process.
+
+    A ``SystemExit``, so ``except Exception`` clauses let it through while
+    ``with`` blocks and ``finally`` clauses run their cleanup.
+    """
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(128 + signum)
+        self.signum = signum
+
+
+#: Signals that mean "stop" to a tool running in a terminal or under a supervisor.
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name))
+
+
+@contextmanager
+def stop_on_signals(signals: Sequence[int] = STOP_SIGNALS) -> Iterator[None]:
+    """Inside the block, the first of ``signals`` raises :class:`Terminated` in the main thread.
+
+    Python's default for SIGTERM/SIGHUP is to die on the spot, skipping every
+    ``with`` block, so a :class:`LocalDeployment` would leave its SuperLink and
+    SuperNodes running (they are in their own sessions, out of reach of the
+    signal). Later signals are ignored while the cleanup runs. Outside the
+    main thread (where Python cannot set handlers) this does nothing.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received: list[int] = []
+
+    def handler(signum: int, frame: object) -> None:
+        if received:  # already stopping: let the cleanup finish
+            return
+        received.append(signum)
+        raise Terminated(signum)
+
+    previous = {sig: signal.signal(sig, handler) for sig in signals}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def die_with_parent(sig: int = signal.SIGTERM) -> Optional[Callable[[], None]]:
+    """A ``preexec_fn`` giving the child ``sig`` when its parent dies (Linux); None elsewhere.
+
+    This covers a SIGKILL of the parent, which no handler sees. Linux sends
+    the signal when the *thread* that started the child ends, so start
+    long-lived children from a thread that outlives them (the main thread).
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here: the child only calls it
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def preexec() -> None:
+        prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before prctl ran: no signal would ever come
+            os.kill(os.getpid(), sig)
+
+    return preexec
+
+
+def popen_group(cmd: Sequence[str], *, dies_with_parent: bool = True, **kwargs) -> subprocess.Popen:
+    """``Popen`` in a new session (its own process group, stoppable as a whole), dying with its parent."""
+    preexec = die_with_parent() if dies_with_parent else None
+    return subprocess.Popen(list(cmd), start_new_session=True, preexec_fn=preexec, **kwargs)
+
+
+def stop_group(proc: subprocess.Popen, sig: int = signal.SIGTERM, *, wait: float = 20.0) -> None:
+    """Stop ``proc``'s process group (it leads one: :func:`popen_group`): ``sig``, then SIGKILL after ``wait`` s."""
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        return
+    try:
+        proc.wait(timeout=wait)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=wait)
 
 
 @dataclass(frozen=True)
@@ -113,7 +220,8 @@ def supernode_command(superlink: str, client: str, state_dir: str | Path, *, por
 
 
 def run_config_string(config: Path, out: Path, overrides: Sequence[str] = (), *, resume: bool = False,
-                      round_timeout: Optional[float] = None, join_timeout: Optional[float] = None) -> str:
+                      round_timeout: Optional[float] = None, join_timeout: Optional[float] = None,
+                      node_auth: bool = False) -> str:
     """``--run-config`` text for :class:`fedreid.flower.app.ServerSettings` (paths made absolute)."""
     for item in overrides:
         if "'" in item:
@@ -126,6 +234,8 @@ def run_config_string(config: Path, out: Path, overrides: Sequence[str] = (), *,
         text += f" round-timeout={float(round_timeout)}"
     if join_timeout is not None:
         text += f" join-timeout={float(join_timeout)}"
+    if node_auth:
+        text += " node-auth=true"
     return text
 
 
@@ -144,13 +254,19 @@ class FlowerCli:
         (self.home / "config.toml").write_text("\n".join(lines) + "\n")
 
     def _run(self, args: Sequence[str], *, timeout: Optional[float], log: Optional[Path] = None,
-             cwd: Optional[Path] = None):
+             cwd: Optional[Path] = None) -> subprocess.CompletedProcess:
+        """``flwr ARGS`` in its own process group, stopped with it if this process stops waiting (timeout, signal)."""
         cmd = [_exe("flwr"), *args]
         env = flower_env({"FLWR_HOME": str(self.home)})
         out = open(log, "ab") if log is not None else subprocess.PIPE
         try:
-            return subprocess.run(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=timeout,
-                                  stdin=subprocess.DEVNULL, check=False, cwd=cwd)
+            proc = popen_group(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=cwd)
+            try:
+                stdout, _ = proc.communicate(timeout=timeout)
+            except BaseException:  # TimeoutExpired, Ctrl-C, Terminated: flwr goes too
+                stop_group(proc, wait=10.0)
+                raise
+            return subprocess.CompletedProcess(cmd, proc.returncode, stdout)
         finally:
             if log is not None:
                 out.close()
@@ -206,6 +322,8 @@ class LocalDeployment:
     start_timeout: float = 120.0
     #: Flower's simulation engine (Ray) instead of SuperNode processes: one virtual node per client.
     simulation: bool = False
+    #: Each process gets SIGTERM when the thread that started it ends (:func:`die_with_parent`, Linux).
+    die_with_parent: bool = True
 
     def __post_init__(self) -> None:
         self.workdir = Path(self.workdir)
@@ -229,7 +347,8 @@ class LocalDeployment:
     def log_path(self, name: str) -> Path:
         return self.workdir / "logs" / f"{name.replace('/', '_')}.log"
 
-    def _start(self, name: str, cmd: list[str]) -> subprocess.Popen:
+    def start_process(self, name: str, cmd: Sequence[str]) -> subprocess.Popen:
+        """Start ``cmd`` as ``name`` (its log: :meth:`log_path`), in its own process group, stopped with the rest."""
         running = self.procs.get(name)
         if running is not None and running.poll() is None:
             raise LaunchError(f"{name} is already running (PID {running.pid}); give the new process another name")
@@ -238,8 +357,8 @@ class LocalDeployment:
         # Each deployment keeps Flower's own files (installed app bundles) in its folder, not ~/.flwr.
         env = flower_env({"FLWR_HOME": str(self.workdir / "flwr_state" / name.replace("/", "_"))})
         with open(log, "ab") as fh:
-            proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    env=env, cwd=self.workdir, start_new_session=True)
+            proc = popen_group(cmd, dies_with_parent=self.die_with_parent, stdout=fh, stderr=subprocess.STDOUT,
+                               stdin=subprocess.DEVNULL, env=env, cwd=self.workdir)
         self.procs[name] = proc
         return proc
 
@@ -248,7 +367,7 @@ class LocalDeployment:
                                 database=self.workdir / "superlink.db")
         if self.simulation:
             cmd.append("--simulation")
-        proc = self._start("superlink", cmd)
+        proc = self.start_process("superlink", cmd)
         wait_for_port(self.port, timeout=self.start_timeout, proc=proc, what="flower-superlink",
                       log=self.log_path("superlink"))
         for client, key in self.node_keys.items():
@@ -260,7 +379,7 @@ class LocalDeployment:
         key = private_key if private_key is not None else self.node_keys.get(client)
         cmd = supernode_command(self.superlink, client, self.workdir / "state", port=free_port(),
                                 root_cert=self.tls.ca if self.tls else None, private_key=key, **self.local)
-        return self._start(name or f"node-{client}", cmd)
+        return self.start_process(name or f"node-{client}", cmd)
 
     def start(self) -> "LocalDeployment":
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -273,20 +392,12 @@ class LocalDeployment:
     def stop_process(self, name: str, sig: int = signal.SIGTERM, *, wait: float = 20.0) -> None:
         """Stop ``name`` and its children (the ClientApp/ServerApp processes it started)."""
         proc = self.procs.get(name)
-        if proc is None or proc.poll() is not None:
-            return
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=wait)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=wait)
+        if proc is not None:
+            stop_group(proc, sig, wait=wait)
 
     def stop(self) -> None:
-        for name in [n for n in self.procs if n != "superlink"] + ["superlink"]:
+        """Stop every process started, SuperNodes first (also what ``with`` and :func:`stop_on_signals` lead to)."""
+        for name in [n for n in list(self.procs) if n != "superlink"] + ["superlink"]:
             self.stop_process(name)
 
     def __enter__(self) -> "LocalDeployment":
@@ -300,5 +411,6 @@ class LocalDeployment:
         self.stop()
 
 
-__all__ = ["LaunchError", "TLSFiles", "FlowerCli", "LocalDeployment", "flower_env", "superlink_command",
-           "supernode_command", "node_config_string", "run_config_string", "free_port"]
+__all__ = ["LaunchError", "TLSFiles", "FlowerCli", "LocalDeployment", "Terminated", "die_with_parent", "flower_env",
+           "free_port", "node_config_string", "popen_group", "run_config_string", "stop_group", "stop_on_signals",
+           "superlink_command", "supernode_command"]

@@ -5,14 +5,20 @@ survives in memory between rounds. What must survive -- the private identity
 head, BatchNorm statistics under ``fl.bn=local``, the objective's state
 (SCAFFOLD's control variate, FedDyn's ``h_k``, MOON's previous model,
 FedLMD's counts) -- is :meth:`fedreid.fl.client.Client.state_dict`, written
-after every round to ``<state_dir>/<run>/<client>/after_round_<r>.pt``
-(atomically) and never sent.
+after every round to ``<state_dir>/<run id>/<client>/after_round_<r>.pt``
+(atomically) and never sent. The run id is fedreid's (made once when the run
+is created, kept in the server's checkpoint, sent with every train message;
+:attr:`fedreid.fl.server.Server.run_id`), not the run folder's name nor
+Flower's run id (a new one on every ``flwr run``, resumes included): a new
+run that reuses a folder name starts from fresh client state, a resumed run
+finds its own. Each file also records its run id and client, checked when
+it is loaded.
 
 Before training round ``r`` the node loads the newest state saved after a
 round *before* ``r``: if the server crashed and resumes a round the node had
 already trained, the node trains it again from the same state, so the run
-stays what it would have been without the crash. The two newest states are
-kept.
+stays what it would have been without the crash. The two newest states of a
+run are kept; other runs' folders are never touched.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import torch
 from torch import Tensor
 
 from fedreid.config import Config
+from fedreid.errors import FedReIDError
 from fedreid.fl.update import Update
 from fedreid.utils.io import atomic_path
 
@@ -32,6 +39,21 @@ STATE_PATTERN = re.compile(r"after_round_(\d+)\.pt$")
 KEEP_STATES = 2
 #: Update metadata key of the client's own evaluation of its model before aggregation.
 LOCAL_EVAL = "local_eval"
+#: What a run id may look like: it becomes a folder name on the node, so nothing path-like.
+RUN_ID_PATTERN = re.compile(r"[A-Za-z0-9_-]{8,64}")
+STATE_FORMAT = "fedreid.node_state"
+
+
+class NodeStateError(FedReIDError, ValueError):
+    """The node's saved client state does not belong to the run and client asking for it."""
+
+
+def check_run_id(run_id: str) -> str:
+    """``run_id`` if it can name a state folder, else :class:`NodeStateError`."""
+    if not isinstance(run_id, str) or not RUN_ID_PATTERN.fullmatch(run_id):
+        raise NodeStateError(f"run id {run_id!r}: expected 8-64 letters, digits, '-' or '_' "
+                             "(the server sends fedreid's run id with every train message)")
+    return run_id
 
 
 def safe_name(name: str) -> str:
@@ -40,14 +62,15 @@ def safe_name(name: str) -> str:
 
 
 class NodeClient:
-    """The client ``name`` of the run ``run`` on this machine, state under ``state_dir``."""
+    """The client ``name`` of the run with id ``run_id`` on this machine, state under ``state_dir``."""
 
-    def __init__(self, cfg: Config, name: str, state_dir: str | Path, run: str) -> None:
+    def __init__(self, cfg: Config, name: str, state_dir: str | Path, run_id: str) -> None:
         from fedreid.fl.simulation import build_client
 
+        self.run_id = check_run_id(run_id)
         self.cfg = cfg
         self.client, self.work_model = build_client(cfg, name)
-        self.folder = Path(state_dir) / safe_name(run) / safe_name(name)
+        self.folder = Path(state_dir) / self.run_id / safe_name(name)
         self._evaluator = None
 
     @property
@@ -69,14 +92,22 @@ class NodeClient:
         if not earlier:
             return None
         path = self.state_path(earlier[-1])
-        self.client.load_state_dict(torch.load(path, map_location="cpu", weights_only=False))
+        saved = torch.load(path, map_location="cpu", weights_only=False)
+        owner = (saved.get("run_id"), saved.get("client")) if isinstance(saved, dict) else (None, None)
+        if not isinstance(saved, dict) or saved.get("format") != STATE_FORMAT or owner != (self.run_id, self.name):
+            # Never train from another run's (or client's) private head: that run's state would leak into this one.
+            raise NodeStateError(f"{path} holds the state of run {owner[0]!r}, client {owner[1]!r}; this is run "
+                                 f"{self.run_id!r}, client {self.name!r} (move the file away)")
+        self.client.load_state_dict(saved["state"])
         return earlier[-1]
 
     def save(self, round_index: int) -> Path:
         self.folder.mkdir(parents=True, exist_ok=True)
         path = self.state_path(round_index)
+        payload = {"format": STATE_FORMAT, "run_id": self.run_id, "client": self.name, "round": round_index,
+                   "state": self.client.state_dict()}
         with atomic_path(path) as tmp:
-            torch.save(self.client.state_dict(), tmp)
+            torch.save(payload, tmp)
         for old in self.saved_rounds()[:-KEEP_STATES]:
             self.state_path(old).unlink(missing_ok=True)
         return path
@@ -116,4 +147,4 @@ class NodeClient:
         return self._evaluator
 
 
-__all__ = ["NodeClient", "safe_name"]
+__all__ = ["NodeClient", "NodeStateError", "check_run_id", "safe_name"]

@@ -710,6 +710,32 @@ class FedFTGHook:
     def instructions(self, round_index: int) -> dict[str, Any]:
         return {CLASS_COUNTS: True}
 
+    def check_update(self, round_index: int, update: Update, model: nn.Module) -> Optional[str]:
+        """Why ``update``'s class counts cannot weigh its teacher, or None (see :mod:`fedreid.fl.server_hooks`).
+
+        ``class_counts`` must be one finite, non-negative number per class
+        (the generator's classes once it is built). Checked per update before
+        aggregation, so a bad client is left out instead of stopping the run
+        in :meth:`after_aggregate`.
+        """
+        counts = update.metadata.get(CLASS_COUNTS)
+        if counts is None:
+            return f"no {CLASS_COUNTS}"
+        try:
+            counts = torch.as_tensor(counts)
+        except (TypeError, ValueError, RuntimeError) as exc:
+            return f"{CLASS_COUNTS} is not a list of numbers ({exc})"
+        if counts.dtype == torch.bool or counts.is_complex():
+            return f"{CLASS_COUNTS} must hold real numbers, got {counts.dtype}"
+        expected = self.generator.num_classes if self.generator is not None else None
+        if counts.dim() != 1 or counts.numel() == 0 or (expected is not None and counts.numel() != expected):
+            return (f"{CLASS_COUNTS} has shape {tuple(counts.shape)}, expected "
+                    f"({expected if expected is not None else 'classes'},)")
+        counts = counts.double()
+        if not bool(counts.isfinite().all()) or bool((counts < 0).any()):
+            return f"{CLASS_COUNTS} must be finite and >= 0"
+        return None
+
     def after_aggregate(
         self, round_index: int, model: nn.Module, updates: Sequence[Update]
     ) -> Optional[Mapping[str, Any]]:

@@ -190,11 +190,35 @@ class KDHook:
     def instructions(self, round_index: int) -> dict[str, Any]:
         return {"kd": True} if is_kd_round(round_index, self.every) else {}
 
+    def check_update(self, round_index: int, update: Update, model: nn.Module) -> Optional[str]:
+        """Why ``update``'s KD features cannot be a teacher this round, or None.
+
+        A KD round needs ``kd_features`` as a floating ``[N_public, d]``
+        tensor, ``d`` the global model's ``bottleneck_dim`` (when it has one).
+        Checked per update before aggregation, so a client that sent none, or
+        truncated ones, is left out of the round instead of stopping the run
+        in :func:`kd_target` (finiteness is :func:`fedreid.fl.update.check_update`'s).
+        """
+        if not is_kd_round(round_index, self.every):
+            return None
+        feats = update.metadata.get(KD_FEATURES)
+        if feats is None:
+            return f"no {KD_FEATURES} in a KD round"
+        if not isinstance(feats, Tensor) or not feats.is_floating_point():
+            kind = f"a {feats.dtype} tensor" if isinstance(feats, Tensor) else f"a {type(feats).__name__}"
+            return f"{KD_FEATURES} must be a floating-point tensor, got {kind}"
+        dim = getattr(model, "bottleneck_dim", None)
+        if feats.dim() != 2 or feats.shape[0] != self.num_public or (dim is not None and feats.shape[1] != dim):
+            return (f"{KD_FEATURES} has shape {tuple(feats.shape)}, expected "
+                    f"({self.num_public}, {dim if dim is not None else 'd'}) (public images, feature size)")
+        return None
+
     def after_aggregate(
         self, round_index: int, model: nn.Module, updates: Sequence[Update]
     ) -> Optional[Mapping[str, Any]]:
         if not is_kd_round(round_index, self.every):
             return None
+        # The server ran check_update on every update; this stays for callers that do not.
         missing = [u.client for u in updates if KD_FEATURES not in u.metadata]
         if missing:
             raise ValueError(f"KD round {round_index}: client {missing[0]!r} sent no {KD_FEATURES}")
