@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import shutil
+from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
@@ -219,3 +221,280 @@ def test_local_baseline_needs_a_client(world, tmp_path, capsys):
     assert not torch.equal(own, pl.load_model(world["run"]).model.embed(x))
     assert torch.equal(pl.load_model(run, client="tiny2").model.embed(x), pl.load_model(world["run"]).model.embed(x))
     assert tool.main(["evaluate", "--model", str(run), "--client", "tiny", "--out", str(tmp_path / "ev")]) == 0
+
+
+# --------------------------------------------------------------------------
+# Pictures without a query x gallery matrix (the rows of the drawn queries only)
+# --------------------------------------------------------------------------
+
+
+def _random_features(seed: int, n_q: int, n_g: int, *, dim: int = 8, exact: bool = False):
+    """In-memory DatasetFeatures: clustered ids, 3 cameras, junk and distractors in the gallery."""
+    import numpy as np
+
+    from fedreid.eval import pipeline as pl
+    from fedreid.eval.features import FeatureSet
+
+    rng = np.random.default_rng(seed)
+    n_ids = max(2, n_q // 3)
+    centres = rng.standard_normal((n_ids + 1, dim))
+    q_pids = rng.integers(1, n_ids + 1, n_q)
+    g_pids = rng.integers(-1, n_ids + 1, n_g)  # -1 junk, 0 distractors
+
+    def feats(pids):
+        x = centres[np.maximum(pids, 0)] + 0.9 * rng.standard_normal((pids.size, dim))
+        x /= np.linalg.norm(x, axis=1, keepdims=True)
+        if exact:  # quarter steps: every dot product is exact in any order, so ties are real
+            x = np.round(x * 4) / 4
+        return np.ascontiguousarray(x, dtype=np.float32)
+
+    def part(pids, side):
+        return FeatureSet(feats(pids), pids, rng.integers(0, 3, pids.size), [f"{side}/{i}.jpg" for i in range(pids.size)])
+
+    return pl.DatasetFeatures("rand", part(q_pids, "q"), part(g_pids, "g"), source="test")
+
+
+@pytest.mark.parametrize("exact", [False, True])
+def test_ranked_lists_equal_the_full_matrix_approach(exact):
+    import numpy as np
+
+    from fedreid.eval import pipeline as pl
+    from fedreid.eval.metrics import gallery_masks, ranking_order
+
+    for seed in range(8):
+        feats = _random_features(seed, 40, 150, exact=exact)
+        q, g = feats.query, feats.gallery
+        result, reranked = pl.evaluate_dataset(feats)
+        assert reranked is None  # no query x gallery matrix is kept (or built)
+        chosen = [3, 0, 17]
+        lists = pl.ranked_lists(feats, result, pictures=5, queries=chosen, top_k=10)
+
+        # The full-matrix way: every score, a full stable sort of every filtered row.
+        sim = q.features @ g.features.T
+        ap, valid = np.zeros(len(q.pids)), np.zeros(len(q.pids), bool)
+        full_top = []
+        for i in range(len(q.pids)):
+            keep, good = gallery_masks(q.pids[i], q.camids[i], g.pids, g.camids)
+            kept = np.flatnonzero(keep)
+            order = kept[ranking_order(sim[i, kept])]
+            full_top.append(order[:10])
+            hits = good[order]
+            if hits.any():
+                valid[i] = True
+                ap[i] = np.mean(np.cumsum(hits)[hits] / (np.flatnonzero(hits) + 1))
+        ids = np.flatnonzero(valid)
+        best = list(ids[np.argsort(-ap[ids], kind="stable")[:3]])
+        rest = [i for i in ids if i not in best]
+        worst = [rest[j] for j in np.argsort(ap[rest], kind="stable")[:2]]
+        expected = [(i, "best") for i in best] + [(i, "worst") for i in worst] + [(i, "query") for i in chosen]
+
+        assert [(r.query, r.tag) for r in lists] == expected, seed
+        for r in lists:
+            np.testing.assert_array_equal(r.gallery, full_top[r.query])
+            np.testing.assert_array_equal(r.correct, g.pids[r.gallery] == q.pids[r.query])
+            if exact:
+                np.testing.assert_array_equal(r.scores, sim[r.query, r.gallery])
+            else:
+                np.testing.assert_allclose(r.scores, sim[r.query, r.gallery], rtol=0, atol=1e-6)
+
+
+def test_evaluation_and_pictures_stay_far_below_a_score_matrix():
+    import tracemalloc
+
+    import fedreid.eval.visualize  # noqa: F401 - imported before tracing: cv2/matplotlib module memory is no score
+    from fedreid.eval import pipeline as pl
+
+    n_q, n_g = 1500, 12000
+    feats = _random_features(0, n_q, n_g, dim=16)
+    matrix_bytes = 4 * n_q * n_g  # 72 MB
+    tracemalloc.start()
+    try:
+        result, reranked = pl.evaluate_dataset(feats, max_block_bytes=2 * 2**20)
+        lists = pl.ranked_lists(feats, result, pictures=6, queries=[5, 7])
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert reranked is None and len(lists) == 8
+    assert peak < matrix_bytes / 8, f"peak {peak / 2**20:.1f} MiB vs a {matrix_bytes / 2**20:.0f} MiB matrix"
+
+
+# --------------------------------------------------------------------------
+# Feature files: errors, chosen queries, the CUHK03 protocol
+# --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cache(world):
+    """tiny.npz: the features of the tiny dataset (6 queries, 12 gallery images)."""
+    from fedreid.eval import pipeline as pl
+
+    feats = pl.dataset_features(pl.load_model(world["run"]), world["prepared"], "tiny", batch_size=8)
+    return pl.save_dataset_features(world["root"] / "cache", feats), feats
+
+
+def _write_cache(path, feats, *, query_rows=None, gallery_rows=None, query_pids=None):
+    from fedreid.eval import pipeline as pl
+
+    def cut(fs, rows):
+        return fs if rows is None else fs._replace(
+            features=fs.features[rows], pids=fs.pids[rows], camids=fs.camids[rows], paths=[fs.paths[i] for i in rows]
+        )
+
+    q, g = cut(feats.query, query_rows), cut(feats.gallery, gallery_rows)
+    if query_pids is not None:
+        q = q._replace(pids=query_pids)
+    return pl.save_dataset_features(path.parent, dataclasses.replace(feats, name=path.stem, query=q, gallery=g))
+
+
+def test_bad_feature_files_give_one_line_naming_the_file(cache, tmp_path, capsys):
+    import numpy as np
+
+    _, feats = cache
+    nan = feats.query.features.copy()
+    nan[2, 5] = np.nan
+    path = _write_cache(tmp_path / "withnan.npz", dataclasses.replace(feats, query=feats.query._replace(features=nan)))
+    err = _cli_error(["evaluate", "--features", str(path), "--out", str(tmp_path / "o")], capsys)
+    assert str(path) in err and "NaN" in err and "query row 2" in err and feats.query.paths[2] in err
+
+    empty = _write_cache(tmp_path / "nogallery.npz", feats, gallery_rows=[])
+    err = _cli_error(["evaluate", "--features", str(empty), "--out", str(tmp_path / "o")], capsys)
+    assert str(empty) in err and "gallery is empty" in err
+
+    strangers = _write_cache(tmp_path / "nomatch.npz", feats, query_pids=np.full(6, 999))
+    err = _cli_error(["evaluate", "--features", str(strangers), "--out", str(tmp_path / "o")], capsys)
+    assert str(strangers) in err and "none of the 6 queries has a true match" in err
+    assert "'nomatch'" in err  # and the dataset
+
+
+def test_chosen_queries_are_drawn(cache, tmp_path, capsys):
+    from fedreid.eval import pipeline as pl
+
+    path, feats = cache
+    qpaths = feats.query.paths
+    out = tmp_path / "eval"
+    specs = f"4,{Path(qpaths[1]).name}"
+    assert tool.main(["evaluate", "--features", str(path), "--out", str(out), "--pictures", "0",
+                      "--queries", specs, "--queries", qpaths[4]]) == 0
+    pngs = sorted(p.name for p in (out / "ranked_lists").glob("*.png"))
+    assert pngs == ["tiny_query_q00001.png", "tiny_query_q00004.png"]  # index 4 and its path: drawn once
+    results = json.loads((out / "results.json").read_text())
+    assert len(results["pictures"]) == 2 and results["protocol"] == "standard"
+
+    assert pl.chosen_queries(feats, ["2", str(Path(qpaths[3]).resolve()), Path(qpaths[0]).name]) == [2, 3, 0]
+    err = _cli_error(["evaluate", "--features", str(path), "--out", str(out), "--queries", "6"], capsys)
+    assert "--queries 6" in err and "6 queries (indices 0-5)" in err
+    err = _cli_error(["evaluate", "--features", str(path), "--out", str(out), "--queries", "nobody.jpg"], capsys)
+    assert "--queries nobody.jpg" in err and "'tiny'" in err
+    twins = pl.DatasetFeatures("t", feats.query._replace(paths=["a/x.png", "b/x.png"] + qpaths[2:]), feats.gallery)
+    with pytest.raises(pl.EvalInputError, match="2 query images of dataset 't' have that file name"):
+        pl.chosen_queries(twins, ["x.png"])
+    assert pl.chosen_queries(twins, ["b/x.png"]) == [1]
+
+
+def test_cuhk03_protocol(cache, tmp_path, capsys):
+    import numpy as np
+
+    from fedreid.eval.metrics import evaluate_cuhk03_single_shot
+
+    path, feats = cache
+    out = tmp_path / "eval"
+    assert tool.main(["evaluate", "--features", str(path), "--out", str(out), "--protocol", "cuhk03",
+                      "--seed", "7", "--pictures", "1"]) == 0
+    assert "CUHK03 single-gallery-shot CMC, seed 7" in capsys.readouterr().out
+    results = json.loads((out / "results.json").read_text())
+    assert results["protocol"] == "cuhk03" and results["seed"] == 7 and results["repeats"] == 10
+    q, g = feats.query, feats.gallery
+    expected = evaluate_cuhk03_single_shot(q.features, g.features, q.pids, g.pids, q.camids, g.camids,
+                                           rng=np.random.default_rng(7), num_repeats=10, ranks=range(1, 21))
+    row = results["datasets"]["tiny"]
+    assert row["rank1"] == expected["rank1"] and row["mAP"] == expected["mAP"]
+    assert row["cmc"] == [expected[f"rank{k}"] for k in range(1, 21)]
+    assert len(results["pictures"]) == 1
+
+    err = _cli_error(["evaluate", "--features", str(path), "--out", str(out), "--protocol", "cuhk03", "--rerank"],
+                     capsys)
+    assert "--rerank" in err and "cuhk03" in err
+    err = _cli_error(["evaluate", "--features", str(path), "--out", str(out), "--protocol", "cuhk03", "--ap",
+                      "official"], capsys)
+    assert "standard AP" in err
+
+
+# --------------------------------------------------------------------------
+# CUDA speedups and the FAISS GPU index: flags, defaults, errors
+# --------------------------------------------------------------------------
+
+
+def test_speedup_defaults_follow_the_device():
+    from fedreid.eval import pipeline as pl
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert pl.resolve_speedups(cuda) == (True, True)
+    assert pl.resolve_speedups(cuda, False, None) == (False, True)
+    assert pl.resolve_speedups(cpu) == (False, False)
+    assert pl.resolve_speedups(cpu, False, False) == (False, False)
+    with pytest.raises(pl.EvalInputError, match="--amp and --channels-last only apply on a CUDA device"):
+        pl.resolve_speedups(cpu, True, True)
+
+
+def test_speedup_flags_reach_the_extraction(world, tmp_path, monkeypatch, capsys):
+    from fedreid.eval import pipeline as pl
+
+    seen = []
+    real = pl.extract_features
+
+    def recording(*args, **kwargs):
+        seen.append((kwargs["amp"], kwargs["channels_last"]))
+        with pytest.warns(UserWarning, match="ignored: only used on CUDA") if any(seen[-1]) else nullcontext():
+            return real(*args, **kwargs)
+
+    monkeypatch.setattr(pl, "extract_features", recording)
+    base = ["evaluate", "--model", str(world["run"]), "--datasets", "tiny", "--pictures", "0", "--device", "cpu"]
+    assert tool.main(base + ["--out", str(tmp_path / "a")]) == 0
+    assert seen == [(False, False)] * 2  # query and gallery, CPU defaults
+    err = _cli_error(base + ["--out", str(tmp_path / "b"), "--amp"], capsys)
+    assert "--amp only apply on a CUDA device" in err and "device is cpu" in err
+    err = _cli_error(["index", "--model", str(world["run"]), "--gallery", ".", "--index", "x", "--device", "cpu",
+                      "--channels-last"], capsys)
+    assert "--channels-last only apply on a CUDA device" in err
+
+    # What the resolution decides (on for CUDA) is what extraction gets, in every command.
+    seen.clear()
+    monkeypatch.setattr(pl, "resolve_speedups", lambda device, amp, cl: (True, True))
+    assert tool.main(base + ["--out", str(tmp_path / "c")]) == 0
+    gallery = world["root"] / "gallery_speed"
+    _market_gallery(world, gallery)
+    assert tool.main(["index", "--model", str(world["run"]), "--gallery", str(gallery), "--index",
+                      str(tmp_path / "idx"), "--device", "cpu"]) == 0
+    assert tool.main(["query", "--model", str(world["run"]), "--index", str(tmp_path / "idx"), "--images",
+                      str(gallery), "--device", "cpu"]) == 0
+    assert seen == [(True, True)] * 4
+
+
+def test_faiss_gpu_flag(world, tmp_path, monkeypatch, capsys):
+    from fedreid.eval import pipeline as pl
+    from fedreid.eval import retrieval
+
+    gallery = world["root"] / "gallery_faiss"
+    _market_gallery(world, gallery)
+    index_args = ["index", "--model", str(world["run"]), "--gallery", str(gallery), "--device", "cpu"]
+    query_args = ["query", "--model", str(world["run"]), "--images", str(gallery), "--device", "cpu", "--top-k", "2"]
+    if not retrieval.faiss_gpu_available():
+        err = _cli_error(index_args + ["--index", str(tmp_path / "i0"), "--faiss-gpu", "on"], capsys)
+        assert "GPU faiss index was required" in err and "faiss-gpu" in err
+        assert not (tmp_path / "i0").exists()  # refused before any work
+
+    # Plumbing, with faiss pretending to have a GPU: the decision reaches build_index / load_index.
+    placed = []
+    monkeypatch.setattr(retrieval, "faiss_gpu_available", lambda: True)
+    monkeypatch.setattr(retrieval, "_maybe_to_gpu", lambda index, use_gpu, gpu_id=0: placed.append(use_gpu) or index)
+    for mode, expected in (("on", True), ("off", False), ("auto", False)):  # auto: the device is the CPU
+        placed.clear()
+        folder = tmp_path / f"i_{mode}"
+        assert tool.main(index_args + ["--index", str(folder), "--faiss-gpu", mode]) == 0
+        assert tool.main(query_args + ["--index", str(folder), "--faiss-gpu", mode]) == 0
+        assert placed == [expected, expected], mode
+    assert pl.resolve_faiss_gpu("auto", torch.device("cuda")) is True
+    assert pl.resolve_faiss_gpu("auto", torch.device("cpu")) is False
+    monkeypatch.setattr(retrieval, "faiss_gpu_available", lambda: False)
+    assert pl.resolve_faiss_gpu("auto", torch.device("cuda")) is False
+    capsys.readouterr()

@@ -9,7 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from fedreid.eval.features import FeatureSet, extract_features, load_features, save_features
+from fedreid.errors import FedReIDError
+from fedreid.eval.features import FeatureSet, channels_last_model, extract_features, load_features, save_features
 
 
 class TinyNet(nn.Module):
@@ -124,6 +125,32 @@ def test_cuda_only_options_warn_on_cpu():
         extract_features(TinyNet(), batches())  # no warning when nothing is ignored
 
 
+def test_channels_last_converts_the_model_for_the_call_and_restores_it():
+    model = TinyNet()
+    other = nn.Conv2d(6, 6, 1).to(memory_format=torch.channels_last)  # already channels-last: stays so
+    model.add_module("extra", other)
+    weight, before = model.conv.weight, model.conv.weight.detach().clone()
+    assert model.conv.weight.is_contiguous()
+    with channels_last_model(model):
+        # the weights themselves, not only the input, so convolutions need no per-call conversion
+        assert model.conv.weight.is_contiguous(memory_format=torch.channels_last)
+        assert not model.conv.weight.is_contiguous()
+        x = torch.randn(2, 3, 8, 6).contiguous(memory_format=torch.channels_last)
+        inside = model.eval()(x)
+    assert model.conv.weight is weight  # same Parameter: optimisers holding it are unaffected
+    assert model.conv.weight.is_contiguous() and torch.equal(model.conv.weight, before)
+    assert other.weight.is_contiguous(memory_format=torch.channels_last)
+    torch.testing.assert_close(model(x.contiguous()), inside)
+
+
+def test_channels_last_model_is_restored_after_an_error():
+    model = TinyNet()
+    with pytest.raises(RuntimeError, match="boom"):
+        with channels_last_model(model):
+            raise RuntimeError("boom")
+    assert model.conv.weight.is_contiguous()
+
+
 # --------------------------------------------------------------------------
 # The cache
 # --------------------------------------------------------------------------
@@ -149,7 +176,8 @@ def test_cache_errors_name_the_file(tmp_path):
         load_features(partial)
     garbage = tmp_path / "garbage.npz"
     garbage.write_bytes(b"not a zip at all")
-    with pytest.raises(ValueError, match="garbage.npz is not a readable .npz"):
+    with pytest.raises(ValueError, match="garbage.npz is not a readable .npz") as exc:
         load_features(garbage)
+    assert isinstance(exc.value, FedReIDError)  # the tools print it as one line
     with pytest.raises(ValueError, match=r"mismatched lengths \(feats: 2, pids: 1"):
         save_features(tmp_path / "bad.npz", np.zeros((2, 3)), [1], [1, 2], ["a", "b"])

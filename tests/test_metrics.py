@@ -11,7 +11,9 @@ import pytest
 import torch
 
 import fedreid.eval.metrics as metrics
+from fedreid.errors import FedReIDError
 from fedreid.eval.metrics import (
+    EvalDataError,
     accuracy,
     cmc_curve,
     evaluate,
@@ -234,6 +236,26 @@ def test_random_cases_match_full_sort_reference(ap, exact_ties):
     assert checked > 40
 
 
+@pytest.mark.parametrize("ap", ["standard", "official"])
+def test_per_query_results_match_full_sort_reference(ap):
+    """The per-query AP / first-match rank / valid mask (what the pictures pick by) are exact."""
+    for seed in range(30):
+        case = random_case(seed, exact_ties=seed % 2 == 1)
+        qf, gf, q_pids, g_pids, q_cams, g_cams = case
+        reference = reference_per_query(qf @ gf.T, q_pids, g_pids, q_cams, g_cams, ap=ap)
+        if all(x is None for x in reference):
+            continue
+        per_query = evaluate(*case, ap=ap, return_per_query=True, block_size=2)["per_query"]
+        np.testing.assert_array_equal(per_query["valid"], [x is not None for x in reference])
+        np.testing.assert_array_equal(per_query["valid"], per_query["num_matches"] > 0)
+        for i, ref in enumerate(reference):
+            if ref is None:
+                assert per_query["ap"][i] == 0 and per_query["first_match_rank"][i] == 0
+            else:
+                assert per_query["ap"][i] == pytest.approx(ref[0], abs=1e-12), (seed, i)
+                assert per_query["first_match_rank"][i] == ref[1]
+
+
 @pytest.mark.parametrize("dense_fraction", [0.0, 2.0])
 def test_gather_and_whole_row_sort_paths_agree(monkeypatch, dense_fraction):
     for seed in range(20):
@@ -355,6 +377,10 @@ def test_cuhk03_is_deterministic_for_a_seed():
     a = evaluate_cuhk03_single_shot(*case, rng=np.random.default_rng(4))
     b = evaluate_cuhk03_single_shot(*case, rng=np.random.default_rng(4))
     assert a == b
+    with_rows = evaluate_cuhk03_single_shot(*case, rng=np.random.default_rng(4), return_per_query=True)
+    assert {k: v for k, v in with_rows.items() if k != "per_query"} == a
+    for key, value in evaluate(*case, return_per_query=True)["per_query"].items():
+        np.testing.assert_array_equal(with_rows["per_query"][key], value)
     with pytest.raises(ValueError, match="numpy.random.Generator"):
         evaluate_cuhk03_single_shot(*case, rng=4)
 
@@ -387,8 +413,18 @@ def good_args():
 def test_bad_inputs_raise_clear_errors(position, value, message):
     args = good_args()
     args[position] = value
-    with pytest.raises(ValueError, match=message):
+    # EvalDataError: a FedReIDError (the tools print one line) and a ValueError (callers' except clauses).
+    with pytest.raises(EvalDataError, match=message) as exc:
         evaluate(*args)
+    assert isinstance(exc.value, FedReIDError) and isinstance(exc.value, ValueError)
+
+
+def test_nan_error_names_the_first_bad_row(monkeypatch):
+    monkeypatch.setattr(metrics, "_FINITE_CHECK_ELEMENTS", 100)  # 50-row chunks: the row is found inside one
+    qf = np.zeros((5000, 2), np.float32)
+    qf[4321, 1] = np.nan
+    with pytest.raises(EvalDataError, match="qf contains NaN or inf values \\(first at row 4321\\)"):
+        evaluate(qf, np.ones((2, 2), np.float32), np.ones(5000, int), [1, 1], np.zeros(5000, int), [1, 1])
 
 
 def test_bad_options_raise_clear_errors():

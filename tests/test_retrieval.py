@@ -7,8 +7,10 @@ import json
 import numpy as np
 import pytest
 
+from fedreid.errors import FedReIDError
 from fedreid.eval.metrics import evaluate, gallery_masks
 from fedreid.eval.retrieval import (
+    FaissGpuUnavailableError,
     IndexFileError,
     block_topk,
     build_index,
@@ -101,9 +103,16 @@ def test_search_errors():
 
 
 @pytest.mark.skipif(faiss_gpu_available(), reason="checks the no-GPU error")
-def test_requiring_a_gpu_without_one_is_a_clear_error():
-    with pytest.raises(RuntimeError, match="no GPU support or sees no GPU"):
+def test_requiring_a_gpu_without_one_is_a_clear_error(tmp_path):
+    # A FedReIDError (the tools print it as one line) and still a RuntimeError.
+    assert issubclass(FaissGpuUnavailableError, FedReIDError) and issubclass(FaissGpuUnavailableError, RuntimeError)
+    with pytest.raises(FaissGpuUnavailableError, match="GPU faiss index was required .*(no GPU support|sees no GPU)"):
         build_index(np.eye(2, dtype=np.float32), use_gpu=True)
+    folder = save_index(tmp_path / "i", build_index(np.eye(2, dtype=np.float32), use_gpu=False),
+                        ids=[0, 1], cameras=[0, 0], paths=["a", "b"])
+    with pytest.raises(FaissGpuUnavailableError):
+        load_index(folder, use_gpu=True)
+    assert load_index(folder, use_gpu="auto").index.ntotal == 2  # auto falls back to the CPU
 
 
 # --------------------------------------------------------------------------

@@ -11,8 +11,13 @@ Examples:
       --datasets market1501,dukemtmc --prepared-root datasets/prepared \\
       --ap official --rerank --save-features runs/fedpav/features
 
-  # evaluate again from the cached features, without the model
-  python tools/eval_reid.py evaluate --features runs/fedpav/features/market1501.npz --out /tmp/eval
+  # evaluate again from the cached features, without the model; draw two chosen
+  # queries (an index and a query image file name) besides the best/worst ones
+  python tools/eval_reid.py evaluate --features runs/fedpav/features/market1501.npz --out /tmp/eval \
+      --queries 12,0001_c1s1_001051_00.jpg
+
+  # the old CUHK03 single-gallery-shot CMC (10 seeded samplings)
+  python tools/eval_reid.py evaluate --model runs/fedpav --datasets cuhk03np --protocol cuhk03 --seed 0
 
   # a FAISS index of a folder of images, then search it
   python tools/eval_reid.py index --model runs/fedpav --gallery photos/gallery --index runs/fedpav/index
@@ -20,14 +25,25 @@ Examples:
 
 --model is a run folder (its model_final.pt, else its checkpoint.pt), a
 model_final.pt or a checkpoint.pt. Features are the flip-averaged,
-L2-normalised embeddings; the device is CUDA when available.
+L2-normalised embeddings; the device is CUDA when available. On CUDA the
+extraction uses float16 autocast (--amp) and channels-last tensors and
+weights (--channels-last) unless --no-amp / --no-channels-last; on the CPU
+they are off, and asking for them there is an error. index/query put the
+FAISS index on the GPU with --faiss-gpu on (an error when faiss has no GPU
+support or sees no GPU), keep it on the CPU with off; auto (default) uses the
+GPU when faiss-gpu sees one and the device is CUDA.
 
 evaluate writes to --out (default <run folder>/eval, and then the run's
 report.md gains a retrieval section): results.json, cmc.png
 (rank 1-20), and ranked_lists/<dataset>_{best,worst}_q<index>.png: for each
 dataset the --pictures queries (default 3) with the highest AP (half, rounded
 up) and the lowest AP (the rest), green frames for true matches, red for
-wrong ones, after the usual junk/same-camera filter. A features file
+wrong ones, after the usual junk/same-camera filter; --queries A,B,...
+draws chosen queries too, as ranked_lists/<dataset>_query_q<index>.png: a
+query index (applied to every dataset) or a query image path or file name
+(from the dataset's query manifest). --protocol cuhk03 reports the old
+CUHK03 single-gallery-shot CMC (one random gallery image per identity, 10
+samplings from --seed, default the config's seed) with the standard mAP. A features file
 (--save-features DIR writes DIR/<dataset>.npz) holds the query and gallery
 features of one dataset; pass it back as --features FILE or NAME=FILE
 (comma-separated or repeated for several datasets).
@@ -67,10 +83,22 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--rerank", action="store_true", help="k-reciprocal re-ranking (k1=20, k2=6, lambda=0.3)")
     ev.add_argument("--batch-size", type=int, metavar="N", help="images per batch (eval.batch_size)")
     ev.add_argument("--save-features", metavar="DIR", help="write DIR/<dataset>.npz for later --features runs")
-    ev.add_argument("--pictures", type=int, default=3, metavar="N", help="ranked-list PNGs per dataset (default 3)")
+    ev.add_argument(
+        "--pictures", type=int, default=3, metavar="N", help="best/worst-AP ranked-list PNGs per dataset (default 3)"
+    )
+    ev.add_argument(
+        "--queries", action="append", metavar="Q[,Q...]",
+        help="also draw these queries: indices and/or query image paths or file names (comma-separated or repeated)",
+    )
+    ev.add_argument(
+        "--protocol", choices=pl.PROTOCOLS, default="standard",
+        help="standard (default) or cuhk03: single-gallery-shot CMC, 10 seeded samplings",
+    )
+    ev.add_argument("--seed", type=int, metavar="N", help="seed of --protocol cuhk03 (default: the config's seed)")
     ev.add_argument("--out", metavar="DIR", help="output folder (default: <run folder>/eval)")
     ev.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:1...")
     ev.add_argument("--client", metavar="NAME", help="a local-training baseline run: whose model to evaluate")
+    _add_speed_arguments(ev, faiss=False)
     add_config_arguments(ev)
 
     ix = sub.add_parser("index", help="FAISS index of a gallery folder", description="FAISS index of a gallery folder")
@@ -80,6 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     ix.add_argument("--batch-size", type=int, default=128, metavar="N")
     ix.add_argument("--device", default="auto")
     ix.add_argument("--client", metavar="NAME", help="a local-training baseline run: whose model to use")
+    _add_speed_arguments(ix)
 
     qu = sub.add_parser("query", help="search an index with query images", description="search an index")
     qu.add_argument("--index", required=True, metavar="DIR", help="index folder written by 'index'")
@@ -90,7 +119,34 @@ def build_parser() -> argparse.ArgumentParser:
     qu.add_argument("--batch-size", type=int, default=128, metavar="N")
     qu.add_argument("--device", default="auto")
     qu.add_argument("--client", metavar="NAME", help="a local-training baseline run: whose model to use")
+    _add_speed_arguments(qu)
     return parser
+
+
+def _add_speed_arguments(parser: argparse.ArgumentParser, faiss: bool = True) -> None:
+    """--amp / --channels-last (None = on for CUDA) and, for index/query, --faiss-gpu."""
+    parser.add_argument(
+        "--amp", action=argparse.BooleanOptionalAction, default=None,
+        help="float16 autocast for feature extraction (default: on with a CUDA device, off on the CPU)",
+    )
+    parser.add_argument(
+        "--channels-last", action=argparse.BooleanOptionalAction, default=None,
+        help="channels-last images and model weights (default: on with a CUDA device, off on the CPU)",
+    )
+    if faiss:
+        parser.add_argument(
+            "--faiss-gpu", choices=pl.FAISS_GPU_MODES, default="auto",
+            help="FAISS index on the GPU: auto (faiss-gpu sees a GPU and the device is CUDA), on, off",
+        )
+
+
+def _speedups(args: argparse.Namespace, device) -> dict:
+    amp, channels_last = pl.resolve_speedups(device, args.amp, args.channels_last)
+    return {"amp": amp, "channels_last": channels_last}
+
+
+def _comma_list(items: list[str] | None) -> list[str]:
+    return [x.strip() for x in ",".join(items or []).split(",") if x.strip()]
 
 
 def _feature_files(items: list[str]) -> list[tuple[str | None, str]]:
@@ -116,20 +172,28 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         names = args.datasets.split(",") if args.datasets else (cfg.eval.datasets or cfg.data.dataset_names())
         names = pl.resolve_datasets([n.strip() for n in names if n.strip()], root)
         device = pl.resolve_device(args.device)
+        speed = _speedups(args, device)
         loaded = pl.load_model(model_file, device, client=args.client)
         feats = []
+        batch_size = args.batch_size or cfg.eval.batch_size
         for name in names:
             print(f"extracting features: {name}", flush=True)
-            fs = pl.dataset_features(loaded, root, name, batch_size=args.batch_size or cfg.eval.batch_size, device=device)
+            fs = pl.dataset_features(loaded, root, name, batch_size=batch_size, device=device, **speed)
             if args.save_features:
                 print(f"  saved {pl.save_dataset_features(args.save_features, fs)}")
             feats.append(fs)
         source = str(model_file)
         out = Path(args.out or model_file.parent / EVAL_DIR)
+    # --protocol cuhk03 has the standard AP only: an explicit --ap official is refused there,
+    # a config's eval.ap is not the user's request for this protocol.
+    ap = args.ap or (cfg.eval.ap if args.protocol == "standard" else "standard")
+    seed = cfg.seed if args.seed is None else args.seed
     report = pl.evaluate_and_report(
-        feats, out, ap=args.ap or cfg.eval.ap, rerank=args.rerank, pictures=args.pictures, source=source
+        feats, out, ap=ap, rerank=args.rerank, pictures=args.pictures, queries=_comma_list(args.queries),
+        protocol=args.protocol, seed=seed, source=source,
     )
-    print(f"\n{'Re-ranked r' if args.rerank else 'R'}esults ({report['ap']} AP), in %:\n")
+    what = f"{report['ap']} AP" + (f", CUHK03 single-gallery-shot CMC, seed {seed}" if args.protocol == "cuhk03" else "")
+    print(f"\n{'Re-ranked r' if args.rerank else 'R'}esults ({what}), in %:\n")
     print(format_table(report["datasets"]))
     print(f"results: {out / 'results.json'}\ncmc plot: {report['cmc_plot']}")
     print(f"ranked lists: {len(report['pictures'])} in {out / 'ranked_lists'}")
@@ -141,8 +205,12 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 
 def cmd_index(args: argparse.Namespace) -> int:
     device = pl.resolve_device(args.device)
+    speed = _speedups(args, device)
+    faiss_gpu = pl.resolve_faiss_gpu(args.faiss_gpu, device)
     loaded = pl.load_model(args.model, device, client=args.client)
-    folder, n = pl.build_gallery_index(loaded, args.gallery, args.index, batch_size=args.batch_size, device=device)
+    folder, n = pl.build_gallery_index(
+        loaded, args.gallery, args.index, batch_size=args.batch_size, device=device, faiss_gpu=faiss_gpu, **speed
+    )
     print(f"indexed {n} images of {args.gallery} into {folder}")
     return 0
 
@@ -159,8 +227,13 @@ def cmd_query(args: argparse.Namespace) -> int:
     if args.top_k < 1:
         raise pl.EvalInputError(f"--top-k must be >= 1, got {args.top_k}")
     device = pl.resolve_device(args.device)
+    speed = _speedups(args, device)
+    faiss_gpu = pl.resolve_faiss_gpu(args.faiss_gpu, device)
     loaded = pl.load_model(args.model, device, client=args.client)
-    results = pl.query_index(loaded, args.index, args.images, top_k=args.top_k, batch_size=args.batch_size, device=device)
+    results = pl.query_index(
+        loaded, args.index, args.images, top_k=args.top_k, batch_size=args.batch_size, device=device,
+        faiss_gpu=faiss_gpu, **speed,
+    )
     for r in results:
         print(f"{r.path}")
         for m in r.matches:

@@ -5,6 +5,6 @@ submodules are imported lazily by their users (faiss, cv2 and matplotlib are
 only needed by ``retrieval``, ``visualize``).
 """
 
-from fedreid.eval.metrics import accuracy, evaluate, evaluate_cuhk03_single_shot, evaluate_scores
+from fedreid.eval.metrics import EvalDataError, accuracy, evaluate, evaluate_cuhk03_single_shot, evaluate_scores
 
-__all__ = ["accuracy", "evaluate", "evaluate_cuhk03_single_shot", "evaluate_scores"]
+__all__ = ["EvalDataError", "accuracy", "evaluate", "evaluate_cuhk03_single_shot", "evaluate_scores"]

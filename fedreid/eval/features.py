@@ -22,16 +22,18 @@ from __future__ import annotations
 import json
 import warnings
 import zipfile
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import Any, Iterable, NamedTuple, Sequence
+from typing import Any, Iterable, Iterator, NamedTuple, Sequence
 
 import numpy as np
 import torch
 from torch import nn
 
+from fedreid.eval.metrics import EvalDataError
 from fedreid.utils.io import atomic_path
 
-__all__ = ["FeatureSet", "extract_features", "load_features", "save_features", "FEATURE_KEYS"]
+__all__ = ["FeatureSet", "channels_last_model", "extract_features", "load_features", "save_features", "FEATURE_KEYS"]
 
 FIELDS = ("images", "pids", "camids", "paths")
 #: Keys every feature cache holds.
@@ -51,11 +53,11 @@ def _batch_fields(batch: Any) -> dict[str, Any]:
     """The loader contract: a tuple/list (images[, pids[, camids[, paths]]]) or a dict."""
     if isinstance(batch, dict):
         if "images" not in batch:
-            raise ValueError(f"a dict batch needs an 'images' key, got keys {sorted(batch)}")
+            raise EvalDataError(f"a dict batch needs an 'images' key, got keys {sorted(batch)}")
         return {name: batch[name] for name in FIELDS if name in batch}
     if isinstance(batch, (tuple, list)):
         if not 1 <= len(batch) <= len(FIELDS):
-            raise ValueError(
+            raise EvalDataError(
                 f"a tuple batch is (images, pids, camids, paths) or a prefix of it, got {len(batch)} items"
             )
         return dict(zip(FIELDS, batch))
@@ -78,6 +80,33 @@ def _model_device(model: nn.Module) -> torch.device:
     for tensor in model.buffers():
         return tensor.device
     return torch.device("cpu")
+
+
+@contextmanager
+def channels_last_model(model: nn.Module) -> Iterator[nn.Module]:
+    """``model`` with its 4-D parameters and buffers in channels-last memory format, for the block.
+
+    Converting only the input would make every convolution convert its
+    weights (or the activations back) on each call, losing the speedup; so
+    the weights are converted too (``model.to(memory_format=channels_last)``).
+    Afterwards exactly the tensors that were not channels-last before get
+    their previous (contiguous) layout back, so callers that keep training
+    the model (the training loop's evaluation) see it unchanged; values are
+    never touched, only strides.
+    """
+    def four_d() -> dict[str, torch.Tensor]:
+        # By name: Module.to() keeps Parameter objects but replaces buffer tensors.
+        named = (*model.named_parameters(), *model.named_buffers())
+        return {name: t for name, t in named if t.dim() == 4}
+
+    converted = [n for n, t in four_d().items() if not t.is_contiguous(memory_format=torch.channels_last)]
+    model.to(memory_format=torch.channels_last)
+    try:
+        yield model
+    finally:
+        now = four_d()
+        for name in converted:
+            now[name].data = now[name].data.contiguous(memory_format=torch.contiguous_format)
 
 
 def _ids(values: Any) -> np.ndarray:
@@ -108,7 +137,8 @@ def extract_features(
     device. The model is not moved: put it on ``device`` yourself.
     ``amp`` (float16 autocast) and ``channels_last`` are CUDA-only speedups:
     on another device they are not applied and a ``UserWarning`` says so,
-    once per call.
+    once per call. ``channels_last`` converts the inputs and, for the
+    duration of the call, the model's weights (:func:`channels_last_model`).
 
     Returns a :class:`FeatureSet` (a named tuple ``features, pids, camids,
     paths``); fields the loader did not provide are None.
@@ -127,13 +157,17 @@ def extract_features(
     collected: dict[str, list] = {}
     present: tuple[str, ...] | None = None
     try:
-        with torch.no_grad(), torch.autocast("cuda", dtype=torch.float16, enabled=use_amp):
+        with ExitStack() as stack:
+            stack.enter_context(torch.no_grad())
+            stack.enter_context(torch.autocast("cuda", dtype=torch.float16, enabled=use_amp))
+            if use_channels_last:
+                stack.enter_context(channels_last_model(model))
             for batch in loader:
                 fields = _batch_fields(batch)
                 if present is None:
                     present = tuple(fields)
                 elif tuple(fields) != present:
-                    raise ValueError(
+                    raise EvalDataError(
                         f"batches differ in their fields: first had {present}, a later one {tuple(fields)}"
                     )
                 images = fields["images"].to(device, non_blocking=True)
@@ -156,7 +190,7 @@ def extract_features(
             module.training = training
 
     if "features" not in collected:
-        raise ValueError("the loader yielded no batches")
+        raise EvalDataError("the loader yielded no batches")
     features = np.concatenate(collected["features"])
     out = FeatureSet(
         features=features,
@@ -167,7 +201,7 @@ def extract_features(
     for name in ("pids", "camids", "paths"):
         value = getattr(out, name)
         if value is not None and len(value) != features.shape[0]:
-            raise ValueError(f"the loader gave {len(value)} {name} for {features.shape[0]} images")
+            raise EvalDataError(f"the loader gave {len(value)} {name} for {features.shape[0]} images")
     return out
 
 
@@ -194,10 +228,10 @@ def save_features(
     pids, camids = np.asarray(pids, dtype=np.int64), np.asarray(camids, dtype=np.int64)
     paths_arr = np.asarray([str(p) for p in paths], dtype=str)
     if feats.ndim != 2:
-        raise ValueError(f"feats must be 2-D [N, d], got shape {feats.shape}")
+        raise EvalDataError(f"feats must be 2-D [N, d], got shape {feats.shape}")
     lengths = {"feats": feats.shape[0], "pids": pids.size, "camids": camids.size, "paths": paths_arr.size}
     if len(set(lengths.values())) > 1:
-        raise ValueError("mismatched lengths (" + ", ".join(f"{k}: {v}" for k, v in lengths.items()) + ")")
+        raise EvalDataError("mismatched lengths (" + ", ".join(f"{k}: {v}" for k, v in lengths.items()) + ")")
     with atomic_path(path) as tmp, open(tmp, "wb") as f:
         # A file object, not a name: np.savez would append ".npz" to the temporary name.
         meta_json = np.array(json.dumps(meta or {}))
@@ -208,7 +242,8 @@ def save_features(
 def load_features(path: str | Path) -> tuple[FeatureSet, dict]:
     """Read a cache written by :func:`save_features`: ``(FeatureSet, meta)``.
 
-    Raises FileNotFoundError for a missing file and ValueError naming the
+    Raises FileNotFoundError for a missing file and
+    :class:`~fedreid.eval.metrics.EvalDataError` (a ValueError) naming the
     file for an unreadable one or one missing keys.
     """
     path = Path(path)
@@ -217,22 +252,22 @@ def load_features(path: str | Path) -> tuple[FeatureSet, dict]:
     try:
         data = np.load(path, allow_pickle=False)
     except (OSError, ValueError, zipfile.BadZipFile, EOFError) as exc:
-        raise ValueError(f"feature cache {path} is not a readable .npz file: {exc}") from None
+        raise EvalDataError(f"feature cache {path} is not a readable .npz file: {exc}") from None
     if not isinstance(data, np.lib.npyio.NpzFile):
-        raise ValueError(f"feature cache {path} is a single array, not an .npz archive")
+        raise EvalDataError(f"feature cache {path} is a single array, not an .npz archive")
     try:
         with data:
             arrays = {key: data[key] for key in FEATURE_KEYS if key in data.files}
             present = sorted(data.files)
     except (OSError, ValueError, zipfile.BadZipFile, EOFError) as exc:
-        raise ValueError(f"feature cache {path} is not a readable .npz file: {exc}") from None
+        raise EvalDataError(f"feature cache {path} is not a readable .npz file: {exc}") from None
     missing = [key for key in FEATURE_KEYS if key not in arrays]
     if missing:
-        raise ValueError(f"feature cache {path} is missing keys {missing} (has {present})")
+        raise EvalDataError(f"feature cache {path} is missing keys {missing} (has {present})")
     try:
         meta = json.loads(str(arrays["meta"]))
     except json.JSONDecodeError as exc:
-        raise ValueError(f"feature cache {path} has unreadable meta: {exc}") from None
+        raise EvalDataError(f"feature cache {path} has unreadable meta: {exc}") from None
     features = FeatureSet(
         features=arrays["features"],
         pids=arrays["pids"],

@@ -42,6 +42,8 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
+from fedreid.errors import FedReIDError
+
 try:  # torch is optional here: numpy inputs need no torch at all
     import torch
 except ImportError:  # pragma: no cover - the project depends on torch
@@ -50,6 +52,7 @@ except ImportError:  # pragma: no cover - the project depends on torch
 __all__ = [
     "AP_MODES",
     "DEFAULT_BLOCK_BYTES",
+    "EvalDataError",
     "JUNK_PID",
     "accuracy",
     "cmc_curve",
@@ -72,6 +75,15 @@ _FINITE_CHECK_ELEMENTS = 1 << 22  # elements per chunk of the NaN/inf check
 # Above this share of candidates per block, sorting whole rows beats compacting
 # them first (numpy's SIMD sort ~2 ns/score vs compaction ~1-2 ns/kept score).
 _DENSE_SORT_FRACTION = 0.5
+
+
+class EvalDataError(FedReIDError, ValueError):
+    """Bad evaluation input (empty sets, mismatched lengths, NaN/inf features, no query with a match...).
+
+    A :class:`~fedreid.errors.FedReIDError`, so the tools print it as one
+    line, and a ``ValueError``, so library callers catching that keep working.
+    The message names the array or option and what was expected.
+    """
 
 
 # --------------------------------------------------------------------------
@@ -145,9 +157,13 @@ def _check_finite(name: str, x: Any) -> None:
     rows_per_chunk = max(1, _FINITE_CHECK_ELEMENTS // max(1, x.shape[1]))
     for start in range(0, x.shape[0], rows_per_chunk):
         chunk = x[start : start + rows_per_chunk]
-        ok = bool(torch.isfinite(chunk).all()) if _is_torch(chunk) else bool(np.isfinite(chunk).all())
-        if not ok:
-            raise ValueError(f"{name} contains NaN or inf values (first bad chunk starts at row {start})")
+        if _is_torch(chunk):
+            finite = torch.isfinite(chunk).all(dim=1).cpu().numpy()
+        else:
+            finite = np.isfinite(chunk).all(axis=1)
+        if not finite.all():
+            bad = start + int(np.flatnonzero(~finite)[0])
+            raise EvalDataError(f"{name} contains NaN or inf values (first at row {bad})")
 
 
 def _as_features(name: str, x: Any) -> Any:
@@ -159,10 +175,10 @@ def _as_features(name: str, x: Any) -> Any:
     if not _is_torch(x):
         x = np.asarray(x)
         if x.dtype.kind not in "fiu":
-            raise ValueError(f"{name} must be a numeric feature matrix, got dtype {x.dtype}")
+            raise EvalDataError(f"{name} must be a numeric feature matrix, got dtype {x.dtype}")
         x = np.ascontiguousarray(x, dtype=np.float32)
     if x.ndim != 2:
-        raise ValueError(f"{name} must be 2-D [num_items, dim], got shape {tuple(x.shape)}")
+        raise EvalDataError(f"{name} must be 2-D [num_items, dim], got shape {tuple(x.shape)}")
     _check_finite(name, x)
     return x
 
@@ -172,9 +188,9 @@ def _as_ids(name: str, x: Any) -> np.ndarray:
         x = x.detach().cpu().numpy()
     x = np.asarray(x)
     if x.ndim != 1:
-        raise ValueError(f"{name} must be 1-D, got shape {x.shape}")
+        raise EvalDataError(f"{name} must be 1-D, got shape {x.shape}")
     if x.size and x.dtype.kind not in "iub":
-        raise ValueError(f"{name} must hold integers, got dtype {x.dtype}")
+        raise EvalDataError(f"{name} must hold integers, got dtype {x.dtype}")
     return x.astype(np.int64, copy=False)
 
 
@@ -182,23 +198,23 @@ def _check_lengths(pairs: Sequence[tuple[str, int]]) -> None:
     """All named lengths must agree; the message names every array and length."""
     if len({n for _, n in pairs}) > 1:
         listing = ", ".join(f"{name}: {n}" for name, n in pairs)
-        raise ValueError(f"mismatched lengths ({listing})")
+        raise EvalDataError(f"mismatched lengths ({listing})")
 
 
 def _check_sets(n_query: int, n_gallery: int) -> None:
     if n_query == 0:
-        raise ValueError("the query set is empty (0 queries)")
+        raise EvalDataError("the query set is empty (0 queries)")
     if n_gallery == 0:
-        raise ValueError("the gallery is empty (0 gallery items)")
+        raise EvalDataError("the gallery is empty (0 gallery items)")
 
 
 def _check_ranks(ranks: Sequence[int]) -> tuple[int, ...]:
     try:
         out = tuple(sorted({int(k) for k in ranks}))
     except (TypeError, ValueError):
-        raise ValueError(f"ranks must be positive integers, got {ranks!r}") from None
+        raise EvalDataError(f"ranks must be positive integers, got {ranks!r}") from None
     if not out or out[0] < 1:
-        raise ValueError(f"ranks must be a non-empty set of positive integers, got {ranks!r}")
+        raise EvalDataError(f"ranks must be a non-empty set of positive integers, got {ranks!r}")
     return out
 
 
@@ -206,13 +222,13 @@ def _check_threads(num_threads: int | None) -> int:
     if num_threads is None:
         return _default_workers()
     if int(num_threads) < 1:
-        raise ValueError(f"num_threads must be >= 1, got {num_threads}")
+        raise EvalDataError(f"num_threads must be >= 1, got {num_threads}")
     return int(num_threads)
 
 
 def _check_ap(ap: str) -> str:
     if ap not in AP_MODES:
-        raise ValueError(f"unknown ap={ap!r}: expected one of {', '.join(map(repr, AP_MODES))}")
+        raise EvalDataError(f"unknown ap={ap!r}: expected one of {', '.join(map(repr, AP_MODES))}")
     return ap
 
 
@@ -234,14 +250,14 @@ def _prepare_features(qf: Any, gf: Any) -> tuple[Any, Any]:
     gf = _as_features("gf", gf)
     _check_sets(qf.shape[0], gf.shape[0])
     if qf.shape[1] != gf.shape[1]:
-        raise ValueError(f"feature dims differ: qf has {qf.shape[1]} columns, gf has {gf.shape[1]}")
+        raise EvalDataError(f"feature dims differ: qf has {qf.shape[1]} columns, gf has {gf.shape[1]}")
     # A GPU tensor on one side pulls the other side onto the same device.
     if _is_torch(qf) or _is_torch(gf):
         device = qf.device if _is_torch(qf) else gf.device
         qf = qf if _is_torch(qf) else torch.from_numpy(qf).to(device)
         gf = gf if _is_torch(gf) else torch.from_numpy(gf).to(device)
         if qf.device != gf.device:
-            raise ValueError(f"qf is on {qf.device} but gf is on {gf.device}")
+            raise EvalDataError(f"qf is on {qf.device} but gf is on {gf.device}")
     return qf, gf
 
 
@@ -253,10 +269,10 @@ def _prepare_features(qf: Any, gf: Any) -> tuple[Any, Any]:
 def _block_rows(n_gallery: int, block_size: int | None, max_block_bytes: int) -> int:
     if block_size is not None:
         if int(block_size) < 1:
-            raise ValueError(f"block_size must be >= 1, got {block_size}")
+            raise EvalDataError(f"block_size must be >= 1, got {block_size}")
         return int(block_size)
     if max_block_bytes < 4 * n_gallery:
-        raise ValueError(
+        raise EvalDataError(
             f"max_block_bytes={max_block_bytes} cannot hold one query row of {n_gallery} float32 scores"
         )
     return max(1, max_block_bytes // (4 * n_gallery))
@@ -537,7 +553,7 @@ def _per_query_metrics(ranks: np.ndarray, good_ptr: np.ndarray, ap: str) -> dict
     last[has] = ranks[good_ptr[1:][has] - 1]
     inp = np.zeros(n_q)
     inp[has] = n_good[has] / last[has]  # Ye et al. 2021: matches / rank of the hardest match
-    return {"first_match_rank": first, "ap": ap_q, "inp": inp, "num_matches": n_good}
+    return {"first_match_rank": first, "ap": ap_q, "inp": inp, "num_matches": n_good, "valid": has}
 
 
 def _summarise(
@@ -546,7 +562,7 @@ def _summarise(
     has = per_query["num_matches"] > 0
     n_q, n_valid = has.size, int(has.sum())
     if n_valid == 0:
-        raise ValueError(
+        raise EvalDataError(
             f"none of the {n_q} queries has a true match in the gallery (after junk/same-camera removal)"
         )
     # standard: average over queries with a match; official: over all queries,
@@ -636,10 +652,14 @@ def evaluate(
     ``num_threads`` threads (default: the usable CPUs, at most 8) share the
     per-query counting. Results do not depend on either.
     ``return_per_query`` adds ``"per_query"``: arrays ``first_match_rank``
-    (0 = no match), ``ap``, ``inp`` and ``num_matches``.
+    (0 = no match), ``ap``, ``inp``, ``num_matches`` and ``valid`` (the query
+    has a true match), one entry per query, computed in the same block pass
+    (no second pass, no extra score memory): callers that pick queries by AP
+    (``fedreid.eval.pipeline.picked_queries``) read them from here.
 
-    Raises ValueError for empty sets, mismatched lengths, NaN/inf features,
-    differing feature dims, an unknown ``ap``, or no query with a match.
+    Raises :class:`EvalDataError` (a ``ValueError``) for empty sets,
+    mismatched lengths, NaN/inf features, differing feature dims, an unknown
+    ``ap``, or no query with a match.
     """
     ap = _check_ap(ap)
     ranks_t = _check_ranks(ranks)
@@ -739,6 +759,7 @@ def evaluate_cuhk03_single_shot(
     block_size: int | None = None,
     max_block_bytes: int = DEFAULT_BLOCK_BYTES,
     num_threads: int | None = None,
+    return_per_query: bool = False,
 ) -> dict[str, Any]:
     """Old CUHK03 single-gallery-shot CMC (Li et al., DeepReID, CVPR 2014).
 
@@ -748,12 +769,13 @@ def evaluate_cuhk03_single_shot(
     per valid query, in query order), CMC is computed on that one-shot
     gallery, and this is averaged over ``num_repeats`` samplings. ``mAP`` is
     the standard AP over the whole filtered gallery, as torchreid reports it.
-    Queries without a true match are skipped.
+    Queries without a true match are skipped. ``return_per_query`` adds
+    ``"per_query"`` as in :func:`evaluate` (standard AP, whole gallery).
     """
     if not isinstance(rng, np.random.Generator):
-        raise ValueError(f"rng must be a numpy.random.Generator, got {type(rng).__name__}")
+        raise EvalDataError(f"rng must be a numpy.random.Generator, got {type(rng).__name__}")
     if int(num_repeats) < 1:
-        raise ValueError(f"num_repeats must be >= 1, got {num_repeats}")
+        raise EvalDataError(f"num_repeats must be >= 1, got {num_repeats}")
     ranks_t = _check_ranks(ranks)
     qf, gf = _prepare_features(qf, gf)
     q_pids, g_pids, q_camids, g_camids = _prepare_ids(
@@ -782,7 +804,7 @@ def evaluate_cuhk03_single_shot(
     per_query = _per_query_metrics(match_ranks, index.good_ptr, "standard")
     has = per_query["num_matches"] > 0
     if not has.any():
-        raise ValueError(f"none of the {has.size} queries has a true match in the gallery")
+        raise EvalDataError(f"none of the {has.size} queries has a true match in the gallery")
     result: dict[str, Any] = {f"rank{k}": float(hits[has, c].mean()) for c, k in enumerate(ranks_t)}
     result.update(
         mAP=float(per_query["ap"][has].mean()),
@@ -794,6 +816,8 @@ def evaluate_cuhk03_single_shot(
         ranks=ranks_t,
         protocol="cuhk03-single-gallery-shot",
     )
+    if return_per_query:
+        result["per_query"] = per_query
     return result
 
 
@@ -809,11 +833,11 @@ def accuracy(logits_or_preds: Any, labels: Any) -> float:
     if preds.ndim == 2:
         preds = preds.argmax(axis=1)
     if preds.ndim != 1 or labels.ndim != 1:
-        raise ValueError(
+        raise EvalDataError(
             f"expected [N, C] logits or [N] predictions and [N] labels, got {preds.shape} and {labels.shape}"
         )
     if preds.shape[0] != labels.shape[0]:
-        raise ValueError(f"mismatched lengths (predictions: {preds.shape[0]}, labels: {labels.shape[0]})")
+        raise EvalDataError(f"mismatched lengths (predictions: {preds.shape[0]}, labels: {labels.shape[0]})")
     if preds.shape[0] == 0:
-        raise ValueError("accuracy of an empty batch is undefined (0 predictions)")
+        raise EvalDataError("accuracy of an empty batch is undefined (0 predictions)")
     return float(np.mean(preds == labels))

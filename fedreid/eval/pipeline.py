@@ -17,13 +17,22 @@ Feature caches (:func:`save_dataset_features`): one ``.npz`` per dataset in
 the :func:`fedreid.eval.features.save_features` format, query rows first,
 then gallery rows; ``meta`` holds ``dataset`` and ``num_query``.
 
-Errors for bad inputs are :class:`FileNotFoundError` (a missing path) or
-:class:`EvalInputError` (a :class:`~fedreid.config.ConfigError`, so
-``run_main`` prints them as one line); both name the offending path or value.
+Errors for bad inputs are :class:`FileNotFoundError` (a missing path),
+:class:`EvalInputError` (a :class:`~fedreid.config.ConfigError`) or
+:class:`~fedreid.eval.metrics.EvalDataError` (bad features or ids, re-raised
+here with the dataset and the file or model they came from); all are printed
+as one line by ``run_main`` and name the offending path or value.
+
+Memory: metrics come from the block-wise :func:`~fedreid.eval.metrics.evaluate`
+(no query x gallery matrix); the ranked-list pictures need the scores of the
+few drawn queries only (:func:`query_scores`). The one exception is
+re-ranking, whose algorithm needs the full matrices (guarded by
+:func:`fedreid.eval.rerank.estimate_rerank_bytes`).
 """
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +44,7 @@ from torch import nn
 
 from fedreid.config import ConfigError
 from fedreid.eval.features import FeatureSet, extract_features, load_features, save_features
+from fedreid.eval.metrics import DEFAULT_BLOCK_BYTES, EvalDataError
 from fedreid.fl.evaluation import EmbedModule
 
 __all__ = [
@@ -42,7 +52,14 @@ __all__ = [
     "LoadedModel",
     "DatasetFeatures",
     "QueryResult",
+    "PROTOCOLS",
+    "CUHK03_REPEATS",
+    "FAISS_GPU_MODES",
     "resolve_device",
+    "resolve_speedups",
+    "resolve_faiss_gpu",
+    "query_scores",
+    "chosen_queries",
     "find_model_file",
     "load_model",
     "run_config_path",
@@ -62,6 +79,8 @@ __all__ = [
     "draw_query_pictures",
     "evaluate_and_report",
     "picked_queries",
+    "RankedList",
+    "ranked_lists",
     "summary_row",
 ]
 
@@ -70,6 +89,12 @@ MODEL_FORMAT = "fedreid.model"
 MODEL_FILE, CHECKPOINT_FILE = "model_final.pt", "checkpoint.pt"
 #: Ranks evaluated (rank 1..CMC_RANKS for the CMC plot; the table shows 1/5/10).
 CMC_RANKS = 20
+#: ``standard``: single-query CMC/mAP over the whole filtered gallery;
+#: ``cuhk03``: the old CUHK03 single-gallery-shot CMC (standard mAP).
+PROTOCOLS = ("standard", "cuhk03")
+#: Samplings averaged by the CUHK03 protocol (as torchreid's ``eval_cuhk03``).
+CUHK03_REPEATS = 10
+FAISS_GPU_MODES = ("auto", "on", "off")
 _MARKET_NAME = re.compile(r"^(-?\d+)_c(\d+)")
 
 
@@ -81,7 +106,52 @@ def resolve_device(device: str = "auto") -> torch.device:
     """``auto``: CUDA when available, else CPU."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    try:
+        return torch.device(device)
+    except RuntimeError:
+        raise EvalInputError(f"--device {device!r} is not a device: expected auto, cpu, cuda or cuda:N") from None
+
+
+def resolve_speedups(
+    device: torch.device, amp: Optional[bool] = None, channels_last: Optional[bool] = None
+) -> tuple[bool, bool]:
+    """``(amp, channels_last)`` for extraction on ``device``; None means on for CUDA, off elsewhere.
+
+    Both only speed up CUDA kernels (:func:`fedreid.eval.features.extract_features`
+    ignores them elsewhere), so asking for one explicitly on another device
+    is an error rather than a silently slower run.
+    """
+    on_cuda = device.type == "cuda"
+    asked = [flag for flag, value in (("--amp", amp), ("--channels-last", channels_last)) if value]
+    if asked and not on_cuda:
+        raise EvalInputError(
+            f"{' and '.join(asked)} only apply on a CUDA device, but the device is {device}: "
+            "drop them or use --device cuda"
+        )
+    return (on_cuda if amp is None else bool(amp)), (on_cuda if channels_last is None else bool(channels_last))
+
+
+def resolve_faiss_gpu(mode: str, device: torch.device) -> bool:
+    """Whether the FAISS index goes to a GPU: ``auto`` / ``on`` / ``off``.
+
+    ``auto``: when faiss has GPU support, sees a GPU and the tool's device is
+    CUDA; ``on``: required (:class:`~fedreid.eval.retrieval.FaissGpuUnavailableError`
+    naming what is missing when it cannot be); ``off``: the CPU index.
+    """
+    from fedreid.eval import retrieval
+
+    if mode not in FAISS_GPU_MODES:
+        raise EvalInputError(f"--faiss-gpu {mode!r}: expected one of {', '.join(FAISS_GPU_MODES)}")
+    if mode == "off":
+        return False
+    if mode == "on":
+        retrieval.require_faiss_gpu()
+        return True
+    return device.type == "cuda" and retrieval.faiss_gpu_available()
+
+
+def _faiss_gpu_id(device: torch.device) -> int:
+    return (device.index or 0) if device.type == "cuda" else 0
 
 
 # --------------------------------------------------------------------------
@@ -195,9 +265,14 @@ def load_model(
     return LoadedModel(model=model, config=cfg, source=file, round=rnd)
 
 
-def _features(loaded: LoadedModel, loader: Iterable[Any], device: torch.device) -> np.ndarray:
-    out = extract_features(EmbedModule(loaded.model), loader, flip=True, normalize=True, device=device)
-    return np.ascontiguousarray(out.features, dtype=np.float32)
+def _features(
+    loaded: LoadedModel, loader: Iterable[Any], device: torch.device, *, amp: bool = False, channels_last: bool = False
+) -> FeatureSet:
+    out = extract_features(
+        EmbedModule(loaded.model), loader, flip=True, normalize=True, device=device, amp=amp,
+        channels_last=channels_last,
+    )
+    return out._replace(features=np.ascontiguousarray(out.features, dtype=np.float32))
 
 
 # --------------------------------------------------------------------------
@@ -213,6 +288,8 @@ class DatasetFeatures:
     query: FeatureSet
     gallery: FeatureSet
     meta: dict[str, Any] = field(default_factory=dict)
+    #: Where the features came from (a feature file, or the model file): named in errors.
+    source: str = ""
 
 
 def _prepared_names(root: Path) -> list[str]:
@@ -258,8 +335,14 @@ def dataset_features(
     *,
     batch_size: int = 128,
     device: str | torch.device = "cpu",
+    amp: bool = False,
+    channels_last: bool = False,
 ) -> DatasetFeatures:
-    """Features of the query and gallery splits of prepared dataset ``name``."""
+    """Features of the query and gallery splits of prepared dataset ``name``.
+
+    ``amp`` / ``channels_last``: CUDA speedups of the extraction (see
+    :func:`resolve_speedups`).
+    """
     from fedreid.data.prepared import PreparedDatasetError, load_prepared
 
     ds = load_prepared(prepared_root, name)
@@ -270,13 +353,13 @@ def dataset_features(
             raise PreparedDatasetError(f"dataset {name!r} at {ds.root} has no {split} images")
         loader = _split_loader(records, int(loaded.config["height"]), int(loaded.config["width"]), batch_size)
         sets[split] = FeatureSet(
-            features=_features(loaded, loader, torch.device(device)),
+            features=_features(loaded, loader, torch.device(device), amp=amp, channels_last=channels_last).features,
             pids=np.array([r.pid for r in records], dtype=np.int64),
             camids=np.array([r.camid for r in records], dtype=np.int64),
             paths=[str(r.path) for r in records],
         )
     meta = {"dataset": name, "model": str(loaded.source), "round": loaded.round, "flip": True}
-    return DatasetFeatures(name, sets["query"], sets["gallery"], meta)
+    return DatasetFeatures(name, sets["query"], sets["gallery"], meta, source=f"model {loaded.source}")
 
 
 def save_dataset_features(folder: str | Path, feats: DatasetFeatures) -> Path:
@@ -299,11 +382,30 @@ def load_dataset_features(path: str | Path, name: Optional[str] = None) -> Datas
     if "num_query" not in meta:
         raise EvalInputError(f"feature cache {path} was not written by eval_reid (no num_query in its meta)")
     n = int(meta["num_query"])
+    if not 0 <= n <= fs.features.shape[0]:
+        raise EvalInputError(f"feature cache {path}: num_query={n} but the file holds {fs.features.shape[0]} rows")
+    _check_finite_rows(path, fs, n)
 
     def part(sl: slice) -> FeatureSet:
         return FeatureSet(fs.features[sl], fs.pids[sl], fs.camids[sl], fs.paths[sl])
 
-    return DatasetFeatures(name or meta.get("dataset") or Path(path).stem, part(slice(0, n)), part(slice(n, None)), meta)
+    name = name or meta.get("dataset") or Path(path).stem
+    return DatasetFeatures(name, part(slice(0, n)), part(slice(n, None)), meta, source=f"feature file {path}")
+
+
+def _check_finite_rows(path: str | Path, fs: FeatureSet, num_query: int) -> None:
+    """NaN/inf features in a cache are an error naming the file, the split, the row and its image."""
+    if fs.features.ndim != 2 or fs.features.dtype.kind != "f":
+        return  # evaluate() names the shape/dtype problem
+    for start in range(0, fs.features.shape[0], 65536):  # chunks: no full-size mask of a big cache
+        finite = np.isfinite(fs.features[start : start + 65536]).all(axis=1)
+        if not finite.all():
+            row = start + int(np.flatnonzero(~finite)[0])
+            split, i = ("query", row) if row < num_query else ("gallery", row - num_query)
+            raise EvalDataError(
+                f"feature file {path}: {split} row {i} ({fs.paths[row]}) has NaN or inf features: "
+                "the model that wrote it diverged or the file is damaged"
+            )
 
 
 # --------------------------------------------------------------------------
@@ -311,32 +413,70 @@ def load_dataset_features(path: str | Path, name: Optional[str] = None) -> Datas
 # --------------------------------------------------------------------------
 
 
-def _similarity(feats: DatasetFeatures, rerank: bool) -> np.ndarray:
-    """Query x gallery similarity (higher is better): inner product, or minus re-ranked distance."""
-    if rerank:
-        from fedreid.eval.rerank import k_reciprocal_rerank
-
-        return -k_reciprocal_rerank(feats.query.features, feats.gallery.features)
-    return feats.query.features @ feats.gallery.features.T
+def _check_protocol(protocol: str, ap: str, rerank: bool) -> None:
+    if protocol not in PROTOCOLS:
+        raise EvalInputError(f"unknown protocol {protocol!r}: expected one of {', '.join(PROTOCOLS)}")
+    if protocol == "cuhk03" and rerank:
+        raise EvalInputError("--rerank is not available with --protocol cuhk03 (it samples the raw feature scores)")
+    if protocol == "cuhk03" and ap != "standard":
+        raise EvalInputError(f"--protocol cuhk03 reports the standard AP (as torchreid's eval_cuhk03), not --ap {ap}")
 
 
 def evaluate_dataset(
-    feats: DatasetFeatures, *, ap: str = "standard", rerank: bool = False
-) -> tuple[dict[str, Any], np.ndarray]:
-    """``(result, similarity)``: the metrics dict (rank1..rank20, mAP, counts, per_query) and the scores used."""
-    from fedreid.eval.metrics import evaluate, evaluate_scores
+    feats: DatasetFeatures,
+    *,
+    ap: str = "standard",
+    rerank: bool = False,
+    protocol: str = "standard",
+    seed: int = 0,
+    max_block_bytes: int = DEFAULT_BLOCK_BYTES,
+) -> tuple[dict[str, Any], Optional[np.ndarray]]:
+    """``(result, reranked)``: the metrics dict (rank1..rank20, mAP, counts, per_query) and re-ranked scores.
 
+    ``reranked`` is the query x gallery similarity (minus the re-ranked
+    distance) when ``rerank``: the re-ranker builds it anyway, and the
+    pictures must show that ranking. Otherwise it is None: the metrics run
+    block-wise in :func:`~fedreid.eval.metrics.evaluate` (peak memory set by
+    ``max_block_bytes``, not by Q x G), and :func:`query_scores` later
+    computes the rows of the few queries drawn.
+
+    ``protocol="cuhk03"``: the single-gallery-shot CMC
+    (:func:`~fedreid.eval.metrics.evaluate_cuhk03_single_shot`,
+    :data:`CUHK03_REPEATS` samplings from ``numpy.random.default_rng(seed)``,
+    a fresh generator per dataset so the figures do not depend on which other
+    datasets are evaluated); standard AP only, no re-ranking.
+
+    Bad features or ids raise :class:`~fedreid.eval.metrics.EvalDataError`
+    naming the dataset and :attr:`DatasetFeatures.source`.
+    """
+    from fedreid.eval.metrics import evaluate, evaluate_cuhk03_single_shot, evaluate_scores
+
+    _check_protocol(protocol, ap, rerank)
     q, g = feats.query, feats.gallery
     ranks = tuple(range(1, CMC_RANKS + 1))
-    sim = _similarity(feats, rerank)
-    if rerank:
-        result = evaluate_scores(sim, q.pids, g.pids, q.camids, g.camids, ap=ap, ranks=ranks, return_per_query=True)
-    else:
-        result = evaluate(
-            q.features, g.features, q.pids, g.pids, q.camids, g.camids, ap=ap, ranks=ranks, return_per_query=True
-        )
+    ids = (q.pids, g.pids, q.camids, g.camids)
+    common = {"ranks": ranks, "return_per_query": True, "max_block_bytes": max_block_bytes}
+    reranked = None
+    try:
+        if rerank:
+            from fedreid.eval.rerank import k_reciprocal_rerank
+
+            reranked = k_reciprocal_rerank(q.features, g.features)
+            np.negative(reranked, out=reranked)  # distance -> similarity, in place (no second Q x G array)
+            result = evaluate_scores(reranked, *ids, ap=ap, **common)
+        elif protocol == "cuhk03":
+            rng = np.random.default_rng(seed)
+            result = evaluate_cuhk03_single_shot(
+                q.features, g.features, *ids, rng=rng, num_repeats=CUHK03_REPEATS, **common
+            )
+        else:
+            result = evaluate(q.features, g.features, *ids, ap=ap, **common)
+    except EvalDataError as exc:
+        where = feats.source or "features given in memory"
+        raise EvalDataError(f"dataset {feats.name!r} ({where}): {exc}") from None
     result["num_gallery"] = int(g.features.shape[0])
-    return result, sim
+    result["protocol"] = protocol
+    return result, reranked
 
 
 def summary_row(result: Mapping[str, Any]) -> dict[str, Any]:
@@ -351,34 +491,146 @@ def summary_row(result: Mapping[str, Any]) -> dict[str, Any]:
 def picked_queries(result: Mapping[str, Any], n: int) -> list[tuple[int, str]]:
     """``n`` queries to draw: the best half (rounded up) and the worst half by AP, among queries with a match.
 
+    Reads the per-query AP and ``valid`` mask that
+    :func:`~fedreid.eval.metrics.evaluate` computed in its block pass.
     Ties go to the lower query index. Returns ``[(query index, "best"|"worst"), ...]``.
     """
     per_query = result["per_query"]
-    valid = np.flatnonzero(per_query["num_matches"] > 0)
+    valid = np.flatnonzero(per_query["valid"])
     if n <= 0 or valid.size == 0:
         return []
-    order = valid[np.argsort(-per_query["ap"][valid], kind="stable")]
-    n_best = min((n + 1) // 2, order.size)
-    best = [int(i) for i in order[:n_best]]
-    worst_order = valid[np.argsort(per_query["ap"][valid], kind="stable")]
-    worst = [int(i) for i in worst_order if int(i) not in best][: min(n - n_best, order.size - n_best)]
-    return [(i, "best") for i in best] + [(i, "worst") for i in worst]
+    ap = per_query["ap"][valid]
+    n_best = min((n + 1) // 2, valid.size)
+    best = valid[np.argsort(-ap, kind="stable")[:n_best]]
+    # Worst: ascending AP, the lower index first among ties, never a query already drawn as best.
+    rest = np.setdiff1d(valid, best, assume_unique=True)  # sorted, so the stable sort keeps the index rule
+    worst = rest[np.argsort(per_query["ap"][rest], kind="stable")[: max(0, n - n_best)]]
+    return [(int(i), "best") for i in best] + [(int(i), "worst") for i in worst]
+
+
+def chosen_queries(feats: DatasetFeatures, specs: Sequence[str], *, missing_ok: bool = False) -> list[int]:
+    """Query indices of ``feats`` named by ``specs``, in order, without repeats.
+
+    A spec is a query index (``"12"``: the 13th query of the manifest, the
+    order of the feature file) or an image of the query set: its path (as
+    stored, or the same file through another relative/absolute spelling) or
+    its file name. An index beyond the query set, or a file name shared by
+    several query images, is an :class:`EvalInputError`; a path or name the
+    query set does not hold is one too unless ``missing_ok`` (the tool checks
+    every dataset before it complains).
+    """
+    q = feats.query
+    n = q.features.shape[0]
+    paths = [str(p) for p in q.paths]
+    absolute = names = None
+    picked: list[int] = []
+    for spec in specs:
+        if spec.isascii() and spec.isdigit():
+            if int(spec) >= n:
+                raise EvalInputError(
+                    f"--queries {spec}: dataset {feats.name!r} has {n} queries (indices 0-{n - 1})"
+                )
+            found = [int(spec)]
+        else:
+            if absolute is None:  # built once, only when some spec is a path or name
+                absolute = {os.path.abspath(p): i for i, p in enumerate(paths)}
+                names = {}
+                for i, p in enumerate(paths):
+                    names.setdefault(Path(p).name, []).append(i)
+            hit = absolute.get(os.path.abspath(spec))
+            found = [hit] if hit is not None else names.get(spec, [])
+            if len(found) > 1:
+                listing = ", ".join(paths[i] for i in found[:3])
+                raise EvalInputError(
+                    f"--queries {spec}: {len(found)} query images of dataset {feats.name!r} have that file name "
+                    f"({listing}{', ...' if len(found) > 3 else ''}): give the path"
+                )
+            if not found and not missing_ok:
+                raise EvalInputError(
+                    f"--queries {spec}: not a query index or an image of dataset {feats.name!r}'s query set"
+                )
+        picked += [i for i in found if i not in picked]
+    return picked
+
+
+def query_scores(
+    feats: DatasetFeatures, queries: Sequence[int], reranked: Optional[np.ndarray] = None
+) -> np.ndarray:
+    """Similarity rows ``[len(queries), G]`` (float32) of the given queries only.
+
+    The inner products the metrics rank by, or rows of ``reranked``
+    (:func:`evaluate_dataset`'s). Drawing a few ranked lists thus costs a few
+    gallery-length rows, not a query x gallery matrix.
+    """
+    idx = np.asarray(queries, dtype=np.int64).reshape(-1)
+    if reranked is not None:
+        return np.asarray(reranked[idx], dtype=np.float32)
+    return feats.query.features[idx] @ feats.gallery.features.T
+
+
+@dataclass
+class RankedList:
+    """One query's top-k after the metrics filter: what a picture shows."""
+
+    query: int
+    tag: str  # "best", "worst" (by AP) or "query" (chosen with --queries)
+    gallery: np.ndarray  # gallery indices, best first
+    correct: np.ndarray  # bool per entry
+    scores: np.ndarray  # similarity per entry
+
+
+def ranked_lists(
+    feats: DatasetFeatures,
+    result: Mapping[str, Any],
+    *,
+    pictures: int = 3,
+    queries: Sequence[int] = (),
+    reranked: Optional[np.ndarray] = None,
+    top_k: int = 10,
+) -> list[RankedList]:
+    """The ranked lists of :func:`picked_queries` (``pictures`` of them) and of the chosen ``queries``.
+
+    Each list is the query's top-``top_k`` after the metrics filter
+    (:func:`fedreid.eval.visualize.filtered_top_k`: junk and
+    same-identity-same-camera removed, ties to the lower gallery index).
+    """
+    from fedreid.eval.visualize import filtered_top_k
+
+    picks = picked_queries(result, pictures) + [(int(i), "query") for i in queries]
+    if not picks:
+        return []
+    q, g = feats.query, feats.gallery
+    rows = query_scores(feats, [i for i, _ in picks], reranked)
+    out = []
+    for (i, tag), row in zip(picks, rows):
+        top, correct = filtered_top_k(row, int(q.pids[i]), int(q.camids[i]), g.pids, g.camids, k=top_k)
+        out.append(RankedList(i, tag, top, correct, row[top]))
+    return out
 
 
 def draw_dataset_pictures(
-    feats: DatasetFeatures, result: Mapping[str, Any], sim: np.ndarray, out_dir: str | Path, n: int, top_k: int = 10
+    feats: DatasetFeatures,
+    result: Mapping[str, Any],
+    out_dir: str | Path,
+    n: int,
+    *,
+    queries: Sequence[int] = (),
+    reranked: Optional[np.ndarray] = None,
+    top_k: int = 10,
 ) -> list[Path]:
-    """Ranked lists (green: true match, red: wrong) of :func:`picked_queries` as PNGs in ``out_dir``."""
-    from fedreid.eval.visualize import draw_ranked_list, filtered_top_k
+    """PNGs (green: true match, red: wrong) of :func:`ranked_lists` in ``out_dir``.
+
+    Named ``<dataset>_{best,worst}_q<index>.png`` and, for the chosen
+    ``queries``, ``<dataset>_query_q<index>.png``.
+    """
+    from fedreid.eval.visualize import draw_ranked_list
 
     q, g = feats.query, feats.gallery
     written = []
-    for i, tag in picked_queries(result, n):
-        top, correct = filtered_top_k(sim[i], int(q.pids[i]), int(q.camids[i]), g.pids, g.camids, k=top_k)
-        out = Path(out_dir) / f"{feats.name}_{tag}_q{i:05d}.png"
-        written.append(
-            draw_ranked_list(q.paths[i], [g.paths[j] for j in top], correct, sim[i, top], out, top_k=top_k)
-        )
+    for r in ranked_lists(feats, result, pictures=n, queries=queries, reranked=reranked, top_k=top_k):
+        out = Path(out_dir) / f"{feats.name}_{r.tag}_q{r.query:05d}.png"
+        paths = [g.paths[j] for j in r.gallery]
+        written.append(draw_ranked_list(q.paths[r.query], paths, list(r.correct), r.scores, out, top_k=top_k))
     return written
 
 
@@ -436,13 +688,18 @@ class _ImageFiles(torch.utils.data.Dataset):
 
 
 def image_features(
-    loaded: LoadedModel, paths: Sequence[Path], *, batch_size: int = 128, device: str | torch.device = "cpu"
+    loaded: LoadedModel,
+    paths: Sequence[Path],
+    *,
+    batch_size: int = 128,
+    device: str | torch.device = "cpu",
+    amp: bool = False,
+    channels_last: bool = False,
 ) -> FeatureSet:
     """Features of image files, with Market-style ids/cameras (-1 when the name has none)."""
     dataset = _ImageFiles(paths, int(loaded.config["height"]), int(loaded.config["width"]))
     loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=False)
-    out = extract_features(EmbedModule(loaded.model), loader, flip=True, normalize=True, device=torch.device(device))
-    return out._replace(features=np.ascontiguousarray(out.features, dtype=np.float32))
+    return _features(loaded, loader, torch.device(device), amp=amp, channels_last=channels_last)
 
 
 def build_gallery_index(
@@ -452,15 +709,24 @@ def build_gallery_index(
     *,
     batch_size: int = 128,
     device: str | torch.device = "cpu",
+    amp: bool = False,
+    channels_last: bool = False,
+    faiss_gpu: bool = False,
 ) -> tuple[Path, int]:
-    """Index every image under ``gallery`` into ``index_dir``; returns ``(folder, number of images)``."""
+    """Index every image under ``gallery`` into ``index_dir``; returns ``(folder, number of images)``.
+
+    ``faiss_gpu`` builds the index on the GPU (see :func:`resolve_faiss_gpu`);
+    the saved file is the same either way (a CPU copy is written).
+    """
     from fedreid.eval.retrieval import build_index, save_index
 
+    device = torch.device(device)
     paths = list_images(gallery, "gallery")
-    fs = image_features(loaded, paths, batch_size=batch_size, device=device)
+    fs = image_features(loaded, paths, batch_size=batch_size, device=device, amp=amp, channels_last=channels_last)
     meta = {"model": str(loaded.source), "round": loaded.round, "gallery": str(Path(gallery).resolve())}
+    index = build_index(fs.features, use_gpu=bool(faiss_gpu), gpu_id=_faiss_gpu_id(device))
     folder = save_index(
-        index_dir, build_index(fs.features, use_gpu=False), ids=fs.pids, cameras=fs.camids,
+        index_dir, index, ids=fs.pids, cameras=fs.camids,
         paths=[str(Path(p).resolve()) for p in fs.paths], meta=meta,
     )
     return folder, len(paths)
@@ -483,13 +749,20 @@ def query_index(
     top_k: int = 10,
     batch_size: int = 128,
     device: str | torch.device = "cpu",
+    amp: bool = False,
+    channels_last: bool = False,
+    faiss_gpu: bool = False,
 ) -> list[QueryResult]:
-    """Search the index in ``index_dir`` with every image of ``images`` (a file or a folder)."""
+    """Search the index in ``index_dir`` with every image of ``images`` (a file or a folder).
+
+    ``faiss_gpu`` loads the index onto the GPU (see :func:`resolve_faiss_gpu`).
+    """
     from fedreid.eval.retrieval import load_index, search
 
-    index = load_index(index_dir)
+    device = torch.device(device)
+    index = load_index(index_dir, use_gpu=bool(faiss_gpu), gpu_id=_faiss_gpu_id(device))
     paths = list_images(images, "query")
-    fs = image_features(loaded, paths, batch_size=batch_size, device=device)
+    fs = image_features(loaded, paths, batch_size=batch_size, device=device, amp=amp, channels_last=channels_last)
     if fs.features.shape[1] != index.index.d:
         raise EvalInputError(
             f"index {index_dir} holds {index.index.d}-d features but the model gives {fs.features.shape[1]}-d: "
@@ -541,34 +814,61 @@ def evaluate_and_report(
     ap: str = "standard",
     rerank: bool = False,
     pictures: int = 3,
+    queries: Sequence[str] = (),
+    protocol: str = "standard",
+    seed: int = 0,
     source: Optional[str] = None,
 ) -> dict[str, Any]:
     """Evaluate each dataset, then write ``results.json``, ``cmc.png`` and ranked-list PNGs to ``out_dir``.
 
+    ``pictures``: best/worst queries by AP per dataset (:func:`picked_queries`);
+    ``queries``: specs of :func:`chosen_queries` drawn as well (an index
+    applies to every dataset, a path or file name to the datasets holding it;
+    one no dataset holds is an error, raised before anything is evaluated).
+    ``protocol``/``seed``: see :func:`evaluate_dataset`.
+
     Returns what ``results.json`` holds: ``datasets`` ({name: rank1, rank5,
     rank10, mAP, cmc, counts}), ``mean`` (of rank1/5/10/mAP), ``ap``,
-    ``rerank``, ``source``, ``pictures`` and ``cmc_plot`` (paths).
+    ``protocol``, ``rerank``, ``source``, ``pictures`` and ``cmc_plot`` (paths).
     """
     from fedreid.utils.io import write_json_atomic
 
+    feature_sets = list(feature_sets)
+    if not feature_sets:
+        raise EvalInputError("nothing to evaluate: no datasets given")
+    _check_protocol(protocol, ap, rerank)
+    chosen = {f.name: chosen_queries(f, queries, missing_ok=True) for f in feature_sets}
+    for spec in queries:
+        if not (spec.isascii() and spec.isdigit()) and not any(
+            chosen_queries(f, [spec], missing_ok=True) for f in feature_sets
+        ):
+            names = ", ".join(repr(f.name) for f in feature_sets)
+            raise EvalInputError(
+                f"--queries {spec}: not a query index or an image of the query set of {names} "
+                "(give an index, a query image path, or its file name)"
+            )
     out_dir = Path(out_dir)
     results, rows, drawn = {}, {}, []
     for feats in feature_sets:
-        result, sim = evaluate_dataset(feats, ap=ap, rerank=rerank)
+        result, reranked = evaluate_dataset(feats, ap=ap, rerank=rerank, protocol=protocol, seed=seed)
         results[feats.name], rows[feats.name] = result, summary_row(result)
-        drawn += draw_dataset_pictures(feats, result, sim, out_dir / "ranked_lists", pictures)
-    if not rows:
-        raise EvalInputError("nothing to evaluate: no datasets given")
-    title = "CMC (re-ranked)" if rerank else "CMC"
+        drawn += draw_dataset_pictures(
+            feats, result, out_dir / "ranked_lists", pictures, queries=chosen[feats.name], reranked=reranked
+        )
+        del reranked  # a Q x G matrix: do not keep one per dataset
+    title = "CMC (re-ranked)" if rerank else "CMC (CUHK03 single-gallery-shot)" if protocol == "cuhk03" else "CMC"
     cmc_path = plot_cmc_curves(results, out_dir / "cmc.png", title=title)
     report = {
         "source": source,
         "ap": ap,
+        "protocol": protocol,
         "rerank": rerank,
         "datasets": rows,
         "mean": {m: float(np.mean([r[m] for r in rows.values()])) for m in ("rank1", "rank5", "rank10", "mAP")},
         "pictures": [str(p) for p in drawn],
         "cmc_plot": str(cmc_path),
     }
+    if protocol == "cuhk03":
+        report.update(seed=int(seed), repeats=CUHK03_REPEATS)
     write_json_atomic(out_dir / "results.json", report)
     return report

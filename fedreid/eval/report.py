@@ -226,6 +226,9 @@ def _retrieval_section(run_dir: Path) -> list[str]:
         return Path(os.path.relpath(Path(path).resolve(), run_dir.resolve())).as_posix()
 
     reranked = ", k-reciprocal re-ranking" if results.get("rerank") else ""
+    if results.get("protocol") == "cuhk03":
+        repeats, seed = results.get("repeats", "?"), results.get("seed", "?")
+        reranked += f", CUHK03 single-gallery-shot CMC ({repeats} samplings, seed {seed})"
     lines = [
         "## Retrieval evaluation (tools/eval_reid.py)",
         "",
@@ -239,7 +242,8 @@ def _retrieval_section(run_dir: Path) -> list[str]:
     if results.get("pictures"):
         lines += [
             "Ranked lists (query in grey, then the top 10: green = true match, red = wrong), "
-            "best and worst queries by AP:",
+            "best and worst queries by AP"
+            + (", then the chosen queries:" if any("_query_q" in Path(p).name for p in results["pictures"]) else ":"),
             "",
         ]
         lines += [f"![{Path(p).stem}]({link(p)})" for p in results["pictures"]] + [""]

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from fedreid.errors import FedReIDError
-from fedreid.eval.metrics import _is_torch, _prepare_features, _top_k_rows
+from fedreid.eval.metrics import EvalDataError, _is_torch, _prepare_features, _top_k_rows
 
 __all__ = ["RerankMemoryError", "estimate_rerank_bytes", "k_reciprocal_rerank"]
 
@@ -155,9 +155,9 @@ def k_reciprocal_rerank(
     ``max_bytes`` (default 4 GiB), before allocating anything large.
     """
     if int(k1) < 1 or int(k2) < 1:
-        raise ValueError(f"k1 and k2 must be >= 1, got k1={k1}, k2={k2}")
+        raise EvalDataError(f"k1 and k2 must be >= 1, got k1={k1}, k2={k2}")
     if not 0.0 <= lambda_value <= 1.0:
-        raise ValueError(f"lambda_value must be in [0, 1], got {lambda_value}")
+        raise EvalDataError(f"lambda_value must be in [0, 1], got {lambda_value}")
     qf, gf = _prepare_features(qf, gf)
     if _is_torch(qf):
         qf, gf = qf.cpu().numpy(), gf.cpu().numpy()

@@ -32,6 +32,7 @@ import numpy as np
 from fedreid.errors import FedReIDError
 from fedreid.eval.metrics import (
     DEFAULT_BLOCK_BYTES,
+    EvalDataError,
     _as_features,
     _block_rows,
     _is_torch,
@@ -44,12 +45,14 @@ from fedreid.utils.io import atomic_path, write_json_atomic
 
 __all__ = [
     "INDEX_FORMAT",
+    "FaissGpuUnavailableError",
     "IndexFileError",
     "LoadedIndex",
     "block_topk",
     "build_index",
     "faiss_gpu_available",
     "load_index",
+    "require_faiss_gpu",
     "save_index",
     "search",
 ]
@@ -63,6 +66,10 @@ DEFAULT_SEARCH_BLOCK = 4096  # queries per FAISS call: bounds the k-best buffers
 
 class IndexFileError(FedReIDError, ValueError):
     """A saved index folder is corrupt or inconsistent; the message names the file."""
+
+
+class FaissGpuUnavailableError(FedReIDError, RuntimeError):
+    """A GPU index was required (``use_gpu=True``) but faiss has no GPU support or sees no GPU."""
 
 
 @dataclass
@@ -93,31 +100,41 @@ def _as_float32_rows(name: str, x: Any) -> np.ndarray:
     return np.ascontiguousarray(x, dtype=np.float32)
 
 
-def build_index(features: Any, use_gpu: bool | str = "auto") -> Any:
+def build_index(features: Any, use_gpu: bool | str = "auto", *, gpu_id: int = 0) -> Any:
     """An exact inner-product index (``faiss.IndexFlatIP``) over ``features`` [N, d].
 
     ``use_gpu``: ``"auto"`` (default) puts the index on GPU 0 when faiss has
     GPU support and a GPU is present, else keeps it on the CPU; ``True``
-    requires a GPU (RuntimeError otherwise); ``False`` keeps the CPU.
+    requires a GPU (:class:`FaissGpuUnavailableError`, a RuntimeError,
+    otherwise); ``False`` keeps the CPU. ``gpu_id``: which GPU.
     Features are used as given: L2-normalise them for cosine similarity.
     """
     if use_gpu not in ("auto", True, False):
-        raise ValueError(f"use_gpu must be 'auto', True or False, got {use_gpu!r}")
+        raise EvalDataError(f"use_gpu must be 'auto', True or False, got {use_gpu!r}")
     features = _as_float32_rows("features", features)
     if features.shape[0] == 0:
-        raise ValueError("cannot build an index over 0 features")
+        raise EvalDataError("cannot build an index over 0 features")
     index = faiss.IndexFlatIP(features.shape[1])
     index.add(features)
-    return _maybe_to_gpu(index, use_gpu)
+    return _maybe_to_gpu(index, use_gpu, gpu_id)
 
 
-def _maybe_to_gpu(index: Any, use_gpu: bool | str) -> Any:
+def require_faiss_gpu() -> None:
+    """Raise :class:`FaissGpuUnavailableError`, saying what is missing, unless a GPU index can be made."""
+    if not faiss_gpu_available():
+        why = "sees no GPU" if hasattr(faiss, "StandardGpuResources") else "has no GPU support (faiss-cpu)"
+        raise FaissGpuUnavailableError(
+            f"a GPU faiss index was required but this faiss build {why}; "
+            "install the [gpu] extra (faiss-gpu) on a CUDA machine, or use the CPU index"
+        )
+
+
+def _maybe_to_gpu(index: Any, use_gpu: bool | str, gpu_id: int = 0) -> Any:
     if use_gpu is False or (use_gpu == "auto" and not faiss_gpu_available()):
         return index
-    if not faiss_gpu_available():
-        raise RuntimeError("use_gpu=True but this faiss build has no GPU support or sees no GPU")
+    require_faiss_gpu()
     resources = faiss.StandardGpuResources()
-    gpu_index = faiss.index_cpu_to_gpu(resources, 0, index)
+    gpu_index = faiss.index_cpu_to_gpu(resources, int(gpu_id), index)
     gpu_index.fedreid_resources = resources  # the GPU index must not outlive them
     return gpu_index
 
@@ -143,9 +160,9 @@ def search(
     """
     queries = _as_float32_rows("queries", queries)
     if queries.shape[1] != index.d:
-        raise ValueError(f"feature dims differ: queries have {queries.shape[1]} columns, the index {index.d}")
+        raise EvalDataError(f"feature dims differ: queries have {queries.shape[1]} columns, the index {index.d}")
     if int(k) < 1 or int(block_size) < 1:
-        raise ValueError(f"k and block_size must be >= 1, got k={k}, block_size={block_size}")
+        raise EvalDataError(f"k and block_size must be >= 1, got k={k}, block_size={block_size}")
     n_total = index.ntotal
     k = min(int(k), n_total)
     k_probe = min(k + 1, n_total)  # one extra to see whether a tie straddles place k
@@ -181,7 +198,7 @@ def block_topk(
     """
     qf, gf = _prepare_features(queries, gallery)
     if int(k) < 1:
-        raise ValueError(f"k must be >= 1, got {k}")
+        raise EvalDataError(f"k must be >= 1, got {k}")
     k = min(int(k), gf.shape[0])
     rows = _block_rows(gf.shape[0], block_size, max_block_bytes)
     scores = np.empty((qf.shape[0], k), dtype=np.float32)
@@ -215,7 +232,7 @@ def save_index(
     paths = np.asarray([str(p) for p in paths], dtype=str)
     lengths = {"index": index.ntotal, "ids": ids.size, "cameras": cameras.size, "paths": paths.size}
     if len(set(lengths.values())) > 1:
-        raise ValueError("mismatched lengths (" + ", ".join(f"{k}: {v}" for k, v in lengths.items()) + ")")
+        raise EvalDataError("mismatched lengths (" + ", ".join(f"{k}: {v}" for k, v in lengths.items()) + ")")
     folder.mkdir(parents=True, exist_ok=True)
     with atomic_path(folder / INDEX_FILE) as tmp:
         faiss.write_index(_cpu_index(index), str(tmp))
@@ -278,12 +295,12 @@ def _read_meta(path: Path) -> dict[str, np.ndarray]:
         raise IndexFileError(f"{path} is not a readable .npz file: {exc}") from None
 
 
-def load_index(folder: str | Path, *, use_gpu: bool | str = False) -> LoadedIndex:
+def load_index(folder: str | Path, *, use_gpu: bool | str = False, gpu_id: int = 0) -> LoadedIndex:
     """Read a folder written by :func:`save_index`.
 
     Raises FileNotFoundError (naming the missing path) or
     :class:`IndexFileError` (naming the corrupt or inconsistent file).
-    ``use_gpu`` as in :func:`build_index`; the default keeps the CPU.
+    ``use_gpu``/``gpu_id`` as in :func:`build_index`; the default keeps the CPU.
     """
     folder = Path(folder)
     header = _read_header(folder)
@@ -302,7 +319,7 @@ def load_index(folder: str | Path, *, use_gpu: bool | str = False) -> LoadedInde
             f"found dim={index.d} and " + ", ".join(f"{k}: {v}" for k, v in found.items())
         )
     return LoadedIndex(
-        index=_maybe_to_gpu(index, use_gpu),
+        index=_maybe_to_gpu(index, use_gpu, gpu_id),
         ids=meta["ids"],
         cameras=meta["cameras"],
         paths=meta["paths"],

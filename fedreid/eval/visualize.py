@@ -28,7 +28,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from fedreid.eval.metrics import gallery_masks, ranking_order
+from fedreid.eval.metrics import EvalDataError, gallery_masks, ranking_order
 from fedreid.utils.io import atomic_path
 
 __all__ = [
@@ -69,7 +69,7 @@ def filtered_top_k(
     """
     scores, g_pids, g_camids = np.asarray(scores), np.asarray(g_pids), np.asarray(g_camids)
     if not scores.shape == g_pids.shape == g_camids.shape:
-        raise ValueError(
+        raise EvalDataError(
             f"mismatched lengths (scores: {scores.size}, g_pids: {g_pids.size}, g_camids: {g_camids.size})"
         )
     keep, good = gallery_masks(q_pid, q_camid, g_pids, g_camids)
@@ -111,7 +111,7 @@ def _draw_tile(canvas: np.ndarray, position: int, image: np.ndarray, colour, cap
 def _write_png(out_path: str | Path, image: np.ndarray) -> Path:
     ok, encoded = cv2.imencode(".png", image)
     if not ok:
-        raise ValueError(f"could not encode a PNG for {out_path}")
+        raise EvalDataError(f"could not encode a PNG for {out_path}")
     out_path = Path(out_path)
     with atomic_path(out_path) as tmp:
         tmp.write_bytes(encoded.tobytes())
@@ -139,9 +139,9 @@ def draw_ranked_list(
     lengths = {"gallery_paths": len(gallery_paths), "correct_flags": len(correct_flags)}
     lengths["scores"] = len(scores)
     if len(set(lengths.values())) > 1:
-        raise ValueError("mismatched lengths (" + ", ".join(f"{k}: {v}" for k, v in lengths.items()) + ")")
+        raise EvalDataError("mismatched lengths (" + ", ".join(f"{k}: {v}" for k, v in lengths.items()) + ")")
     if top_k < 1:
-        raise ValueError(f"top_k must be >= 1, got {top_k}")
+        raise EvalDataError(f"top_k must be >= 1, got {top_k}")
     n = min(top_k, len(gallery_paths))
     canvas = np.empty(canvas_shape(n, size), dtype=np.uint8)
     canvas[:] = BACKGROUND_BGR
@@ -167,14 +167,14 @@ def plot_cmc(
     state or backend switch is involved. Written atomically; returns ``out_path``.
     """
     if not curves:
-        raise ValueError("plot_cmc needs at least one curve")
+        raise EvalDataError("plot_cmc needs at least one curve")
     figure = Figure(figsize=figsize, dpi=dpi)
     FigureCanvasAgg(figure)
     axes = figure.add_subplot(1, 1, 1)
     for label, values in curves.items():
         values = np.asarray(values, dtype=np.float64).reshape(-1)
         if values.size == 0 or np.any((values < 0) | (values > 1)):
-            raise ValueError(f"curve {label!r} must be non-empty fractions in [0, 1]")
+            raise EvalDataError(f"curve {label!r} must be non-empty fractions in [0, 1]")
         marker = "." if values.size <= 20 else None
         axes.plot(np.arange(1, values.size + 1), 100 * values, marker=marker, label=label)
     axes.xaxis.set_major_locator(MaxNLocator(integer=True))  # ranks are whole numbers
