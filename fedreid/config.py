@@ -420,7 +420,9 @@ class Config:
     def validate(self, prefix: str) -> None:
         if self.task != "classification":
             if self.fl.fedftg:
-                raise ConfigError("fl.fedftg: implemented for task=classification only")
+                from fedreid.fl.server_hooks.fedftg import NOT_FOR_FEDPAV
+
+                raise ConfigError(f"fl.fedftg: {NOT_FOR_FEDPAV}")
             return
         if self.fl.aggregation != "fedavg":
             raise ConfigError("fl.aggregation: classification averages whole models; set fl.aggregation=fedavg")

@@ -248,3 +248,26 @@ def test_register_classifier(monkeypatch):
     assert model.feat_dim == 6 and model(torch.randn(3, 1, 8, 8)).shape == (3, 4)
     with pytest.raises(ValueError, match="already registered"):
         register_classifier("tiny_mlp")(_tiny)
+
+
+def test_create_model_is_one_factory_over_classifiers_and_the_reid_model():
+    from fedreid.models import REID_PREFIX, ReIDModel, create_model, list_models
+    from fedreid.models.reid import create_reid_model
+
+    # a classifier name (ours or timm's) builds exactly what create_classifier builds
+    plain = create_model("cnn_lmd", num_classes=10, in_channels=1, image_size=28, seed=3)
+    assert isinstance(plain, ClassificationModel)
+    assert _same_state(plain, create_classifier("cnn_lmd", 10, in_channels=1, image_size=28, seed=3))
+    assert _same_state(create_model("classifier:cnn_lmd", num_classes=10, seed=3),
+                       create_classifier("cnn_lmd", 10, seed=3))
+    # "reid:<backbone>" builds the IDE model, the same as create_reid_model
+    reid = create_model("reid:resnet18", num_classes=5, last_stride=1, seed=3)
+    assert isinstance(reid, ReIDModel) and reid.classifier.out_features == 5
+    assert _same_state(reid, create_reid_model("resnet18", 5, last_stride=1, seed=3))
+    assert "cnn_lmd" in list_models() and any(n.startswith(REID_PREFIX) for n in list_models())
+    with pytest.raises(UnknownModelError):
+        create_model("reid:")
+    with pytest.raises(UnknownModelError):
+        create_model("resnet18_cifarr", num_classes=10)
+    with pytest.raises(ModelConfigError, match="num_classes"):
+        create_model("cnn_lmd")

@@ -143,3 +143,17 @@ def test_misspelt_parser_option_names_dataset_option_and_allowed(overrides, frag
         load_config(None, overrides)
     for fragment in fragments:
         assert fragment in str(err.value)
+
+
+def test_fedftg_on_fedpav_is_refused_with_the_reason():
+    # FedFTG conditions its generator on a label set shared by all clients and needs a server-side classifier;
+    # FedPav's identity heads are private and its clients' identities disjoint, so the refusal says exactly that.
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["task=reid", "fl.fedftg=true"])
+    message = str(err.value)
+    assert message.startswith("fl.fedftg: FedFTG does not apply to FedPav's shared backbone (task=reid)")
+    for fragment in ("task=classification only", "identity head is private", "identities of different clients "
+                     "are disjoint", "no classifier", "no label y to condition the generator on",
+                     "common to all clients", "fl.kd=true"):
+        assert fragment in message, fragment
+    load_config(None, ["task=classification", "fl.aggregation=fedavg", "fl.fedftg=true"])  # accepted there

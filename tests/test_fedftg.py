@@ -283,8 +283,9 @@ def test_finetune_changes_global_model_and_lowers_md():
     teachers, glob = teachers_and_global()
     before_state = params_of(glob)
     teacher_states = [params_of(t) for t in teachers]
-    hook = FedFTGHook(small_config(), seed=0)
+    hook = FedFTGHook(small_config(eval_batches=1), seed=0)  # md_before/md_after on a fresh pseudo batch
     metrics = hook.finetune(glob, teachers, COUNTS, torch.Generator().manual_seed(0))
+    assert metrics["fedftg_md_eval"] == "fresh"
     assert not same_state(before_state, params_of(glob))
     assert all(same_state(s, params_of(t)) for s, t in zip(teacher_states, teachers))  # teachers untouched
     # Frozen (eval-mode) BN by default: running statistics unchanged, weights trained.
@@ -312,6 +313,25 @@ def test_seeded_determinism():
     assert m1[0]["fedftg_md_last"] == m2[0]["fedftg_md_last"]
     h3, g3, _ = run_rounds(small_config(eval_batches=0), 1, seed=1)  # another generator init
     assert not same_state(params_of(g1), params_of(g3))
+
+
+def test_md_report_is_logging_only_and_cheap_by_default():
+    """eval_batches=0 (default) reports L_md before/after on the last batch; training is the same either way."""
+    assert FedFTGConfig().eval_batches == 0
+    h0, g0, m0 = run_rounds(small_config(), 2)
+    h2, g2, m2 = run_rounds(small_config(eval_batches=2), 2)
+    assert same_state(params_of(g0), params_of(g2))  # the report draws after training, from the same generator
+    assert same_state(h0.generator.state_dict(), h2.generator.state_dict())  # and leaves no trace in G
+    assert [m["fedftg_md_last"] for m in m0] == [m["fedftg_md_last"] for m in m2]
+    assert {m["fedftg_md_eval"] for m in m0} == {"last_batch"} and {m["fedftg_md_eval"] for m in m2} == {"fresh"}
+    for m in m0:  # the last batch was trained on for I_d steps: L_md fell on it
+        assert 0 <= m["fedftg_md_after"] < m["fedftg_md_before"]
+    # "after" on the last batch is the loss after the last global step, evaluated once more
+    one = run_rounds(small_config(global_steps=1, iterations=1), 1)[2][0]
+    assert one["fedftg_md_before"] == pytest.approx(one["fedftg_md_first"], rel=1e-5)
+    # no global step: nothing to report on, and nothing changed
+    none = run_rounds(small_config(global_steps=0), 1)[2][0]
+    assert "fedftg_md_before" not in none
 
 
 def test_state_dict_resume_is_bit_exact():
@@ -442,3 +462,31 @@ def test_bad_inputs_raise_fedreid_errors():
         hook.finetune(glob, teachers[:2], COUNTS, torch.Generator())
     with pytest.raises(FedFTGInputError):
         hook.finetune(glob, teachers, torch.zeros(3, 4), torch.Generator())
+
+
+# --------------------------------------------------------------------------- paper configs
+
+
+def test_paper_configs_cover_table1_and_the_plugin_table():
+    """Table 1 (CIFAR-10/100 x beta 0.3/0.6) and Table 3 (FedFTG on each client objective) ship as configs."""
+    from pathlib import Path
+
+    from fedreid.config import load_config
+
+    root = Path(__file__).resolve().parents[1] / "configs" / "classification"
+    table1 = {}
+    for name in ("fedftg_cifar10", "fedftg_cifar10_beta06", "fedftg_cifar100", "fedftg_cifar100_beta06"):
+        cfg = load_config(root / f"{name}.yaml")
+        assert cfg.fl.fedftg and cfg.classification.partition == "dirichlet_prior"
+        assert (cfg.classification.num_clients, cfg.fl.clients_per_round, cfg.train.local_epochs,
+                cfg.train.batch_size) == (100, 10, 5, 50)
+        table1[(cfg.classification.dataset, cfg.classification.alpha)] = cfg.run.out_dir
+    assert set(table1) == {(d, a) for d in ("cifar10", "cifar100") for a in (0.3, 0.6)}
+    assert len(set(table1.values())) == 4  # separate run folders
+    plugins = {}
+    for path in sorted(root.glob("fedftg_plugin_*.yaml")):
+        cfg = load_config(path)
+        assert cfg.fl.fedftg and cfg.classification.alpha == 0.3
+        plugins[cfg.train.objective] = cfg.train.objective_options
+    assert set(plugins) == {"fedprox", "scaffold", "feddyn", "moon"}
+    assert plugins["fedprox"] == {"mu": 1e-4} and plugins["feddyn"] == {"alpha": 0.01}

@@ -40,6 +40,7 @@ def test_fedprox_with_mu_zero_is_exactly_fedavg(world, tmp_path):
 
 @pytest.mark.parametrize("name, options, hook, key", [
     ("scaffold", {}, "scaffold", "control"),
+    ("scaffold", {"control_variate": "displacement"}, "scaffold", "control"),
     ("feddyn", {"alpha": 0.1}, "feddyn", "h"),
 ])
 def test_server_halves_keep_state_and_resume_exactly(world, tmp_path, name, options, hook, key):

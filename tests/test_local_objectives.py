@@ -237,6 +237,78 @@ def test_scaffold_uses_the_learning_rates_actually_used_and_corrects_unused_para
     assert meta[DELTA_C_KEY]["b"].item() == pytest.approx(0.0, abs=1e-5)
 
 
+def _scaffold_round(control_variate, *, momentum, nesterov=False, weight_decay=0.0, steps=12):
+    """One SCAFFOLD round on ``Tiny`` with random data, two lr groups and a mid-round lr change."""
+    gen = torch.Generator().manual_seed(3)
+    m = Tiny()
+    glob = {k: v.clone() for k, v in m.state_dict().items()}
+    obj = Scaffold(control_variate=control_variate)
+    obj.load_state_dict({"c_i": {"body.weight": torch.randn(2, 2, generator=gen),
+                                 "classifier.weight": torch.randn(3, 2, generator=gen)}})
+    control = {"body.weight": torch.randn(2, 2, generator=gen), "classifier.weight": torch.randn(3, 2, generator=gen)}
+    obj.begin_round(m, glob, payload={"control": control})
+    opt = torch.optim.SGD([{"params": [m.body.weight], "lr": 0.02}, {"params": [m.classifier.weight], "lr": 0.05}],
+                          momentum=momentum, nesterov=nesterov, weight_decay=weight_decay)
+    x = torch.randn(steps, 4, 2, generator=gen)
+    y = torch.randint(0, 3, (steps, 4), generator=gen)
+    for k in range(steps):
+        if k == steps // 2:
+            opt.param_groups[1]["lr"] = 0.01  # a schedule: option II's K eta_l is the sum of the rates used
+        opt.zero_grad()
+        F.cross_entropy(m(x[k]), y[k]).backward()
+        obj.before_step(m, opt)
+        opt.step()
+        obj.after_step(m, opt)
+    meta = obj.end_round(m)
+    return obj.c_i, meta[DELTA_C_KEY]
+
+
+def test_scaffold_control_variate_options_agree_under_plain_sgd():
+    # (x - y)/(sum eta) = mean_eta(g_k + wd y_k) + c - c_i exactly under plain SGD, weight decay included
+    for wd in (0.0, 0.01):
+        mean_ci, mean_delta = _scaffold_round("gradient_mean", momentum=0.0, weight_decay=wd)
+        disp_ci, disp_delta = _scaffold_round("displacement", momentum=0.0, weight_decay=wd)
+        assert mean_ci.keys() == disp_ci.keys() == {"body.weight", "classifier.weight"}
+        for name in mean_ci:
+            torch.testing.assert_close(mean_ci[name], disp_ci[name], atol=2e-5, rtol=1e-4)
+            torch.testing.assert_close(mean_delta[name], disp_delta[name], atol=2e-5, rtol=1e-4)
+    # with momentum they part (the displacement option over-scales), the default is momentum-free
+    mean_m, _ = _scaffold_round("gradient_mean", momentum=0.9, nesterov=True)
+    disp_m, _ = _scaffold_round("displacement", momentum=0.9, nesterov=True)
+    assert not torch.allclose(mean_m["body.weight"], disp_m["body.weight"], atol=1e-3)
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_scaffold_gradient_mean_is_the_true_gradient_under_momentum(nesterov):
+    """Constant gradient 0.5, 50 steps at lr 0.01: option II's value is 0.5; momentum 0.9 must not change it."""
+
+    def run(control_variate, momentum):
+        m = Scalars(a=1.0)
+        obj = Scaffold(control_variate=control_variate)  # c = c_i = 0: no correction
+        obj.begin_round(m, {"a": torch.tensor([1.0])})
+        opt = torch.optim.SGD([m.a], lr=0.01, momentum=momentum, nesterov=nesterov and momentum > 0)
+        for _ in range(50):
+            opt.zero_grad()
+            (0.5 * m.a).sum().backward()  # d/da = 0.5 at every point
+            obj.before_step(m, opt)
+            opt.step()
+            obj.after_step(m, opt)
+        obj.end_round(m)
+        return obj.c_i["a"].item()
+
+    assert run("gradient_mean", 0.0) == pytest.approx(0.5, abs=1e-6)
+    assert run("displacement", 0.0) == pytest.approx(0.5, abs=1e-5)
+    assert run("gradient_mean", 0.9) == pytest.approx(0.5, abs=1e-6)
+    # the literal displacement formula: sum of momentum-amplified steps / (K eta); 4.105 (heavy ball), 4.194 (Nesterov)
+    assert run("displacement", 0.9) == pytest.approx(4.194 if nesterov else 4.105, abs=2e-3)
+
+
+def test_scaffold_rejects_an_unknown_control_variate():
+    with pytest.raises(ObjectiveError, match="control_variate"):
+        Scaffold(control_variate="option_i")
+    assert isinstance(build_objective("scaffold", control_variate="displacement"), Scaffold)
+
+
 def test_scaffold_end_round_without_steps_raises():
     m = Scalars()
     obj = Scaffold()

@@ -171,3 +171,20 @@ def test_a_hooks_check_leaves_the_bad_update_out(world):
     record = fed.server.finish_round(plan, train_all(fed, plan))
     assert record["failed"] == {"dsb": "update rejected: picky: wants more"}
     assert sorted(record["clients"]) == ["dsa", "dsc"]
+
+
+def test_a_broken_scaffold_delta_c_leaves_that_client_out(world):
+    fed = federation(world, "train.objective=scaffold", "fl.min_clients=1")
+    plan = fed.server.begin_round()
+    updates = train_all(fed, plan)
+    first = updates[0]
+    delta = dict(first.metadata[DELTA_C_KEY])
+    name = next(iter(delta))
+    delta[name] = delta[name].reshape(-1)[:1]
+    broken = Update(first.client, first.state, first.num_samples, {**first.metadata, DELTA_C_KEY: delta})
+    dropped = Update(updates[1].client, updates[1].state, updates[1].num_samples,
+                     {k: v for k, v in updates[1].metadata.items() if k != DELTA_C_KEY})
+    record = fed.server.finish_round(plan, [broken, dropped, *updates[2:]])
+    assert record["failed"][first.client].startswith(f"update rejected: scaffold: {DELTA_C_KEY}[{name}] has shape")
+    assert record["failed"][updates[1].client] == f"update rejected: scaffold: no {DELTA_C_KEY}"
+    assert record["clients"] == [u.client for u in updates[2:]]

@@ -152,15 +152,15 @@ def build_classification_federation(cfg: Config):
 
     from fedreid.fl.server import Server
     from fedreid.fl.simulation import Federation, resolve_device, server_objective_hooks
-    from fedreid.models.classifiers import create_classifier
+    from fedreid.models.factory import CLASSIFIER_PREFIX, create_model
 
     device = resolve_device(cfg.run.device)
     train, test = load_train_test(cfg)
     splits = partition_clients(cfg, train)
     clients = [ClassificationClient(split, k, cfg, train, device=device) for k, split in enumerate(splits)]
     height, width = train.images.shape[1:3]
-    model = create_classifier(
-        cfg.model.backbone, train.num_classes, in_channels=train.channels, image_size=(height, width),
+    model = create_model(
+        CLASSIFIER_PREFIX + cfg.model.backbone, num_classes=train.num_classes, in_channels=train.channels, image_size=(height, width),
         seed=derive_seed(cfg.seed, "model"), pretrained=cfg.model.pretrained,
     ).to(device)
     model.eval()

@@ -174,11 +174,11 @@ def build_federation(
 
 
 def _reid_model(cfg: Config, num_classes: int, device: torch.device) -> nn.Module:
-    from fedreid.models.reid import create_reid_model
+    from fedreid.models.factory import REID_PREFIX, create_model
 
     m = cfg.model
-    model = create_reid_model(
-        m.backbone, num_classes, pretrained=m.pretrained, last_stride=m.last_stride,
+    model = create_model(
+        REID_PREFIX + m.backbone, num_classes=num_classes, pretrained=m.pretrained, last_stride=m.last_stride,
         bottleneck_dim=m.bottleneck_dim, dropout=m.dropout, seed=derive_seed(cfg.seed, "model"),
     ).to(device)
     return model.eval()

@@ -1,5 +1,6 @@
 """Models: timm backbones, the FedReID IDE model (shared backbone + bottleneck, private head),
-classifiers for the classification track."""
+classifiers for the classification track; :func:`create_model` builds either by name
+(``"reid:resnet50"``, ``"cnn_lmd"``, see :mod:`fedreid.models.factory`)."""
 
 from fedreid.models.backbones import (
     PretrainedWeightsError,
@@ -18,6 +19,7 @@ from fedreid.models.classifiers import (
     list_classifiers,
     register_classifier,
 )
+from fedreid.models.factory import CLASSIFIER_PREFIX, REID_PREFIX, create_model, list_models
 from fedreid.models.reid import (
     PRIVATE_PREFIXES,
     SHARED_PREFIXES,
@@ -31,6 +33,10 @@ from fedreid.models.reid import (
 )
 
 __all__ = [
+    "CLASSIFIER_PREFIX",
+    "REID_PREFIX",
+    "create_model",
+    "list_models",
     "ClassificationModel",
     "ModelConfigError",
     "UnknownModelError",

@@ -5,9 +5,40 @@ Client, Algorithm 1 (lines 8-13), control-variate update **option II**:
 * each local step: ``y_i <- y_i - eta_l (g_i(y_i) - c_i + c)`` -- the stochastic
   gradient is corrected by ``c - c_i`` before the optimizer step
   (:meth:`Scaffold.before_step`);
-* after ``K`` steps: ``c_i+ = c_i - c + (x - y_i) / (K eta_l)`` (Eq. option II),
-  ``Delta c_i = c_i+ - c_i`` goes to the server with ``Delta y_i = y_i - x``,
-  and the client keeps ``c_i <- c_i+`` (persisted in :meth:`state_dict`).
+* after ``K`` steps: ``c_i+ = c_i - c + (x - y_i) / (K eta_l)`` (Algorithm 1,
+  line 12, option II), ``Delta c_i = c_i+ - c_i`` goes to the server with
+  ``Delta y_i = y_i - x``, and the client keeps ``c_i <- c_i+`` (persisted in
+  :meth:`state_dict`).
+
+How ``c_i+`` is computed: ``control_variate`` (a named option)
+
+* ``"gradient_mean"`` (default): the value option II stands for, computed so
+  that it stays right under momentum. With plain SGD every step moves
+  ``y`` by ``-eta_k (g_k + c - c_i)``, so ``x - y_i = sum_k eta_k (g_k + c - c_i)``
+  and ``(x - y_i) / sum_k eta_k = mean_eta(g_k) + c - c_i``: option II's
+  ``c_i+`` *is* the (learning-rate weighted) mean of the client's uncorrected
+  local gradients ``g_k``, which is how the paper presents option II (it
+  re-uses the gradients already computed during the local steps, where
+  option I computes a fresh gradient at ``x``). Here that mean is accumulated during
+  training (:meth:`Scaffold.before_step` reads ``p.grad`` before the
+  correction; ``g_k`` includes the L2 term ``wd * y_k`` that
+  ``torch.optim.SGD(weight_decay=wd)`` adds to the gradient, because the step
+  moves ``y`` by it too). Under plain SGD both options agree to float rounding.
+* ``"displacement"``: the literal formula ``c_i - c + (x - y_i) / (K eta_l)``,
+  as most public implementations compute it. With SGD momentum ``mu`` each
+  step displaces ``y`` by about ``eta / (1 - mu)`` times the corrected
+  gradient once the momentum buffer has built up (Nesterov too), so this
+  ``c_i+`` comes out up to ``1 / (1 - mu)`` too large (10x at ``mu = 0.9``;
+  with a constant gradient 0.5, 50 steps at lr 0.01: 0.500 at ``mu = 0`` but
+  4.105 at ``mu = 0.9``, 8.2x) -- the control variates no longer estimate
+  gradients and the correction ``c - c_i`` over-steers.
+
+``K eta_l`` (both options) is the sum of the learning rates the steps actually
+used, per parameter (read from the optimizer's param groups): with one
+constant rate it is exactly ``K eta_l``; with backbone/head groups at
+different rates, or a schedule, each parameter gets its own sum, and the
+gradient mean is weighted by the same rates (the plain mean for a constant
+rate), which keeps the two options equal under plain SGD.
 
 Server (Algorithm 1, lines 16-17), as pure functions here:
 ``x <- x + eta_g * mean_S(Delta y_i)`` (:func:`scaffold_server_model_update`) and
@@ -19,16 +50,11 @@ Conventions (documented choices, not in the paper):
   (:func:`~fedreid.fl.local.base.shared_parameters`); ``c`` and ``c_i`` start
   at zero (Algorithm 1 takes the initial ``c``, ``c_i`` as inputs; zero is the
   usual choice).
-* ``K eta_l`` is taken as the sum of the learning rates actually used by the
-  steps, per parameter (read from the optimizer's param groups in
-  :meth:`Scaffold.after_step`). With one constant rate it is exactly ``K eta_l``;
-  with the backbone/head groups at different rates, or a schedule, each
-  parameter gets its own sum. Momentum and weight decay make ``(x - y_i)/(K eta_l)``
-  an approximation of the mean corrected gradient, as in every SGD-momentum
-  SCAFFOLD implementation.
 * A parameter that received no gradient this step (unused in the forward)
   still gets the correction ``c - c_i`` as its gradient, as the update rule
-  prescribes.
+  prescribes; its own gradient counts as 0 in the mean.
+* The mean covers only the steps between ``begin_round`` and ``end_round``;
+  nothing of it is persisted (a resumed round restarts from ``begin_round``).
 
 No official code was released by the authors; the widely used re-implementation
 in the FedDyn repository (``alpemreacar/FedDyn``, ``utils_methods.py``
@@ -47,6 +73,7 @@ from torch import Tensor, nn
 from fedreid.fl.local.base import (
     LocalObjective,
     ObjectiveError,
+    check_choice,
     cpu_clone,
     reference_point,
     shared_parameters,
@@ -57,6 +84,8 @@ from fedreid.fl.state import weighted_average
 CONTROL_KEY = "control"
 #: Key of ``Delta c_i`` in the metadata returned by :meth:`Scaffold.end_round`.
 DELTA_C_KEY = "scaffold_delta_c"
+#: Ways to compute option II's ``c_i+`` (see the module docstring).
+CONTROL_VARIATES: tuple[str, ...] = ("gradient_mean", "displacement")
 
 
 def option_ii_control(
@@ -76,6 +105,30 @@ def option_ii_control(
         base = c_i[name] - c[name]
         denom = float(lr_sum[name])
         out[name] = base + (x[name] - y[name]) / denom if denom > 0 else base
+    return out
+
+
+def option_ii_gradient_mean(
+    grad_sum: Mapping[str, Tensor],
+    lr_sum: Mapping[str, float],
+    plain_sum: Mapping[str, Tensor],
+    steps: int,
+) -> "OrderedDict[str, Tensor]":
+    """``c_i+ = sum_k eta_k g_k / sum_k eta_k`` per name: option II's value under plain SGD.
+
+    ``grad_sum[name]`` is ``sum_k eta_k g_k`` (uncorrected gradients, weight
+    decay included), ``lr_sum[name]`` is ``sum_k eta_k``. Under plain SGD this
+    equals :func:`option_ii_control`'s ``c_i - c + (x - y) / sum_k eta_k``
+    exactly (see the module docstring). A parameter that never stepped under
+    a positive rate (``lr_sum == 0``) gets the unweighted mean
+    ``plain_sum[name] / steps``.
+    """
+    if steps < 1:
+        raise ObjectiveError("scaffold: the gradient mean needs K >= 1 local steps")
+    out: "OrderedDict[str, Tensor]" = OrderedDict()
+    for name, total in grad_sum.items():
+        denom = float(lr_sum[name])
+        out[name] = total / denom if denom > 0 else plain_sum[name] / steps
     return out
 
 
@@ -116,12 +169,21 @@ def scaffold_server_model_update(
 
 
 class Scaffold(LocalObjective):
-    """SCAFFOLD client with option II control variates; client state ``c_i``."""
+    """SCAFFOLD client with option II control variates; client state ``c_i``.
+
+    ``control_variate``: how option II's ``c_i+`` (Algorithm 1, line 12) is
+    computed -- ``"gradient_mean"`` (default; the mean of the uncorrected local
+    gradients, which option II's formula equals under plain SGD and which
+    stays right under momentum) or ``"displacement"`` (the literal
+    ``c_i - c + (x - y_i) / (K eta_l)``, mis-scaled by ``~1/(1 - momentum)``
+    under SGD momentum). See the module docstring.
+    """
 
     name = "scaffold"
 
-    def __init__(self) -> None:
+    def __init__(self, control_variate: str = "gradient_mean") -> None:
         super().__init__()
+        self.control_variate = check_choice("scaffold control_variate", control_variate, CONTROL_VARIATES)
         self.c_i: "OrderedDict[str, Tensor]" = OrderedDict()  # CPU, persisted
         self._params: dict[str, nn.Parameter] = {}
         self._x: dict[str, Tensor] = {}
@@ -129,6 +191,8 @@ class Scaffold(LocalObjective):
         self._ci: dict[str, Tensor] = {}
         self._correction: dict[str, Tensor] = {}
         self._lr_sum: dict[str, float] = {}
+        self._grad_sum: dict[str, Tensor] = {}  # sum_k eta_k g_k ("gradient_mean")
+        self._plain_sum: dict[str, Tensor] = {}  # sum_k g_k (parameters outside the optimizer)
 
     def begin_round(
         self,
@@ -150,6 +214,11 @@ class Scaffold(LocalObjective):
         # g - c_i + c: the correction is the same every step of the round
         self._correction = OrderedDict((n, self._c[n] - self._ci[n]) for n in self._params)
         self._lr_sum = {n: 0.0 for n in self._params}
+        if self.control_variate == "gradient_mean":
+            self._grad_sum = OrderedDict((n, torch.zeros_like(c)) for n, c in self._c.items())
+            self._plain_sum = OrderedDict((n, torch.zeros_like(c)) for n, c in self._c.items())
+        else:
+            self._grad_sum, self._plain_sum = {}, {}
 
     @staticmethod
     def _on(p: Tensor, value: Optional[Tensor], what: str) -> Tensor:
@@ -160,10 +229,29 @@ class Scaffold(LocalObjective):
         return value.detach().to(device=p.device, dtype=p.dtype, copy=True)
 
     def before_step(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        """``g <- g - c_i + c`` on every method parameter (unused ones get ``c - c_i``)."""
+        """``g <- g - c_i + c`` on every method parameter (unused ones get ``c - c_i``).
+
+        With ``control_variate="gradient_mean"`` it first adds this step's
+        uncorrected gradient ``g_k + wd * y_k`` (``wd``: the parameter's
+        optimizer weight decay, ``y_k``: its value before the step), weighted
+        by the step's learning rate, to the round's sums.
+        """
         self._check_in_round("before_step")
+        accumulate = self.control_variate == "gradient_mean"
+        groups = _group_of(optimizer) if accumulate else {}
         with torch.no_grad():
             for name, p in self._params.items():
+                if accumulate:
+                    group = groups.get(id(p))
+                    lr = float(group["lr"]) if group is not None else 0.0
+                    wd = float(group.get("weight_decay", 0.0) or 0.0) if group is not None else 0.0
+                    g = p.grad.detach() if p.grad is not None else None
+                    if wd:
+                        g = p.detach() * wd if g is None else g + p.detach() * wd
+                    if g is not None:
+                        self._plain_sum[name].add_(g)
+                        if lr:
+                            self._grad_sum[name].add_(g, alpha=lr)
                 if p.grad is None:
                     p.grad = self._correction[name].clone()
                 else:
@@ -182,10 +270,14 @@ class Scaffold(LocalObjective):
         if self.steps == 0:
             raise ObjectiveError("scaffold: end_round() after zero local steps; option II needs K >= 1")
         y = OrderedDict((n, p.detach()) for n, p in self._params.items())
-        new_ci = option_ii_control(self._ci, self._c, self._x, y, self._lr_sum)
+        if self.control_variate == "gradient_mean":
+            new_ci = option_ii_gradient_mean(self._grad_sum, self._lr_sum, self._plain_sum, self.steps)
+        else:
+            new_ci = option_ii_control(self._ci, self._c, self._x, y, self._lr_sum)
         delta = OrderedDict((n, new_ci[n] - self._ci[n]) for n in new_ci)
         self.c_i = cpu_clone(new_ci)
         self._params, self._x, self._c, self._ci, self._correction = {}, {}, {}, {}, {}
+        self._grad_sum, self._plain_sum = {}, {}
         meta = super().end_round(model)
         meta[DELTA_C_KEY] = cpu_clone(delta)
         return meta
@@ -200,11 +292,18 @@ class Scaffold(LocalObjective):
         self.c_i = cpu_clone(state.get("c_i", {}))
 
 
+def _group_of(optimizer: torch.optim.Optimizer) -> dict[int, dict[str, Any]]:
+    """``id(parameter) -> its param group`` (learning rate, weight decay)."""
+    return {id(p): g for g in optimizer.param_groups for p in g["params"]}
+
+
 __all__ = [
     "CONTROL_KEY",
+    "CONTROL_VARIATES",
     "DELTA_C_KEY",
     "Scaffold",
     "option_ii_control",
+    "option_ii_gradient_mean",
     "scaffold_server_control_update",
     "scaffold_server_model_update",
 ]

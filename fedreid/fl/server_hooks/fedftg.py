@@ -90,9 +90,16 @@ class nobody holds*            ``alpha = 0`` for every client   ``n/(sum + 1e-6)
 (*) not specified by the method's description; the default is this
 library's choice, the reason is in the code where it is used.
 
-Numeric hyper-parameters (the paper's Sec. 4.1 could not be consulted when
-this was written; these are the official code's values, ``train_FedGAN_common``
-and ``scripts/CIFAR10_FedFTG.sh``): generator Adam lr ``0.01``; global model
+Numeric hyper-parameters: the official code's values. The paper's Sec. 4.1
+(optimisers, learning rates, decays) and Table 7 (generator layers) were
+looked for again and could not be read: the stored copy of the paper
+(arXiv 2203.09249, ar5iv) that could be searched holds its abstract and
+introduction only. So these stay the official code's (``methods/FedFTG.py``
+and the plugin variants ``methods/*GAN.py`` hard-code ``glb_model_lr = 0.1``
+and ``gen_model_lr = 0.01``, both passed as ``lr * lr_decay ** round``;
+``scripts/CIFAR10_*GAN.sh`` set ``--lr_decay 0.998 --weight_decay 1e-3 --bs
+50``); if the paper's differ, they become the defaults and these an option
+(the house rule): generator Adam lr ``0.01``; global model
 SGD lr ``0.1``, weight decay ``1e-3`` (the clients' weight decay), no momentum;
 both learning rates times ``0.998 ** round`` (the scripts' ``--lr_decay``);
 synthetic batch = the clients' batch size (50 in the scripts); ``z_dim``
@@ -123,9 +130,39 @@ than K separate ones. (While another process kept the 2 cores busy, the
 ranking flipped for some rows: thread contention punishes the loop's many
 small ops.) No accelerator was available to measure; try "vmap" there.
 
+Cost of a round (what ``bench/fedftg_round.py`` measures). Per iteration
+Algorithm 1 needs, for the generator step, one generator forward, K teacher
+and one global forward and the backward through all of them to the pseudo
+images (no weight gradients for the global model or the teachers); for the
+global step, a forward of the *updated* generator, K teacher forwards --
+once: the batch and the teachers are fixed for the ``I_d`` steps, so their
+logits are reused -- and ``I_d`` forward/backward passes of the global
+model. Nothing else is recomputed. Profiled with K=10 ``cnn_lmd`` teachers
+on 28x28x1, batch 50, 2 CPU threads: generator steps ~57% of the time,
+global steps ~40%, the former default fresh-batch ``L_md`` report
+(``eval_batches=1``) ~2.5% -- now off by default (``eval_batches=0``
+reports on the last batch for two global forwards). Convolutions and
+max-pooling of the teacher passes dominate; the cost is fixed per round, so
+its share falls as the clients' work per round grows.
+
 Every random draw (labels, noise, dropout if the global model runs in train
 mode) comes from the ``torch.Generator`` passed to :meth:`FedFTGHook.finetune`;
 the generator's initial weights from the hook's seed.
+
+Not on FedPav's shared backbone (``task=reid``; the config refuses
+``fl.fedftg`` there with :data:`NOT_FOR_FEDPAV`). Every part of FedFTG needs
+one label set shared by all clients and a classifier over it on the server:
+the generator is conditioned on a class label ``y ~ p_t(y)``, the teachers are
+weighted per class by ``alpha_t^{k,y}``, and ``L_md`` / ``L_cls`` compare the
+global model's and the clients' logits over those classes (Eq. 3-8). In
+FedPav the identity heads are private (they never leave the clients) and the
+clients' identities are disjoint, so the server has no classifier, no two
+clients' logits share a class, and there is no ``y`` to condition on or to
+weight teachers by. Applying it would need a label space common to all
+clients with a head the server holds (e.g. a public identity set every
+client trains on), or a label-free variant distilling the shared 512-d
+features -- which is FedPav's own public-set knowledge distillation
+(``fl.kd``, :mod:`fedreid.fl.server_hooks.kd`), not FedFTG.
 """
 
 from __future__ import annotations
@@ -167,6 +204,21 @@ PAIR_METRICS: tuple[str, ...] = ("l1", "l2", "cosine")
 #: Update metadata key: the client's per-class training sample counts ``[C]``.
 CLASS_COUNTS = "class_counts"
 
+#: Why FedFTG is refused on FedPav's shared backbone (``task=reid``); the config
+#: error says it, the module docstring explains it.
+NOT_FOR_FEDPAV = (
+    "FedFTG does not apply to FedPav's shared backbone (task=reid), so it runs with task=classification only. "
+    "Every part of it needs one label set shared by all clients and a classifier over it on the server: the "
+    "generator G(z, y) is conditioned on a class label y drawn from p(y) ~ sum_k n_k^y, each teacher is weighted "
+    "per class by alpha_k^y = n_k^y / sum_i n_i^y, and L_md / L_cls compare the global model's and the clients' "
+    "logits over those classes (Eq. 3-8). In FedPav each client's identity head is private (it never leaves the "
+    "client) and the identities of different clients are disjoint, so the server has no classifier, no two "
+    "clients' logits share a class, and there is no label y to condition the generator on or to weight teachers "
+    "by. It would need a label space common to all clients with a head the server holds (e.g. a public identity "
+    "set every client trains on), or a label-free variant that distils the shared 512-d features -- which is "
+    "FedPav's own public-set knowledge distillation (fl.kd=true), not FedFTG."
+)
+
 TeacherInput = Union[Sequence[nn.Module], Sequence[Mapping[str, Tensor]]]
 
 
@@ -204,9 +256,14 @@ class FedFTGConfig:
 
     Official-code variants: see the module docstring's table and
     :meth:`official`. Engineering: ``teacher_forward`` ("loop", the faster
-    on CPU, or "vmap"; same results), ``eval_batches`` (pseudo batches drawn
-    after fine-tuning to report ``L_md`` of the global model before and
-    after; 0 = off).
+    on CPU, or "vmap"; same results), ``eval_batches``: how ``L_md`` of the
+    global model before and after fine-tuning is reported (logging only; the
+    training is the same either way) -- 0 (default): on the last iteration's
+    pseudo batch, reusing its teacher logits (two forward passes of the
+    global model; that batch was just trained on, so "after" is optimistic);
+    ``n >= 1``: on ``n`` fresh pseudo batches of the final generator (per
+    batch one generator pass, K teacher passes and two global passes, ~2.5%
+    of a round with K=10 CNN teachers).
     """
 
     iterations: int = 10
@@ -245,7 +302,7 @@ class FedFTGConfig:
     dis_noise_metric: PairMetric = "l2"
     # engineering
     teacher_forward: TeacherForward = "loop"
-    eval_batches: int = 1
+    eval_batches: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.image_size, list):
@@ -620,18 +677,24 @@ def _load_teacher(module: nn.Module, state: Mapping[str, Tensor], index: int) ->
 
 @dataclass
 class _Running:
-    """Sums for the metrics of one fine-tuning."""
+    """Sums for the metrics of one fine-tuning.
 
-    values: dict[str, float] = field(default_factory=dict)
+    Tensor values are summed as float64 tensors on their device and read once
+    in :meth:`means`: no device-to-host synchronisation per step on an
+    accelerator.
+    """
+
+    values: dict[str, Tensor | float] = field(default_factory=dict)
     counts: dict[str, int] = field(default_factory=dict)
 
     def add(self, name: str, value: Tensor | float) -> None:
-        v = float(value.detach()) if isinstance(value, Tensor) else float(value)
-        self.values[name] = self.values.get(name, 0.0) + v
+        v = value.detach().to(torch.float64) if isinstance(value, Tensor) else float(value)
+        prev = self.values.get(name)
+        self.values[name] = v if prev is None else prev + v
         self.counts[name] = self.counts.get(name, 0) + 1
 
     def means(self) -> dict[str, float]:
-        return {k: self.values[k] / self.counts[k] for k in self.values}
+        return {k: float(self.values[k]) / self.counts[k] for k in self.values}
 
 
 class FedFTGHook:
@@ -770,8 +833,10 @@ class FedFTGHook:
         decay ``lr_decay ** round``.
 
         Returns ``fedftg_md_before`` / ``fedftg_md_after`` (``L_md`` of the
-        global model before and after, on ``eval_batches`` fresh pseudo
-        batches of the final generator), ``fedftg_md_first`` /
+        global model before and after, on the last iteration's pseudo batch
+        with ``eval_batches=0``, else on ``eval_batches`` fresh pseudo batches
+        of the final generator; ``fedftg_md_eval`` says which:
+        ``"last_batch"`` or ``"fresh"``), ``fedftg_md_first`` /
         ``fedftg_md_last`` (the first and last global-step losses),
         ``fedftg_gen_md`` / ``_cls`` / ``_dis`` / ``_loss`` (means over
         generator steps), the learning rates, the teacher forward used and
@@ -814,8 +879,9 @@ class FedFTGHook:
         # Dropout (only active with global_bn="train") draws from a forked
         # global RNG seeded from the caller's generator.
         dropout_seed = int(torch.randint(0, 2**62, (1,), generator=generator))
-        before = ({k: v.detach().clone() for k, v in global_model.state_dict().items()}
-                  if cfg.eval_batches > 0 else None)
+        # The weights before fine-tuning, for the md_before/md_after report.
+        before = {k: v.detach().clone() for k, v in global_model.state_dict().items()}
+        last: Optional[tuple[Tensor, Tensor, Tensor]] = None
         was_training = global_model.training
         mode = cfg.teacher_forward
         run = _Running()
@@ -828,11 +894,13 @@ class FedFTGHook:
                     w = alpha[:, y]  # [K, B]: alpha^{k, y_b}
                     if cfg.trains_generator:
                         self._generator_phase(global_model, params, gen_model, opt_g, ens, z, y, w, run)
-                    self._global_phase(global_model, params, flags, gen_model, opt_d, ens, z, y, w, run,
-                                       first=(i == 0), last=(i == cfg.iterations - 1))
-                if before is not None:
+                    last = self._global_phase(global_model, params, flags, gen_model, opt_d, ens, z, y, w, run,
+                                              first=(i == 0), last=(i == cfg.iterations - 1))
+                if cfg.eval_batches > 0:
                     metrics.update(self._evaluate(global_model, before, gen_model, ens, probs, alpha, generator,
                                                   device))
+                elif last is not None:
+                    metrics.update(self._evaluate_last(global_model, before, *last))
         finally:
             for p, flag in zip(params, flags):
                 p.requires_grad_(flag)
@@ -908,11 +976,15 @@ class FedFTGHook:
 
     def _global_phase(self, global_model: nn.Module, params: list[nn.Parameter], flags: list[bool],
                       gen_model: ConditionalGenerator, opt_d: torch.optim.Optimizer, ens: TeacherEnsemble,
-                      z: Tensor, y: Tensor, w: Tensor, run: _Running, *, first: bool, last: bool) -> None:
-        """``I_d`` SGD steps of the global model on ``L_md`` over the iteration's fixed batch."""
+                      z: Tensor, y: Tensor, w: Tensor, run: _Running, *, first: bool,
+                      last: bool) -> Optional[tuple[Tensor, Tensor, Tensor]]:
+        """``I_d`` SGD steps of the global model on ``L_md`` over the iteration's fixed batch.
+
+        Returns the batch ``(x~, teacher logits, weights)`` (None when ``I_d = 0``).
+        """
         cfg = self.config
         if cfg.global_steps == 0:
-            return
+            return None
         with torch.no_grad():
             # "batch": normalise with the batch statistics, as in the generator
             # step, so the global model distils on the hard samples that step
@@ -942,11 +1014,24 @@ class FedFTGHook:
             if last and step == cfg.global_steps - 1:
                 run.add("md_last", loss)
             run.add("md_global", loss)
+        return x, t, w
+
+    @torch.no_grad()
+    def _evaluate_last(self, global_model: nn.Module, before: Mapping[str, Tensor], x: Tensor, t: Tensor,
+                       w: Tensor) -> dict[str, Any]:
+        """``L_md`` before and after on the last iteration's batch (eval-mode BN): two global forward passes."""
+        cfg = self.config
+        global_model.eval()
+        s_after = global_model(x)
+        s_before = functional_call(global_model, dict(before), (x,))
+        return {"fedftg_md_before": float(md_loss(s_before, t, w, cfg.md_divergence, class_mean=cfg.md_class_mean)),
+                "fedftg_md_after": float(md_loss(s_after, t, w, cfg.md_divergence, class_mean=cfg.md_class_mean)),
+                "fedftg_md_eval": "last_batch"}
 
     @torch.no_grad()
     def _evaluate(self, global_model: nn.Module, before: Mapping[str, Tensor], gen_model: ConditionalGenerator,
                   ens: TeacherEnsemble, probs: Tensor, alpha: Tensor, generator: torch.Generator,
-                  device: torch.device) -> dict[str, float]:
+                  device: torch.device) -> dict[str, Any]:
         """``L_md`` of the global model before and after, on fresh pseudo batches (eval-mode BN).
 
         The generator's BN statistics are restored afterwards, so reporting
@@ -968,7 +1053,8 @@ class FedFTGHook:
             md_after += float(md_loss(s_after, t, w, cfg.md_divergence, class_mean=cfg.md_class_mean))
             md_before += float(md_loss(s_before, t, w, cfg.md_divergence, class_mean=cfg.md_class_mean))
         gen_model.load_state_dict(saved)
-        return {"fedftg_md_before": md_before / cfg.eval_batches, "fedftg_md_after": md_after / cfg.eval_batches}
+        return {"fedftg_md_before": md_before / cfg.eval_batches, "fedftg_md_after": md_after / cfg.eval_batches,
+                "fedftg_md_eval": "fresh"}
 
     # ----------------------------------------------------------- persistence
 
@@ -1008,6 +1094,7 @@ def with_options(config: FedFTGConfig, **changes: Any) -> FedFTGConfig:
 
 __all__ = [
     "CLASS_COUNTS",
+    "NOT_FOR_FEDPAV",
     "FedFTGConfig",
     "FedFTGConfigError",
     "FedFTGHook",

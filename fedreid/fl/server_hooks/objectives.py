@@ -78,6 +78,23 @@ class ScaffoldHook(_RoundStart):
     def instructions(self, round_index: int) -> dict[str, Any]:
         return {OBJECTIVE_PAYLOAD: {CONTROL_KEY: self.control}}
 
+    def check_update(self, round_index: int, update: Update, model: nn.Module) -> Optional[str]:
+        """Why ``update``'s ``Delta c`` is unusable (missing, a parameter missing or reshaped), or None.
+
+        Checked before aggregation (see :mod:`fedreid.fl.server_hooks`), so a
+        bad client is left out of the round instead of stopping it here.
+        """
+        delta = update.metadata.get(DELTA_C_KEY)
+        if not isinstance(delta, Mapping):
+            return f"no {DELTA_C_KEY}" if delta is None else f"{DELTA_C_KEY} is not a dict of tensors"
+        for name in _parameter_names(model, self._sent):
+            value = delta.get(name)
+            if not isinstance(value, Tensor):
+                return f"{DELTA_C_KEY} has no tensor for {name}"
+            if tuple(value.shape) != tuple(self._sent[name].shape):
+                return f"{DELTA_C_KEY}[{name}] has shape {tuple(value.shape)}, expected {tuple(self._sent[name].shape)}"
+        return None
+
     def after_aggregate(
         self, round_index: int, model: nn.Module, updates: Sequence[Update]
     ) -> Optional[Mapping[str, Any]]:
