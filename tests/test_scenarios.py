@@ -51,9 +51,9 @@ def test_by_camera():
     assert sum(len(c) for c in clients) == len(ds.split("train_all"))
 
 
-def test_by_identity_disjoint_complete_seeded():
+def test_by_identity_near_equal_groups_disjoint_complete_seeded():
     ds = make_dataset("cuhk", 11)
-    clients = by_identity(ds, 3, np.random.default_rng(0))
+    clients = by_identity(ds, 3, np.random.default_rng(0), equal_groups=False)
     id_sets = [set(c.pids) for c in clients]
     assert sum(len(s) for s in id_sets) == 11
     assert set.union(*id_sets) == {r.pid for r in ds.split("train_all")}
@@ -62,16 +62,22 @@ def test_by_identity_disjoint_complete_seeded():
     for c in clients:
         check_label_space(c)
         assert {r.pid for r in c.records} == set(c.pids)
-    same = by_identity(ds, 3, np.random.default_rng(0))
-    other = by_identity(ds, 3, np.random.default_rng(1))
+    same = by_identity(ds, 3, np.random.default_rng(0), equal_groups=False)
+    other = by_identity(ds, 3, np.random.default_rng(1), equal_groups=False)
     assert [c.pids for c in same] == [c.pids for c in clients]
     assert [c.pids for c in other] != [c.pids for c in clients]
 
 
-def test_by_identity_reference_drops_remainder():
+def test_by_identity_equal_groups_is_the_default_and_leaves_the_remainder_out():
     ds = make_dataset("cuhk", 11)
-    clients = by_identity(ds, 3, np.random.default_rng(0), drop_remainder=True)
+    clients = by_identity(ds, 3, np.random.default_rng(0))
     assert [c.num_classes for c in clients] == [3, 3, 3]
+    id_sets = [set(c.pids) for c in clients]
+    assert all(not (x & y) for i, x in enumerate(id_sets) for y in id_sets[i + 1:])
+    left_out = {r.pid for r in ds.split("train_all")} - set.union(*id_sets)
+    assert len(left_out) == 11 % 3
+    near = by_identity(ds, 3, np.random.default_rng(0), equal_groups=False)
+    assert [c.num_classes for c in near] == [4, 4, 3]  # near-equal groups lose no identity
 
 
 def test_errors():
@@ -90,6 +96,15 @@ def test_build_clients_from_config():
     assert len(build_clients(cfg, datasets, rng)) == 2
     cfg = load_config(None, ["scenario.kind=by_identity", "scenario.dataset=a", "scenario.num_clients=2"]).scenario
     assert [c.name for c in build_clients(cfg, datasets, rng)] == ["a/part1", "a/part2"]
+    # num_clients null (the default): one client per camera of the training split (3 here)
+    cfg = load_config(None, ["scenario.kind=by_identity", "scenario.dataset=a"]).scenario
+    assert cfg.num_clients is None and cfg.equal_groups
+    clients = build_clients(cfg, datasets, rng)
+    assert [c.name for c in clients] == ["a/part1", "a/part2", "a/part3"]
+    assert [c.num_classes for c in clients] == [2, 2, 2]
+    cfg = load_config(None, ["scenario.kind=by_identity", "scenario.dataset=a", "scenario.equal_groups=false",
+                             "scenario.num_clients=4"]).scenario
+    assert sorted(c.num_classes for c in build_clients(cfg, datasets, rng)) == [1, 1, 2, 2]
     cfg = load_config(None, ["scenario.kind=by_camera", "scenario.dataset=zzz"]).scenario
     with pytest.raises(ScenarioError, match="scenario.dataset='zzz' is not among"):
         build_clients(cfg, datasets, rng)

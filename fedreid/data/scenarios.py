@@ -3,10 +3,12 @@
 The FedReID benchmark (Zhuang et al., ACM MM 2020) studies three ways to
 federate person re-identification data:
 
-* **by dataset** (the benchmark): one client per dataset, nine clients;
-* **by camera**: one client per camera of one dataset (Sec. 5.4, MSMT17's
-  15 cameras);
-* **by identity**: one dataset split into clients with disjoint identities.
+* **by dataset** (the benchmark, Sec. 4.2): one client per dataset, nine clients;
+* **by camera** (Sec. 4.1, Table 2): one client per camera of one dataset
+  (Market-1501: 6 clients, CUHK03-NP: 2);
+* **by identity** (Sec. 4.1, Table 2): one dataset split into as many clients
+  as it has cameras, each with the same number of disjoint identities
+  (Market-1501: 6 clients of 125 identities).
 
 Every client gets its own contiguous label space ``0..num_classes-1`` (its
 identity head is private, so labels never need to agree across clients).
@@ -83,14 +85,19 @@ def by_identity(
     rng: np.random.Generator,
     split: str = "train_all",
     *,
-    drop_remainder: bool = False,
+    equal_groups: bool = True,
 ) -> list[ClientSplit]:
     """``num_clients`` clients with disjoint identities, drawn with ``rng``.
 
-    Identities are shuffled and cut into near-equal groups, so no identity is
-    lost. ``drop_remainder=True`` reproduces the reference script
-    (``split_id_data.py``), which gives every client ``n_ids // num_clients``
-    identities and leaves the remaining ones out.
+    Identities (junk pid -1 excluded) are shuffled with ``rng`` and cut in
+    order. ``equal_groups=True`` is the paper's split (Sec. 4.1: "each of them
+    has the same number of identities"; the reference's ``split_id_data.py``
+    does the same): every client gets exactly ``n_ids // num_clients``
+    identities and the ``n_ids % num_clients`` left over train nowhere; on
+    Market-1501's ``train_all`` (751 identities) 6 clients get 125 each and one
+    identity is left out, on CUHK03-NP's (767) 2 clients get 383 and one is
+    left out. ``equal_groups=False`` cuts near-equal groups
+    (``np.array_split``), so no identity is lost.
     """
     records = dataset.split(split)
     pids = np.array(sorted({r.pid for r in records if r.pid != -1}))
@@ -99,7 +106,7 @@ def by_identity(
             f"{dataset.name}: cannot split {len(pids)} identities into {num_clients} clients"
         )
     shuffled = pids[rng.permutation(len(pids))]
-    if drop_remainder:
+    if equal_groups:
         size = len(pids) // num_clients
         groups = [shuffled[i * size : (i + 1) * size] for i in range(num_clients)]
     else:
@@ -115,12 +122,22 @@ def by_identity(
     return clients
 
 
+def camera_count(dataset: PreparedDataset, split: str = "train_all") -> int:
+    """The number of distinct cameras in ``dataset``'s ``split``."""
+    return len({r.camid for r in dataset.split(split)})
+
+
 def build_clients(
     cfg: ScenarioConfig,
     datasets: Mapping[str, PreparedDataset],
     rng: np.random.Generator,
 ) -> list[ClientSplit]:
-    """The clients of the scenario ``cfg`` over the prepared ``datasets``."""
+    """The clients of the scenario ``cfg`` over the prepared ``datasets``.
+
+    ``by_identity`` with ``cfg.num_clients`` null makes as many clients as the
+    dataset has cameras in ``cfg.train_split`` (Sec. 4.1: "the number of clients
+    [...] is equal to the number of camera views").
+    """
     if cfg.kind == "by_dataset":
         return by_dataset(list(datasets.values()), cfg.train_split)
     if cfg.dataset not in datasets:
@@ -131,4 +148,12 @@ def build_clients(
     dataset = datasets[cfg.dataset]
     if cfg.kind == "by_camera":
         return by_camera(dataset, cfg.train_split)
-    return by_identity(dataset, cfg.num_clients, rng, cfg.train_split)
+    num_clients = cfg.num_clients
+    if num_clients is None:
+        num_clients = camera_count(dataset, cfg.train_split)
+        if num_clients < 2:
+            raise ScenarioError(
+                f"scenario.num_clients is null (the dataset's camera count) but {dataset.name!r} has "
+                f"{num_clients} camera in {cfg.train_split}; set scenario.num_clients"
+            )
+    return by_identity(dataset, num_clients, rng, cfg.train_split, equal_groups=cfg.equal_groups)

@@ -2,9 +2,22 @@
 
 ``write_report(run_dir, history)`` writes ``report.md`` beside PNG curves
 (Rank-1 and mAP per dataset against the round, training loss, communication).
-The FedReID paper reports, for each dataset, the mean of the three evaluations
-with the best mean Rank-1 over the four big datasets (MSMT17, DukeMTMC-reID,
-Market-1501, CUHK03-NP); :func:`paper_summary` computes that table.
+The FedReID paper's conventions (Zhuang et al., ACM MM 2020):
+
+* a federated model: for each dataset, the mean of the three evaluations with
+  the best mean Rank-1 over the four big datasets (MSMT17, DukeMTMC-reID,
+  Market-1501, CUHK03-NP) (Sec. 4.2, "we average the performance of three
+  best-federated models"; Tables 4-6, 8);
+* local training (``fl.mode: local``): each dataset's own best evaluation
+  (Sec. 5.2, "the best accuracy of training individual datasets"; Table 7);
+
+:func:`paper_summary` computes either table, :func:`format_paper_summary`
+writes it with its caption. FedPav's *local models* (each client's model
+before aggregation on its own dataset, best over rounds: Table 3's "CDW Local
+Model" column) come from the records' ``local_eval`` (:func:`local_model_summary`).
+Tables show the official AP (``mAP_official``, Market-1501 trapezoid over all
+queries, as the reference evaluation) next to the standard mAP when the run
+recorded it (``eval.extra_ap``).
 
 When ``tools/eval_reid.py evaluate`` has written ``<run>/eval/results.json``,
 the report also shows its table, CMC plot and ranked-list pictures.
@@ -20,7 +33,12 @@ from typing import Any, Mapping, Sequence
 from fedreid.utils.io import atomic_path, write_text_atomic
 
 BIG_FOUR: tuple[str, ...] = ("msmt17", "dukemtmc", "market1501", "cuhk03np")
-METRICS: tuple[str, ...] = ("rank1", "rank5", "rank10", "mAP")
+METRICS: tuple[str, ...] = ("rank1", "rank5", "rank10", "mAP", "mAP_official", "mAP_standard")
+#: Column titles of :func:`format_table`.
+METRIC_LABELS: dict[str, str] = {
+    "rank1": "Rank-1", "rank5": "Rank-5", "rank10": "Rank-10", "mAP": "mAP",
+    "mAP_official": "mAP (official)", "mAP_standard": "mAP (standard)",
+}
 #: Where ``tools/eval_reid.py evaluate`` writes inside a run folder by default.
 EVAL_DIR = "eval"
 
@@ -30,33 +48,118 @@ def eval_rounds(history: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]
     return [r for r in history if r.get("eval")]
 
 
-def paper_summary(
-    history: Sequence[Mapping[str, Any]], *, top: int = 3, big: Sequence[str] = BIG_FOUR
-) -> dict[str, Any]:
-    """Mean metrics over the ``top`` evaluations with the best mean big-dataset Rank-1.
+def _mean_rows(rows: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+    """The mean of each metric of :data:`METRICS` that every row has."""
+    return {m: sum(row[m] for row in rows) / len(rows) for m in METRICS if all(m in row for row in rows)}
 
-    When none of the big datasets is evaluated (a small-dataset run), the mean
-    Rank-1 over every evaluated dataset selects the rounds instead; the result
-    says which datasets were used.
+
+def _best(records: Sequence[Mapping[str, Any]], score, top: int) -> list[Mapping[str, Any]]:
+    """The ``top`` records by descending ``score``, in round order; on ties the earlier round wins."""
+    best = sorted(records, key=lambda r: -score(r))[:top]  # stable: reproducible choice
+    return sorted(best, key=lambda r: r["round"])
+
+
+def paper_summary(
+    history: Sequence[Mapping[str, Any]],
+    *,
+    top: int = 3,
+    big: Sequence[str] = BIG_FOUR,
+    local_top: int = 1,
+    mode: str | None = None,
+) -> dict[str, Any]:
+    """The paper's summary table of a run (module docstring), by the run's ``mode``.
+
+    ``mode`` (default: the last record's ``mode``):
+
+    * ``federated``: mean metrics over the ``top`` evaluations with the best
+      mean Rank-1 over the big datasets, the same rounds for every dataset.
+      When none of the big datasets is evaluated (a small-dataset run), the
+      mean Rank-1 over every evaluated dataset selects the rounds instead;
+    * ``local``: each evaluated dataset (each client's own model on its own
+      data) on its own: the mean over its ``local_top`` evaluations with its
+      best Rank-1 (``local_top=1``: its best, as the paper's local training).
+
+    Returns ``convention`` (``big_datasets`` or ``per_dataset``), ``rounds``
+    (every round used, sorted), ``rounds_by_dataset`` ``{name: [rounds]}``,
+    ``selected_by`` (the datasets whose Rank-1 chose the rounds) and
+    ``datasets`` ``{name: {metric: mean}}``.
     """
     rounds = eval_rounds(history)
+    if mode is None:
+        mode = rounds[-1].get("mode", "federated") if rounds else "federated"
+    if mode not in ("federated", "local"):
+        raise ValueError(f"paper_summary: mode must be 'federated' or 'local', got {mode!r}")
+    convention = "per_dataset" if mode == "local" else "big_datasets"
     if not rounds:
-        return {"rounds": [], "selected_by": [], "datasets": {}}
-    names = list(rounds[-1]["eval"])
-    selectors = [n for n in big if n in names] or names
+        return {"convention": convention, "rounds": [], "rounds_by_dataset": {}, "selected_by": [], "datasets": {}}
+    names = list(dict.fromkeys(n for r in rounds for n in r["eval"]))
+    table: dict[str, dict[str, float]] = {}
+    chosen: dict[str, list[int]] = {}
+    if mode == "local":
+        selectors = names
+        for name in names:
+            best = _best([r for r in rounds if name in r["eval"]], lambda r: r["eval"][name]["rank1"], local_top)
+            chosen[name] = [r["round"] for r in best]
+            table[name] = _mean_rows([r["eval"][name] for r in best])
+    else:
+        selectors = [n for n in big if n in names] or names
 
-    def score(record: Mapping[str, Any]) -> float:
-        values = [record["eval"][n]["rank1"] for n in selectors if n in record["eval"]]
-        return sum(values) / len(values) if values else float("-inf")
+        def score(record: Mapping[str, Any]) -> float:
+            values = [record["eval"][n]["rank1"] for n in selectors if n in record["eval"]]
+            return sum(values) / len(values) if values else float("-inf")
 
-    # Stable on ties: the earlier round wins, so the choice is reproducible.
-    best = sorted(rounds, key=lambda r: -score(r))[:top]
-    best.sort(key=lambda r: r["round"])
-    table = {}
-    for name in names:
-        rows = [r["eval"][name] for r in best if name in r["eval"]]
-        table[name] = {m: sum(row[m] for row in rows) / len(rows) for m in METRICS if m in rows[0]}
-    return {"rounds": [r["round"] for r in best], "selected_by": selectors, "datasets": table}
+        best = _best(rounds, score, top)
+        for name in names:
+            rows = [r for r in best if name in r["eval"]]
+            if rows:
+                chosen[name] = [r["round"] for r in rows]
+                table[name] = _mean_rows([r["eval"][name] for r in rows])
+    used = sorted({rnd for rs in chosen.values() for rnd in rs})
+    return {"convention": convention, "rounds": used, "rounds_by_dataset": chosen,
+            "selected_by": selectors, "datasets": table}
+
+
+def format_paper_summary(summary: Mapping[str, Any]) -> str:
+    """:func:`paper_summary`'s table (markdown, in %) under a one-paragraph caption."""
+    if not summary["datasets"]:
+        return "(no evaluation yet)\n"
+    if summary.get("convention") == "per_dataset":
+        tops = {len(rs) for rs in summary["rounds_by_dataset"].values()}
+        what = "best evaluation" if tops == {1} else f"mean of the {max(tops)} best evaluations"
+        caption = (f"Local training: each dataset's own {what} by its Rank-1 (the paper's \"best accuracy "
+                   f"of training individual datasets\"), in %. Rounds: " + "; ".join(
+                       f"{name} {', '.join(map(str, rs))}" for name, rs in summary["rounds_by_dataset"].items()) + ".")
+    else:
+        caption = (f"Mean of the {len(summary['rounds'])} evaluations (rounds "
+                   f"{', '.join(map(str, summary['rounds']))}) with the best mean Rank-1 over "
+                   f"{', '.join(summary['selected_by'])}, in %.")
+    return caption + "\n\n" + format_table(summary["datasets"])
+
+
+def local_model_summary(history: Sequence[Mapping[str, Any]], *, top: int = 1) -> dict[str, Any]:
+    """FedPav's local models: each client's model before aggregation on its own dataset, best over rounds.
+
+    Table 3's "Local Model" column (Sec. 5.2: "the model before aggregation
+    that has the best accuracy for local dataset"). Reads the records'
+    ``local_eval`` ``{client: {dataset: metrics}}`` (written with
+    ``eval.local_models``); per client, the mean over its ``top`` evaluations
+    with the best Rank-1 (``top=1``: the best; ties: the earlier round).
+    Returns ``rounds_by_client`` ``{client: [rounds]}`` and ``clients``
+    ``{client: {metric: mean}}``, both empty when no record has ``local_eval``.
+    """
+    records = [r for r in history if r.get("local_eval")]
+    clients = list(dict.fromkeys(c for r in records for c in r["local_eval"]))
+    table: dict[str, dict[str, float]] = {}
+    chosen: dict[str, list[int]] = {}
+
+    def own(record: Mapping[str, Any], client: str) -> Mapping[str, Any]:
+        return next(iter(record["local_eval"][client].values()))  # its own dataset, the only entry
+
+    for client in clients:
+        best = _best([r for r in records if client in r["local_eval"]], lambda r: own(r, client)["rank1"], top)
+        chosen[client] = [r["round"] for r in best]
+        table[client] = _mean_rows([own(r, client) for r in best])
+    return {"rounds_by_client": chosen, "clients": table}
 
 
 def is_classification(history: Sequence[Mapping[str, Any]]) -> bool:
@@ -145,8 +248,8 @@ def format_table(table: Mapping[str, Mapping[str, float]], title_column: str = "
     """A markdown table of percentages with a mean row."""
     if not table:
         return "(no evaluation yet)\n"
-    metrics = [m for m in METRICS if m in next(iter(table.values()))]
-    head = f"| {title_column} | " + " | ".join(m if m == "mAP" else m.replace("rank", "Rank-") for m in metrics) + " |"
+    metrics = [m for m in METRICS if all(m in row for row in table.values())]
+    head = f"| {title_column} | " + " | ".join(METRIC_LABELS[m] for m in metrics) + " |"
     lines = [head, "|---|" + "---:|" * len(metrics)]
     for name, row in table.items():
         lines.append(f"| {name} | " + " | ".join(f"{100 * row[m]:.1f}" for m in metrics) + " |")
@@ -186,24 +289,23 @@ def write_report(
         if (run_dir / "partition.png").is_file():
             lines += ["![partition: samples per client and class](partition.png)", ""]
     elif rounds:
-        summary = paper_summary(history)
         lines += [
             "## Paper convention",
             "",
-            f"Mean of the {len(summary['rounds'])} evaluations (rounds "
-            f"{', '.join(map(str, summary['rounds']))}) with the best mean Rank-1 over "
-            f"{', '.join(summary['selected_by'])}, in %.",
-            "",
-            format_table(summary["datasets"]),
+            format_paper_summary(paper_summary(history)),
             f"## Last evaluation (round {rounds[-1]['round']})",
             "",
             format_table(rounds[-1]["eval"]),
         ]
-        local = rounds[-1].get("local_eval")
-        if local:
-            rows = {f"{client} (local model)": ev[next(iter(ev))] for client, ev in local.items()}
+        local = local_model_summary(history)
+        if local["clients"]:
+            rows = {f"{client} (round {', '.join(map(str, local['rounds_by_client'][client]))})": row
+                    for client, row in local["clients"].items()}
             lines += [
-                "## Local models before aggregation (last evaluated round)",
+                "## Local models before aggregation (Table 3's local model)",
+                "",
+                "Each client's model right after its local training, on its own dataset, "
+                "at its best round by Rank-1, in %.",
                 "",
                 format_table(rows, "client"),
             ]

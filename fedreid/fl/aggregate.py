@@ -2,6 +2,14 @@
 
 * FedPav / FedAvg (Zhuang et al. 2020, Algorithm 1): ``w_k = n_k / n`` over
   the shared parameters; FedAvg when everything is shared.
+* Uniform (``weighting="uniform"``): ``w_k = 1 / |S_t|``, the plain mean of
+  FedLMD (Lu et al. 2023, Algorithm 1 line 12) and FedFTG (Zhang et al. 2022,
+  Algorithm 2 line 1, ``Delta w = 1/|S_t| sum_k (w_k - w)``).
+* Server step size (``server_lr``, FedFTG Algorithm 2 line 1's ``eta_g``):
+  ``w <- w + eta_g (avg - w)`` on the trainable parameters; 1 gives the
+  average itself. Buffers (BatchNorm statistics) always take the average:
+  extrapolating a running variance past the clients' values can make it
+  negative.
 * Cosine-distance weights (CDW, Algorithm 3): client ``k`` takes one training
   batch and compares the logits of the model it received (global shared part
   plus its old private head) with the logits of the model it trained:
@@ -23,7 +31,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Literal, Sequence
+from typing import Iterable, Literal, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -43,15 +51,43 @@ class Aggregate:
     state: "OrderedDict[str, Tensor]"
     #: Normalised weights, in the order of the updates.
     weights: list[float]
-    #: ``size`` or ``cdw`` (``size`` also when CDW fell back, see ``note``).
+    #: ``size``, ``uniform`` or ``cdw`` (``size``/``uniform`` also when CDW fell back, see ``note``).
     weighting: str
     clients: list[str] = field(default_factory=list)
     note: str = ""
 
 
+Weighting = Literal["size", "uniform"]
+WEIGHTINGS: tuple[str, ...] = ("size", "uniform")
+
+
 def size_weights(updates: Sequence[Update]) -> list[float]:
     """FedPav/FedAvg weights ``n_k / n``."""
     return normalize_weights([u.num_samples for u in updates])
+
+
+def uniform_weights(updates: Sequence[Update]) -> list[float]:
+    """The plain mean ``1 / |S_t|`` (FedLMD Alg. 1 line 12, FedFTG Alg. 2 line 1)."""
+    return normalize_weights([1.0] * len(updates))
+
+
+def server_step(
+    previous: Mapping[str, Tensor], average: Mapping[str, Tensor], server_lr: float, parameters: Iterable[str]
+) -> "OrderedDict[str, Tensor]":
+    """``previous + server_lr * (average - previous)`` on ``parameters``; other entries keep ``average``.
+
+    FedFTG Algorithm 2 line 1 (``w <- w + eta_g * Delta w``). The step is
+    taken in float64 and cast back, like :func:`weighted_average`.
+    """
+    names = set(parameters)
+    out: "OrderedDict[str, Tensor]" = OrderedDict()
+    for key, avg in average.items():
+        if key in names and torch.is_floating_point(avg) and server_lr != 1.0:
+            prev = previous[key].detach().to(device=avg.device, dtype=torch.float64)
+            out[key] = (prev + server_lr * (avg.to(torch.float64) - prev)).to(avg.dtype)
+        else:
+            out[key] = avg
+    return out
 
 
 def cdw_weights(distances: Sequence[float]) -> list[float]:
@@ -105,17 +141,21 @@ def aggregate(
     *,
     cdw: bool = False,
     bn: BNPolicy = "average",
+    weighting: Weighting = "size",
 ) -> Aggregate:
-    """Average the updates' shared states with size or CDW weights.
+    """Average the updates' shared states with size, uniform or CDW weights.
 
     With ``cdw`` every update must carry ``metadata["cdw_distance"]``. If all
-    distances are zero (no client moved) the weights fall back to sizes and
-    ``note`` says so.
+    distances are zero (no client moved) the weights fall back to
+    ``weighting`` and ``note`` says so.
     """
+    if weighting not in WEIGHTINGS:
+        raise ValueError(f"aggregate: unknown weighting {weighting!r}; choose one of {', '.join(WEIGHTINGS)}")
     if not updates:
         raise ValueError("aggregate: no updates to aggregate")
     names = [u.client for u in updates]
-    weighting, note = "size", ""
+    fallback = uniform_weights if weighting == "uniform" else size_weights
+    note = ""
     if cdw:
         missing = [u.client for u in updates if "cdw_distance" not in u.metadata]
         if missing:
@@ -124,8 +164,8 @@ def aggregate(
         if sum(distances) > 0:
             weights, weighting = cdw_weights(distances), "cdw"
         else:
-            weights, note = size_weights(updates), "all CDW distances are 0; size weights used"
+            weights, note = fallback(updates), f"all CDW distances are 0; {weighting} weights used"
     else:
-        weights = size_weights(updates)
+        weights = fallback(updates)
     state = weighted_average([u.state for u in updates], weights, bn=bn)
     return Aggregate(state, weights, weighting, names, note)

@@ -12,7 +12,10 @@ differs:
   ``classification.num_clients`` clients by a seeded partitioner
   (:func:`fedreid.data.partition.partition`); every client keeps the global
   label space, so a client's split is ``ClientSplit(records=<sample indices>,
-  labels=<their labels>, pids=range(C))``;
+  labels=<their labels>, pids=range(C))``; its training images are augmented
+  as ``classification.augment`` says (crop + flip for RGB sets by default,
+  FedLMD Sec. 5.1; :func:`fedreid.data.transforms.build_classification_augment`),
+  the test split never;
 * model: a classifier of :mod:`fedreid.models.classifiers` named by
   ``model.backbone``, averaged whole (``fl.aggregation=fedavg``: there is no
   private head);
@@ -40,11 +43,13 @@ from fedreid.config import Config, ConfigError
 from fedreid.data.classification import (
     ArrayDataset,
     ClassificationDataset,
+    default_augment,
     digits_train_test,
     load_classification_dataset,
 )
-from fedreid.data.partition import class_counts, noisy_counts, partition
+from fedreid.data.partition import PartitionError, class_counts, noisy_counts, partition
 from fedreid.data.scenarios import ClientSplit
+from fedreid.data.transforms import build_classification_augment
 from fedreid.fl.client import Client
 from fedreid.fl.server_hooks.fedftg import CLASS_COUNTS
 from fedreid.fl.state import clone_state
@@ -61,24 +66,55 @@ def load_train_test(cfg: Config) -> tuple[ArrayDataset, ArrayDataset]:
     return load_classification_dataset(c.dataset, c.root, "train"), load_classification_dataset(c.dataset, c.root, "test")
 
 
+#: The ``classification.*`` config key that sets each partitioner argument
+#: (what :func:`partition_clients` names when a split cannot be made).
+PARTITION_CONFIG_KEYS: dict[str, str] = {
+    "alpha": "classification.alpha",
+    "beta": "classification.alpha",
+    "min_size": "classification.min_size",
+    "max_retries": "classification.max_retries",
+    "num_clients": "classification.num_clients",
+    "shards_per_client": "classification.shards_per_client",
+    "unbalanced_sigma": "classification.unbalanced_sigma",
+}
+
+
 def partition_clients(cfg: Config, train: ArrayDataset) -> list[ClientSplit]:
-    """``classification.num_clients`` splits of ``train`` by the configured (seeded) partitioner."""
+    """``classification.num_clients`` splits of ``train`` by the configured (seeded) partitioner.
+
+    The generator is seeded by ``derive_seed(classification.split_seed,
+    "partition")``, so the split depends on the config alone. A split that
+    cannot be made raises :class:`~fedreid.data.partition.PartitionError`
+    whose message names the config keys to change
+    (:data:`PARTITION_CONFIG_KEYS`), e.g. ``classification.min_size``; a
+    client left without samples (``dirichlet`` with ``min_size: 0``) raises
+    :class:`~fedreid.config.ConfigError`.
+    """
     c = cfg.classification
     options: dict[str, Any] = {
         "iid": {},
-        "dirichlet": {"alpha": c.alpha, "min_size": c.min_size},
+        "dirichlet": {"alpha": c.alpha, "min_size": c.min_size, "max_retries": c.max_retries},
         "dirichlet_prior": {"beta": c.alpha, "unbalanced_sigma": c.unbalanced_sigma},
         "shards": {"shards_per_client": c.shards_per_client},
     }[c.partition]
     rng = np.random.default_rng(derive_seed(c.split_seed, "partition"))
-    parts = partition(train.labels, c.partition, c.num_clients, rng, **options)
+    try:
+        parts = partition(train.labels, c.partition, c.num_clients, rng, **options)
+    except PartitionError as exc:
+        # The partitioner names its own arguments; name the config keys that set them.
+        advice = f"; use {exc.advice(PARTITION_CONFIG_KEYS)}" if exc.remedies else ""
+        raise PartitionError(
+            f"classification.partition={c.partition} on {train.name} ({len(train)} training images) "
+            f"with classification.split_seed={c.split_seed}: {exc.reason}{advice}",
+        ) from exc
     classes = list(range(train.num_classes))
     splits = []
     for k, indices in enumerate(parts):
         if len(indices) == 0:
             raise ConfigError(
-                f"classification: client {k} got no samples from the {c.partition} partition; "
-                "use fewer clients or a larger alpha"
+                f"classification.min_size: client {k} got no samples from the {c.partition} partition; "
+                "set classification.min_size to 1 or more (redraws until no client is empty), "
+                "or use a larger classification.alpha or a smaller classification.num_clients"
             )
         splits.append(ClientSplit(f"client{k:03d}", train.name, [int(i) for i in indices],
                                   train.labels[indices].astype(np.int64), classes))
@@ -94,9 +130,28 @@ class ClassificationClient(Client):
         self.data = data
 
     def _dataset(self) -> ClassificationDataset:
+        """This client's training images, augmented as ``classification.augment`` says.
+
+        The augmentation is seeded here and reseeded by every epoch's loader
+        (:meth:`Client.train_loader`: ``derive_seed(seed, round, index,
+        epoch)``), so the crops and flips depend on the config, the round,
+        the client and the epoch only.
+        """
         if self._train_dataset is None:
-            self._train_dataset = ClassificationDataset(self.data.subset(np.asarray(self.split.records)))
+            self._train_transform = build_classification_augment(
+                self.augment, *self.data.images.shape[1:3],
+                seed=derive_seed(self.cfg.seed, "augment", self.index),
+            )
+            self._train_dataset = ClassificationDataset(
+                self.data.subset(np.asarray(self.split.records)), self._train_transform
+            )
         return self._train_dataset
+
+    @property
+    def augment(self) -> str:
+        """``classification.augment`` with ``auto`` resolved for this dataset (:func:`default_augment`)."""
+        setting = self.cfg.classification.augment
+        return default_augment(self.data) if setting == "auto" else setting
 
     def init_head(self, model: nn.Module) -> None:
         self.head = OrderedDict()  # the classifier is shared like every other layer

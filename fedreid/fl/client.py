@@ -141,9 +141,20 @@ class Client:
             drop_last=self.cfg.train.drop_last if drop_last is None else drop_last,
         )
 
-    def public_loader(self):
+    def public_loader(self, kd_seed: Optional[int] = None):
+        """The public set for KD features (:mod:`fedreid.fl.server_hooks.kd`).
+
+        ``fl.kd_mode=eval``: in dataset order (built once). ``train``: shuffled
+        and augmented with the round's ``kd_seed`` (the server's student loader).
+        """
         if self.public_records is None:
             raise ClientError(f"client {self.name!r}: a KD round needs the public set, none was given")
+        if self.cfg.fl.kd_mode == "train":
+            if kd_seed is None:
+                raise ClientError(
+                    f"client {self.name!r}: fl.kd_mode=train needs the round's kd_seed in the KD instructions"
+                )
+            return make_public_loader(self.public_records, self.cfg, shuffle=True, seed=int(kd_seed))
         if self._public_loader is None:
             self._public_loader = make_public_loader(self.public_records, self.cfg, shuffle=False)
         return self._public_loader
@@ -204,7 +215,8 @@ class Client:
         """One round: load ``payload``, train locally, return the shared update.
 
         ``instructions``: ``round`` (0-based, required), ``cdw`` (compute the
-        CDW distance), ``kd`` (send public-set features).
+        CDW distance), ``kd`` (send public-set features), ``kd_seed`` (the
+        round's public loader seed, ``fl.kd_mode=train``).
         """
         started = time.perf_counter()
         round_index = int(instructions["round"])
@@ -242,7 +254,8 @@ class Client:
         if instructions.get("kd"):
             t0 = time.perf_counter()
             metadata[KD_FEATURES] = public_features(
-                model, self.public_loader(), len(self.public_records), device=self.device
+                model, self.public_loader(instructions.get("kd_seed")), len(self.public_records),
+                device=self.device, mode=self.cfg.fl.kd_mode, seed=derive_seed(seed, "kd-dropout"),
             )
             metadata["time_kd_features"] = time.perf_counter() - t0
         update = self._make_update(model, metadata)
@@ -300,12 +313,24 @@ class Client:
 
 
 def make_public_loader(records: Sequence[Record], cfg: Config, *, shuffle: bool, seed: int = 0):
-    """The public set with the test transform; dict batches carry ``index``."""
-    from fedreid.data.datasets import ReIDImageDataset, make_loader
-    from fedreid.data.transforms import build_test_transform
+    """The public set for KD; dict batches carry ``index``.
 
-    dataset = ReIDImageDataset(list(records), None, transform=build_test_transform(cfg.model.height, cfg.model.width))
-    return make_loader(dataset, cfg.fl.kd_batch_size, shuffle=shuffle, seed=seed, num_workers=cfg.train.workers)
+    The test transform with ``fl.kd_mode=eval``; the training transform (the
+    reference's ``kd_loader``) with ``train``, its augmentations seeded by
+    ``seed`` like the order, so equal seeds give equal batches.
+    """
+    from fedreid.data.datasets import ReIDImageDataset, make_loader
+    from fedreid.data.transforms import build_test_transform, build_train_transform
+
+    m, t = cfg.model, cfg.train
+    if cfg.fl.kd_mode == "train":
+        transform = build_train_transform(
+            m.height, m.width, random_erasing=t.random_erasing, color_jitter=t.color_jitter, seed=seed
+        )
+    else:
+        transform = build_test_transform(m.height, m.width)
+    dataset = ReIDImageDataset(list(records), None, transform=transform)
+    return make_loader(dataset, cfg.fl.kd_batch_size, shuffle=shuffle, seed=seed, num_workers=t.workers)
 
 
 __all__ = ["Client", "ClientError", "check_split", "make_public_loader"]

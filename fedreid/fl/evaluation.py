@@ -4,6 +4,13 @@ Wiring only: features come from :func:`fedreid.eval.features.extract_features`
 (flip-averaged, L2-normalised ``embed`` output in eval mode) and metrics from
 :func:`fedreid.eval.metrics.evaluate`. Loaders are built once per dataset and
 reused every evaluation.
+
+Besides the AP form ``ap`` (key ``mAP``), every form in ``extra_ap`` is
+computed from the same features and kept as ``mAP_<form>``: with the default
+``eval.extra_ap: [official]`` each record carries ``mAP_official``, the
+Market-1501 trapezoid AP averaged over all queries (a query without a true
+match scores 0), as the reference's evaluation (``evaluate.py`` ``testing_model``) reports
+it, next to the standard AP.
 """
 
 from __future__ import annotations
@@ -16,8 +23,9 @@ from torch import Tensor, nn
 
 from fedreid.data.prepared import PreparedDataset
 
-#: The metric keys kept in round records.
-KEEP_KEYS = ("mAP", "num_valid_queries", "num_queries")
+#: The metric keys kept in round records (``num_queries_without_match``: queries
+#: the standard protocol skips and the official one scores 0).
+KEEP_KEYS = ("mAP", "num_valid_queries", "num_queries", "num_queries_without_match")
 
 
 class EmbedModule(nn.Module):
@@ -66,12 +74,14 @@ class Evaluator:
         ranks: Sequence[int] = (1, 5, 10),
         device: torch.device | str = "cpu",
         workers: int = 0,
+        extra_ap: Sequence[str] = ("official",),
     ) -> None:
         self.datasets = dict(datasets)
         self.height, self.width = height, width
         self.batch_size = batch_size
         self.flip = flip
         self.ap = ap
+        self.extra_ap = tuple(dict.fromkeys(a for a in extra_ap if a != ap))
         self.ranks = tuple(ranks)
         self.device = torch.device(device)
         self.workers = workers
@@ -86,7 +96,7 @@ class Evaluator:
         return cls(
             datasets, height=cfg.model.height, width=cfg.model.width, batch_size=cfg.eval.batch_size,
             flip=cfg.eval.flip, ap=cfg.eval.ap, ranks=cfg.eval.ranks, device=device,
-            workers=cfg.train.workers,
+            workers=cfg.train.workers, extra_ap=cfg.eval.extra_ap,
         )
 
     def _loaders(self, name: str) -> dict[str, Any]:
@@ -129,6 +139,12 @@ class Evaluator:
         )
         keep = {f"rank{k}": float(result[f"rank{k}"]) for k in self.ranks}
         keep.update({k: (float(result[k]) if k == "mAP" else int(result[k])) for k in KEEP_KEYS if k in result})
+        for form in self.extra_ap:
+            other = evaluate(
+                qf, gf, sets["query"]["pids"], sets["gallery"]["pids"],
+                sets["query"]["camids"], sets["gallery"]["camids"], ap=form, ranks=self.ranks,
+            )
+            keep[f"mAP_{form}"] = float(other["mAP"])
         return keep
 
     def __call__(self, model: nn.Module, names: Optional[Iterable[str]] = None) -> dict[str, dict[str, Any]]:

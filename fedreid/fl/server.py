@@ -55,7 +55,7 @@ from torch import Tensor, nn
 
 from fedreid.config import Config
 from fedreid.errors import FedReIDError
-from fedreid.fl.aggregate import aggregate
+from fedreid.fl.aggregate import aggregate, server_step
 from fedreid.fl.server_hooks import hook_problem
 from fedreid.fl.state import clone_state, state_nbytes
 from fedreid.fl.update import Update, check_update, tensor_nbytes, to_plain
@@ -263,8 +263,13 @@ class Server:
             )
         t0 = time.perf_counter()
         if self.federated:
-            agg = aggregate(accepted, cdw=ins["cdw"], bn=self.cfg.fl.bn)
-            self.set_global_state(agg.state)
+            agg = aggregate(accepted, cdw=ins["cdw"], bn=self.cfg.fl.bn, weighting=self.cfg.fl.weighting)
+            state = agg.state
+            if self.cfg.fl.server_lr != 1.0:
+                trainable = [n for n, p in self.model.named_parameters() if p.requires_grad]
+                state = server_step(self.global_state, state, self.cfg.fl.server_lr, trainable)
+                record["server_lr"] = self.cfg.fl.server_lr
+            self.set_global_state(state)
             record["weighting"] = agg.weighting
             record["weights"] = dict(zip(agg.clients, agg.weights))
             if agg.note:

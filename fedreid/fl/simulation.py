@@ -167,6 +167,7 @@ def build_federation(
                 lambda shuffle, seed: make_public_loader(public, cfg, shuffle=shuffle, seed=seed),
                 len(public), every=cfg.fl.kd_every, lr=cfg.fl.kd_lr,
                 normalize_student=cfg.fl.kd_student_normalize, seed=cfg.seed, device=device,
+                mode=cfg.fl.kd_mode,
             )
         )
     server = Server(cfg, global_model, [c.name for c in clients], hooks=hooks, evaluator=evaluator)
@@ -360,7 +361,7 @@ def server_objective_hooks(cfg: Config, num_clients: int) -> list[Any]:
 
     options = cfg.train.objective_options
     if cfg.train.objective == "scaffold":
-        return [ScaffoldHook(num_clients)]
+        return [ScaffoldHook(num_clients, global_lr=cfg.fl.server_lr)]
     if cfg.train.objective == "feddyn":
         # the server's alpha must be the clients' alpha
         alpha = options.get("alpha", inspect.signature(FedDyn.__init__).parameters["alpha"].default)

@@ -1,44 +1,43 @@
-"""Conditional generator ``G(z, y)`` of FedFTG (Zhang et al., CVPR 2022, Table 7).
+"""Conditional generator ``G(z, y)`` of FedFTG (Zhang et al., CVPR 2022, Table 7(a)).
 
 FedFTG's server trains a conditional generator that maps a noise vector
 ``z ~ N(0, I)`` and a class label ``y`` to a pseudo image ``x~ = G(z, y; theta)``
-(the input of every loss of the paper, Eq. 3-8). Table 7 of the paper
-describes the generator as a label embedding combined with the noise, a
-fully connected layer, a reshape, upsampling convolution blocks with
-BatchNorm and a Tanh; the layer-by-layer sizes below are those of the official
+(the input of every loss of the paper, Eq. 3-8). Table 7(a) of the paper's
+appendix (the DFAD generator with a label branch), for 32x32x3 images::
+
+    FC(z) -> 4096, FC(onehot(y)) -> 4096, concat -> 8192
+    reshape, BN                      -> 128 x 8 x 8
+    Conv2D, BN, LeakyReLU            -> 128 x 8 x 8
+    upsample                         -> 128 x 16 x 16
+    Conv2D, BN, LeakyReLU            -> 64 x 16 x 16
+    upsample                         -> 64 x 32 x 32
+    Conv2D, Tanh                     -> 3 x 32 x 32
+
+with ``4096 = ngf * 8 * 8``, ``ngf = 64``, LeakyReLU slope 0.2 and 3x3
+convolutions. ``layer_order="paper"`` (default) is that order: each
+convolution block runs *before* the upsampling that follows it. The official
 code's ``CGeneratorA`` (``models/gan_models.py`` of
-github.com/ZhangLin-PKU/FedFTG), which has that structure:
+github.com/ZhangLin-PKU/FedFTG) upsamples first and convolves after, so its
+two blocks run at 16x16 and 32x32 (``layer_order="official"``)::
 
-==========================  =============================================
-noise branch                ``Linear(z_dim, ngf * h0 * w0)``
-label branch                ``Linear(num_classes, ngf * h0 * w0)`` on the
-                            one-hot label (a linear label embedding)
-combine                     concatenate along channels, reshape to
-                            ``[2 ngf, h0, w0]``, ``BatchNorm2d(2 ngf)``
-upsample x2                 nearest
-block 1                     ``Conv3x3(2 ngf, 2 ngf)``, BN, LeakyReLU(0.2)
-upsample x2                 nearest (to the exact output size)
-block 2                     ``Conv3x3(2 ngf, ngf)``, BN, LeakyReLU(0.2)
-to image                    ``Conv3x3(ngf, C)``, ``Tanh``
-(official only)             ``BatchNorm2d(C, affine=False)`` after Tanh
-==========================  =============================================
+    reshape, BN -> upsample -> Conv, BN, LeakyReLU (16x16) -> upsample
+    -> Conv, BN, LeakyReLU (32x32) -> Conv, Tanh [-> BatchNorm2d(C, affine=False)]
 
-``ngf = 64`` and ``z_dim = 100`` (``256`` for 100 classes: the official
-``train.py`` uses ``nz = 256`` for CIFAR-100), see :func:`default_z_dim`.
+Same parameters, about 4x the convolution cost. ``z_dim`` is 100, 256 for
+CIFAR-100 (appendix Sec. 7.4), see :func:`default_z_dim`.
 
-Sizes. The official code starts from ``img_size // 4`` and doubles twice,
-which only works for sizes divisible by 4. Here the start is
-``ceil(H / 4) x ceil(W / 4)``, the first upsampling goes to
-``ceil(H / 2) x ceil(W / 2)`` and the second to exactly ``H x W`` (nearest
-interpolation to a given size; for sizes divisible by 4 this is the same as
-``scale_factor=2``). So 32x32x3 (CIFAR), 28x28x1 (Fashion-MNIST: 7 -> 14 -> 28),
-8x8x1 (scikit-learn digits: 2 -> 4 -> 8) and non-square sizes all work.
+Sizes. Table 7 starts from ``img_size / 4`` and doubles twice, which only
+works for sizes divisible by 4. Here the start is ``ceil(H / 4) x ceil(W / 4)``,
+the first upsampling goes to ``ceil(H / 2) x ceil(W / 2)`` and the second to
+exactly ``H x W`` (nearest interpolation to a given size; for sizes divisible
+by 4 this is the same as ``scale_factor=2``). So 32x32x3 (CIFAR), 28x28x1
+(Fashion-MNIST: 7 -> 14 -> 28), 8x8x1 (scikit-learn digits: 2 -> 4 -> 8) and
+non-square sizes all work.
 
 Output normalisation. The official generator ends with a non-affine
 ``BatchNorm2d`` *after* the Tanh, so its images are standardised per channel
 over the batch rather than bounded in ``[-1, 1]``; ``output_norm=True``
-reproduces it. The default (``False``) ends at the Tanh, as the paper's
-description of the generator does.
+reproduces it. The default (``False``) ends at the Tanh, as Table 7 does.
 
 Initialisation draws from a ``torch.Generator`` (or a seed) only: the layers
 are built on the ``meta`` device, so constructing a generator never touches
@@ -57,6 +56,8 @@ from torch import Tensor, nn
 from fedreid.errors import FedReIDError
 
 ImageSize = Union[int, Sequence[int]]
+#: ``paper``: Table 7(a), convolution then upsampling; ``official``: ``CGeneratorA``, upsampling then convolution.
+LAYER_ORDERS: tuple[str, ...] = ("paper", "official")
 
 
 class GeneratorConfigError(FedReIDError, ValueError):
@@ -104,6 +105,7 @@ class ConditionalGenerator(nn.Module):
         channels: int = 3,
         base_channels: int = 64,
         output_norm: bool = False,
+        layer_order: str = "paper",
         generator: Optional[torch.Generator] = None,
         seed: Optional[int] = None,
     ) -> None:
@@ -117,6 +119,11 @@ class ConditionalGenerator(nn.Module):
                 f"generator: z_dim, channels, base_channels and image size must be positive, got "
                 f"z_dim={z_dim}, channels={channels}, base_channels={base_channels}, image_size={(height, width)}"
             )
+        if layer_order not in LAYER_ORDERS:
+            raise GeneratorConfigError(
+                f"generator: layer_order must be one of {', '.join(LAYER_ORDERS)}, got {layer_order!r}"
+            )
+        self.layer_order = layer_order
         self.num_classes = int(num_classes)
         self.z_dim = z_dim
         self.image_size = (height, width)
@@ -201,10 +208,12 @@ class ConditionalGenerator(nn.Module):
         out = torch.cat([self.noise_fc(z), self.label_fc(onehot)], dim=1)
         out = out.view(batch, 2 * self.base_channels, h0, w0)
         out = self.bn0(out)
-        out = F.interpolate(out, size=self.mid_size, mode="nearest")
-        out = self.block1(out)
-        out = F.interpolate(out, size=self.image_size, mode="nearest")
-        out = self.block2(out)
+        if self.layer_order == "paper":  # Table 7(a): convolve, then upsample
+            out = F.interpolate(self.block1(out), size=self.mid_size, mode="nearest")
+            out = F.interpolate(self.block2(out), size=self.image_size, mode="nearest")
+        else:  # official CGeneratorA: upsample, then convolve
+            out = self.block1(F.interpolate(out, size=self.mid_size, mode="nearest"))
+            out = self.block2(F.interpolate(out, size=self.image_size, mode="nearest"))
         img = torch.tanh(self.to_image(out))
         if self.output_bn is not None:
             img = self.output_bn(img)
@@ -212,10 +221,12 @@ class ConditionalGenerator(nn.Module):
 
     def extra_repr(self) -> str:
         h, w = self.image_size
-        return f"num_classes={self.num_classes}, z_dim={self.z_dim}, image={self.channels}x{h}x{w}"
+        return (f"num_classes={self.num_classes}, z_dim={self.z_dim}, image={self.channels}x{h}x{w}, "
+                f"layer_order={self.layer_order}")
 
 
 __all__ = [
+    "LAYER_ORDERS",
     "ConditionalGenerator",
     "GeneratorConfigError",
     "default_z_dim",

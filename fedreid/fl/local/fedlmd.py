@@ -1,25 +1,32 @@
 """FedLMD, label-masking distillation (Lu, Li, Bao, Wang, Qian, Ge, ACM MM 2023,
 "Federated Learning with Label-Masking Distillation"), and its teacher-free variant FedLMD-Tf.
 
-Sources: the paper (arXiv 2409.13136; its equations could not be retrieved in
-the session that wrote this module -- the definitions below follow the
-paper's prose, the project design doc and the official code) and the official
-code ``wnma3mz/FedLMD`` (commit ``6a06d45``: ``src/algorithms/fedlmd/criterion.py``,
-``src/algorithms/fedlmd_tf/criterion.py``, ``.../Server.py``,
-``.../ClientTrainer.py``, ``src/config/fedlmd*.json``).
+Sources: the paper (Sec. 4.2, Eq. 2-6; Sec. 4.3, Eq. 7-8; Algorithm 1) and
+the official code ``wnma3mz/FedLMD`` (commit ``6a06d45``:
+``src/algorithms/fedlmd/criterion.py``, ``src/algorithms/fedlmd_tf/criterion.py``,
+``.../Server.py``, ``.../ClientTrainer.py``, ``src/config/fedlmd*.json``).
 
-Majority labels of client ``k`` (official ``Server.__init__``:
+Majority labels of client ``k``. Sec. 4.2 prints the condition as
+``n_{k,y} >= n_k / n_{k,y}``, a typo for a comparison with the mean class
+count ``n_k / C``; the official ``Server.__init__`` uses
 ``np.where(data_map[k] > mean(data_map[k]))``, the mean over all ``C``
-classes)::
+classes, strictly::
 
     M_k = { c : n_k^c > n_k / C }            (strict; classes the client lacks are minority)
 
 Loss of one sample ``(x, y)`` with student logits ``z`` (local model) and
-teacher logits ``z^g`` (received global model, frozen), temperature ``tau``::
+teacher logits ``z^g`` (received global model, frozen), temperature ``tau``
+(Eq. 5, with ``L_LMD`` the KL of Eq. 6)::
 
-    L = CE(z, y) + beta * tau^2 * KL( p^g || q )
+    L = CE(z, y) + beta * KL( p^g || q )
     p^g(c) = exp(z^g_c/tau) / sum_{c' in A} exp(z^g_c'/tau)   for c in A = C \\ (M_k U {y}),  0 otherwise
     q(c)   = exp(z_c/tau)   / sum_{c' != y} exp(z_c'/tau)     for c != y,                  0 for c = y
+
+Eq. 3 writes the teacher's support as the non-majority labels and Eq. 4 the
+student's as the not-true labels; Sec. 4.2 assumes the true label is a
+majority label. When it is not, the KL of Eq. 6 would be infinite (teacher
+mass where the student has none), so the true label leaves the teacher's
+support too, as in the official code.
 
 Mask semantics: the *teacher* masks the client's majority labels **and** the
 sample's true label (official: ``logits_t/T - 1000*label_mask - 1000*gt_mask``);
@@ -32,12 +39,13 @@ summed over classes and averaged over the batch (``reduction="batchmean"``).
 A sample with an empty ``A`` (every not-true label is a majority label) has
 no teacher distribution: its KD term is 0 (it still counts in the batch mean).
 
-FedLMD-Tf (teacher-free) replaces ``p^g`` by the uniform distribution over
-``A``: ``p^u(c) = 1/|A|`` for ``c in A`` (a proper distribution for every
-sample and batch size; 0 everywhere, hence KD term 0, when ``A`` is empty).
-No teacher forward is run.
+FedLMD-Tf (teacher-free, Eq. 7-8) replaces ``p^g`` by the uniform
+distribution over ``A``: ``p^u(c) = 1/|A|`` for ``c in A`` (Eq. 8's
+``1/(C - C_k)`` over the minority labels, with the true label removed for the
+reason above; a proper distribution for every sample and batch size; 0
+everywhere, hence KD term 0, when ``A`` is empty). No teacher forward is run.
 
-Switch (paper Section 5.4): FedLMD-Tf for the first ``switch_round`` rounds,
+Switch (Sec. 5.4, Fig. 8): FedLMD-Tf for the first ``switch_round`` rounds,
 FedLMD from then on (:func:`lmd_uses_teacher`; 0-based round index).
 
 Defaults ``tau = 1``, ``beta = 1``: the official configs (``{"tau": 1, "beta": 1}``).
@@ -67,9 +75,9 @@ Differences of the official code, each behind an option here:
   float precision unless tempered logits differ by ~1000, or ``A`` is empty:
   the official teacher is then a softmax over masked labels (the true one
   pushed down twice when it is a majority label) instead of "no teacher".
-* ``tau_sq``: the official code multiplies the KL by ``T ** 2``; kept as the
-  default (the paper's equation could not be checked), so ``tau_sq=False``
-  gives the unscaled KL. At the default ``tau = 1`` there is no difference.
+* ``tau_sq=True``: the official code multiplies the KL by ``T ** 2`` (Hinton
+  et al.'s gradient scaling); Eq. 5-6 have no such factor, so the default
+  is the unscaled KL. At the default ``tau = 1`` there is no difference.
 """
 
 from __future__ import annotations
@@ -119,7 +127,7 @@ def lmd_uses_teacher(round_index: int, *, teacher_free: bool, switch_round: Opti
     """Whether round ``round_index`` (0-based) distils from the global model.
 
     FedLMD: always. FedLMD-Tf: never, or from ``switch_round`` on when given
-    (Section 5.4: Tf for rounds ``0 .. switch_round-1``, then FedLMD).
+    (Sec. 5.4: Tf for rounds ``0 .. switch_round-1``, then FedLMD).
     """
     if not teacher_free:
         return True
@@ -139,7 +147,7 @@ def lmd_loss(
     majority: Tensor,
     tau: float = 1.0,
     *,
-    tau_sq: bool = True,
+    tau_sq: bool = False,
     mask: str = "exact",
 ) -> Tensor:
     """The label-masking distillation term: batch-mean ``KL(p^g || q)`` (times ``tau^2`` if ``tau_sq``)."""
@@ -187,7 +195,7 @@ def lmd_tf_loss(
     majority: Tensor,
     tau: float = 1.0,
     *,
-    tau_sq: bool = True,
+    tau_sq: bool = False,
     target: str = "paper",
     mask: str = "exact",
 ) -> Tensor:
@@ -226,7 +234,7 @@ class FedLMD(LocalObjective):
         switch_round: Optional[int] = None,
         tf_target: str = "paper",
         mask: str = "exact",
-        tau_sq: bool = True,
+        tau_sq: bool = False,
     ) -> None:
         super().__init__()
         self.majority = majority_labels(class_counts)
@@ -306,7 +314,7 @@ class FedLMDTf(FedLMD):
         switch_round: Optional[int] = None,
         tf_target: str = "paper",
         mask: str = "exact",
-        tau_sq: bool = True,
+        tau_sq: bool = False,
     ) -> None:
         super().__init__(
             class_counts,

@@ -4,9 +4,9 @@ Every ``kd_every`` rounds, after aggregation:
 
 1. each participating client, right after its local training, computes the
    features of its model without head (``embed``: the 512-d bottleneck
-   output, eval mode, no grad) on the unlabeled public set, L2-normalises them
-   and sends them in its :class:`~fedreid.fl.update.Update` metadata
-   (``kd_features``, ``[N_public, d]``, rows in public-set order);
+   output, no grad) on the unlabeled public set, L2-normalises them and sends
+   them in its :class:`~fedreid.fl.update.Update` metadata (``kd_features``,
+   ``[N_public, d]``, rows in public-set order);
 2. the server's target is their mean (:func:`kd_target`);
 3. the aggregated global model (the student) makes one pass over the public
    set, SGD on the MSE between its features and the target (:func:`distill`).
@@ -25,10 +25,24 @@ Reference facts (``server.py`` ``Server.knowledge_distillation``,
   normalised (``output = self.federated_model(x)``). ``kd_student_normalize``
   switches student normalisation on; off by default, as the reference.
 * in the reference the teachers run in the same batches as the student, on
-  train-augmented images, in whatever mode the client models were left
-  (train). Here the targets are computed by the clients (so remote clients
-  work the same) and therefore on the deterministic test transform, in eval
-  mode; the student trains on those same un-augmented images.
+  train-augmented images (``data_utils.py``: ``kd_loader`` uses the training
+  transform, shuffled, batch size 32), in whatever mode the client models were
+  left after local training (train: dropout and batch-statistics BatchNorm).
+
+The paper (Algorithm 2, Sec. 5.1) says only "predict soft labels with w,
+D_shared", so the teacher/student mode is an option (``fl.kd_mode``):
+
+* ``eval`` (default): teachers in eval mode on the deterministic test
+  transform (:func:`public_features` ``mode="eval"``), the public set in its
+  own order; the student trains on those same un-augmented images;
+* ``train`` (the reference): the server draws one loader seed per KD round
+  (:meth:`KDHook.loader_seed`) and sends it as the ``kd_seed`` instruction;
+  each client builds the public loader with that seed (same shuffle, same
+  augmentations, same batches as the student's) and computes its features in
+  train mode (:func:`public_features` ``mode="train"``: dropout active,
+  BatchNorm on batch statistics, running statistics left untouched); the
+  student then trains on exactly those augmented batches. The targets are
+  still computed by the clients, so remote clients work the same.
 """
 
 from __future__ import annotations
@@ -66,29 +80,57 @@ def embed(model: nn.Module, images: Tensor) -> Tensor:
     return model.embed(images)
 
 
+KD_MODES = ("eval", "train")
+
+
 @torch.no_grad()
 def public_features(
-    model: nn.Module, loader, num_images: int, *, device: torch.device | str = "cpu"
+    model: nn.Module,
+    loader,
+    num_images: int,
+    *,
+    device: torch.device | str = "cpu",
+    mode: str = "eval",
+    seed: int = 0,
 ) -> Tensor:
     """L2-normalised ``embed`` features of the public set, ``[N, d]`` float32 on CPU.
 
-    Eval mode, no grad; row ``i`` is the public image with dataset index ``i``.
+    No grad; row ``i`` is the public image with dataset index ``i``.
+    ``mode="eval"``: the model in eval mode. ``mode="train"`` (the reference's
+    teachers, module docstring): train mode, so dropout (drawn from a torch RNG
+    forked and seeded with ``seed``) and batch-statistics BatchNorm shape the
+    features; the model's buffers (BatchNorm running statistics) are restored
+    afterwards. A batch of one image, where BatchNorm has no batch statistics,
+    is computed in eval mode (:func:`distill` skips such a batch, so its
+    target is never used). The model is left in the mode it was in.
     """
+    if mode not in KD_MODES:
+        raise ValueError(f"KD: mode must be one of {', '.join(KD_MODES)} (fl.kd_mode), got {mode!r}")
     was_training = model.training
-    model.eval()
+    buffers = {name: b.detach().clone() for name, b in model.named_buffers()} if mode == "train" else {}
+
+    def restore() -> None:  # every batch sees the model's own running statistics
+        for name, b in model.named_buffers():
+            if name in buffers:
+                b.copy_(buffers[name])
+
     out: Optional[Tensor] = None
     seen = 0
     try:
-        for batch in loader:
-            images = _images(batch).to(device)
-            feats = F.normalize(embed(model, images).float(), p=2, dim=1).cpu()
-            idx = _indices(batch, seen)
-            if out is None:
-                out = torch.zeros(num_images, feats.shape[1], dtype=torch.float32)
-            out[idx] = feats
-            seen += images.shape[0]
+        with forked_torch_rng(seed, device):
+            for batch in loader:
+                images = _images(batch).to(device)
+                model.train(mode == "train" and images.shape[0] > 1)
+                feats = F.normalize(embed(model, images).float(), p=2, dim=1).cpu()
+                restore()
+                idx = _indices(batch, seen)
+                if out is None:
+                    out = torch.zeros(num_images, feats.shape[1], dtype=torch.float32)
+                out[idx] = feats
+                seen += images.shape[0]
     finally:
         model.train(was_training)
+        restore()
     if out is None or seen != num_images:
         raise ValueError(f"KD: the public loader gave {seen} images, expected {num_images}")
     return out
@@ -163,7 +205,11 @@ class KDHook:
     """Server hook: asks clients for public features on KD rounds, then distils.
 
     ``public_loader_fn(shuffle, seed)`` builds a loader over the public set
-    (test transform, dict batches with ``index``); ``num_public`` is its size.
+    (dict batches with ``index``; the test transform with ``mode="eval"``, the
+    training transform with ``mode="train"``, as the clients' loaders);
+    ``num_public`` is its size. ``mode`` is ``fl.kd_mode`` (module docstring):
+    with ``train`` the KD instructions carry ``kd_seed``, the seed of the
+    student's loader, so that the clients' teachers see the same batches.
     """
 
     name = "kd"
@@ -178,7 +224,11 @@ class KDHook:
         normalize_student: bool = False,
         seed: int = 0,
         device: torch.device | str = "cpu",
+        mode: str = "eval",
     ) -> None:
+        if mode not in KD_MODES:
+            raise ValueError(f"KD: mode must be one of {', '.join(KD_MODES)} (fl.kd_mode), got {mode!r}")
+        self.mode = mode
         self.public_loader_fn = public_loader_fn
         self.num_public = num_public
         self.every = every
@@ -187,8 +237,19 @@ class KDHook:
         self.seed = seed
         self.device = device
 
+    def round_seed(self, round_index: int) -> int:
+        return derive_seed(self.seed, "kd", round_index)
+
+    def loader_seed(self, round_index: int) -> int:
+        """The seed of KD round ``round_index``'s public loader (shuffle and augmentation)."""
+        return derive_seed(self.round_seed(round_index), "shuffle")
+
     def instructions(self, round_index: int) -> dict[str, Any]:
-        return {"kd": True} if is_kd_round(round_index, self.every) else {}
+        if not is_kd_round(round_index, self.every):
+            return {}
+        if self.mode == "train":
+            return {"kd": True, "kd_seed": self.loader_seed(round_index)}
+        return {"kd": True}
 
     def check_update(self, round_index: int, update: Update, model: nn.Module) -> Optional[str]:
         """Why ``update``'s KD features cannot be a teacher this round, or None.
@@ -225,8 +286,8 @@ class KDHook:
         target = kd_target([u.metadata[KD_FEATURES] for u in updates])
         if target.shape[0] != self.num_public:
             raise ValueError(f"KD: targets for {target.shape[0]} images, public set has {self.num_public}")
-        seed = derive_seed(self.seed, "kd", round_index)
-        loader = self.public_loader_fn(shuffle=True, seed=derive_seed(seed, "shuffle"))
+        seed = self.round_seed(round_index)
+        loader = self.public_loader_fn(shuffle=True, seed=self.loader_seed(round_index))
         stats = distill(
             model, loader, target, lr=self.lr, normalize_student=self.normalize_student,
             seed=derive_seed(seed, "dropout"), device=self.device,

@@ -1,0 +1,134 @@
+"""tools/reproduce.py: the table registry, resumable table runs, the results page."""
+
+from pathlib import Path
+
+import pytest
+
+from fedreid.config import load_config
+from fedreid.reproduce import TABLES, Cell, ReproduceError, Row, Table, run_table, write_page
+from fedreid.reproduce.runner import cell_overrides, missing_data
+
+REPO = Path(__file__).resolve().parents[1]
+ISSUE_TABLES = {"fedreid-table2", "fedreid-table4", "fedreid-table8", "fedlmd-table1", "fedlmd-table2",
+                "fedlmd-table3-mnist", "fedftg-table1", "fedftg-table3", "fedftg-table4"}
+
+
+def test_registry_names_the_issue_tables():
+    assert ISSUE_TABLES <= set(TABLES)
+    assert any(name.startswith("fedlmd-table3-") for name in TABLES)
+
+
+@pytest.mark.parametrize("name", sorted(TABLES))
+def test_every_runnable_cell_has_a_loadable_config_and_a_distinct_run(name, tmp_path, monkeypatch):
+    monkeypatch.chdir(REPO)
+    table = TABLES[name]
+    runs = {}
+    for row in table.rows:
+        assert len(row.cells) == len(table.columns), (name, row.label)
+        for j, cell in enumerate(row.cells):
+            if cell.missing:
+                assert cell.config is None and cell.paper is not None
+                continue
+            slug = table.cell_slug(row, j)
+            for synthetic in (False, True) if table.synthetic else (False,):
+                cfg = load_config(cell.config, cell_overrides(table, cell, 0, None, synthetic, tmp_path / slug))
+                assert cfg.run.out_dir == str(tmp_path / slug)
+            # a slug is one run: cells sharing it share config and overrides
+            assert runs.setdefault(slug, cell.run_key) == cell.run_key, (name, slug)
+    if table.kind != "reid":
+        assert len(set(runs)) == sum(1 for r in table.rows for c in r.cells if not c.missing)
+
+
+def test_paper_numbers_are_transcribed():
+    t3 = TABLES["fedlmd-table3-mnist"]
+    by_slug = {r.slug: r for r in t3.rows}
+    assert [c.paper for c in by_slug["fedlmd"].cells] == [88.48, 88.61]
+    assert [c.paper for c in by_slug["fedavg"].cells] == [85.41, 85.19]
+    ftg = {r.slug: r for r in TABLES["fedftg-table1"].rows}["fedftg"]
+    assert ftg.cells[1].paper == 84.38 and ftg.cells[1].paper_std == 0.49
+    assert load_config(REPO / ftg.cells[1].config).train.objective == "scaffold"  # Sec. 4.1
+    market = {r.slug: r for r in TABLES["fedreid-table2"].rows}["market1501-by-camera"]
+    assert [c.paper for c in market.cells] == [61.13, 74.88, 80.55, 36.57]
+
+
+def _digits_table(name="tiny-digits"):
+    config = str(REPO / "configs/classification/digits_fedavg.yaml")
+    small = ("classification.num_clients=4", "train.local_epochs=1", "run.device=cpu")
+    return Table(
+        name=name, title="digits", source="a test", columns=("acc",), column_slugs=("d",),
+        rows=(Row("FedAvg", "fedavg", (Cell(config, (*small, "train.objective=fedavg"), paper=90.0),)),
+              Row("FedProx", "fedprox", (Cell(config, (*small, "train.objective=fedprox"), paper=91.0),)),
+              Row("FedX", "fedx", (Cell(None, paper=99.0, missing="not implemented in fedreid"),))),
+        data="scikit-learn's digits",
+    )
+
+
+def test_table_runs_resume_and_page(tmp_path):
+    table = _digits_table()
+    out, pages = tmp_path / "runs", tmp_path / "pages"
+    outcomes = run_table(table, [0, 1], out=out, rounds=2)
+    assert [len(o.runs) for row in outcomes for o in row] == [2, 2, 0]
+    values = outcomes[0][0].values()
+    assert len(values) == 2 and all(0 < v <= 100 for v in values)
+    run_dir = out / "tiny-digits" / "d-fedavg" / "seed0"
+    assert (run_dir / "checkpoint.pt").is_file() and outcomes[0][0].runs[0].rounds == 2
+    stamp = (run_dir / "checkpoint.pt").stat().st_mtime_ns
+    again = run_table(table, [0, 1], out=out, rounds=2)  # finished runs are only read
+    assert (run_dir / "checkpoint.pt").stat().st_mtime_ns == stamp
+    assert again[0][0].values() == values
+    page, picture = write_page(table, again, pages=pages, seeds=[0, 1], rounds=2, synthetic=False,
+                               command="python tools/reproduce.py tiny-digits --rounds 2")
+    text = page.read_text()
+    assert "**Reduced schedule: 2 rounds** (the paper's: 30)" in text
+    assert "| FedAvg | 90.00 |" in text and "not implemented in fedreid" in text
+    fedavg_line = next(line for line in text.splitlines() if line.startswith("| FedAvg |"))
+    mean = sum(values) / 2
+    assert f"{mean - 90.0:+.2f}" in fedavg_line and "| 2 |" in fedavg_line
+    assert picture is not None and picture.read_bytes()[:4] == b"\x89PNG"
+    # A folder of a longer schedule is refused, not read up to a point.
+    with pytest.raises(ReproduceError, match="2 completed rounds but this table run asks for 1"):
+        run_table(table, [0], out=out, rounds=1)
+
+
+def test_a_stopped_run_is_resumed_to_the_same_numbers(tmp_path):
+    table = _digits_table()
+    one = run_table(table, [0], out=tmp_path / "a", rounds=2)
+    first = run_table(table, [0], out=tmp_path / "b", rounds=1)  # "stopped" after round 1
+    assert first[0][0].runs[0].status == "done"
+    resumed = run_table(table, [0], out=tmp_path / "b", rounds=2)
+    assert resumed[0][0].values() == one[0][0].values()
+    assert [r["round"] for r in resumed[0][0].runs[0].history] == [1, 2]
+
+
+def test_missing_data_names_what_is_needed(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # no datasets/ here
+    cell = TABLES["fedlmd-table1"].rows[0].cells[0]
+    cfg = load_config(REPO / cell.config)
+    assert "cifar-10-batches-py" in missing_data(cfg)
+    reid = load_config(REPO / "configs/fedreid/fedpav.yaml")
+    assert "prepared datasets missing" in missing_data(reid) and "market1501" in missing_data(reid)
+    table = Table(name="t", title="t", source="s", columns=("a",), column_slugs=("a",), data="CIFAR-10 files",
+                  rows=(Row("FedAvg", "fedavg", (Cell(str(REPO / cell.config), cell.overrides, paper=33.02),)),))
+    outcomes = run_table(table, [0], out=tmp_path / "runs")
+    assert outcomes[0][0].runs[0].status == "missing-data"
+    page, picture = write_page(table, outcomes, pages=tmp_path / "pages", seeds=[0], rounds=None,
+                               synthetic=False, command="x")
+    assert "data missing: cifar10" in page.read_text() and picture is None
+
+
+def test_cli_list_and_errors(capsys):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("reproduce_tool", REPO / "tools" / "reproduce.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    assert tool.main(["--list"]) == 0
+    listing = capsys.readouterr().out
+    for name in TABLES:
+        assert f"{name}:" in listing
+    with pytest.raises(ReproduceError, match="unknown table 'nope'"):
+        tool.main(["nope"])
+    with pytest.raises(ReproduceError, match="has no row 'fedzz'"):
+        tool.main(["fedlmd-table3-mnist", "--rows", "fedzz"])
+    with pytest.raises(ReproduceError, match="no synthetic variant"):
+        tool.main(["fedlmd-table1", "--synthetic", "--page-only", "--pages", "/nonexistent-never-written"])
