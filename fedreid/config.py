@@ -411,6 +411,9 @@ class ClassificationConfig:
     test_fraction: float = 0.2
     #: Seed of the partition and the digits split.
     split_seed: int = 0
+    #: Train on a class-stratified subset of this many training images, drawn with
+    #: ``split_seed`` (a CPU budget; the test split stays whole); null: all of it.
+    train_subset: Optional[int] = None
     #: Training-image augmentation (:func:`fedreid.data.transforms.build_classification_augment`;
     #: the test split is never augmented). ``auto``: the dataset's default,
     #: ``crop_flip`` for RGB (cifar10, cifar100, RGB imagefolder) and ``none``
@@ -437,6 +440,11 @@ class ClassificationConfig:
             raise ConfigError(f"{prefix}.min_size and unbalanced_sigma: expected values >= 0")
         if self.max_retries < 0:
             raise ConfigError(f"{prefix}.max_retries: expected a value >= 0, got {self.max_retries}")
+        if self.train_subset is not None and self.train_subset < self.num_clients:
+            raise ConfigError(
+                f"{prefix}.train_subset: expected null or at least num_clients={self.num_clients} images, "
+                f"got {self.train_subset}"
+            )
         _check_range(f"{prefix}.count_noise", self.count_noise, 0, 1)
         _check_range(f"{prefix}.test_fraction", self.test_fraction, 0, 1, low_open=True)
         for t in self.target_accuracies:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pickle
 import re
+import shutil
 import struct
 from pathlib import Path
 
@@ -107,9 +108,9 @@ def write_fake(dataset, root, train_counts, test_counts, *, zeros, seed=0):
     return root
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def full_size_root(tmp_path_factory):
-    """``dataset -> folder`` of a fake with the real training class counts (written once per session)."""
+    """``dataset -> folder`` of a fake with the real training class counts (written once, removed after)."""
     made = {}
 
     def make(dataset):
@@ -121,10 +122,12 @@ def full_size_root(tmp_path_factory):
             made[dataset] = write_fake(dataset, root, counts, [2] * len(counts), zeros=True)
         return made[dataset]
 
-    return make
+    yield make
+    for root in made.values():  # CIFAR at full size is 150 MB a dataset
+        shutil.rmtree(root, ignore_errors=True)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def small_root(tmp_path_factory):
     """``dataset -> folder`` of a small fake (12 training and 2 test images per class; CIFAR-100: 2 and 1)."""
     made = {}
@@ -140,13 +143,13 @@ def small_root(tmp_path_factory):
     return make
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def loaded():
     """The real loaders run once per (dataset, folder); later builds reuse the arrays."""
     return {}
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def partitioned():
     """Splits by their inputs: configs that differ only elsewhere (objective, FedFTG) share one."""
     return {}

@@ -58,12 +58,37 @@ from fedreid.utils.seeding import derive_seed
 
 
 def load_train_test(cfg: Config) -> tuple[ArrayDataset, ArrayDataset]:
-    """The configured dataset's train and test splits (digits: a seeded stratified split)."""
+    """The configured dataset's train and test splits (digits: a seeded stratified split).
+
+    With ``classification.train_subset`` the training split is cut to
+    :func:`stratified_subset` of that size.
+    """
     c = cfg.classification
     if c.dataset == "digits":  # one draw gives both parts, so they are complementary
         rng = np.random.default_rng(derive_seed(c.split_seed, "digits"))
-        return digits_train_test(rng, test_fraction=c.test_fraction)
-    return load_classification_dataset(c.dataset, c.root, "train"), load_classification_dataset(c.dataset, c.root, "test")
+        train, test = digits_train_test(rng, test_fraction=c.test_fraction)
+    else:
+        train = load_classification_dataset(c.dataset, c.root, "train")
+        test = load_classification_dataset(c.dataset, c.root, "test")
+    if c.train_subset is not None:
+        if c.train_subset > len(train):
+            raise ConfigError(
+                f"classification.train_subset={c.train_subset}: the {c.dataset} training split has only {len(train)} images"
+            )
+        rng = np.random.default_rng(derive_seed(c.split_seed, "train-subset"))
+        train = train.subset(stratified_subset(train.labels, c.train_subset, rng))
+    return train, test
+
+
+def stratified_subset(labels: np.ndarray, size: int, rng: np.random.Generator) -> np.ndarray:
+    """``size`` sorted indices keeping each class's share of ``labels`` (largest remainder), drawn with ``rng``."""
+    classes, counts = np.unique(labels, return_counts=True)
+    exact = counts * size / labels.size
+    take = np.floor(exact).astype(np.int64)
+    order = np.argsort(-(exact - take), kind="stable")
+    take[order[: size - int(take.sum())]] += 1
+    picked = [rng.choice(np.flatnonzero(labels == c), int(k), replace=False) for c, k in zip(classes, take)]
+    return np.sort(np.concatenate(picked))
 
 
 #: The ``classification.*`` config key that sets each partitioner argument

@@ -28,6 +28,7 @@ import numpy as np
 
 from fedreid.config import Config, load_config
 from fedreid.errors import FedReIDError
+from fedreid.fl.server import RoundFailedError
 from fedreid.reproduce.tables import Cell, Table
 from fedreid.utils.cli import literal_override
 
@@ -42,7 +43,7 @@ class RunResult:
 
     run_dir: Path
     seed: int
-    status: str  # "done", "missing-data", "not-run"
+    status: str  # "done", "partial", "failed", "missing-data", "not-run"
     history: list[dict[str, Any]] = field(default_factory=list)
     rounds: int = 0
     planned_rounds: int = 0
@@ -125,7 +126,13 @@ def run_cell(table: Table, cell: Cell, slug: str, seed: int, *, out: Path, round
         if lacking:
             result.status, result.detail = "missing-data", lacking
             return result
-        history = run_simulation(cfg, run_dir, resume=done > 0, progress=progress, callbacks=callbacks)
+        try:
+            history = run_simulation(cfg, run_dir, resume=done > 0, progress=progress, callbacks=callbacks)
+        except (RoundFailedError, FloatingPointError) as exc:  # the run diverged (non-finite loss or updates)
+            done, history = _completed(run_dir)
+            result.status, result.detail = "failed", f"stopped in round {done + 1}: {exc}"
+            result.history, result.rounds = history, done
+            return result
         done = len(history)
     result.history, result.rounds = history, done
     result.seconds = float(sum(r.get("time", {}).get("round", 0.0) for r in history))
@@ -237,6 +244,10 @@ def _status(outcome: CellOutcome) -> str:
     missing = [r for r in runs if r.status == "missing-data"]
     if missing:
         return f"data missing: {missing[0].detail}"
+    failed = [r for r in runs if r.status == "failed"]
+    if failed:
+        return (f"{len(failed)} of {len(runs)} runs failed (seed {failed[0].seed} "
+                f"{failed[0].detail.split(':')[0]}), left out of the mean")
     partial = [r for r in runs if r.status == "partial"]
     if partial:
         return f"unfinished ({partial[0].detail})"
