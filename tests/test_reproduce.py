@@ -132,3 +132,16 @@ def test_cli_list_and_errors(capsys):
         tool.main(["fedlmd-table3-mnist", "--rows", "fedzz"])
     with pytest.raises(ReproduceError, match="no synthetic variant"):
         tool.main(["fedlmd-table1", "--synthetic", "--page-only", "--pages", "/nonexistent-never-written"])
+
+
+def test_a_diverged_run_is_reported_not_averaged(tmp_path):
+    config = str(REPO / "configs/classification/digits_fedavg.yaml")
+    table = Table(name="t", title="t", source="s", columns=("acc",), column_slugs=("d",), data="digits",
+                  rows=(Row("FedAvg, lr 1e6", "huge-lr", (Cell(config, ("classification.num_clients=4",
+                        "train.local_epochs=1", "train.lr=1000000.0", "run.device=cpu"), paper=90.0),)),))
+    outcomes = run_table(table, [0], out=tmp_path / "runs", rounds=3)
+    run = outcomes[0][0].runs[0]
+    assert run.status == "failed" and "stopped in round 1" in run.detail
+    assert outcomes[0][0].values() == []
+    page, _ = write_page(table, outcomes, pages=tmp_path / "pages", seeds=[0], rounds=3, synthetic=False, command="x")
+    assert "1 of 1 runs failed (seed 0 stopped in round 1)" in page.read_text()

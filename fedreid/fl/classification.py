@@ -250,6 +250,11 @@ def build_classification_federation(cfg: Config):
         from fedreid.fl.server_hooks.fedftg import FedFTGConfig, FedFTGHook
 
         options = {"image_size": (int(height), int(width)), "image_channels": train.channels,
+                   # Sec. 4.1: one classifier learning rate, decay and weight decay, the
+                   # clients' and the server's alike (the official code passes the same
+                   # lr * lr_decay ** round to both); fedftg_options may set others.
+                   "global_lr": cfg.train.lr, "lr_decay": cfg.train.lr_round_decay,
+                   "global_weight_decay": cfg.train.weight_decay,
                    **cfg.fl.fedftg_options}
         hooks.append(FedFTGHook(FedFTGConfig.from_dict(options), num_classes=train.num_classes,
                                 seed=derive_seed(cfg.seed, "fedftg"), device=device))

@@ -262,7 +262,7 @@ def write_page(table: Table, outcomes: list[list[CellOutcome]], *, pages: Path, 
     from fedreid.utils.io import write_text_atomic
 
     pages.mkdir(parents=True, exist_ok=True)
-    all_runs = [r for row in outcomes for o in row for r in o.runs]
+    all_runs = list({r.run_dir: r for row in outcomes for o in row for r in o.runs}.values())  # ReID cells share runs
     finished = [r for r in all_runs if r.status == "done"]
     round_counts = sorted({r.rounds for r in finished})
     planned = sorted({r.planned_rounds for r in all_runs})

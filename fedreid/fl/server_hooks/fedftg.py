@@ -94,6 +94,11 @@ library's choice, the reason is in the code where it is used.
 
 Numeric hyper-parameters (Sec. 4.1): classifier learning rate 0.1 and
 generator learning rate 0.01, both "decayed quadratically with weight 0.998"
+(Sec. 4.1 gives one classifier learning rate for local training and the
+server's fine-tuning, so in a run -- :func:`fedreid.fl.classification.build_classification_federation`
+-- ``global_lr``, ``lr_decay`` and ``global_weight_decay`` default to the
+clients' ``train.lr``, ``train.lr_round_decay`` and ``train.weight_decay``;
+the defaults below are the values of the paper's setting)
 -- in the official code ``lr * lr_decay ** round`` (``methods/FedFTG.py``
 passes ``glb_model_lr = 0.1`` and ``gen_model_lr = 0.01`` that way;
 ``scripts/CIFAR10_*GAN.sh`` set ``--lr_decay 0.998``); weight decay 1e-3 and
