@@ -72,6 +72,7 @@ def test_table_runs_resume_and_page(tmp_path):
     assert len(values) == 2 and all(0 < v <= 100 for v in values)
     run_dir = out / "tiny-digits" / "d-fedavg" / "seed0"
     assert (run_dir / "checkpoint.pt").is_file() and outcomes[0][0].runs[0].rounds == 2
+    assert "best accuracy" in (run_dir / "report.md").read_text()  # each run has its own report
     stamp = (run_dir / "checkpoint.pt").stat().st_mtime_ns
     again = run_table(table, [0, 1], out=out, rounds=2)  # finished runs are only read
     assert (run_dir / "checkpoint.pt").stat().st_mtime_ns == stamp

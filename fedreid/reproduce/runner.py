@@ -134,6 +134,10 @@ def run_cell(table: Table, cell: Cell, slug: str, seed: int, *, out: Path, round
             result.history, result.rounds = history, done
             return result
         done = len(history)
+        from fedreid.eval.report import write_report
+
+        write_report(run_dir, history, title=f"{table.name}: {slug}, seed {seed}",
+                     targets=cfg.classification.target_accuracies)
     result.history, result.rounds = history, done
     result.seconds = float(sum(r.get("time", {}).get("round", 0.0) for r in history))
     if done >= cfg.fl.rounds:
