@@ -366,8 +366,9 @@ def test_every_fedreid_config_runs_one_round_on_tiny_data(path, tmp_path):
     The paper's datasets are two tiny prepared sets (``dsa``, 2 cameras; ``dsb``) and the public
     set ``pub``; ResNet-50 at 256x128 becomes timm's ``test_resnet`` at 32x16, one round.
     """
-    from fedreid.fl.simulation import run_simulation
     from fl_helpers import write_prepared
+
+    from fedreid.fl.simulation import run_simulation
 
     root = tmp_path / "prepared"
     write_prepared(root, "dsa", num_ids=4, cams=2, per_cam=2, seed=0)
