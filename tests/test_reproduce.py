@@ -80,7 +80,7 @@ def test_table_runs_resume_and_page(tmp_path):
     page, picture = write_page(table, again, pages=pages, seeds=[0, 1], rounds=2, synthetic=False,
                                command="python tools/reproduce.py tiny-digits --rounds 2")
     text = page.read_text()
-    assert "**Reduced schedule: 2 rounds** (the paper's: 30)" in text
+    assert "**Reduced schedule: 2 rounds** (the configs' schedule: 30)" in text
     assert "| FedAvg | 90.00 |" in text and "not implemented in fedreid" in text
     fedavg_line = next(line for line in text.splitlines() if line.startswith("| FedAvg |"))
     mean = sum(values) / 2

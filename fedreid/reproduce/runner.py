@@ -284,7 +284,7 @@ def write_page(table: Table, outcomes: list[list[CellOutcome]], *, pages: Path, 
         if full:
             break
     if rounds is not None and full and rounds != full:
-        lines += [f"**Reduced schedule: {rounds} rounds** (the paper's: {full}). Differences to the paper "
+        lines += [f"**Reduced schedule: {rounds} rounds** (the configs' schedule: {full}). Differences to the paper "
                   "include the shorter training.", ""]
     if len(round_counts) > 1:
         lines += [f"**Mixed schedules**: finished runs stopped at {', '.join(map(str, round_counts))} rounds.", ""]
