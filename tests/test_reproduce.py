@@ -6,7 +6,7 @@ import pytest
 
 from fedreid.config import load_config
 from fedreid.reproduce import TABLES, Cell, ReproduceError, Row, Table, run_table, write_page
-from fedreid.reproduce.runner import cell_overrides, missing_data
+from fedreid.reproduce.runner import cell_overrides, config_path, missing_data
 
 REPO = Path(__file__).resolve().parents[1]
 ISSUE_TABLES = {"fedreid-table2", "fedreid-table4", "fedreid-table8", "fedlmd-table1", "fedlmd-table2",
@@ -20,7 +20,7 @@ def test_registry_names_the_issue_tables():
 
 @pytest.mark.parametrize("name", sorted(TABLES))
 def test_every_runnable_cell_has_a_loadable_config_and_a_distinct_run(name, tmp_path, monkeypatch):
-    monkeypatch.chdir(REPO)
+    monkeypatch.chdir(tmp_path)  # the tables' configs are found from any working folder
     table = TABLES[name]
     runs = {}
     for row in table.rows:
@@ -31,7 +31,7 @@ def test_every_runnable_cell_has_a_loadable_config_and_a_distinct_run(name, tmp_
                 continue
             slug = table.cell_slug(row, j)
             for synthetic in (False, True) if table.synthetic else (False,):
-                cfg = load_config(cell.config, cell_overrides(table, cell, 0, None, synthetic, tmp_path / slug))
+                cfg = load_config(config_path(cell), cell_overrides(table, cell, 0, None, synthetic, tmp_path / slug))
                 assert cfg.run.out_dir == str(tmp_path / slug)
             # a slug is one run: cells sharing it share config and overrides
             assert runs.setdefault(slug, cell.run_key) == cell.run_key, (name, slug)

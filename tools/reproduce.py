@@ -46,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--synthetic", action="store_true",
                         help="ReID tables: run on the demo-scale synthetic world instead of the real datasets")
     parser.add_argument("--out", default="runs/reproduce", help="root of the run folders (default: runs/reproduce)")
-    parser.add_argument("--pages", default="docs/results", help="where the result page goes (default: docs/results)")
+    parser.add_argument("--pages", help="where the result page goes (default: the repository's docs/results)")
     parser.add_argument("--page-only", action="store_true", help="write the page from the runs there, run nothing")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     return parser
@@ -93,6 +93,7 @@ def _select(table, rows, columns):
 
 def main(argv: list[str] | None = None) -> int:
     from fedreid.reproduce import ReproduceError, resolve_tables, run_table, write_page
+    from fedreid.reproduce.runner import REPO_ROOT
 
     args = build_parser().parse_args(argv)
     if args.list:
@@ -119,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     outcomes = run_table(table, args.seeds, out=Path(args.out), rounds=args.rounds, synthetic=args.synthetic,
                          execute=not args.page_only, progress=progress, on_run=on_run, callbacks=[on_event])
     command = "python tools/reproduce.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
-    page, picture = write_page(table, outcomes, pages=Path(args.pages), seeds=args.seeds, rounds=args.rounds,
+    pages = Path(args.pages) if args.pages else REPO_ROOT / "docs" / "results"
+    page, picture = write_page(table, outcomes, pages=pages, seeds=args.seeds, rounds=args.rounds,
                                synthetic=args.synthetic, command=command)
     lacking = sorted({r.detail for row in outcomes for o in row for r in o.runs if r.status == "missing-data"})
     for detail in lacking:

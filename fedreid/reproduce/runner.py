@@ -33,6 +33,16 @@ from fedreid.reproduce.tables import Cell, Table
 from fedreid.utils.cli import literal_override
 
 
+#: The repository root: the tables name their configs relative to it.
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def config_path(cell: Cell) -> Path:
+    """The cell's config file; a relative name is taken from the repository root, whatever the working folder."""
+    path = Path(cell.config or "")
+    return path if path.is_absolute() else REPO_ROOT / path
+
+
 class ReproduceError(FedReIDError, ValueError):
     """A table run that cannot go on (a run folder from another schedule, a bad table name)."""
 
@@ -113,7 +123,7 @@ def run_cell(table: Table, cell: Cell, slug: str, seed: int, *, out: Path, round
     from fedreid.fl.simulation import run_simulation
 
     run_dir = out / table.name / slug / f"seed{seed}"
-    cfg = load_config(cell.config, cell_overrides(table, cell, seed, rounds, synthetic, run_dir))
+    cfg = load_config(config_path(cell), cell_overrides(table, cell, seed, rounds, synthetic, run_dir))
     result = RunResult(run_dir, seed, "not-run", planned_rounds=cfg.fl.rounds)
     done, history = _completed(run_dir)
     if done > cfg.fl.rounds:
@@ -279,7 +289,7 @@ def write_page(table: Table, outcomes: list[list[CellOutcome]], *, pages: Path, 
     for row in table.rows:
         for cell in row.cells:
             if cell.config and not cell.missing:
-                full = load_config(cell.config).fl.rounds
+                full = load_config(config_path(cell)).fl.rounds
                 break
         if full:
             break
