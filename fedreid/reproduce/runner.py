@@ -32,7 +32,6 @@ from fedreid.fl.server import RoundFailedError
 from fedreid.reproduce.tables import Cell, Table
 from fedreid.utils.cli import literal_override
 
-
 #: The repository root: the tables name their configs relative to it.
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
