@@ -13,7 +13,8 @@ appendix Tables 4, 7, 8; FedLMD: Lu et al., ACM MM 2023, Tables 1-3;
 FedFTG: Zhang et al., CVPR 2022, Tables 1, 3(a), 4). Classification numbers
 are top-1 test accuracy in %, the best over the rounds (FedLMD Sec. 5.1:
 "select the best test accuracy"); FedFTG's are means over 3 seeds with
-their standard deviation. ReID numbers are Rank-1/5/10 and mAP in %.
+their standard deviation. ReID numbers are Rank-1/5/10 and mAP in %; the paper's mAP is compared with
+our official-form AP (the reference code's evaluation), see :data:`REID_METRICS`.
 """
 
 from __future__ import annotations
@@ -44,12 +45,14 @@ class Cell:
     overrides: tuple[str, ...] = ()
     paper: Optional[float] = None
     paper_std: Optional[float] = None
-    #: ``best_accuracy`` (classification) or a ReID metric (``rank1``, ``rank5``, ``rank10``, ``mAP``).
+    #: ``best_accuracy`` (classification) or a ReID metric (``rank1``, ``rank5``, ``rank10``, ``mAP_official``).
     metric: str = "best_accuracy"
     #: ReID: the dataset whose row of the run's summary holds the number.
     dataset: Optional[str] = None
     #: Why the cell is not run (a method this project does not implement).
     missing: str = ""
+    #: ReID: the run folder's name when one run fills several rows (default: the row's slug).
+    run_slug: Optional[str] = None
 
     @property
     def run_key(self) -> tuple[str, tuple[str, ...]]:
@@ -83,13 +86,15 @@ class Table:
     def cell_slug(self, row: Row, column: int) -> str:
         """The run folder of a cell: ``<column>-<row>``, or ``<row>`` for a ReID run spanning its row."""
         if self.kind == "reid":
-            return row.slug
+            return row.cells[column].run_slug or row.slug
         return f"{self.column_slugs[column]}-{row.slug}"
 
 
 NOT_IMPLEMENTED = "not implemented in fedreid"
-REID_METRICS = ("rank1", "rank5", "rank10", "mAP")
-REID_COLUMNS = ("Rank-1", "Rank-5", "Rank-10", "mAP")
+#: The paper's mAP is the official code's AP (Market-1501 trapezoid, over all queries), so ours
+#: is compared in that form (``eval.extra_ap: [official]``); each run's report has the standard AP too.
+REID_METRICS = ("rank1", "rank5", "rank10", "mAP_official")
+REID_COLUMNS = ("Rank-1", "Rank-5", "Rank-10", "mAP (official AP)")
 REID_DATA = ("the prepared FedReID datasets under data.prepared_root (tools/prepare_datasets.py; where to get "
              "each release: datasets/README.md), ImageNet ResNet-50 weights at weights/resnet50-0676ba61.pth; "
              "--synthetic runs the demo-scale synthetic world instead")
@@ -274,8 +279,11 @@ def _fedftg_tables() -> list[Table]:
 
 def _reid_rows(config: str, overrides: tuple[str, ...], numbers: dict[str, tuple[float, ...]],
                labels: dict[str, str]) -> tuple[Row, ...]:
+    """One row per dataset, every row read from the same run (named after the config)."""
+    run = config.rsplit("/", 1)[-1].removesuffix(".yaml")
     return tuple(
-        Row(labels.get(name, name), name, tuple(Cell(config, overrides, value, metric=metric, dataset=name)
+        Row(labels.get(name, name), name, tuple(Cell(config, overrides, value, metric=metric, dataset=name,
+                                                     run_slug=run)
                                                for metric, value in zip(REID_METRICS, values)))
         for name, values in numbers.items()
     )
