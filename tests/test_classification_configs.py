@@ -156,8 +156,8 @@ def partitioned():
 
 
 def _partition_key(c):
-    return (c.dataset, c.root, c.split_seed, c.test_fraction, c.partition, c.num_clients, c.alpha, c.min_size,
-            c.max_retries, c.shards_per_client, c.unbalanced_sigma)
+    return (c.dataset, c.root, c.split_seed, c.test_fraction, c.train_subset, c.partition, c.num_clients, c.alpha,
+            c.min_size, c.max_retries, c.shards_per_client, c.unbalanced_sigma)
 
 
 @pytest.fixture
@@ -166,7 +166,7 @@ def cached_loading(monkeypatch, loaded, partitioned):
     real_load, real_partition = track.load_train_test, track.partition_clients
 
     def load_train_test(cfg):
-        key = _partition_key(cfg.classification)[:4]
+        key = _partition_key(cfg.classification)[:5]
         if key not in loaded:
             loaded[key] = real_load(cfg)
         return loaded[key]
@@ -230,8 +230,12 @@ def test_config_builds_its_partition_on_the_real_class_structure(path, full_size
     train, _ = track.load_train_test(cfg)
     if path.stem == "fedlmd_cifar10_lda":  # the paper's setting that stopped before round 1 (min_size)
         assert c.partition == "dirichlet" and c.alpha == 0.05 and c.num_clients == 100
-    if c.dataset in REAL_TRAIN_COUNTS:
+    if c.dataset in REAL_TRAIN_COUNTS and c.train_subset is None:
         assert train.class_counts().tolist() == REAL_TRAIN_COUNTS[c.dataset]
+    elif c.dataset in REAL_TRAIN_COUNTS:  # a stratified subset keeps each class's share
+        real = np.asarray(REAL_TRAIN_COUNTS[c.dataset])
+        assert len(train) == c.train_subset
+        assert np.all(np.abs(train.class_counts() - real * c.train_subset / real.sum()) < 1)
     parts = [np.asarray(s.records) for s in fed.splits]
     sizes = np.array([len(p) for p in parts])
     assert len(fed.clients) == len(parts) == c.num_clients
@@ -293,6 +297,8 @@ def _small_round_overrides(cfg):
     ]
     if c.partition == "dirichlet":
         extra.append("classification.min_size=1")
+    if c.train_subset is not None:  # the small data is smaller than the subset
+        extra.append("classification.train_subset=null")
     if cfg.fl.fedftg:  # FedFTG's server fine-tuning, shortened: one iteration on small batches
         extra += ["fl.fedftg_options.iterations=1", "fl.fedftg_options.batch_size=8"]
     return extra
