@@ -368,7 +368,7 @@ def _cpu_tables() -> list[Table]:
     )
     return [Table(
         name="cpu-fashion-mnist",
-        title="Fashion-MNIST (12k subset), LDA alpha=0.05, 20 clients, 20 rounds: best test accuracy (%)",
+        title="Fashion-MNIST (12k subset), LDA alpha=0.05, 20 clients: best test accuracy (%)",
         source="no paper table: FedLMD's Table 1/3 methods and FedFTG at a CPU-sized setting "
                "(configs/classification/cpu_fashion_mnist_lda005.yaml)",
         columns=("accuracy",), column_slugs=("lda005",),
