@@ -119,7 +119,9 @@ def main(argv: list[str] | None = None) -> int:
 
     outcomes = run_table(table, args.seeds, out=Path(args.out), rounds=args.rounds, synthetic=args.synthetic,
                          execute=not args.page_only, progress=progress, on_run=on_run, callbacks=[on_event])
-    command = "python tools/reproduce.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+    # The command that makes (or continues) these runs; --page-only only rewrites the page.
+    given = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--page-only"]
+    command = "python tools/reproduce.py " + " ".join(shlex.quote(a) for a in given)
     pages = Path(args.pages) if args.pages else REPO_ROOT / "docs" / "results"
     page, picture = write_page(table, outcomes, pages=pages, seeds=args.seeds, rounds=args.rounds,
                                synthetic=args.synthetic, command=command)

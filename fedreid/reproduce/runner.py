@@ -225,8 +225,6 @@ def machine_description() -> str:
              f"Python {platform.python_version()}, torch {torch.__version__}"]
     if torch.cuda.is_available():
         parts.append(f"GPU {torch.cuda.get_device_name(0)}")
-    threads = torch.get_num_threads()
-    parts.append(f"{threads} torch thread{'s' if threads != 1 else ''}")
     return "; ".join(parts)
 
 
