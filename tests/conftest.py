@@ -3,3 +3,21 @@ from pathlib import Path
 
 # Test helpers (fixture-tree writers) are imported as plain modules.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One intra-op thread for a module of small CPU models, restored after.
+
+    On a few shared cores, oversubscribed threads make tiny forwards many times
+    slower. Modules opt in with ``pytestmark = pytest.mark.usefixtures("one_torch_thread")``.
+    """
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -22,13 +22,7 @@ BASE = [
 ]
 
 
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    """One intra-op thread: these small CPU runs are many times faster so on a shared 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def cfg_with(*extra):

@@ -39,13 +39,7 @@ REAL_TRAIN_COUNTS = {
 IMAGE_SHAPES = {"cifar10": (32, 32, 3), "cifar100": (32, 32, 3), "mnist": (28, 28), "fashion_mnist": (28, 28)}
 
 
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    """One intra-op thread: these small CPU rounds are many times faster so on a shared 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 # --------------------------------------------------------------------------- fake datasets on disk

@@ -28,13 +28,7 @@ OURS = ["cnn_lmd", "resnet18", "resnet18_cifar", "vgg11", "vgg11_bn"]
 INPUTS = [(3, 32), (1, 28), (1, 8)]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """One intra-op thread: on a few shared cores, oversubscribed threads make tiny forwards ~40x slower."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @functools.lru_cache(maxsize=None)

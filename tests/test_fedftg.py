@@ -37,13 +37,7 @@ NUM_CLASSES = 4
 COUNTS = torch.tensor([[30.0, 0.0, 10.0, 0.0], [10.0, 20.0, 0.0, 0.0], [5.0, 5.0, 5.0, 0.0]])
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: one intra-op thread is faster and immune to a busy machine; restored after."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def tiny_cnn(seed: int) -> nn.Module:
