@@ -277,16 +277,18 @@ def _fedftg_tables() -> list[Table]:
     return [t1, t3, t4]
 
 
-def _reid_rows(config: str, overrides: tuple[str, ...], numbers: dict[str, tuple[float, ...]],
-               labels: dict[str, str]) -> tuple[Row, ...]:
-    """One row per dataset, every row read from the same run (named after the config)."""
+def _nine_dataset_table(name: str, title: str, source: str, config: str,
+                        numbers: dict[str, tuple[float, ...]]) -> Table:
+    """A table of one run's metrics on each benchmark dataset (one row per dataset, one run for all)."""
     run = config.rsplit("/", 1)[-1].removesuffix(".yaml")
-    return tuple(
-        Row(labels.get(name, name), name, tuple(Cell(config, overrides, value, metric=metric, dataset=name,
-                                                     run_slug=run)
-                                               for metric, value in zip(REID_METRICS, values)))
-        for name, values in numbers.items()
+    rows = tuple(
+        Row(_DATASET_LABELS.get(dataset, dataset), dataset,
+            tuple(Cell(config, (), value, metric=metric, dataset=dataset, run_slug=run)
+                  for metric, value in zip(REID_METRICS, values)))
+        for dataset, values in numbers.items()
     )
+    return Table(name=name, title=title, source=source, columns=REID_COLUMNS, column_slugs=REID_METRICS,
+                 rows=rows, data=REID_DATA, kind="reid", synthetic=SYNTHETIC_REID)
 
 
 _DATASET_LABELS = {"msmt17": "MSMT17", "dukemtmc": "DukeMTMC-reID", "market1501": "Market-1501",
@@ -317,39 +319,30 @@ def _fedreid_tables() -> list[Table]:
         note="Local training is each dataset's best evaluation; the federated rows follow the paper's best-3 "
              "convention (fedreid.eval.report.paper_summary).",
     )
-    t4 = Table(
-        name="fedreid-table4", title="FedReID appendix Table 4: FedPav, B=32, nine datasets (%)",
-        source="Zhuang et al., ACM MM 2020, appendix Table 4 (Sec. 4.2 setting)", columns=REID_COLUMNS,
-        column_slugs=REID_METRICS, kind="reid", data=REID_DATA, synthetic=SYNTHETIC_REID,
-        rows=_reid_rows("configs/fedreid/fedpav.yaml", (), {
+    t4 = _nine_dataset_table(
+        "fedreid-table4", "FedReID appendix Table 4: FedPav, B=32, nine datasets (%)",
+        "Zhuang et al., ACM MM 2020, appendix Table 4 (Sec. 4.2 setting)", "configs/fedreid/fedpav.yaml", {
             "msmt17": (41.01, 53.79, 59.02, 21.49), "dukemtmc": (74.30, 85.58, 89.36, 56.92),
             "market1501": (83.42, 93.29, 95.86, 60.68), "cuhk03np": (31.71, 49.48, 59.86, 27.89),
             "prid2011": (37.67, 55.33, 65.00, 42.15), "cuhk01": (73.35, 88.07, 92.04, 69.90),
             "viper": (48.10, 66.24, 76.16, 52.58), "3dpes": (69.24, 85.23, 91.06, 58.95),
-            "ilids": (79.93, 94.90, 97.96, 76.44)}, _DATASET_LABELS),
-    )
-    t7 = Table(
-        name="fedreid-table7", title="FedReID appendix Table 7: local training, nine datasets (%)",
-        source="Zhuang et al., ACM MM 2020, appendix Table 7", columns=REID_COLUMNS, column_slugs=REID_METRICS,
-        kind="reid", data=REID_DATA, synthetic=SYNTHETIC_REID,
-        rows=_reid_rows("configs/fedreid/local_training.yaml", (), {
+            "ilids": (79.93, 94.90, 97.96, 76.44)})
+    t7 = _nine_dataset_table(
+        "fedreid-table7", "FedReID appendix Table 7: local training, nine datasets (%)",
+        "Zhuang et al., ACM MM 2020, appendix Table 7", "configs/fedreid/local_training.yaml", {
             "msmt17": (49.56, 63.06, 67.85, 28.66), "dukemtmc": (80.07, 89.45, 92.19, 62.41),
             "market1501": (88.93, 95.34, 96.88, 72.62), "cuhk03np": (49.29, 68.86, 76.57, 44.52),
             "prid2011": (55.00, 75.00, 84.00, 59.35), "cuhk01": (69.03, 87.04, 91.87, 64.73),
             "viper": (27.53, 51.27, 62.97, 33.27), "3dpes": (65.45, 83.33, 87.80, 51.83),
-            "ilids": (52.04, 68.37, 85.71, 45.13)}, _DATASET_LABELS),
-    )
-    t8 = Table(
-        name="fedreid-table8", title="FedReID appendix Table 8: FedPav with cosine distance weight (%)",
-        source="Zhuang et al., ACM MM 2020, appendix Table 8 (Sec. 5.2)", columns=REID_COLUMNS,
-        column_slugs=REID_METRICS, kind="reid", data=REID_DATA, synthetic=SYNTHETIC_REID,
-        rows=_reid_rows("configs/fedreid/fedpav_cdw.yaml", (), {
+            "ilids": (52.04, 68.37, 85.71, 45.13)})
+    t8 = _nine_dataset_table(
+        "fedreid-table8", "FedReID appendix Table 8: FedPav with cosine distance weight (%)",
+        "Zhuang et al., ACM MM 2020, appendix Table 8 (Sec. 5.2)", "configs/fedreid/fedpav_cdw.yaml", {
             "msmt17": (43.35, 55.85, 61.26, 22.86), "dukemtmc": (77.17, 87.30, 90.47, 60.53),
             "market1501": (85.14, 94.29, 96.51, 62.97), "cuhk03np": (34.24, 54.17, 63.14, 30.48),
             "prid2011": (41.33, 62.33, 72.67, 46.59), "cuhk01": (78.33, 91.53, 95.03, 74.25),
             "viper": (47.89, 66.46, 75.00, 52.33), "3dpes": (72.76, 88.35, 91.06, 63.79),
-            "ilids": (80.61, 93.88, 96.60, 75.80)}, _DATASET_LABELS),
-    )
+            "ilids": (80.61, 93.88, 96.60, 75.80)})
     return [t2, t4, t7, t8]
 
 
