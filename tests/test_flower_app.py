@@ -258,6 +258,25 @@ def test_a_node_refuses_another_runs_state_and_bad_run_ids(world, tmp_path):
             NodeClient(cfg, "dsa", tmp_path / "state", bad)
 
 
+def test_a_planted_pickle_in_the_state_dir_is_refused_and_runs_nothing(world, tmp_path):
+    """Node state is loaded with weights_only=True: a pickle that would run code is an error, not a restore."""
+    import pickle
+
+    cfg = tiny_config(world, names=NAMES)
+    node = NodeClient(cfg, "dsa", tmp_path / "state", "run-aaaa")
+    marker = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    node.folder.mkdir(parents=True)
+    node.state_path(0).write_bytes(pickle.dumps(Evil()))
+    with pytest.raises(NodeStateError, match="cannot read node state .*after_round_00000.pt"):
+        node.restore(1)
+    assert not marker.exists()
+
+
 def tamper_update(node_id, change):
     """A tamper hook: ``change(plain_update)`` on node ``node_id``'s train replies (then re-encoded)."""
 

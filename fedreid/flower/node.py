@@ -92,7 +92,10 @@ class NodeClient:
         if not earlier:
             return None
         path = self.state_path(earlier[-1])
-        saved = torch.load(path, map_location="cpu", weights_only=False)
+        try:  # tensors and primitives only: a file planted in the state dir cannot run code
+            saved = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as exc:  # noqa: BLE001 - unreadable is unreadable
+            raise NodeStateError(f"cannot read node state {path}: {exc} (move the file away)") from exc
         owner = (saved.get("run_id"), saved.get("client")) if isinstance(saved, dict) else (None, None)
         if not isinstance(saved, dict) or saved.get("format") != STATE_FORMAT or owner != (self.run_id, self.name):
             # Never train from another run's (or client's) private head: that run's state would leak into this one.
