@@ -7,7 +7,14 @@ import stat
 
 import pytest
 
-from fedreid.utils.io import atomic_path, write_json_atomic, write_text_atomic
+from fedreid.utils.io import (
+    OutputDirError,
+    atomic_path,
+    claim_output_dir,
+    owns_folder,
+    write_json_atomic,
+    write_text_atomic,
+)
 
 
 def test_replaces_whole_file_with_plain_permissions(tmp_path):
@@ -30,3 +37,37 @@ def test_failure_leaves_the_old_file_and_no_temporary(tmp_path):
             raise RuntimeError("killed")
     assert target.read_text() == '{\n  "a": 1\n}\n'
     assert [p.name for p in tmp_path.iterdir()] == ["r.json"]
+
+
+def test_claim_output_dir_creates_marks_and_reuses_its_own_folder(tmp_path):
+    folder = claim_output_dir(tmp_path / "run", "run", tool="train_fed")
+    assert owns_folder(folder, "run")
+    (folder / "report.md").write_text("ours")
+    assert claim_output_dir(folder, "run", tool="train_fed") == folder  # marked: ours to reuse
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    claim_output_dir(empty, "run", tool="train_fed")
+    assert owns_folder(empty, "run")
+
+
+def test_claim_output_dir_refuses_a_users_folder_and_changes_nothing(tmp_path):
+    user = tmp_path / "mine"
+    user.mkdir()
+    (user / "report.md").write_text("the user's")
+    with pytest.raises(OutputDirError, match=r"mine holds files train_fed did not write \(report.md\)"):
+        claim_output_dir(user, "run", tool="train_fed")
+    assert sorted(p.name for p in user.iterdir()) == ["report.md"]
+    assert (user / "report.md").read_text() == "the user's"
+    assert claim_output_dir(user, "run", tool="train_fed", adopt=True) == user  # recognised by the caller
+
+
+def test_claim_output_dir_refuses_another_kinds_folder_files_and_links(tmp_path):
+    run = claim_output_dir(tmp_path / "run", "run", tool="train_fed")
+    with pytest.raises(OutputDirError, match="fedreid-run.json"):
+        claim_output_dir(run, "index", tool="eval_reid index")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(OutputDirError, match="not a folder"):
+        claim_output_dir(tmp_path / "file", "run", tool="train_fed")
+    (tmp_path / "link").symlink_to(run)
+    with pytest.raises(OutputDirError, match="symbolic link"):
+        claim_output_dir(tmp_path / "link", "run", tool="train_fed")
