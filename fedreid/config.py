@@ -231,7 +231,7 @@ class TrainConfig:
             _check_range(f"{prefix}.{name}", getattr(self, name), 0, 1, low_open=True)
         for name in ("momentum", "random_erasing", "color_jitter"):
             _check_range(f"{prefix}.{name}", getattr(self, name), 0, 1)
-        if self.weight_decay < 0:
+        if not self.weight_decay >= 0:
             raise ConfigError(f"{prefix}.weight_decay: expected a value >= 0, got {self.weight_decay}")
         if self.workers < 0:
             raise ConfigError(f"{prefix}.workers: expected a value >= 0, got {self.workers}")
@@ -246,12 +246,14 @@ def _check_objective(prefix: str, name: str, options: Mapping[str, Any]) -> None
         raise ConfigError(f"{prefix}.objective: unknown {name!r}; allowed: {', '.join(OBJECTIVES)}")
     params = inspect.signature(OBJECTIVES[name].__init__).parameters
     allowed = [p for p in params if p not in ("self", "class_counts")]
-    for key in options:
+    for key, value in options.items():
         if key not in allowed:
             raise ConfigError(
                 f"{prefix}.objective_options.{key}: not an option of {name!r}; "
                 f"allowed: {', '.join(allowed) or 'none'}"
             )
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{prefix}.objective_options.{key}: expected a finite number, got {value!r}")
 
 
 @dataclass
@@ -645,15 +647,20 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
             return value
         raise ConfigError(f"{key}: expected an integer, got {value!r}")
     if tp is float:
+        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
+            number = float(value)
+        elif isinstance(value, str):
             # YAML 1.1 reads exponents without a dot (1e-5) as strings.
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
-        raise ConfigError(f"{key}: expected a number, got {value!r}")
+        if number is None:
+            raise ConfigError(f"{key}: expected a number, got {value!r}")
+        if not math.isfinite(number):  # no rate, weight or fraction of the config may be nan or infinite
+            raise ConfigError(f"{key}: expected a finite number, got {value!r}")
+        return number
     if tp is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
@@ -662,14 +669,14 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
 
 
 def _check_positive(key: str, value: float) -> None:
-    if value <= 0:
+    if not value > 0:  # nan too
         raise ConfigError(f"{key}: expected a positive value, got {value}")
 
 
 def _check_range(
     key: str, value: float, low: float, high: float, *, low_open: bool = False
 ) -> None:
-    bad = value < low or value > high or (low_open and value == low)
+    bad = not low <= value <= high or (low_open and value == low)  # nan too
     if bad:
         op = "<" if low_open else "<="
         raise ConfigError(f"{key}: expected {low} {op} value <= {high}, got {value}")

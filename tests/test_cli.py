@@ -90,3 +90,104 @@ def test_success_exit_code():
     with pytest.raises(SystemExit) as exc:
         run_main(lambda: 0)
     assert exc.value.code == 0
+
+
+# ----------------------------------------------------------------- overrides among the options
+
+
+def _parser_with_overrides():
+    import argparse
+
+    from fedreid.utils.cli import add_config_arguments
+
+    parser = argparse.ArgumentParser()
+    add_config_arguments(parser)
+    parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--rounds", type=int)
+    return parser
+
+
+def test_overrides_may_stand_between_options():
+    args = _parser_with_overrides().parse_args(["fl.rounds=1", "--no-progress", "seed=2", "--rounds", "3", "a.b=c"])
+    assert args.overrides == ["fl.rounds=1", "seed=2", "a.b=c"] and args.no_progress and args.rounds == 3
+    args = _parser_with_overrides().parse_args(["--no-progress", "seed=2"])
+    assert args.overrides == ["seed=2"]
+    with pytest.raises(SystemExit):  # unknown options are still refused
+        _parser_with_overrides().parse_args(["seed=2", "--bogus"])
+
+
+def test_every_tool_with_overrides_takes_them_between_flags():
+    import importlib.util
+    from pathlib import Path
+
+    tools = Path(__file__).resolve().parents[1] / "tools"
+
+    def load(name):
+        spec = importlib.util.spec_from_file_location(f"{name}_cli_test", tools / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    args = load("train_fed").build_parser().parse_args(["fl.rounds=1", "--no-progress", "seed=2"])
+    assert args.overrides == ["fl.rounds=1", "seed=2"] and args.no_progress
+    args = load("flower_fed").build_parser().parse_args(
+        ["local", "--config", "c.yaml", "fl.rounds=1", "--out", "runs/x", "seed=2", "--tls"])
+    assert args.overrides == ["fl.rounds=1", "seed=2"] and args.out == "runs/x" and args.tls
+
+
+# ----------------------------------------------------------------------------- broken pipes
+
+
+def _tool_with_closed_stdout(*argv: str):
+    """Run a tool whose reader closes the pipe before the tool writes (``tool | head -0``)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    read, write = os.pipe()
+    os.close(read)  # no reader any more: the tool's first real write breaks the pipe
+    try:
+        done = subprocess.run([sys.executable, str(root / "tools" / argv[0]), *argv[1:]], stdout=write,
+                              stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, cwd=root, timeout=120,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+    finally:
+        os.close(write)
+    return done
+
+
+def test_a_closed_pipe_ends_a_tool_quietly():
+    from fedreid.utils.cli import BROKEN_PIPE_EXIT
+
+    done = _tool_with_closed_stdout("reproduce.py", "--list")  # `tools/reproduce.py --list | head -1`
+    assert done.stderr.decode() == "" and done.returncode == BROKEN_PIPE_EXIT
+
+
+@pytest.mark.parametrize("tool", ["train_fed.py", "prepare_datasets.py", "eval_reid.py", "flower_fed.py"])
+def test_help_into_a_closed_pipe_is_quiet(tool):
+    from fedreid.utils.cli import BROKEN_PIPE_EXIT
+
+    done = _tool_with_closed_stdout(tool, "--help")  # argparse drops what it cannot write, and exits 0
+    assert done.stderr.decode() == "" and done.returncode in (0, BROKEN_PIPE_EXIT)
+
+
+def test_a_pipe_closed_while_printing_ends_quietly(capsys, monkeypatch):
+    import io
+    import os
+    import sys
+
+    from fedreid.utils.cli import BROKEN_PIPE_EXIT
+
+    class Broken(io.TextIOWrapper):
+        def write(self, text):
+            raise BrokenPipeError(32, "Broken pipe")
+
+    read, write = os.pipe()
+    stream = Broken(os.fdopen(os.dup(write), "wb"))
+    monkeypatch.setattr(sys, "stdout", stream)
+    with pytest.raises(SystemExit) as exc:
+        run_main(lambda: print("a line") or 0)
+    os.close(read)
+    os.close(write)
+    assert exc.value.code == BROKEN_PIPE_EXIT

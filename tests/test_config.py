@@ -157,3 +157,32 @@ def test_fedftg_on_fedpav_is_refused_with_the_reason():
                      "common to all clients", "fl.kd=true"):
         assert fragment in message, fragment
     load_config(None, ["task=classification", "fl.aggregation=fedavg", "fl.fedftg=true"])  # accepted there
+
+
+@pytest.mark.parametrize(
+    "overrides, fragment",
+    [
+        (["train.lr=nan"], "train.lr: expected a finite number, got 'nan'"),
+        (["train.lr=.nan"], "train.lr: expected a finite number, got nan"),
+        (["train.weight_decay=.inf"], "train.weight_decay: expected a finite number, got inf"),
+        (["train.momentum=NaN"], "train.momentum: expected a finite number"),
+        (["fl.kd_lr=-.inf"], "fl.kd_lr: expected a finite number"),
+        (["classification.alpha=nan"], "classification.alpha: expected a finite number"),
+        (["model.dropout=nan"], "model.dropout: expected a finite number"),
+        (["train.objective=fedprox", "train.objective_options={mu: .nan}"],
+         "train.objective_options.mu: expected a finite number"),
+    ],
+)
+def test_non_finite_numbers_are_refused_naming_the_key(overrides, fragment):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, overrides)
+    assert fragment in str(err.value)
+
+
+def test_range_checks_refuse_nan_that_bypasses_coercion():
+    from fedreid.config import _check_positive, _check_range
+
+    with pytest.raises(ConfigError, match="x: expected a positive value, got nan"):
+        _check_positive("x", float("nan"))
+    with pytest.raises(ConfigError, match="y: expected 0 <= value <= 1, got nan"):
+        _check_range("y", float("nan"), 0, 1)

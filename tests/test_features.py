@@ -10,7 +10,15 @@ import torch
 from torch import nn
 
 from fedreid.errors import FedReIDError
-from fedreid.eval.features import FeatureSet, channels_last_model, extract_features, load_features, save_features
+from fedreid.eval.features import (
+    DegenerateFeaturesError,
+    FeatureSet,
+    channels_last_model,
+    check_features,
+    extract_features,
+    load_features,
+    save_features,
+)
 
 
 class TinyNet(nn.Module):
@@ -176,8 +184,81 @@ def test_cache_errors_name_the_file(tmp_path):
         load_features(partial)
     garbage = tmp_path / "garbage.npz"
     garbage.write_bytes(b"not a zip at all")
-    with pytest.raises(ValueError, match="garbage.npz is not a readable .npz") as exc:
+    with pytest.raises(ValueError, match="garbage.npz is not a NumPy .npz of fedreid features.*a text file") as exc:
         load_features(garbage)
     assert isinstance(exc.value, FedReIDError)  # the tools print it as one line
+    broken = tmp_path / "broken.npz"
+    broken.write_bytes(b"PK\x03\x04" + b"\0" * 40)
+    with pytest.raises(ValueError, match="broken.npz is not a NumPy .npz of fedreid features .*: it is a damaged archive"):
+        load_features(broken)
     with pytest.raises(ValueError, match=r"mismatched lengths \(feats: 2, pids: 1"):
         save_features(tmp_path / "bad.npz", np.zeros((2, 3)), [1], [1, 2], ["a", "b"])
+
+
+def test_a_feature_file_of_the_wrong_kind_never_suggests_unsafe_loading(tmp_path):
+    """Text, a pickle, object arrays, wrong dtypes: each refused with what was expected, never allow_pickle."""
+    import pickle
+
+    text = tmp_path / "notes.npz"
+    text.write_text("101\n")
+    pickled = tmp_path / "pickled.npz"
+    pickled.write_bytes(pickle.dumps({"features": [1.0]}))
+    objects = tmp_path / "objects.npz"
+    np.savez(objects, features=np.array([[object()]], dtype=object), pids=np.zeros(1, int),
+             camids=np.zeros(1, int), paths=np.array(["a"]), meta=np.array("{}"))
+    strings = tmp_path / "strings.npz"
+    np.savez(strings, features=np.array([["a", "b"]]), pids=np.zeros(1, int), camids=np.zeros(1, int),
+             paths=np.array(["a"]), meta=np.array("{}"))
+    expectations = {
+        text: "is not a NumPy .npz of fedreid features.*: it is a text file",
+        pickled: "is not a NumPy .npz of fedreid features.*: it is a Python pickle, which is never loaded",
+        objects: "is not a NumPy .npz of fedreid features.*: it holds pickled Python objects, which are never loaded",
+        strings: "'features' should be a 2-D float array, got shape \\(1, 2\\) of dtype <U1",
+    }
+    for path, message in expectations.items():
+        with pytest.raises(ValueError, match=message) as exc:
+            load_features(path)
+        assert str(path) in str(exc.value) and "allow_pickle" not in str(exc.value) and "\n" not in str(exc.value)
+
+
+# --------------------------------------------------------------------------
+# Degenerate features
+# --------------------------------------------------------------------------
+
+
+def test_check_features_refuses_what_would_rank_by_ties_alone():
+    rng = np.random.default_rng(0)
+    good = rng.standard_normal((5, 4)).astype(np.float32)
+    check_features(good, "x")  # passes
+    check_features(good[:1], "x")  # one row: nothing to compare
+    check_features(np.zeros((0, 4), np.float32), "x")  # empty: the metrics name that
+    paths = [f"img{i}.jpg" for i in range(5)]
+    nan = good.copy()
+    nan[3, 1] = np.inf
+    cases = [
+        (np.zeros((5, 4), np.float32), "src: all 5 feature rows are zero"),
+        (np.zeros((1, 4), np.float32), "src: all 1 feature rows are zero"),
+        (np.tile(good[:1], (5, 1)), "src: all 5 feature rows are identical"),
+        (nan, r"src row 3 \(img3.jpg\) has NaN or inf features"),
+    ]
+    for features, message in cases:
+        with pytest.raises(DegenerateFeaturesError, match=message) as exc:
+            check_features(features, "src", paths=paths)
+        assert isinstance(exc.value, FedReIDError) and isinstance(exc.value, ValueError)
+    check_features(np.tile(good[:1], (5, 1)), "src", identical_ok=True)  # copies of one query image
+    with pytest.raises(DegenerateFeaturesError, match="all 5 feature rows are zero"):
+        check_features(np.zeros((5, 4), np.float32), "src", identical_ok=True)
+
+
+def test_check_features_works_in_chunks(monkeypatch):
+    from fedreid.eval import features as features_module
+
+    monkeypatch.setattr(features_module, "_CHECK_ELEMENTS", 8)  # 2 rows of 4 per chunk
+    x = np.tile(np.arange(4, dtype=np.float32), (7, 1))
+    with pytest.raises(DegenerateFeaturesError, match="all 7 feature rows are identical"):
+        check_features(x, "src")
+    x[6, 0] = 5.0  # differs only in the last chunk
+    check_features(x, "src")
+    x[5, 2] = np.nan
+    with pytest.raises(DegenerateFeaturesError, match="src row 5 has NaN"):
+        check_features(x, "src")

@@ -219,7 +219,7 @@ def test_a_node_retrains_a_round_from_the_state_before_it(world, tmp_path):
 
 def run_ids(state_dir):
     """The run folders under a node's state dir, and the rounds each holds."""
-    return {p.name: sorted(q.name for q in p.rglob("after_round_*.pt")) for p in state_dir.iterdir()}
+    return {p.name: sorted(q.name for q in p.rglob("after_round_*.pt")) for p in state_dir.iterdir() if p.is_dir()}
 
 
 def test_runs_reusing_a_folder_name_keep_their_own_client_state(world, simulated, tmp_path):

@@ -71,3 +71,11 @@ def test_claim_output_dir_refuses_another_kinds_folder_files_and_links(tmp_path)
     (tmp_path / "link").symlink_to(run)
     with pytest.raises(OutputDirError, match="symbolic link"):
         claim_output_dir(tmp_path / "link", "run", tool="train_fed")
+
+
+def test_claim_output_dir_clears_its_own_markers_leftover_after_a_kill(tmp_path):
+    folder = tmp_path / "run"
+    folder.mkdir()
+    (folder / "..fedreid-run.json.ab12_x9z.tmp").write_text("{")  # a kill between mkdir and the marker's rename
+    claim_output_dir(folder, "run", tool="train_fed")
+    assert sorted(p.name for p in folder.iterdir()) == [".fedreid-run.json"]

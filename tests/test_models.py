@@ -314,3 +314,17 @@ def test_package_weights_path_resolves_inside_the_package():
     assert path.is_file()
     with pytest.raises(FileNotFoundError, match="package 'no_such_pkg' is not installed"):
         resolve_weights_path("pkg://no_such_pkg/w.pth")
+
+
+def test_an_unknown_backbone_is_an_input_error_listing_close_names():
+    from fedreid.errors import FedReIDError
+    from fedreid.models import UnknownBackboneError
+    from fedreid.models.backbones import close_model_names
+
+    with pytest.raises(UnknownBackboneError, match=r"unknown backbone 'resnt50' .*close names: resnet50\b") as exc:
+        create_backbone("resnt50")
+    assert isinstance(exc.value, FedReIDError) and isinstance(exc.value, ValueError)
+    assert "mobilenetv2_100" in close_model_names("mobilenetv2_10")
+    assert close_model_names("zzzzqqqq") == []
+    with pytest.raises(FedReIDError, match="ResNet backbones only"):
+        create_backbone("mobilenetv2_100", last_stride=1)

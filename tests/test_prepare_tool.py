@@ -129,3 +129,24 @@ def test_misspelt_dataset_or_option_is_one_clear_line(tmp_path, override, fragme
     assert "unexpected keyword" not in out.stderr
     for fragment in fragments:
         assert fragment in out.stderr
+
+
+def test_rerun_on_a_raw_folder_that_changed_says_stale_and_force_redoes_it(tmp_path):
+    raw = tmp_path / "raw"
+    release = make_market1501_tree(raw)
+    args = ("--raw-root", str(raw), "--out", str(tmp_path / "prep"), "--datasets", "market1501",
+            "data.public_dataset=null", "--no-progress")
+    assert run_tool(*args, cwd=tmp_path).returncode == 0
+    train = release / "bounding_box_train"
+    extra = train / "0002_c3s1_999999_01.jpg"
+    extra.write_bytes(next(train.glob("0002_*.jpg")).read_bytes())
+    images = sum(p.suffix == ".jpg" for p in release.rglob("*"))
+    second = run_tool(*args, cwd=tmp_path)
+    assert second.returncode == 0 and "already prepared" in second.stdout
+    assert f"now has {images} images, {images - 1} when prepared" in second.stdout
+    assert "stale" in second.stdout and "--force" in second.stdout
+    forced = run_tool(*args, "--force", cwd=tmp_path)
+    assert forced.returncode == 0 and "already prepared" not in forced.stdout
+    assert extra.name in (tmp_path / "prep" / "market1501" / "manifest.csv").read_text()
+    third = run_tool(*args, cwd=tmp_path)
+    assert "stale" not in third.stdout and "already prepared" in third.stdout

@@ -148,3 +148,15 @@ def test_a_diverged_run_is_reported_not_averaged(tmp_path):
     assert outcomes[0][0].values() == []
     page, _ = write_page(table, outcomes, pages=tmp_path / "pages", seeds=[0], rounds=3, synthetic=False, command="x")
     assert "1 of 1 runs failed (seed 0 stopped in round 1)" in page.read_text()
+
+
+def test_a_run_folder_holding_a_users_files_is_refused_untouched(tmp_path):
+    from fedreid.utils.io import OutputDirError
+
+    table = _digits_table()
+    seed0 = tmp_path / "runs" / "tiny-digits" / "d-fedavg" / "seed0"
+    seed0.mkdir(parents=True)
+    (seed0 / "report.md").write_text("my own report")
+    with pytest.raises(OutputDirError, match=r"seed0 holds files reproduce did not write \(report.md\)"):
+        run_table(table, [0], out=tmp_path / "runs", rounds=1)
+    assert [p.name for p in seed0.iterdir()] == ["report.md"] and (seed0 / "report.md").read_text() == "my own report"

@@ -15,6 +15,7 @@ from fedreid.eval.retrieval import (
     block_topk,
     build_index,
     faiss_gpu_available,
+    is_index_folder,
     load_index,
     save_index,
     search,
@@ -168,27 +169,119 @@ def test_missing_file_is_named(tmp_path, name):
         load_index(folder)
 
 
+def _rewrite_header(folder, name):
+    """Make header.json vouch for the current bytes of ``name`` (what a hostile folder would do)."""
+    import hashlib
+
+    header = json.loads((folder / "header.json").read_text())
+    data = (folder / name).read_bytes()
+    header["files"][name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (folder / "header.json").write_text(json.dumps(header))
+
+
 def test_corrupt_index_file_is_named(tmp_path):
     folder, _, _ = saved(tmp_path)
     path = folder / "index.faiss"
     size = path.stat().st_size
-    path.write_bytes(b"\0" * size)  # same size, so only faiss itself can notice
-    with pytest.raises(IndexFileError, match="index.faiss is not a readable faiss index"):
+    path.write_bytes(b"\0" * size)  # same size: only the checksum can notice
+    with pytest.raises(IndexFileError, match="index.faiss does not match the SHA-256 in .*header.json"):
         load_index(folder)
+    _rewrite_header(folder, "index.faiss")  # checksums vouch for it: the layout check still refuses
+    with pytest.raises(IndexFileError, match=r"index.faiss is not a flat inner-product faiss index .*IxFI"):
+        load_index(folder)
+
+
+def test_index_file_with_a_forged_layout_never_reaches_faiss(tmp_path, monkeypatch):
+    import struct
+
+    import faiss
+
+    from fedreid.eval import retrieval
+
+    folder, _, _ = saved(tmp_path)
+    path = folder / "index.faiss"
+    good = path.read_bytes()
+    read, real = [], faiss.read_index
+    monkeypatch.setattr(retrieval.faiss, "read_index", lambda p: read.append(p) or real(p))
+    # Claims 10**12 vectors (faiss would try to allocate them), or a wrong dim, metric or length.
+    head = struct.Struct("<4siqqqBiq")
+    fields = list(head.unpack(good[: head.size]))
+    for change, message in (
+        ({2: 10**12}, "ntotal=1000000000000"),
+        ({1: 17}, "dim=17"),
+        ({6: 1}, "metric 1"),
+        ({7: 5}, "do not hold 20 vectors of dim 16"),
+    ):
+        forged = list(fields)
+        for i, v in change.items():
+            forged[i] = v
+        path.write_bytes(head.pack(*forged) + good[head.size :])
+        _rewrite_header(folder, "index.faiss")
+        with pytest.raises(IndexFileError, match=message):
+            load_index(folder)
+    path.write_bytes(good[:-4])  # one vector short
+    _rewrite_header(folder, "index.faiss")
+    with pytest.raises(IndexFileError, match="do not hold 20 vectors"):
+        load_index(folder)
+    assert read == []
+    path.write_bytes(good)
+    _rewrite_header(folder, "index.faiss")
+    assert load_index(folder).index.ntotal == 20 and len(read) == 1
+
+
+def test_index_of_an_earlier_version_asks_for_a_rebuild(tmp_path):
+    folder, _, _ = saved(tmp_path)
+    header = json.loads((folder / "header.json").read_text())
+    header["version"] = 1
+    header["files"] = {name: rec["bytes"] for name, rec in header["files"].items()}  # version 1: sizes only
+    (folder / "header.json").write_text(json.dumps(header))
+    with pytest.raises(IndexFileError, match="version 1, written by an earlier fedreid without checksums"):
+        load_index(folder)
+    assert is_index_folder(folder)  # still recognised as an index folder (so `index` may rebuild it)
+    del header["files"]["index.faiss"]
+    header["version"] = 2
+    (folder / "header.json").write_text(json.dumps(header))
+    with pytest.raises(IndexFileError, match="lacks the size and SHA-256 of index.faiss, meta.npz"):
+        load_index(folder)
+
+
+def test_is_index_folder_tells_index_folders_from_user_folders(tmp_path):
+    folder, _, _ = saved(tmp_path)
+    assert is_index_folder(folder)
+    (folder / ".index.faiss.abc123.tmp").write_bytes(b"")  # left by an interrupted save
+    assert is_index_folder(folder)
+    (folder / "skipped.csv").write_text("path,reason\n")
+    assert not is_index_folder(folder) and is_index_folder(folder, extra_files=("skipped.csv",))
+    (folder / "holiday.jpg").write_bytes(b"x")
+    assert not is_index_folder(folder, extra_files=("skipped.csv",))
+    user = tmp_path / "user"
+    user.mkdir()
+    (user / "header.json").write_text(json.dumps({"title": "my notes"}))
+    assert not is_index_folder(user) and not is_index_folder(tmp_path / "missing")
+    (user / "header.json").write_text(json.dumps({"format": "fedreid-faiss-index", "version": 9}))
+    assert not is_index_folder(user)
 
 
 def test_corrupt_meta_file_is_named(tmp_path):
     folder, _, _ = saved(tmp_path)
     path = folder / "meta.npz"
     path.write_bytes(b"x" * path.stat().st_size)
-    with pytest.raises(IndexFileError, match="meta.npz is not a readable .npz"):
+    with pytest.raises(IndexFileError, match="meta.npz does not match the SHA-256"):
         load_index(folder)
+    _rewrite_header(folder, "meta.npz")
+    with pytest.raises(IndexFileError, match="meta.npz is not a NumPy .npz of the gallery's ids.*a text file"):
+        load_index(folder)
+    np.savez(path, ids=np.array([object()] * 20, dtype=object), cameras=np.zeros(20, int), paths=np.array(["a"] * 20))
+    _rewrite_header(folder, "meta.npz")
+    with pytest.raises(IndexFileError, match="pickled Python objects, which are never loaded") as exc:
+        load_index(folder)
+    assert "allow_pickle" not in str(exc.value)
 
 
 def test_file_from_another_save_is_detected(tmp_path):
     folder, _, _ = saved(tmp_path)
     (folder / "index.faiss").write_bytes(b"short")
-    with pytest.raises(IndexFileError, match="index.faiss has 5 bytes"):
+    with pytest.raises(IndexFileError, match="index.faiss has 5 bytes but .*header.json says"):
         load_index(folder)
 
 

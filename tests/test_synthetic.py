@@ -12,7 +12,9 @@ import cv2
 import numpy as np
 import pytest
 
+from fedreid.data.prepared import find_split_conflict
 from fedreid.data.raw import create_raw_dataset
+from fedreid.data.raw.base import offset_test_ids
 from fedreid.data.synthetic import DATASETS, RELEASE_DIRS, WORLD_FILE, generate_world
 
 FIXED_SPLIT = {"market1501", "dukemtmc", "cuhk03np", "msmt17", "cuhk02"}
@@ -211,6 +213,10 @@ def test_parsers_find_the_recorded_counts(world, name):
     gallery = {(r.pid, r.camid) for r in by_split["gallery"]}
     for q in by_split["query"]:
         assert any(pid == q.pid and cam != q.camid for pid, cam in gallery), q.path.name
+    # Prepared, no image is in two splits and no test identity trains.
+    parser = create_raw_dataset(name, root, **options)
+    prepared = offset_test_ids(result.records, parser.test_pid_offset)
+    assert find_split_conflict([((("path", str(r.path)),), r.pid, r.split) for r in prepared]) is None
 
 
 def test_cuhk03_labeled_boxes_parse_like_detected(world):

@@ -59,3 +59,23 @@ def test_round_line_formats_evaluated_rounds():
 def test_resume_refuses_a_config_file(tmp_path):
     with pytest.raises(ConfigError, match="--resume uses the run's own config.yaml"):
         tool.main(["--resume", str(tmp_path), "--config", "x.yaml"])
+
+
+def test_overrides_between_flags_and_an_unknown_backbone(tmp_path, capsys):
+    from fedreid.config import load_config
+    from fedreid.utils.cli import run_main
+
+    root = write_world(tmp_path / "prepared")
+    run = tmp_path / "run"
+    # overrides on both sides of a flag (argparse alone stops at the first flag)
+    assert tool.main(["fl.rounds=1", "--no-progress", "seed=2", "--out", str(run), *_overrides(root)]) == 0
+    cfg = load_config(run / "config.yaml")
+    assert cfg.seed == 2 and cfg.fl.rounds == 1
+    capsys.readouterr()
+    typo = tmp_path / "typo"
+    with pytest.raises(SystemExit) as exc:
+        run_main(lambda: tool.main(["--out", str(typo), *_overrides(root), "model.backbone=resnt50"]))
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.count("\n") == 1
+    assert err.startswith("error: model.backbone: unknown backbone 'resnt50'") and "close names: resnet50" in err
+    assert not typo.exists()  # refused before any folder was made

@@ -52,6 +52,23 @@ index/query read Market-style names (^<pid>_c<camera>, e.g. 0002_c1s1_000451_01.
 for identities; other images get -1. query prints each image's top-k (rank,
 score, path) and, with --out, draws one PNG per query: green/red frames where
 both identities are known, grey otherwise.
+
+Safety: every output folder (evaluate's --out and --save-features, index's
+--index, query's --out) must be new, empty, or one these commands made
+(marked .fedreid-<kind>.json; the folders of an earlier fedreid are
+recognised and adopted); a folder holding anything else, and an index folder
+in the gallery folder, is refused and left untouched. An index folder is
+replaced as a whole: an interrupted index leaves the old index or the new. The index header records the size and SHA-256 of each index file
+(checked before faiss reads them) and the model's fingerprint (weights
+SHA-256, backbone, input size, feature kind): query with another model is
+refused, naming the fields that differ, unless --allow-model-mismatch, which
+searches anyway and prints a WARNING line first. Model files are only read
+as tensors (torch.load weights_only), feature files and index files without
+pickles: nothing in them runs. An unreadable image stops index/query, naming
+it; with --skip-bad-images it is left out and listed (path, reason) in
+skipped.csv of the index folder (index) or of --out (query; printed without
+--out). Features that are NaN/inf, all zero or all identical are an error
+naming the model or file they came from.
 """
 
 from __future__ import annotations
@@ -63,6 +80,7 @@ from fedreid.config import load_config
 from fedreid.eval import pipeline as pl
 from fedreid.eval.report import EVAL_DIR, format_table, write_report
 from fedreid.utils.cli import add_config_arguments, config_from_args, run_main
+from fedreid.utils.io import claim_output_dir
 from fedreid.utils.logging import METRICS_JSONL, read_metrics
 
 
@@ -108,6 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     ix.add_argument("--batch-size", type=int, default=128, metavar="N")
     ix.add_argument("--device", default="auto")
     ix.add_argument("--client", metavar="NAME", help="a local-training baseline run: whose model to use")
+    _add_skip_argument(ix, f"the index folder's {pl.SKIPPED_FILE}")
     _add_speed_arguments(ix)
 
     qu = sub.add_parser("query", help="search an index with query images", description="search an index")
@@ -119,8 +138,21 @@ def build_parser() -> argparse.ArgumentParser:
     qu.add_argument("--batch-size", type=int, default=128, metavar="N")
     qu.add_argument("--device", default="auto")
     qu.add_argument("--client", metavar="NAME", help="a local-training baseline run: whose model to use")
+    qu.add_argument(
+        "--allow-model-mismatch", action="store_true",
+        help="search even when --model is not the model the index was built with (prints a WARNING line)",
+    )
+    _add_skip_argument(qu, f"--out/{pl.SKIPPED_FILE} (printed without --out)")
     _add_speed_arguments(qu)
     return parser
+
+
+def _add_skip_argument(parser: argparse.ArgumentParser, where: str) -> None:
+    parser.add_argument(
+        "--skip-bad-images", action="store_true",
+        help=f"leave out unreadable images and list them (path, reason) in {where} "
+        "(default: stop at the first one)",
+    )
 
 
 def _add_speed_arguments(parser: argparse.ArgumentParser, faiss: bool = True) -> None:
@@ -163,6 +195,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         feats = [pl.load_dataset_features(f, name) for name, f in _feature_files(args.features)]
         source = ", ".join(f for _, f in _feature_files(args.features))
         out = Path(args.out or Path(_feature_files(args.features)[0][1]).parent / "eval")
+        pl.claim_eval_dir(out)
         cfg = config_from_args(args)
     else:
         model_file = pl.find_model_file(args.model)
@@ -174,6 +207,10 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         device = pl.resolve_device(args.device)
         speed = _speedups(args, device)
         loaded = pl.load_model(model_file, device, client=args.client)
+        out = Path(args.out or model_file.parent / EVAL_DIR)
+        pl.claim_eval_dir(out)  # both refused before any extraction when they hold the user's files
+        if args.save_features:
+            pl.claim_features_dir(args.save_features)
         feats = []
         batch_size = args.batch_size or cfg.eval.batch_size
         for name in names:
@@ -183,7 +220,6 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
                 print(f"  saved {pl.save_dataset_features(args.save_features, fs)}")
             feats.append(fs)
         source = str(model_file)
-        out = Path(args.out or model_file.parent / EVAL_DIR)
     # --protocol cuhk03 has the standard AP only: an explicit --ap official is refused there,
     # a config's eval.ap is not the user's request for this protocol.
     ap = args.ap or (cfg.eval.ap if args.protocol == "standard" else "standard")
@@ -208,10 +244,14 @@ def cmd_index(args: argparse.Namespace) -> int:
     speed = _speedups(args, device)
     faiss_gpu = pl.resolve_faiss_gpu(args.faiss_gpu, device)
     loaded = pl.load_model(args.model, device, client=args.client)
+    skipped: list[pl.SkippedImage] | None = [] if args.skip_bad_images else None
     folder, n = pl.build_gallery_index(
-        loaded, args.gallery, args.index, batch_size=args.batch_size, device=device, faiss_gpu=faiss_gpu, **speed
+        loaded, args.gallery, args.index, batch_size=args.batch_size, device=device, faiss_gpu=faiss_gpu,
+        skipped=skipped, **speed,
     )
     print(f"indexed {n} images of {args.gallery} into {folder}")
+    if skipped:
+        print(f"skipped {len(skipped)} unreadable images: listed in {folder / pl.SKIPPED_FILE}")
     return 0
 
 
@@ -230,10 +270,23 @@ def cmd_query(args: argparse.Namespace) -> int:
     speed = _speedups(args, device)
     faiss_gpu = pl.resolve_faiss_gpu(args.faiss_gpu, device)
     loaded = pl.load_model(args.model, device, client=args.client)
+    if args.out:  # refused before any work when it holds files of the user's
+        claim_output_dir(args.out, "query", tool="tools/eval_reid.py query --out")
+    skipped: list[pl.SkippedImage] | None = [] if args.skip_bad_images else None
     results = pl.query_index(
         loaded, args.index, args.images, top_k=args.top_k, batch_size=args.batch_size, device=device,
-        faiss_gpu=faiss_gpu, **speed,
+        faiss_gpu=faiss_gpu, allow_model_mismatch=args.allow_model_mismatch,
+        warn=lambda message: print(f"WARNING: {message}", flush=True), skipped=skipped, **speed,
     )
+    if skipped:
+        if args.out:
+            listed = pl.write_skipped_csv(Path(args.out) / pl.SKIPPED_FILE, skipped)
+            print(f"skipped {len(skipped)} unreadable images: listed in {listed}")
+        else:
+            for s in skipped:
+                print(f"skipped {s.path}: {s.reason}")
+    elif args.out and (Path(args.out) / pl.SKIPPED_FILE).is_file():
+        (Path(args.out) / pl.SKIPPED_FILE).unlink()  # from an earlier query into this folder
     for r in results:
         print(f"{r.path}")
         for m in r.matches:

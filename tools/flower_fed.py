@@ -27,7 +27,11 @@ On Flower's simulation engine (Ray, the [flower-sim] extra):
   python tools/flower_fed.py simulate --config configs/fedreid/synthetic_fedpav.yaml --out runs/flower_sim
 
 `local` and `simulate` stop every process they started when they end, on
-Ctrl-C, SIGTERM or SIGHUP, and (Linux) when the tool itself is killed.
+Ctrl-C, SIGTERM or SIGHUP, and (Linux) when the tool itself is killed. Before
+starting anything they check --out (a new or empty folder or a run folder;
+with --resume, one holding a checkpoint) and the work folder (new, empty or
+one of theirs): a folder of other files is refused untouched. A node's
+--state-dir is checked the same way by the node before it reads anything.
 """
 
 from __future__ import annotations
@@ -40,7 +44,12 @@ from pathlib import Path
 from typing import Optional
 
 from fedreid.config import ConfigError, load_config
-from fedreid.utils.cli import run_main
+from fedreid.utils.cli import add_override_arguments, run_main
+
+#: What `local` and `simulate` (and earlier versions of them) write in their work folder.
+WORK_ENTRIES = ("flwr_home", "flwr_state", "logs", "state", "fedreid_state", "tls", "keys", "flwr_run.log",
+                "superlink.db")
+WORK_KIND = "flower-work"
 
 
 def _security(args: argparse.Namespace, what: str) -> Optional[Path]:
@@ -105,6 +114,10 @@ def cmd_node(args: argparse.Namespace) -> int:
     key = Path(args.key).resolve() if args.key else None
     if key is not None and not key.is_file():
         raise FileNotFoundError(f"node key {key} not found (make it with `node-key`)")
+    if not args.print_only:  # refused here, before the SuperNode starts, rather than in its ClientApp's log
+        from fedreid.flower.node import claim_state_dir
+
+        claim_state_dir(args.state_dir)
     cmd = supernode_command(args.superlink, args.client, Path(args.state_dir).resolve(), port=args.port,
                             root_cert=ca.resolve() if ca else None, private_key=key,
                             **{k: v for k, v in local.items() if v})
@@ -165,6 +178,30 @@ def cmd_run(args: argparse.Namespace) -> int:
     return _finish(out, rounds, rc, None)
 
 
+def _claim_local_folders(args: argparse.Namespace, out: Path) -> Path:
+    """Check and claim the run folder and the work folder of `local` / `simulate`; returns the work folder.
+
+    Nothing is started and nothing in a refused folder changes: the run
+    folder as :func:`fedreid.fl.simulation.claim_run_dir`, the work folder
+    new, empty, marked, or holding only what these commands write there
+    (:data:`WORK_ENTRIES`).
+    """
+    from fedreid.fl.simulation import claim_run_dir
+    from fedreid.utils.io import claim_output_dir
+
+    work = Path(args.workdir) if args.workdir else out.parent / f"{out.name}_flower"
+    if work.resolve() == out.resolve():
+        raise ConfigError(f"--workdir {work} is the run folder --out; give them different folders")
+    adopt = work.is_dir() and not work.is_symlink() and all(
+        p.name.startswith(WORK_ENTRIES) or (p.name.startswith(".") and p.name.endswith(".tmp"))
+        for p in work.iterdir())
+    if work.exists() or work.is_symlink():  # a refusal here comes before --out is made
+        claim_output_dir(work, WORK_KIND, tool="flower_fed", adopt=adopt)
+    claim_run_dir(out, resume=args.resume, tool="flower_fed")
+    claim_output_dir(work, WORK_KIND, tool="flower_fed", adopt=adopt)
+    return work
+
+
 def cmd_local(args: argparse.Namespace) -> int:
     from fedreid.fl.simulation import build_federation
     from fedreid.flower.launch import LocalDeployment, TLSFiles
@@ -173,9 +210,9 @@ def cmd_local(args: argparse.Namespace) -> int:
     if args.node_auth and not args.tls:
         raise ConfigError("--node-auth needs --tls: Flower authenticates SuperNodes over TLS only")
     out, text, rounds = _run_config(args)
+    work = _claim_local_folders(args, out)
     cfg = load_config(out / "config.yaml" if args.resume else args.config, args.overrides)
     clients = build_federation(cfg).server.client_names
-    work = Path(args.workdir) if args.workdir else out.parent / f"{out.name}_flower"
     tls = None
     if args.tls:
         if not (work / "tls" / "ca.crt").exists():
@@ -199,9 +236,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from fedreid.flower.launch import LocalDeployment
 
     out, text, rounds = _run_config(args)
+    work = _claim_local_folders(args, out)
     cfg = load_config(out / "config.yaml" if args.resume else args.config, args.overrides)
     clients = build_federation(cfg).server.client_names
-    work = Path(args.workdir) if args.workdir else out.parent / f"{out.name}_flower"
     print(f"Flower simulation engine: {len(clients)} virtual SuperNodes ({', '.join(clients)}); "
           f"node state in {work / 'fedreid_state'}", flush=True)
     with LocalDeployment(work, clients, simulation=True) as dep:
@@ -266,7 +303,7 @@ def build_parser() -> argparse.ArgumentParser:
         q.add_argument("--resume", action="store_true", help="continue the run in --out from its last round")
         q.add_argument("--round-timeout", type=float, help="seconds to wait for a round's replies (3600)")
         q.add_argument("--join-timeout", type=float, help="seconds to wait for all clients at the start (300)")
-        q.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
+        add_override_arguments(q, help="config overrides (anywhere among the options)")
 
     p = sub.add_parser("run", help="submit a training run to a SuperLink and follow it to the end")
     p.add_argument("--superlink", required=True, metavar="HOST:PORT", help="the SuperLink's address")

@@ -11,10 +11,14 @@ Examples:
   # generate the synthetic nine-domain world, then prepare it
   python tools/prepare_datasets.py --synthetic --out datasets/prepared/synthetic
 
-Re-running skips datasets that are already prepared (use --force to redo them).
+Re-running skips datasets that are already prepared (use --force to redo them),
+and warns when a dataset's raw folder gained, lost or changed files since it was
+prepared (its prepare.json records the file list): that copy is stale.
 Nothing under the raw root is ever modified, and only folders this tool prepared
-are ever replaced. <out>/<name>/card.md describes one dataset; <out>/cards.md
-summarises every dataset prepared under <out>, earlier runs' included.
+are ever replaced. A parser output with an image in two splits, or an identity
+in both train and query/gallery, is refused. <out>/<name>/card.md describes one
+dataset; <out>/cards.md summarises every dataset prepared under <out>, earlier
+runs' included.
 See datasets/README.md for layouts.
 """
 
@@ -68,7 +72,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="reuse an identity split (a split.json written by an earlier run)",
     )
     parser.add_argument("--workers", type=int, help="parallel image copy/check workers")
-    parser.add_argument("--force", action="store_true", help="prepare again even if done")
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help="prepare again even if done (replaces a copy this tool made, e.g. a stale one)",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     return parser
 

@@ -13,7 +13,13 @@ Examples:
 
 A run folder holds config.yaml, checkpoint.pt (full state, written atomically
 every round), metrics.jsonl / metrics.csv, model_final.pt and report.md with
-the paper's reporting convention and PNG curves.
+the paper's reporting convention and PNG curves. --out must be a new or empty
+folder or a run folder; a folder of other files is refused untouched.
+Overrides may stand anywhere among the options (fl.rounds=1 --no-progress seed=2).
+
+A resume refuses prepared data that changed since the checkpoint, and warns
+when the torch thread count differs (the numbers then differ from an
+uninterrupted run's).
 """
 
 from __future__ import annotations
@@ -99,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     progress = not args.no_progress and sys.stderr.isatty()
     # Without bars (a log file, CI, --no-progress) one line per round says how it goes.
     callbacks = [] if progress else [_round_printer(cfg.fl.rounds)]
-    history = run_simulation(cfg, run_dir, resume=resume, progress=progress, callbacks=callbacks)
+    history = run_simulation(cfg, run_dir, resume=resume, progress=progress, callbacks=callbacks, tool="train_fed")
     report = write_report(run_dir, history, targets=cfg.classification.target_accuracies)
     if is_classification(history):
         print("\n" + format_classification_summary(

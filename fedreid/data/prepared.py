@@ -14,14 +14,23 @@ holds its ``prepare.json`` naming the dataset, and its own hidden temporary
 folders (``.<name>.tmp-*``, ``.<name>.old-*``), which a killed run may leave
 behind and the next run of the same dataset removes. ``PreparedDataset.load``
 reads the result back.
+
+Every prepared dataset is one benchmark's split: its train (and val)
+identities and its test (query and gallery) identities are disjoint, and each
+image is in one split. Preparing refuses parser output that breaks this, and
+loading refuses a manifest that does (:func:`read_manifest`). ``prepare.json``
+records the raw folder's file list (:func:`raw_fingerprint`), so that a re-run
+on a raw folder that changed says the prepared copy is stale.
 """
 
 from __future__ import annotations
 
 import csv
+import hashlib
 import io
 import json
 import os
+import posixpath
 import re
 import shutil
 import socket
@@ -32,17 +41,19 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterable, Optional, Sequence
 
-from PIL import Image
+from PIL import Image, UnidentifiedImageError
 from tqdm import tqdm
 
 from fedreid import __version__
 from fedreid.data.raw.base import (
+    IMAGE_EXTENSIONS,
     SPLIT_NAMES,
     SPLITS,
     ExpectedCounts,
     RawDataset,
     RawRecord,
     Skip,
+    offset_test_ids,
 )
 from fedreid.errors import FedReIDError
 from fedreid.utils.io import write_json_atomic, write_text_atomic
@@ -57,6 +68,9 @@ PREPARE_RECORD = "prepare.json"
 #: Inside a temporary folder while a run fills it: which process owns it, so a
 #: concurrent run of the same dataset does not delete it as a leftover.
 OWNER_FILE = ".owner.json"
+#: The two sides of a benchmark split, whose identities must be disjoint.
+TRAIN_SPLITS: tuple[str, ...] = ("train", "val")
+TEST_SPLITS: tuple[str, ...] = ("query", "gallery")
 
 
 class PreparedDatasetError(FedReIDError, ValueError):
@@ -105,6 +119,7 @@ class PreparedDataset:
 
     @classmethod
     def load(cls, root: str | Path) -> "PreparedDataset":
+        """The dataset in ``root``: its ``manifest.csv``, checked (:func:`read_manifest`), and card."""
         root = Path(root)
         manifest = root / MANIFEST
         if not manifest.is_file():
@@ -136,8 +151,22 @@ def load_prepared(prepared_root: str | Path, name: str) -> PreparedDataset:
 
 
 def read_manifest(path: Path) -> list[Record]:
+    """The records of the manifest at ``path`` (image paths made absolute).
+
+    Raises :class:`PreparedDatasetError` naming the file and the line(s) for a
+    missing column, a bad number or split, a row listing an image that an
+    earlier row lists (the same ``path``, or the same ``source`` where the
+    column is filled), and an identity in both train/val and query/gallery.
+    Junk (pid -1) is exempt from the last check. Every prepared dataset is one
+    benchmark's split, whose train and test identities are disjoint: scenarios
+    train only on train/val (by-camera clients share identities with each
+    other, never with the test) and evaluation ranks query against gallery, so
+    a test identity seen in training would inflate the scores silently.
+    """
     root = path.parent
     records = []
+    entries: list[tuple[tuple[tuple[str, str], ...], int, str]] = []
+    lines: list[int] = []
     with path.open(newline="") as fh:
         reader = csv.DictReader(fh)
         missing = set(MANIFEST_FIELDS[:4]) - set(reader.fieldnames or ())
@@ -155,8 +184,87 @@ def read_manifest(path: Path) -> list[Record]:
                 raise PreparedDatasetError(
                     f"{path}, line {line}: split {rec.split!r} is not one of {', '.join(SPLITS)}"
                 )
+            keys = [("path", posixpath.normpath(row["path"]))]
+            if row.get("source"):
+                keys.append(("source", posixpath.normpath(row["source"])))
             records.append(rec)
+            entries.append((tuple(keys), rec.pid, rec.split))
+            lines.append(line)
+    conflict = find_split_conflict(entries)
+    if conflict is not None:
+        raise PreparedDatasetError(_manifest_conflict(path, conflict, entries, lines))
     return records
+
+
+def _manifest_conflict(
+    path: Path, conflict: SplitConflict, entries: Sequence[tuple], lines: Sequence[int]
+) -> str:
+    first, second = lines[conflict.first], lines[conflict.second]
+    split_a, split_b = entries[conflict.first][2], entries[conflict.second][2]
+    if conflict.kind == "identity":
+        return (
+            f"{path}, line {first}: identity {conflict.pid} is in {split_a} and in {split_b} "
+            f"(line {second}); a benchmark's train and test identities must be disjoint "
+            "(if tools/prepare_datasets.py made it, prepare it again with --force)"
+        )
+    what, key = conflict.key
+    if what == "source":
+        return (
+            f"{path}, line {second}: source image {key} is already on line {first}; "
+            "each raw image is prepared once"
+        )
+    if split_a == split_b:
+        return f"{path}, line {second}: duplicate of line {first} ({key})"
+    return (
+        f"{path}, line {second}: {key} is listed as {split_b} here and as {split_a} on "
+        f"line {first}; an image belongs to one split"
+    )
+
+
+@dataclass(frozen=True)
+class SplitConflict:
+    """Two entries given to :func:`find_split_conflict` that cannot both hold.
+
+    ``kind`` is ``"image"`` (both list the image ``key``; ``first`` is the
+    earlier entry) or ``"identity"`` (``pid`` is in training and in the test;
+    ``first`` is the training entry, ``second`` the test one).
+    """
+
+    kind: str
+    first: int
+    second: int
+    key: tuple[str, str] = ("", "")
+    pid: int = 0
+
+
+def find_split_conflict(
+    entries: Sequence[tuple[Sequence[tuple[str, str]], int, str]],
+) -> Optional[SplitConflict]:
+    """The first conflict (in entry order) among ``(image keys, pid, split)`` entries.
+
+    An image key (e.g. ``("path", "images/train/x.jpg")``) listed by two
+    entries is a conflict, whatever their splits; so is a pid other than -1
+    (junk) found in :data:`TRAIN_SPLITS` and in :data:`TEST_SPLITS`.
+    """
+    seen: dict[tuple[str, str], int] = {}
+    train_ids: dict[int, int] = {}
+    test_ids: dict[int, int] = {}
+    for index, (keys, pid, split) in enumerate(entries):
+        for key in keys:
+            if key in seen:
+                return SplitConflict("image", seen[key], index, key=key)
+            seen[key] = index
+        if pid == -1:
+            continue
+        if split in TRAIN_SPLITS:
+            train_ids.setdefault(pid, index)
+            if pid in test_ids:
+                return SplitConflict("identity", index, test_ids[pid], pid=pid)
+        elif split in TEST_SPLITS:
+            test_ids.setdefault(pid, index)
+            if pid in train_ids:
+                return SplitConflict("identity", train_ids[pid], index, pid=pid)
+    return None
 
 
 # ---------------------------------------------------------------------------
@@ -307,11 +415,16 @@ def prepare_dataset(
 ) -> PrepareReport:
     """Parse, check and copy one dataset into ``out_root/<name>``.
 
-    Already prepared datasets are left alone unless ``force``. Images that
-    cannot be decoded are reported as skips naming the file; a split that ends
-    up empty is a :class:`PrepareError`. A raw root that lies inside (or is)
-    the target folder, and a target that this tool did not prepare, are
-    refused before anything is moved or deleted.
+    Already prepared datasets are left alone unless ``force``; the report
+    then warns about options that differ and about a raw folder whose file
+    list changed since (the copy is stale), or says that an older copy without
+    a recorded file list cannot be checked. Images that cannot be decoded are
+    reported as skips naming the file (the reason text is the same on every
+    run); an error writing the copy aborts the run. A split that ends up empty,
+    an image the parser puts in two splits, and an identity in both train/val
+    and query/gallery are :class:`PrepareError`. A raw root that lies inside
+    (or is) the target folder, and a target that this tool did not prepare,
+    are refused before anything is moved or deleted.
     """
     started = time.perf_counter()
     out_root = Path(out_root)
@@ -324,23 +437,32 @@ def prepare_dataset(
         report.skipped_existing = True
         report.card = json.loads((target / "card.json").read_text())
         report.warnings = _option_changes(target, parser, resize)
+        stale, notes = _raw_changes(target, parser)
+        report.warnings += stale
+        report.notes += notes
         return report
     # Fail before the (long) copy, not after it, when the target is not ours to replace.
     _check_replaceable(target, parser.name)
 
+    # Listed before parsing: a file that changes meanwhile makes the next run say "stale".
+    fingerprint = raw_fingerprint(parser.source_dir)
     result = parser.parse()
-    _check_not_empty(parser, result.records)
+    raw_records = offset_test_ids(result.records, parser.test_pid_offset)
+    _check_splits(parser, raw_records)
+    _check_not_empty(parser, raw_records)
     out_root.mkdir(parents=True, exist_ok=True)
     tmp = out_root / f".{parser.name}.tmp-{uuid.uuid4().hex[:8]}"
     try:
         tmp.mkdir()
         write_json_atomic(tmp / OWNER_FILE, {"pid": os.getpid(), "host": socket.gethostname()})
-        records, bad = _copy_images(parser, result.records, tmp, resize, workers, progress)
+        records, bad = _copy_images(parser, raw_records, tmp, resize, workers, progress)
         skipped = list(result.skipped) + bad
         _check_not_empty(parser, records)
         card = dataset_card(records)
         warnings = count_mismatches(parser.name, card, expected_counts(parser))
-        _write_metadata(tmp, parser, records, skipped, card, warnings, result.id_split, resize)
+        _write_metadata(
+            tmp, parser, records, skipped, card, warnings, result.id_split, resize, fingerprint
+        )
         (tmp / OWNER_FILE).unlink()
         _move_into_place(tmp, target)
     finally:
@@ -380,6 +502,88 @@ def _option_changes(
         if made.get(key) != value
     ]
     return warnings
+
+
+def raw_fingerprint(folder: str | Path) -> dict:
+    """``{"files", "images", "sha256"}`` of the files under ``folder`` (recursive).
+
+    ``sha256`` hashes the sorted ``relative/path<TAB>size`` lines: a file
+    added, removed, renamed or resized changes it; contents and times are not
+    read, so it costs one listing of the folder. ``images`` counts the files
+    with an image extension. Links to folders are followed, each folder once.
+    """
+    folder = Path(folder)
+    entries: list[tuple[bytes, int]] = []
+    visited: set[tuple[int, int]] = set()
+    for dirpath, dirnames, filenames in os.walk(folder, followlinks=True):
+        st = os.stat(dirpath)
+        if (st.st_dev, st.st_ino) in visited:
+            dirnames[:] = []  # a link back to a folder already listed
+            continue
+        visited.add((st.st_dev, st.st_ino))
+        rel_dir = os.path.relpath(dirpath, folder)
+        for name in filenames:
+            try:
+                size = os.stat(os.path.join(dirpath, name)).st_size
+            except OSError:
+                size = -1  # a broken link
+            rel = name if rel_dir == os.curdir else os.path.join(rel_dir, name)
+            entries.append((os.fsencode(Path(rel).as_posix()), size))
+    digest = hashlib.sha256()
+    for rel, size in sorted(entries):
+        digest.update(rel + b"\t" + str(size).encode() + b"\n")
+    extensions = tuple(ext.encode() for ext in IMAGE_EXTENSIONS)
+    images = sum(rel.lower().endswith(extensions) for rel, _ in entries)
+    return {"files": len(entries), "images": images, "sha256": digest.hexdigest()}
+
+
+def _raw_changes(target: Path, parser: RawDataset) -> tuple[list[str], list[str]]:
+    """(warnings, notes) on the raw folder's files since ``target`` was prepared."""
+    record = target / PREPARE_RECORD
+    made = json.loads(record.read_text())
+    if made.get("raw_root") not in (None, str(parser.raw_root.resolve())):
+        return [], []  # prepared from another raw root: _option_changes says so
+    folder = parser.source_dir
+    then = made.get("raw_files")
+    if not isinstance(then, dict) or not {"files", "images", "sha256"} <= set(then):
+        return [
+            f"{parser.name}: {record} does not record the raw folder's file list (prepared by "
+            f"an older version), so whether {folder} changed since cannot be checked; "
+            "rerun with --force to be sure the prepared copy is current"
+        ], []
+    if not folder.is_dir():
+        return [], [
+            f"{parser.name}: the raw folder {folder} is gone; the prepared copy is kept as is"
+        ]
+    now = raw_fingerprint(folder)
+    if now["sha256"] == then["sha256"] and now["files"] == then["files"]:
+        return [], []
+    stale = "the prepared copy is stale, rerun with --force to redo it"
+    if now["images"] != then["images"]:
+        change = f"now has {now['images']} images, {then['images']} when prepared"
+    elif now["files"] != then["files"]:
+        change = f"now has {now['files']} files, {then['files']} when prepared"
+    else:
+        change = f"has the same {now['files']} files as when prepared, but other names or sizes"
+    return [f"{parser.name}: raw folder {folder} {change}; {stale}"], []
+
+
+def _check_splits(parser: RawDataset, records: Sequence[RawRecord]) -> None:
+    """A :class:`PrepareError` for an image in two splits or an identity in train and test."""
+    conflict = find_split_conflict([((("path", str(r.path)),), r.pid, r.split) for r in records])
+    if conflict is None:
+        return
+    a, b = records[conflict.first], records[conflict.second]
+    if conflict.kind == "identity":
+        raise PrepareError(
+            f"{parser.name}: identity {conflict.pid} is in {a.split} ({a.path}) and in {b.split} "
+            f"({b.path}); a benchmark's train and test identities must be disjoint (check the "
+            f"release under {parser.source_dir} and the split file, if one is given)"
+        )
+    where = f"twice in {a.split}" if a.split == b.split else f"as {a.split} and as {b.split}"
+    raise PrepareError(
+        f"{parser.name}: the parser lists {a.path} {where}; each raw image belongs to one split"
+    )
 
 
 def _refuse_overlap(out_root: Path, target: Path, raw_root: Path) -> None:
@@ -543,19 +747,35 @@ def _copy_images(
 
 
 def _copy_checked(src: Path, dst: Path, resize: Optional[Sequence[int]]) -> Optional[str]:
-    """Copy ``src`` to ``dst`` after decoding it fully; the error text if it is bad."""
+    """Copy ``src`` to ``dst`` after decoding it fully.
+
+    Returns None, or why ``src`` cannot be read or decoded, in words that are
+    the same on every run (no object addresses). An error writing ``dst``
+    (e.g. a full disk) is raised, not blamed on the image.
+    """
     try:
         data = src.read_bytes()
         with Image.open(io.BytesIO(data)) as img:
             img.load()  # a truncated file fails here, not at training time
             if resize is None:
-                dst.write_bytes(data)
+                resized = None
             else:
                 height, width = resize
-                img.convert("RGB").resize((width, height), Image.BILINEAR).save(dst)
-    except (OSError, ValueError, SyntaxError) as exc:
-        return str(exc) or type(exc).__name__
+                resized = img.convert("RGB").resize((width, height), Image.BILINEAR)
+    except UnidentifiedImageError:
+        # PIL's own text names the in-memory buffer by its address.
+        return "cannot identify image file"
+    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
+        return _OBJECT_REPR.sub("<object>", str(exc)) or type(exc).__name__
+    if resized is None:
+        dst.write_bytes(data)
+    else:
+        resized.save(dst)
     return None
+
+
+#: ``<_io.BytesIO object at 0x7f...>``: an address differs from run to run.
+_OBJECT_REPR = re.compile(r"<[^<>]* at 0x[0-9a-fA-F]+>")
 
 
 def _write_manifest(tmp: Path, records: list, raw_root: Path) -> None:
@@ -577,6 +797,7 @@ def _write_metadata(
     warnings: list[str],
     id_split: Optional[dict],
     resize: Optional[Sequence[int]],
+    fingerprint: Optional[dict] = None,
 ) -> None:
     card = dict(card, warnings=warnings)
     write_json_atomic(tmp / "card.json", card)
@@ -596,7 +817,9 @@ def _write_metadata(
             "dataset": parser.name,
             "layout": type(parser).__name__,
             "raw_root": str(parser.raw_root.resolve()),
-            "source": str(parser.root.resolve()),
+            "source": str(parser.source_dir.resolve()),
+            # What raw_fingerprint(source) gave before parsing; a re-run compares it.
+            "raw_files": fingerprint,
             "split_seed": parser.seed,
             "split_file": str(parser.split_file) if parser.split_file else None,
             "resize": list(resize) if resize is not None else None,

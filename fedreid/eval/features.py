@@ -30,14 +30,25 @@ import numpy as np
 import torch
 from torch import nn
 
+from fedreid.eval.filecheck import describe_kind, file_kind
 from fedreid.eval.metrics import EvalDataError
 from fedreid.utils.io import atomic_path
 
-__all__ = ["FeatureSet", "channels_last_model", "extract_features", "load_features", "save_features", "FEATURE_KEYS"]
+__all__ = [
+    "FEATURE_KEYS",
+    "DegenerateFeaturesError",
+    "FeatureSet",
+    "channels_last_model",
+    "check_features",
+    "extract_features",
+    "load_features",
+    "save_features",
+]
 
 FIELDS = ("images", "pids", "camids", "paths")
 #: Keys every feature cache holds.
 FEATURE_KEYS = ("features", "pids", "camids", "paths", "meta")
+_CHECK_ELEMENTS = 1 << 22  # elements per chunk of check_features: no full-size masks
 
 
 class FeatureSet(NamedTuple):
@@ -205,6 +216,57 @@ def extract_features(
     return out
 
 
+class DegenerateFeaturesError(EvalDataError):
+    """Features that cannot rank anything: NaN/inf values, all rows zero, or all rows identical."""
+
+
+def check_features(
+    features: np.ndarray, where: str, *, paths: Sequence[str] | None = None, identical_ok: bool = False
+) -> None:
+    """Refuse features whose retrieval figures would be meaningless; ``where`` names their source.
+
+    Raises :class:`DegenerateFeaturesError` (an :class:`EvalDataError`, a
+    ValueError) when a row holds NaN or inf (naming the first such row and,
+    given ``paths``, its image), when every row is zero, or when there are at
+    least two rows and all are identical: every gallery item would then tie
+    with every other, and CMC/mAP would come from the tie rule, not from the
+    model (``identical_ok`` allows that last case, for query images that may
+    be copies of one another). ``where`` starts the message (e.g. ``"feature file X: query"``,
+    ``"model M on folder F"``). Arrays that are not 2-D floating point, and
+    empty ones, pass here: the metrics name those problems. Works in chunks,
+    so a large gallery needs no full-size mask.
+    """
+    x = np.asarray(features)
+    if x.ndim != 2 or x.dtype.kind != "f" or x.shape[0] == 0:
+        return
+    n = x.shape[0]
+    first = x[0].copy()
+    all_zero = all_same = True
+    rows_per_chunk = max(1, _CHECK_ELEMENTS // max(1, x.shape[1]))
+    for start in range(0, n, rows_per_chunk):
+        chunk = x[start : start + rows_per_chunk]
+        finite = np.isfinite(chunk).all(axis=1)
+        if not finite.all():
+            row = start + int(np.flatnonzero(~finite)[0])
+            image = f" ({paths[row]})" if paths is not None and row < len(paths) else ""
+            raise DegenerateFeaturesError(
+                f"{where} row {row}{image} has NaN or inf features: "
+                "the model that produced them diverged or the file is damaged"
+            )
+        all_zero = all_zero and not chunk.any()
+        all_same = all_same and bool((chunk == first).all())
+    if all_zero:
+        raise DegenerateFeaturesError(
+            f"{where}: all {n} feature rows are zero, so every image would tie with every other: "
+            "the model gives no signal (collapsed or broken weights) or the file is damaged"
+        )
+    if all_same and n > 1 and not identical_ok:
+        raise DegenerateFeaturesError(
+            f"{where}: all {n} feature rows are identical, so every image would tie with every other: "
+            "the model maps every image to one point (collapsed weights), or the images are copies of one image"
+        )
+
+
 # --------------------------------------------------------------------------
 # The .npz cache
 # --------------------------------------------------------------------------
@@ -239,39 +301,74 @@ def save_features(
     return path
 
 
+_NOT_FEATURES = "is not a NumPy .npz of fedreid features (arrays features, pids, camids, paths, meta; written by save_features / --save-features)"
+
+
+def _npz_problem(exc: BaseException) -> str:
+    """A reader error in words that never suggest loading the file with pickles enabled."""
+    text = str(exc)
+    if "pickle" in text.lower():
+        return "it holds pickled Python objects, which are never loaded (loading them can run code)"
+    return f"it is a damaged archive ({text.strip().splitlines()[0] if text.strip() else type(exc).__name__})"
+
+
 def load_features(path: str | Path) -> tuple[FeatureSet, dict]:
     """Read a cache written by :func:`save_features`: ``(FeatureSet, meta)``.
 
-    Raises FileNotFoundError for a missing file and
+    The file is read with ``allow_pickle=False``: a pickle, or an archive
+    holding object arrays, is refused and nothing in it runs. Raises
+    FileNotFoundError for a missing file and
     :class:`~fedreid.eval.metrics.EvalDataError` (a ValueError) naming the
-    file for an unreadable one or one missing keys.
+    file and what was expected for anything else: not an .npz, missing keys,
+    arrays of the wrong kind or length, unreadable meta.
     """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"feature cache {path} does not exist")
+    kind = file_kind(path)
+    if kind != "zip":  # np.load would try anything else as a pickle
+        raise EvalDataError(f"feature cache {path} {_NOT_FEATURES}: {describe_kind(kind)}")
     try:
         data = np.load(path, allow_pickle=False)
     except (OSError, ValueError, zipfile.BadZipFile, EOFError) as exc:
-        raise EvalDataError(f"feature cache {path} is not a readable .npz file: {exc}") from None
-    if not isinstance(data, np.lib.npyio.NpzFile):
-        raise EvalDataError(f"feature cache {path} is a single array, not an .npz archive")
+        raise EvalDataError(f"feature cache {path} {_NOT_FEATURES}: {_npz_problem(exc)}") from None
     try:
         with data:
-            arrays = {key: data[key] for key in FEATURE_KEYS if key in data.files}
             present = sorted(data.files)
+            arrays = {key: data[key] for key in FEATURE_KEYS if key in data.files}
     except (OSError, ValueError, zipfile.BadZipFile, EOFError) as exc:
-        raise EvalDataError(f"feature cache {path} is not a readable .npz file: {exc}") from None
+        raise EvalDataError(f"feature cache {path} {_NOT_FEATURES}: {_npz_problem(exc)}") from None
     missing = [key for key in FEATURE_KEYS if key not in arrays]
     if missing:
-        raise EvalDataError(f"feature cache {path} is missing keys {missing} (has {present})")
+        raise EvalDataError(f"feature cache {path} is missing keys {missing} (has {present}); it {_NOT_FEATURES}")
+    expected = {
+        "features": (2, "f", "a 2-D float array"),
+        "pids": (1, "iu", "a 1-D integer array"),
+        "camids": (1, "iu", "a 1-D integer array"),
+        "paths": (1, "U", "a 1-D string array"),
+        "meta": (0, "U", "a JSON string"),
+    }
+    for key, (ndim, kinds, what) in expected.items():
+        a = arrays[key]
+        if a.ndim != ndim or (a.dtype.kind not in kinds and not (a.size == 0 and ndim == 1)):
+            raise EvalDataError(
+                f"feature cache {path}: {key!r} should be {what}, got shape {a.shape} of dtype {a.dtype}; "
+                f"the file {_NOT_FEATURES}"
+            )
+    lengths = {key: len(arrays[key]) for key in ("features", "pids", "camids", "paths")}
+    if len(set(lengths.values())) > 1:
+        listing = ", ".join(f"{k}: {v}" for k, v in lengths.items())
+        raise EvalDataError(f"feature cache {path} has mismatched lengths ({listing})")
     try:
         meta = json.loads(str(arrays["meta"]))
     except json.JSONDecodeError as exc:
         raise EvalDataError(f"feature cache {path} has unreadable meta: {exc}") from None
+    if not isinstance(meta, dict):
+        raise EvalDataError(f"feature cache {path}: meta should be a JSON object, got {type(meta).__name__}")
     features = FeatureSet(
         features=arrays["features"],
-        pids=arrays["pids"],
-        camids=arrays["camids"],
+        pids=arrays["pids"].astype(np.int64, copy=False),
+        camids=arrays["camids"].astype(np.int64, copy=False),
         paths=[str(p) for p in arrays["paths"]],
     )
     return features, meta

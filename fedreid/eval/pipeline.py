@@ -12,6 +12,25 @@ from :mod:`fedreid.eval.retrieval` and pictures from
 Model sources (:func:`load_model`): a run folder (its ``model_final.pt``,
 else its ``checkpoint.pt``), a ``model_final.pt`` (``format:
 fedreid.model``) or a ``checkpoint.pt`` (``config`` + ``server.global_state``).
+Model files are read with ``torch.load(weights_only=True)`` only, and only
+once their first bytes show a PyTorch file: a pickle of other objects is
+refused without running anything. A loaded model carries a fingerprint
+(:func:`model_fingerprint`) that index folders record and queries check.
+
+Index folders (:func:`build_gallery_index`): written only into a new, empty
+or fedreid-marked folder (:func:`fedreid.utils.io.claim_output_dir`, kind
+``index``; an unmarked index folder of an earlier version is adopted), never
+into or under the gallery folder, and replaced as a whole (staged in a hidden
+sibling, then renamed in). Unreadable images abort with an error naming the
+image unless the caller collects them (``skipped``), in which case they are
+left out and listed in ``skipped.csv``. The evaluation's output folders are
+claimed the same way (:func:`claim_eval_dir`, :func:`claim_features_dir`).
+
+Features from every source (a model over a dataset or an image folder, a
+feature file, features given in memory) pass
+:func:`fedreid.eval.features.check_features` before any figure or index is
+made from them: NaN/inf, all-zero or all-identical features are an error
+naming their source, not plausible-looking numbers from ties.
 
 Feature caches (:func:`save_dataset_features`): one ``.npz`` per dataset in
 the :func:`fedreid.eval.features.save_features` format, query rows first,
@@ -32,24 +51,35 @@ re-ranking, whose algorithm needs the full matrices (guarded by
 
 from __future__ import annotations
 
+import csv
+import hashlib
+import io
+import json
 import os
 import re
+import shutil
+import uuid
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence
 
 import numpy as np
 import torch
 from torch import nn
 
 from fedreid.config import ConfigError
-from fedreid.eval.features import FeatureSet, extract_features, load_features, save_features
+from fedreid.eval.features import FeatureSet, check_features, extract_features, load_features, save_features
+from fedreid.eval.filecheck import describe_kind, file_kind
 from fedreid.eval.metrics import DEFAULT_BLOCK_BYTES, EvalDataError
 from fedreid.fl.evaluation import EmbedModule
 
 __all__ = [
     "EvalInputError",
+    "ModelMismatchError",
     "LoadedModel",
+    "SkippedImage",
+    "SKIPPED_FILE",
     "DatasetFeatures",
     "QueryResult",
     "PROTOCOLS",
@@ -62,6 +92,9 @@ __all__ = [
     "chosen_queries",
     "find_model_file",
     "load_model",
+    "model_fingerprint",
+    "check_index_model",
+    "write_skipped_csv",
     "run_config_path",
     "resolve_datasets",
     "dataset_features",
@@ -78,6 +111,8 @@ __all__ = [
     "draw_query_picture",
     "draw_query_pictures",
     "evaluate_and_report",
+    "claim_eval_dir",
+    "claim_features_dir",
     "picked_queries",
     "RankedList",
     "ranked_lists",
@@ -96,10 +131,19 @@ PROTOCOLS = ("standard", "cuhk03")
 CUHK03_REPEATS = 10
 FAISS_GPU_MODES = ("auto", "on", "off")
 _MARKET_NAME = re.compile(r"^(-?\d+)_c(\d+)")
+#: What the features are (part of the model fingerprint): ``embed`` of image + flipped image, L2-normalised.
+FEATURE_KIND = "embed+flip, l2-normalised"
+#: The list of images left out (``path,reason``), in an index folder or a query's --out folder.
+SKIPPED_FILE = "skipped.csv"
+_TOOL_INDEX = "tools/eval_reid.py index"
 
 
 class EvalInputError(ConfigError):
     """A bad input of the evaluation tool (unreadable model, unknown dataset, empty folder...)."""
+
+
+class ModelMismatchError(EvalInputError):
+    """A query's model is not the one its index was built with (their fingerprints differ)."""
 
 
 def resolve_device(device: str = "auto") -> torch.device:
@@ -167,6 +211,8 @@ class LoadedModel:
     config: dict[str, Any]  # the model config (backbone, height, width, ...)
     source: Path
     round: Optional[int] = None
+    #: :func:`model_fingerprint` of the loaded weights and config (empty when built by hand).
+    fingerprint: dict[str, Any] = field(default_factory=dict)
 
 
 def find_model_file(path: str | Path) -> Path:
@@ -190,15 +236,50 @@ def run_config_path(model_path: str | Path) -> Optional[Path]:
     return config if config.is_file() else None
 
 
+_EXPECTED_MODEL = (
+    f"expected a fedreid run folder, its {MODEL_FILE} or {CHECKPOINT_FILE} "
+    "(a torch.save'd dict of tensors and plain values)"
+)
+
+
+def _read_model_file(path: Path) -> Any:
+    """``torch.load(weights_only=True)`` of a file whose first bytes show a PyTorch file; errors in words.
+
+    Nothing else is ever handed to an unpickler; a pickle holding objects
+    other than tensors and plain containers is refused by ``weights_only``
+    before any of it runs.
+    """
+    import pickle
+    import warnings
+
+    try:
+        kind = file_kind(path)
+    except OSError as exc:
+        raise EvalInputError(f"cannot read model file {path}: {exc.strerror or exc}") from None
+    if kind not in ("zip", "pickle"):
+        raise EvalInputError(f"model file {path} is not a PyTorch file: {describe_kind(kind)}; {_EXPECTED_MODEL}")
+    try:
+        with warnings.catch_warnings():  # a planted pickle's protocol is no news to the user: the error says it
+            warnings.filterwarnings("ignore", message="Detected pickle protocol", category=UserWarning)
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        raise EvalInputError(
+            f"model file {path} holds Python objects other than tensors and plain containers, which are never "
+            f"loaded (loading them can run code); {_EXPECTED_MODEL}"
+        ) from None
+    except Exception as exc:  # noqa: BLE001 - any reader failure is the file's fault
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise EvalInputError(
+            f"model file {path} is a damaged or truncated PyTorch file ({first[:200]}); {_EXPECTED_MODEL}"
+        ) from None
+
+
 def _model_payload(
     path: Path, client: Optional[str] = None
 ) -> tuple[dict[str, Any], Mapping[str, torch.Tensor], Optional[int]]:
     from fedreid.utils.checkpoint import CHECKPOINT_FORMAT
 
-    try:
-        data = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # noqa: BLE001 - unreadable is unreadable
-        raise EvalInputError(f"cannot read model file {path}: {exc}") from None
+    data = _read_model_file(path)
     fmt = data.get("format") if isinstance(data, dict) else None
     try:
         if fmt == MODEL_FORMAT:
@@ -207,9 +288,12 @@ def _model_payload(
             return dict(data["config"]["model"]), data["server"]["global_state"], data.get("round")
     except (KeyError, TypeError) as exc:
         raise EvalInputError(f"model file {path} ({fmt}) lacks entry {exc}") from None
+    what = f"its format is {fmt!r}" if fmt is not None else (
+        "a bare state dict carries no model config" if isinstance(data, dict) else f"it holds a {type(data).__name__}"
+    )
     raise EvalInputError(
-        f"{path} is not a fedreid model ({MODEL_FILE}, format {MODEL_FORMAT!r}) "
-        f"or training checkpoint ({CHECKPOINT_FILE}); its format is {fmt!r}"
+        f"{path} is a PyTorch file but not a fedreid model ({MODEL_FILE}, format {MODEL_FORMAT!r}) "
+        f"or training checkpoint ({CHECKPOINT_FILE}): {what}; {_EXPECTED_MODEL}"
     )
 
 
@@ -261,8 +345,78 @@ def load_model(
         raise EvalInputError(f"model file {file}: cannot build backbone {cfg.get('backbone')!r}: {exc}") from None
     cfg.setdefault("height", 256)
     cfg.setdefault("width", 128)
+    fingerprint = model_fingerprint(model, cfg)
     model.to(device).eval()
-    return LoadedModel(model=model, config=cfg, source=file, round=rnd)
+    return LoadedModel(model=model, config=cfg, source=file, round=rnd, fingerprint=fingerprint)
+
+
+def model_fingerprint(model: nn.Module, config: Mapping[str, Any]) -> dict[str, Any]:
+    """What defines a model's features: ``weights_sha256``, architecture, input size, feature kind.
+
+    ``weights_sha256`` hashes every entry of ``model.state_dict()`` (name,
+    dtype, shape and bytes, in name order), so the same weights give the same
+    digest whichever file (``model_final.pt``, ``checkpoint.pt``) or device
+    they came from. The other fields come from the model ``config``
+    (``backbone``, ``last_stride``, ``bottleneck_dim``, ``height``, ``width``;
+    the defaults of :func:`load_model` where missing) and :data:`FEATURE_KIND`.
+    Two models give comparable features only when every field is equal.
+    """
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        t = tensor.detach().to("cpu").contiguous()
+        digest.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return {
+        "weights_sha256": digest.hexdigest(),
+        "backbone": str(config.get("backbone", "resnet50")),
+        "last_stride": int(config.get("last_stride", 2)),
+        "bottleneck_dim": int(config.get("bottleneck_dim", 512)),
+        "height": int(config.get("height", 256)),
+        "width": int(config.get("width", 128)),
+        "feature": FEATURE_KIND,
+    }
+
+
+def _fingerprint_differences(index_fp: Mapping[str, Any], model_fp: Mapping[str, Any]) -> list[str]:
+    def shown(value: Any) -> str:
+        return value[:16] if isinstance(value, str) and re.fullmatch(r"[0-9a-f]{64}", value) else repr(value)
+
+    return [
+        f"{key} {shown(index_fp.get(key))} (index) vs {shown(model_fp.get(key))} (model)"
+        for key in sorted(set(index_fp) | set(model_fp))
+        if index_fp.get(key) != model_fp.get(key)
+    ]
+
+
+def check_index_model(
+    header: Mapping[str, Any], loaded: LoadedModel, index_dir: str | Path, *, allow_mismatch: bool = False
+) -> Optional[str]:
+    """Whether ``loaded`` is the model the index of ``header`` was built with; None when it is.
+
+    The index header's ``meta.model_fingerprint`` is compared with
+    ``loaded.fingerprint`` field by field. A difference (or an index that
+    records no fingerprint) raises :class:`ModelMismatchError` naming the
+    differing fields with both values; with ``allow_mismatch`` the same words
+    are returned instead, for the caller to show as a warning.
+    """
+    recorded = (header.get("meta") or {}).get("model_fingerprint")
+    built_with = (header.get("meta") or {}).get("model", "an unrecorded model")
+    if not isinstance(recorded, dict) or not recorded:
+        problem = f"index {index_dir} records no model fingerprint, so it cannot be checked against {loaded.source}"
+    else:
+        diffs = _fingerprint_differences(recorded, loaded.fingerprint)
+        if not diffs:
+            return None
+        problem = (
+            f"index {index_dir} was built with another model ({built_with}) than {loaded.source}: "
+            + "; ".join(diffs)
+        )
+    if allow_mismatch:
+        return f"{problem}; the scores may be meaningless (--allow-model-mismatch)"
+    raise ModelMismatchError(
+        f"{problem}; query with the index's model, build the index again with this one, "
+        "or pass --allow-model-mismatch to search anyway"
+    )
 
 
 def _features(
@@ -341,7 +495,9 @@ def dataset_features(
     """Features of the query and gallery splits of prepared dataset ``name``.
 
     ``amp`` / ``channels_last``: CUDA speedups of the extraction (see
-    :func:`resolve_speedups`).
+    :func:`resolve_speedups`). Degenerate features (NaN/inf, all zero, all
+    identical; :func:`~fedreid.eval.features.check_features`) raise an error
+    naming the model and the dataset.
     """
     from fedreid.data.prepared import PreparedDatasetError, load_prepared
 
@@ -358,7 +514,12 @@ def dataset_features(
             camids=np.array([r.camid for r in records], dtype=np.int64),
             paths=[str(r.path) for r in records],
         )
+        check_features(
+            sets[split].features, f"model {loaded.source} on dataset {name!r}: {split}", paths=sets[split].paths
+        )
     meta = {"dataset": name, "model": str(loaded.source), "round": loaded.round, "flip": True}
+    if loaded.fingerprint:
+        meta["model_fingerprint"] = loaded.fingerprint
     return DatasetFeatures(name, sets["query"], sets["gallery"], meta, source=f"model {loaded.source}")
 
 
@@ -377,35 +538,35 @@ def save_dataset_features(folder: str | Path, feats: DatasetFeatures) -> Path:
 
 
 def load_dataset_features(path: str | Path, name: Optional[str] = None) -> DatasetFeatures:
-    """Read a cache written by :func:`save_dataset_features` (``name`` defaults to its meta)."""
+    """Read a cache written by :func:`save_dataset_features` (``name`` defaults to its meta).
+
+    Besides :func:`~fedreid.eval.features.load_features`'s checks, each split
+    passes :func:`~fedreid.eval.features.check_features`: NaN/inf, all-zero or
+    all-identical features are an error naming the file (and the split, row
+    and image of a NaN).
+    """
     fs, meta = load_features(path)
     if "num_query" not in meta:
         raise EvalInputError(f"feature cache {path} was not written by eval_reid (no num_query in its meta)")
-    n = int(meta["num_query"])
+    try:
+        n = int(meta["num_query"])
+    except (TypeError, ValueError):
+        raise EvalInputError(f"feature cache {path}: num_query={meta['num_query']!r} is not an integer") from None
     if not 0 <= n <= fs.features.shape[0]:
         raise EvalInputError(f"feature cache {path}: num_query={n} but the file holds {fs.features.shape[0]} rows")
-    _check_finite_rows(path, fs, n)
 
     def part(sl: slice) -> FeatureSet:
         return FeatureSet(fs.features[sl], fs.pids[sl], fs.camids[sl], fs.paths[sl])
 
     name = name or meta.get("dataset") or Path(path).stem
-    return DatasetFeatures(name, part(slice(0, n)), part(slice(n, None)), meta, source=f"feature file {path}")
+    feats = DatasetFeatures(name, part(slice(0, n)), part(slice(n, None)), meta, source=f"feature file {path}")
+    _check_dataset_features(feats, f"feature file {path}")
+    return feats
 
 
-def _check_finite_rows(path: str | Path, fs: FeatureSet, num_query: int) -> None:
-    """NaN/inf features in a cache are an error naming the file, the split, the row and its image."""
-    if fs.features.ndim != 2 or fs.features.dtype.kind != "f":
-        return  # evaluate() names the shape/dtype problem
-    for start in range(0, fs.features.shape[0], 65536):  # chunks: no full-size mask of a big cache
-        finite = np.isfinite(fs.features[start : start + 65536]).all(axis=1)
-        if not finite.all():
-            row = start + int(np.flatnonzero(~finite)[0])
-            split, i = ("query", row) if row < num_query else ("gallery", row - num_query)
-            raise EvalDataError(
-                f"feature file {path}: {split} row {i} ({fs.paths[row]}) has NaN or inf features: "
-                "the model that wrote it diverged or the file is damaged"
-            )
+def _check_dataset_features(feats: DatasetFeatures, where: Optional[str] = None) -> None:
+    for split, fs in (("query", feats.query), ("gallery", feats.gallery)):
+        check_features(fs.features, f"{where}: {split}" if where else split, paths=fs.paths)
 
 
 # --------------------------------------------------------------------------
@@ -447,7 +608,8 @@ def evaluate_dataset(
     datasets are evaluated); standard AP only, no re-ranking.
 
     Bad features or ids raise :class:`~fedreid.eval.metrics.EvalDataError`
-    naming the dataset and :attr:`DatasetFeatures.source`.
+    naming the dataset and :attr:`DatasetFeatures.source`; degenerate
+    features (:func:`~fedreid.eval.features.check_features`) are among them.
     """
     from fedreid.eval.metrics import evaluate, evaluate_cuhk03_single_shot, evaluate_scores
 
@@ -458,6 +620,7 @@ def evaluate_dataset(
     common = {"ranks": ranks, "return_per_query": True, "max_block_bytes": max_block_bytes}
     reranked = None
     try:
+        _check_dataset_features(feats)
         if rerank:
             from fedreid.eval.rerank import k_reciprocal_rerank
 
@@ -473,7 +636,7 @@ def evaluate_dataset(
             result = evaluate(q.features, g.features, *ids, ap=ap, **common)
     except EvalDataError as exc:
         where = feats.source or "features given in memory"
-        raise EvalDataError(f"dataset {feats.name!r} ({where}): {exc}") from None
+        raise type(exc)(f"dataset {feats.name!r} ({where}): {exc}") from None
     result["num_gallery"] = int(g.features.shape[0])
     result["protocol"] = protocol
     return result, reranked
@@ -669,22 +832,61 @@ def parse_market_name(path: str | Path) -> tuple[int, int]:
     return int(match.group(1)), int(match.group(2)) - 1
 
 
-class _ImageFiles(torch.utils.data.Dataset):
-    def __init__(self, paths: Sequence[Path], height: int, width: int) -> None:
-        from fedreid.data.transforms import build_test_transform
+@dataclass(frozen=True)
+class SkippedImage:
+    """An image left out because it could not be read: its path and why (fixed words, no addresses)."""
 
-        self.paths = list(paths)
-        self.transform = build_test_transform(height, width)
+    path: str
+    reason: str
 
-    def __len__(self) -> int:
-        return len(self.paths)
 
-    def __getitem__(self, i: int) -> dict[str, Any]:
-        from fedreid.data.datasets import read_image
+def _skip_reason(exc: BaseException) -> str:
+    cause = exc.__cause__
+    if isinstance(cause, OSError):
+        return f"cannot read the file ({cause.strerror or type(cause).__name__})"
+    return "cannot decode the image (empty, corrupt or not an image)"
 
-        pid, camid = parse_market_name(self.paths[i])
-        image = self.transform(read_image(self.paths[i]))
-        return {"images": image, "pids": pid, "camids": camid, "paths": str(self.paths[i])}
+
+def _image_batches(
+    paths: Sequence[Path], height: int, width: int, batch_size: int, skipped: Optional[list[SkippedImage]]
+) -> Iterator[dict[str, Any]]:
+    """Batches in the loader contract of :func:`~fedreid.eval.features.extract_features`, in ``paths`` order.
+
+    An unreadable image is appended to ``skipped`` and left out, or, when
+    ``skipped`` is None, an :class:`EvalInputError` naming it.
+    """
+    from fedreid.data.datasets import ImageReadError, read_image
+    from fedreid.data.transforms import build_test_transform
+
+    transform = build_test_transform(height, width)
+    batch: list[tuple[Any, int, int, str]] = []
+
+    def collate() -> dict[str, Any]:
+        images, pids, camids, names = zip(*batch)
+        return {
+            "images": torch.stack(images),
+            "pids": torch.tensor(pids, dtype=torch.int64),
+            "camids": torch.tensor(camids, dtype=torch.int64),
+            "paths": list(names),
+        }
+
+    for path in paths:
+        try:
+            image = read_image(path)
+        except ImageReadError as exc:
+            if skipped is None:
+                raise EvalInputError(
+                    f"{exc}: pass --skip-bad-images to list unreadable images in {SKIPPED_FILE} and go on"
+                ) from None
+            skipped.append(SkippedImage(str(path), _skip_reason(exc)))
+            continue
+        pid, camid = parse_market_name(path)
+        batch.append((transform(image), pid, camid, str(path)))
+        if len(batch) == batch_size:
+            yield collate()
+            batch = []
+    if batch:
+        yield collate()
 
 
 def image_features(
@@ -695,11 +897,62 @@ def image_features(
     device: str | torch.device = "cpu",
     amp: bool = False,
     channels_last: bool = False,
+    skipped: Optional[list[SkippedImage]] = None,
+    where: str = "images",
+    identical_ok: bool = False,
 ) -> FeatureSet:
-    """Features of image files, with Market-style ids/cameras (-1 when the name has none)."""
-    dataset = _ImageFiles(paths, int(loaded.config["height"]), int(loaded.config["width"]))
-    loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=False)
-    return _features(loaded, loader, torch.device(device), amp=amp, channels_last=channels_last)
+    """Features of image files, with Market-style ids/cameras (-1 when the name has none).
+
+    ``skipped``: None aborts at the first unreadable image (an
+    :class:`EvalInputError` naming it); a list collects them
+    (:class:`SkippedImage`, in ``paths`` order) and the features cover the
+    readable images only, in order (none readable is an error). The features
+    pass :func:`~fedreid.eval.features.check_features`, whose errors name the
+    model and ``where`` (e.g. ``"gallery photos/"``); ``identical_ok``
+    allows all-identical rows (query images may be copies of one another).
+    """
+    if int(batch_size) < 1:
+        raise EvalInputError(f"--batch-size must be >= 1, got {batch_size}")
+    first_skip = len(skipped) if skipped is not None else 0
+    batches = _image_batches(
+        paths, int(loaded.config["height"]), int(loaded.config["width"]), int(batch_size), skipped
+    )
+    try:
+        fs = _features(loaded, batches, torch.device(device), amp=amp, channels_last=channels_last)
+    except EvalDataError:
+        if skipped is not None and len(skipped) - first_skip == len(paths):
+            raise EvalInputError(
+                f"none of the {len(paths)} images of {where} could be read (e.g. {skipped[first_skip].path}: "
+                f"{skipped[first_skip].reason})"
+            ) from None
+        raise
+    check_features(fs.features, f"model {loaded.source} on {where}", paths=fs.paths, identical_ok=identical_ok)
+    return fs
+
+
+def write_skipped_csv(path: str | Path, skipped: Sequence[SkippedImage]) -> Path:
+    """``path`` (atomically): a ``path,reason`` header and one row per skipped image, in order."""
+    from fedreid.utils.io import write_text_atomic
+
+    buffer = io.StringIO()
+    writer = csv.writer(buffer, lineterminator="\n")
+    writer.writerow(["path", "reason"])
+    writer.writerows([s.path, s.reason] for s in skipped)
+    write_text_atomic(path, buffer.getvalue())
+    return Path(path)
+
+
+def _check_index_location(gallery: Path, index_dir: Path) -> None:
+    """Refuse an index folder that is the gallery folder or lies inside it (symlinks resolved)."""
+    if not gallery.is_dir():
+        return
+    g, i = gallery.resolve(), index_dir.resolve()
+    if i == g or g in i.parents:
+        where = "is the gallery folder" if i == g else f"is inside the gallery folder {gallery}"
+        raise EvalInputError(
+            f"--index {index_dir} {where}: the index files would be written among the images; "
+            "choose a folder outside the gallery (nothing was changed)"
+        )
 
 
 def build_gallery_index(
@@ -712,24 +965,126 @@ def build_gallery_index(
     amp: bool = False,
     channels_last: bool = False,
     faiss_gpu: bool = False,
+    skipped: Optional[list[SkippedImage]] = None,
 ) -> tuple[Path, int]:
-    """Index every image under ``gallery`` into ``index_dir``; returns ``(folder, number of images)``.
+    """Index every image under ``gallery`` into ``index_dir``; returns ``(folder, number of images indexed)``.
 
-    ``faiss_gpu`` builds the index on the GPU (see :func:`resolve_faiss_gpu`);
-    the saved file is the same either way (a CPU copy is written).
+    ``index_dir`` must be new, empty, marked as a fedreid index folder holding
+    nothing but the index's files, or an index folder of an earlier version
+    (then adopted); anything else, and a folder that is or lies inside the
+    gallery folder, raises before any work
+    (:class:`~fedreid.utils.io.OutputDirError` / :class:`EvalInputError`) and
+    changes nothing. The folder is replaced as a whole, so an interrupted
+    build leaves the previous index or the new one, never a mix (a hidden
+    sibling ``.<name>.tmp-*`` / ``.<name>.old-*`` it leaves is removed by the
+    next build). The header records the model's fingerprint
+    (:func:`model_fingerprint`) for :func:`query_index`. ``skipped``: as in
+    :func:`image_features`; when given, the images left out are listed in
+    ``index_dir/skipped.csv``. ``faiss_gpu`` builds the index on the GPU (see
+    :func:`resolve_faiss_gpu`); the saved file is the same either way (a CPU
+    copy is written).
     """
-    from fedreid.eval.retrieval import build_index, save_index
+    from fedreid.eval.retrieval import build_index, is_index_folder, save_index
+    from fedreid.utils.io import claim_output_dir
 
     device = torch.device(device)
+    gallery, index_dir = Path(gallery), Path(index_dir)
     paths = list_images(gallery, "gallery")
-    fs = image_features(loaded, paths, batch_size=batch_size, device=device, amp=amp, channels_last=channels_last)
-    meta = {"model": str(loaded.source), "round": loaded.round, "gallery": str(Path(gallery).resolve())}
-    index = build_index(fs.features, use_gpu=bool(faiss_gpu), gpu_id=_faiss_gpu_id(device))
-    folder = save_index(
-        index_dir, index, ids=fs.pids, cameras=fs.camids,
-        paths=[str(Path(p).resolve()) for p in fs.paths], meta=meta,
+    _check_index_location(gallery, index_dir)
+    adopt = index_dir.is_dir() and not index_dir.is_symlink() and is_index_folder(index_dir, extra_files=(SKIPPED_FILE,))
+    claim_output_dir(index_dir, "index", tool=_TOOL_INDEX, adopt=adopt)
+    _refuse_foreign_files(index_dir)
+    _remove_index_temporaries(index_dir)
+    first_skip = len(skipped) if skipped is not None else 0
+    fs = image_features(
+        loaded, paths, batch_size=batch_size, device=device, amp=amp, channels_last=channels_last,
+        skipped=skipped, where=f"gallery {gallery}",
     )
-    return folder, len(paths)
+    left_out = list(skipped[first_skip:]) if skipped is not None else []
+    meta = {
+        "model": str(loaded.source), "round": loaded.round, "gallery": str(gallery.resolve()),
+        "model_fingerprint": loaded.fingerprint, "skipped": len(left_out),
+    }
+    index = build_index(fs.features, use_gpu=bool(faiss_gpu), gpu_id=_faiss_gpu_id(device))
+    stage = _index_temporary(index_dir, "tmp")
+    try:
+        claim_output_dir(stage, "index", tool=_TOOL_INDEX)  # new: created and marked
+        save_index(
+            stage, index, ids=fs.pids, cameras=fs.camids,
+            paths=[str(Path(p).resolve()) for p in fs.paths], meta=meta,
+        )
+        if left_out:
+            write_skipped_csv(stage / SKIPPED_FILE, left_out)
+        _swap_index_folder(stage, index_dir)
+    finally:
+        if stage.exists():
+            shutil.rmtree(stage)
+    return index_dir, len(fs.paths)
+
+
+# An index folder is replaced as a whole: the new one is written into a hidden
+# sibling ``.<name>.tmp-<hex>``, the old one moved aside to ``.<name>.old-<hex>``,
+# the new one moved in, the old one deleted. A kill leaves the old index, the
+# new one, or (between the two renames) none, the old one then moved back by the
+# next build; never a mix. The next build removes the hidden siblings a kill
+# left (only ones that are empty or marked).
+_INDEX_TEMPORARY = re.compile(r"^\.(?P<name>.+)\.(tmp|old)-[0-9a-f]{8}$")
+
+
+def _index_temporary(index_dir: Path, kind: str) -> Path:
+    folder = Path(os.path.abspath(index_dir))
+    return folder.with_name(f".{folder.name}.{kind}-{uuid.uuid4().hex[:8]}")
+
+
+def _index_own_names() -> set[str]:
+    from fedreid.eval.retrieval import HEADER_FILE, INDEX_FILE, META_FILE
+    from fedreid.utils.io import marker_path
+
+    return {HEADER_FILE, INDEX_FILE, META_FILE, SKIPPED_FILE, marker_path(".", "index").name}
+
+
+def _refuse_foreign_files(index_dir: Path) -> None:
+    """An index folder is replaced as a whole: refuse (changing nothing) when it holds anyone else's files."""
+    own = _index_own_names()
+    foreign = sorted(
+        p.name for p in index_dir.iterdir()
+        if p.name not in own and not (p.name.startswith(".") and p.name.endswith(".tmp"))
+    )
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        raise EvalInputError(
+            f"index folder {index_dir} also holds files that are not the index's ({shown}); a new index replaces "
+            "the whole folder: move them elsewhere or choose another folder (nothing was changed)"
+        )
+
+
+def _remove_index_temporaries(index_dir: Path) -> None:
+    """Clean up the hidden ``.<name>.tmp-*`` / ``.<name>.old-*`` siblings an interrupted build left.
+
+    A marked ``.old-*`` folder is moved back when the kill fell between the two
+    renames of :func:`_swap_index_folder` (no index folder in place); other
+    siblings are deleted when empty, marked, or holding only a marker's
+    temporary file.
+    """
+    from fedreid.utils.io import is_marker_leftover, owns_folder
+
+    folder = Path(os.path.abspath(index_dir))
+    for p in sorted(folder.parent.iterdir()):
+        match = _INDEX_TEMPORARY.match(p.name)
+        if match is None or match["name"] != folder.name or p.is_symlink() or not p.is_dir():
+            continue
+        if p.name.startswith(f".{folder.name}.old-") and owns_folder(p, "index") and not folder.exists():
+            os.replace(p, folder)
+        elif owns_folder(p, "index") or all(is_marker_leftover(q, "index") for q in p.iterdir()):
+            shutil.rmtree(p)
+
+
+def _swap_index_folder(stage: Path, index_dir: Path) -> None:
+    _refuse_foreign_files(index_dir)  # checked again right before anything is moved
+    old = _index_temporary(index_dir, "old")
+    os.replace(index_dir, old)
+    os.replace(stage, index_dir)
+    shutil.rmtree(old)
 
 
 @dataclass
@@ -752,17 +1107,34 @@ def query_index(
     amp: bool = False,
     channels_last: bool = False,
     faiss_gpu: bool = False,
+    allow_model_mismatch: bool = False,
+    warn: Optional[Callable[[str], None]] = None,
+    skipped: Optional[list[SkippedImage]] = None,
 ) -> list[QueryResult]:
     """Search the index in ``index_dir`` with every image of ``images`` (a file or a folder).
 
-    ``faiss_gpu`` loads the index onto the GPU (see :func:`resolve_faiss_gpu`).
+    The index must have been built with ``loaded``'s model (equal
+    fingerprints, :func:`check_index_model`), checked before any image is
+    read: otherwise :class:`ModelMismatchError`, or, with
+    ``allow_model_mismatch``, ``warn`` (default :func:`warnings.warn`) gets
+    the differences and the search goes on. ``skipped``: as in
+    :func:`image_features`. ``faiss_gpu`` loads the index onto the GPU (see
+    :func:`resolve_faiss_gpu`).
     """
+    import warnings
+
     from fedreid.eval.retrieval import load_index, search
 
     device = torch.device(device)
     index = load_index(index_dir, use_gpu=bool(faiss_gpu), gpu_id=_faiss_gpu_id(device))
+    mismatch = check_index_model(index.header, loaded, index_dir, allow_mismatch=allow_model_mismatch)
+    if mismatch is not None:
+        (warn or (lambda m: warnings.warn(m, UserWarning, stacklevel=3)))(mismatch)
     paths = list_images(images, "query")
-    fs = image_features(loaded, paths, batch_size=batch_size, device=device, amp=amp, channels_last=channels_last)
+    fs = image_features(
+        loaded, paths, batch_size=batch_size, device=device, amp=amp, channels_last=channels_last,
+        skipped=skipped, where=f"query images {images}", identical_ok=True,
+    )
     if fs.features.shape[1] != index.index.d:
         raise EvalInputError(
             f"index {index_dir} holds {index.index.d}-d features but the model gives {fs.features.shape[1]}-d: "
@@ -872,3 +1244,76 @@ def evaluate_and_report(
         report.update(seed=int(seed), repeats=CUHK03_REPEATS)
     write_json_atomic(out_dir / "results.json", report)
     return report
+
+
+# --------------------------------------------------------------------------
+# Output folders of evaluate
+# --------------------------------------------------------------------------
+
+_EVAL_RESULT_KEYS = ("datasets", "mean", "ap")
+
+
+def _is_earlier_eval_folder(folder: Path) -> bool:
+    """An unmarked folder holding only what :func:`evaluate_and_report` writes (an earlier version's)."""
+    try:
+        entries = {p.name: p for p in folder.iterdir()}
+        results = json.loads((folder / "results.json").read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return False
+    if not isinstance(results, dict) or not all(key in results for key in _EVAL_RESULT_KEYS):
+        return False
+    if not set(entries) <= {"results.json", "cmc.png", "ranked_lists"}:
+        return False
+    pictures = entries.get("ranked_lists")
+    if pictures is None:
+        return True
+    return pictures.is_dir() and not pictures.is_symlink() and all(
+        p.is_file() and p.suffix == ".png" for p in pictures.iterdir()
+    )
+
+
+def claim_eval_dir(folder: str | Path) -> Path:
+    """Make ``folder`` an evaluation output folder (kind ``eval``), or refuse without touching it.
+
+    New, empty and marked folders are taken, and an unmarked one that holds
+    only an earlier evaluation's ``results.json``, ``cmc.png`` and
+    ``ranked_lists/*.png``; a folder of anyone else's files raises
+    :class:`~fedreid.utils.io.OutputDirError`.
+    """
+    from fedreid.utils.io import claim_output_dir
+
+    folder = Path(folder)
+    adopt = folder.is_dir() and not folder.is_symlink() and _is_earlier_eval_folder(folder)
+    return claim_output_dir(folder, "eval", tool="tools/eval_reid.py evaluate --out", adopt=adopt)
+
+
+def _is_feature_cache(path: Path) -> bool:
+    from fedreid.eval.features import FEATURE_KEYS
+
+    if path.suffix != ".npz" or not path.is_file() or path.is_symlink():
+        return False
+    try:
+        if file_kind(path) != "zip":
+            return False
+        with np.load(path, allow_pickle=False) as data:
+            return all(key in data.files for key in FEATURE_KEYS)
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile):
+        return False
+
+
+def claim_features_dir(folder: str | Path) -> Path:
+    """Make ``folder`` a ``--save-features`` folder (kind ``features``), or refuse without touching it.
+
+    New, empty and marked folders are taken, and an unmarked one that holds
+    only feature caches (``.npz`` files with the arrays of
+    :func:`~fedreid.eval.features.save_features`); a folder of anyone else's
+    files raises :class:`~fedreid.utils.io.OutputDirError`.
+    """
+    from fedreid.utils.io import claim_output_dir
+
+    folder = Path(folder)
+    adopt = (
+        folder.is_dir() and not folder.is_symlink() and any(folder.iterdir())
+        and all(_is_feature_cache(p) for p in folder.iterdir())
+    )
+    return claim_output_dir(folder, "features", tool="tools/eval_reid.py evaluate --save-features", adopt=adopt)

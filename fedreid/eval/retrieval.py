@@ -10,17 +10,27 @@ An index can be saved to a folder with the gallery's ids, cameras and paths::
 
     <folder>/index.faiss   faiss.write_index of the (CPU) index
     <folder>/meta.npz      ids, cameras, paths (no pickles)
-    <folder>/header.json   format, version, sizes: written last, so a folder
-                           with a header is complete
+    <folder>/header.json   format, version, dim, ntotal, the size and SHA-256
+                           of both other files, caller's meta: written last,
+                           so a folder with a header is complete
 
 Each file is written to a temporary file in the folder and renamed into place
-(``os.replace``), so readers never see half a file; the header records the
-other files' sizes so a mix of two saves is detected on load.
+(``os.replace``), so readers never see half a file. :func:`load_index` reads
+nothing but JSON and NumPy arrays without pickles, and checks each file's
+size and SHA-256 against the header, and that ``index.faiss`` has the exact
+layout of the header's flat inner-product index, before ``faiss.read_index``
+sees it: a damaged file, a mix of two saves or a foreign file planted in the
+folder is one :class:`IndexFileError` naming the file, never a crash inside
+faiss. (The checksums detect damage and mix-ups; they are no signature:
+whoever can write the header can write matching checksums, so the layout
+check stays.)
 """
 
 from __future__ import annotations
 
 import json
+import re
+import struct
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +40,7 @@ import faiss
 import numpy as np
 
 from fedreid.errors import FedReIDError
+from fedreid.eval.filecheck import describe_kind, file_kind, sha256_file
 from fedreid.eval.metrics import (
     DEFAULT_BLOCK_BYTES,
     EvalDataError,
@@ -51,6 +62,7 @@ __all__ = [
     "block_topk",
     "build_index",
     "faiss_gpu_available",
+    "is_index_folder",
     "load_index",
     "require_faiss_gpu",
     "save_index",
@@ -58,10 +70,17 @@ __all__ = [
 ]
 
 INDEX_FORMAT = "fedreid-faiss-index"
-INDEX_VERSION = 1
+INDEX_VERSION = 2
+#: Versions :func:`is_index_folder` recognises as this code's own (1: sizes only, no checksums).
+KNOWN_INDEX_VERSIONS = (1, 2)
 INDEX_FILE, META_FILE, HEADER_FILE = "index.faiss", "meta.npz", "header.json"
 META_KEYS = ("ids", "cameras", "paths")
 DEFAULT_SEARCH_BLOCK = 4096  # queries per FAISS call: bounds the k-best buffers
+#: faiss's fourcc of IndexFlatIP, the first bytes of every index.faiss written here.
+FLAT_IP_TAG = b"IxFI"
+_FLAT_IP_HEAD = struct.Struct("<4siqqqBiq")  # tag, d, ntotal, 2 placeholders, is_trained, metric, float count
+_SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
+_TEMP_NAME = re.compile(r"^\.(index\.faiss|meta\.npz|header\.json)\..+\.tmp$")  # atomic_path's temporaries
 
 
 class IndexFileError(FedReIDError, ValueError):
@@ -233,25 +252,62 @@ def save_index(
     lengths = {"index": index.ntotal, "ids": ids.size, "cameras": cameras.size, "paths": paths.size}
     if len(set(lengths.values())) > 1:
         raise EvalDataError("mismatched lengths (" + ", ".join(f"{k}: {v}" for k, v in lengths.items()) + ")")
+    cpu_index = _cpu_index(index)
+    if not isinstance(cpu_index, faiss.IndexFlatIP):
+        raise EvalDataError(f"save_index saves a faiss.IndexFlatIP (build_index's), got {type(cpu_index).__name__}")
     folder.mkdir(parents=True, exist_ok=True)
+    files = {}
     with atomic_path(folder / INDEX_FILE) as tmp:
-        faiss.write_index(_cpu_index(index), str(tmp))
-    with atomic_path(folder / META_FILE) as tmp, open(tmp, "wb") as f:
-        np.savez(f, ids=ids, cameras=cameras, paths=paths)
+        faiss.write_index(cpu_index, str(tmp))
+        files[INDEX_FILE] = _file_record(tmp)
+    with atomic_path(folder / META_FILE) as tmp:
+        with open(tmp, "wb") as f:
+            np.savez(f, ids=ids, cameras=cameras, paths=paths)
+        files[META_FILE] = _file_record(tmp)
     header = {
         "format": INDEX_FORMAT,
         "version": INDEX_VERSION,
         "metric": "inner_product",
         "ntotal": int(index.ntotal),
         "dim": int(index.d),
-        "files": {
-            INDEX_FILE: (folder / INDEX_FILE).stat().st_size,
-            META_FILE: (folder / META_FILE).stat().st_size,
-        },
+        "files": files,
         "meta": meta or {},
     }
     write_json_atomic(folder / HEADER_FILE, header)
     return folder
+
+
+def _file_record(path: Path) -> dict[str, Any]:
+    return {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
+
+
+def is_index_folder(folder: str | Path, *, extra_files: Sequence[str] = ()) -> bool:
+    """Whether ``folder`` is an index folder :func:`save_index` wrote, of this or an earlier version.
+
+    True when its ``header.json`` is an index header of a known version
+    (format, version, integer ``ntotal``/``dim``, a ``files`` record naming
+    only the index's own files) and the folder holds nothing but the index's
+    files, ``extra_files`` and leftover temporaries of an interrupted save. A
+    folder of the user's own files that merely has some ``header.json`` is
+    not one. Reading nothing but that JSON, it never raises for a bad folder.
+    """
+    folder = Path(folder)
+    try:
+        header = json.loads((folder / HEADER_FILE).read_text())
+        entries = [p.name for p in folder.iterdir()]
+    except (OSError, UnicodeDecodeError, ValueError):
+        return False
+    if not isinstance(header, dict) or header.get("format") != INDEX_FORMAT:
+        return False
+    if header.get("version") not in KNOWN_INDEX_VERSIONS or header.get("metric") != "inner_product":
+        return False
+    if not all(type(header.get(key)) is int for key in ("ntotal", "dim")):
+        return False
+    files = header.get("files")
+    if not isinstance(files, dict) or not files or not set(files) <= {INDEX_FILE, META_FILE}:
+        return False
+    own = {HEADER_FILE, INDEX_FILE, META_FILE, *extra_files}
+    return all(name in own or _TEMP_NAME.match(name) for name in entries)
 
 
 def _read_header(folder: Path) -> dict:
@@ -264,54 +320,138 @@ def _read_header(folder: Path) -> dict:
         raise IndexFileError(f"{path} is not a readable JSON header: {exc}") from None
     if not isinstance(header, dict) or header.get("format") != INDEX_FORMAT:
         raise IndexFileError(f"{path} is not a {INDEX_FORMAT} header")
-    if header.get("version") != INDEX_VERSION:
-        raise IndexFileError(f"{path} has version {header.get('version')!r}; this code reads {INDEX_VERSION}")
+    version = header.get("version")
+    if version in KNOWN_INDEX_VERSIONS and version < INDEX_VERSION:
+        raise IndexFileError(
+            f"{path} is an index of version {version}, written by an earlier fedreid without checksums: "
+            "build the index again (tools/eval_reid.py index with the same --index folder)"
+        )
+    if version != INDEX_VERSION:
+        raise IndexFileError(f"{path} has version {version!r}; this code reads {INDEX_VERSION}")
+    files = header.get("files")
+    bad = [
+        name for name in (INDEX_FILE, META_FILE)
+        if not isinstance(files, dict) or not isinstance(files.get(name), dict)
+        or type(files[name].get("bytes")) is not int
+        or not isinstance(files[name].get("sha256"), str) or not _SHA256_HEX.match(files[name]["sha256"])
+    ]
+    if bad or not all(type(header.get(key)) is int for key in ("ntotal", "dim")):
+        what = f"size and SHA-256 of {', '.join(bad)}" if bad else "integer ntotal and dim"
+        raise IndexFileError(f"{path} lacks the {what}: it is damaged or was not written by save_index")
     return header
 
 
 def _check_file(folder: Path, name: str, header: dict) -> Path:
+    """``folder/name`` after its size and SHA-256 matched the header's record (checked before any parsing)."""
     path = folder / name
     if not path.is_file():
         raise FileNotFoundError(f"saved index file {path} is missing")
-    expected = header.get("files", {}).get(name)
-    if expected is not None and path.stat().st_size != expected:
+    record = header["files"][name]
+    size = path.stat().st_size
+    if size != record["bytes"]:
         raise IndexFileError(
-            f"{path} has {path.stat().st_size} bytes but {folder / HEADER_FILE} says {expected}: "
+            f"{path} has {size} bytes but {folder / HEADER_FILE} says {record['bytes']}: "
             "the folder mixes two saves or the file is damaged"
+        )
+    if sha256_file(path) != record["sha256"]:
+        raise IndexFileError(
+            f"{path} does not match the SHA-256 in {folder / HEADER_FILE}: "
+            "the file is damaged or was replaced after the index was saved; build the index again"
         )
     return path
 
 
+def _flat_ip_layout_problem(path: Path, header: dict) -> str | None:
+    """Why ``path`` is not byte for byte the ``IndexFlatIP`` the header describes; None when it is.
+
+    faiss writes a flat index as the tag ``IxFI``, then (little-endian) d
+    int32, ntotal int64, two int64 placeholders, is_trained uint8,
+    metric_type int32, the number of stored floats uint64, then
+    ntotal x d float32. Checking this before ``faiss.read_index`` means faiss
+    never parses sizes it would allocate or read from blindly.
+    """
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(_FLAT_IP_HEAD.size)
+    if not head.startswith(FLAT_IP_TAG):
+        kind = file_kind(path)
+        what = describe_kind(kind) if kind != "binary" else f"it starts with {head[:4]!r}"
+        return f"expected the tag {FLAT_IP_TAG!r}: {what}"
+    if len(head) < _FLAT_IP_HEAD.size:
+        return f"it has {size} bytes, fewer than a flat index header"
+    _, d, ntotal, _, _, _, metric, n_floats = _FLAT_IP_HEAD.unpack(head)
+    if (d, ntotal) != (header["dim"], header["ntotal"]) or metric != faiss.METRIC_INNER_PRODUCT:
+        return (
+            f"it declares dim={d}, ntotal={ntotal}, metric {metric}; the header says dim={header['dim']}, "
+            f"ntotal={header['ntotal']}, inner product ({faiss.METRIC_INNER_PRODUCT})"
+        )
+    if d < 1 or ntotal < 0 or n_floats != d * ntotal or size != _FLAT_IP_HEAD.size + 4 * n_floats:
+        return f"its {size} bytes do not hold {ntotal} vectors of dim {d}"
+    return None
+
+
+def _read_faiss(path: Path, header: dict) -> Any:
+    """``faiss.read_index`` of a checked file, only once its layout is that of the header's flat IP index."""
+    problem = _flat_ip_layout_problem(path, header)
+    if problem is not None:
+        raise IndexFileError(f"{path} is not a flat inner-product faiss index as written by save_index: {problem}")
+    try:
+        index = faiss.read_index(str(path))
+    except RuntimeError as exc:
+        message = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+        raise IndexFileError(f"{path} is not a readable faiss index: {message}") from None
+    if not isinstance(index, faiss.IndexFlatIP):
+        raise IndexFileError(f"{path} holds a faiss {type(index).__name__}, expected an IndexFlatIP")
+    return index
+
+
 def _read_meta(path: Path) -> dict[str, np.ndarray]:
+    """ids, cameras and paths of a checked ``meta.npz``; read without pickles."""
+    expected = "a NumPy .npz of the gallery's ids, cameras and paths"
+    kind = file_kind(path)
+    if kind != "zip":  # np.load would try anything else as a pickle
+        raise IndexFileError(f"{path} is not {expected}: {describe_kind(kind)}")
     try:
         with np.load(path, allow_pickle=False) as data:
             missing = [key for key in META_KEYS if key not in data.files]
             if missing:
                 raise IndexFileError(f"{path} is missing keys {missing} (has {sorted(data.files)})")
-            return {key: data[key] for key in META_KEYS}
+            meta = {key: data[key] for key in META_KEYS}
     except IndexFileError:
         raise
     except (OSError, ValueError, zipfile.BadZipFile, EOFError) as exc:
-        raise IndexFileError(f"{path} is not a readable .npz file: {exc}") from None
+        text = str(exc).strip()
+        why = (
+            "it holds pickled Python objects, which are never loaded (loading them can run code)"
+            if "pickle" in text.lower() else (text.splitlines()[0] if text else type(exc).__name__)
+        )
+        raise IndexFileError(f"{path} is not {expected}: {why}") from None
+    kinds = {"ids": "iu", "cameras": "iu", "paths": "U"}
+    for key, ok in kinds.items():
+        if meta[key].ndim != 1 or (meta[key].size and meta[key].dtype.kind not in ok):
+            raise IndexFileError(
+                f"{path}: {key!r} should be a 1-D {'string' if ok == 'U' else 'integer'} array, "
+                f"got shape {meta[key].shape} of dtype {meta[key].dtype}"
+            )
+    return meta
 
 
 def load_index(folder: str | Path, *, use_gpu: bool | str = False, gpu_id: int = 0) -> LoadedIndex:
     """Read a folder written by :func:`save_index`.
 
     Raises FileNotFoundError (naming the missing path) or
-    :class:`IndexFileError` (naming the corrupt or inconsistent file).
+    :class:`IndexFileError` (naming the corrupt, inconsistent or foreign
+    file; an index of an earlier version asks to be built again). Every
+    file's size and SHA-256 are checked against the header before it is
+    parsed (see the module docstring).
     ``use_gpu``/``gpu_id`` as in :func:`build_index`; the default keeps the CPU.
     """
     folder = Path(folder)
     header = _read_header(folder)
     index_path = _check_file(folder, INDEX_FILE, header)
     meta_path = _check_file(folder, META_FILE, header)
-    try:
-        index = faiss.read_index(str(index_path))
-    except RuntimeError as exc:
-        message = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
-        raise IndexFileError(f"{index_path} is not a readable faiss index: {message}") from None
     meta = _read_meta(meta_path)
+    index = _read_faiss(index_path, header)
     found = {"index": index.ntotal, **{key: len(meta[key]) for key in META_KEYS}}
     if len(set(found.values())) > 1 or index.ntotal != header.get("ntotal") or index.d != header.get("dim"):
         raise IndexFileError(

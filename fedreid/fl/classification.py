@@ -31,6 +31,7 @@ differs:
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 from typing import Any, Mapping, Optional
 
@@ -146,6 +147,21 @@ def partition_clients(cfg: Config, train: ArrayDataset) -> list[ClientSplit]:
     return splits
 
 
+def array_fingerprint(data: ArrayDataset, indices: Optional[np.ndarray] = None) -> str:
+    """SHA-256 over ``data``'s name, size and image shape, then the samples at ``indices`` (all: None).
+
+    Per sample: its index, its label and its image bytes, in ``indices``'
+    order; a changed file, partition, subset or label changes it.
+    """
+    indices = np.arange(len(data), dtype=np.int64) if indices is None else np.asarray(indices, dtype=np.int64)
+    digest = hashlib.sha256(f"{data.name}\n{len(data)}\n{data.images.shape[1:]}\n".encode())
+    digest.update(indices.tobytes())
+    digest.update(np.ascontiguousarray(data.labels[indices], dtype=np.int64).tobytes())
+    for start in range(0, indices.size, 4096):  # bounded copies of the image rows
+        digest.update(np.ascontiguousarray(data.images[indices[start:start + 4096]]).tobytes())
+    return digest.hexdigest()
+
+
 class ClassificationClient(Client):
     """A client holding a partition of a classification dataset; trains and sends the whole model."""
 
@@ -171,6 +187,17 @@ class ClassificationClient(Client):
                 self.data.subset(np.asarray(self.split.records)), self._train_transform
             )
         return self._train_dataset
+
+    def data_fingerprint(self) -> dict[str, Any]:
+        """What identifies this client's training data; a checkpoint records it, a resume compares it.
+
+        ``{"dataset", "images", "identities", "sha256"}``: the digest covers
+        the dataset's name and size, the client's sample indices in order,
+        their labels and their image bytes (:func:`array_fingerprint`).
+        """
+        indices = np.asarray(self.split.records, dtype=np.int64)
+        return {"dataset": self.data.name, "images": int(indices.size), "identities": self.num_classes,
+                "sha256": array_fingerprint(self.data, indices)}
 
     @property
     def augment(self) -> str:
@@ -204,11 +231,16 @@ class AccuracyEvaluator:
     """Top-1 accuracy and mean cross-entropy of a model on a test split."""
 
     def __init__(self, test: ArrayDataset, *, batch_size: int = 256, device: torch.device | str = "cpu") -> None:
+        self.test = test
         self.dataset = ClassificationDataset(test)
         self.batch_size = batch_size
         self.device = torch.device(device)
         #: No client trains on the test split, so there is no local-model evaluation.
         self.datasets: list[str] = []
+
+    def data_fingerprint(self) -> dict[str, dict[str, Any]]:
+        """``{"test": {"images", "sha256"}}``: what identifies the test split (:func:`array_fingerprint`)."""
+        return {"test": {"images": len(self.test), "sha256": array_fingerprint(self.test)}}
 
     @torch.no_grad()
     def __call__(self, model: nn.Module, names: Optional[list[str]] = None) -> dict[str, dict[str, float]]:
@@ -232,6 +264,7 @@ def build_classification_federation(cfg: Config):
 
     from fedreid.fl.server import Server
     from fedreid.fl.simulation import Federation, resolve_device, server_objective_hooks
+    from fedreid.models.classifiers import UnknownModelError
     from fedreid.models.factory import CLASSIFIER_PREFIX, create_model
 
     device = resolve_device(cfg.run.device)
@@ -239,10 +272,13 @@ def build_classification_federation(cfg: Config):
     splits = partition_clients(cfg, train)
     clients = [ClassificationClient(split, k, cfg, train, device=device) for k, split in enumerate(splits)]
     height, width = train.images.shape[1:3]
-    model = create_model(
-        CLASSIFIER_PREFIX + cfg.model.backbone, num_classes=train.num_classes, in_channels=train.channels, image_size=(height, width),
-        seed=derive_seed(cfg.seed, "model"), pretrained=cfg.model.pretrained,
-    ).to(device)
+    try:
+        model = create_model(
+            CLASSIFIER_PREFIX + cfg.model.backbone, num_classes=train.num_classes, in_channels=train.channels,
+            image_size=(height, width), seed=derive_seed(cfg.seed, "model"), pretrained=cfg.model.pretrained,
+        ).to(device)
+    except UnknownModelError as exc:
+        raise ConfigError(f"model.backbone: {exc}") from None
     model.eval()
     evaluator = AccuracyEvaluator(test, batch_size=cfg.eval.batch_size, device=device)
     hooks = server_objective_hooks(cfg, len(clients)) if cfg.fl.mode == "federated" else []

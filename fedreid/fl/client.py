@@ -25,8 +25,11 @@ so rounds are reproducible one by one and a resumed run is exact.
 from __future__ import annotations
 
 import copy
+import hashlib
+import os
 import time
 from collections import OrderedDict
+from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
 import torch
@@ -65,6 +68,25 @@ def check_split(split: ClientSplit, batch_size: int, drop_last: bool = True) -> 
             f"train.batch_size={batch_size}: local training skips partial batches (as the "
             f"reference), so it would never train; lower train.batch_size"
         )
+
+
+def records_fingerprint(records: Sequence[Record], root: str | Path) -> dict[str, Any]:
+    """``{"images": n, "sha256": hex}`` of ``records``: what identifies a list of prepared images.
+
+    The digest runs over the rows in their order (the order training and
+    evaluation read them in): image path (relative to ``root`` when it lies
+    under it, so a moved checkout keeps its fingerprints), identity, camera.
+    A removed, added, relabelled or reordered row changes it; the image
+    bytes are not read.
+    """
+    base = os.path.abspath(root)
+    digest = hashlib.sha256()
+    for r in records:
+        path = os.path.abspath(r.path)
+        rel = os.path.relpath(path, base)
+        shown = path if rel.startswith("..") else rel
+        digest.update(f"{Path(shown).as_posix()}\t{int(r.pid)}\t{int(r.camid)}\n".encode())
+    return {"images": len(records), "sha256": digest.hexdigest()}
 
 
 def load_partial(model: nn.Module, state: Mapping[str, Tensor], what: str) -> None:
@@ -158,6 +180,17 @@ class Client:
         if self._public_loader is None:
             self._public_loader = make_public_loader(self.public_records, self.cfg, shuffle=False)
         return self._public_loader
+
+    def data_fingerprint(self) -> dict[str, Any]:
+        """What identifies this client's training data; a checkpoint records it, a resume compares it.
+
+        ``{"dataset", "images", "identities", "sha256"}``, the digest over the
+        training rows as :func:`records_fingerprint` (paths relative to
+        ``data.prepared_root``).
+        """
+        rows = records_fingerprint(self.split.records, self.cfg.data.prepared_root)
+        return {"dataset": self.split.dataset, "images": rows["images"], "identities": self.num_classes,
+                "sha256": rows["sha256"]}
 
     def class_counts(self) -> list[int]:
         """Training images per class of this client's label space (FedLMD, FedFTG)."""
@@ -333,4 +366,4 @@ def make_public_loader(records: Sequence[Record], cfg: Config, *, shuffle: bool,
     return make_loader(dataset, cfg.fl.kd_batch_size, shuffle=shuffle, seed=seed, num_workers=t.workers)
 
 
-__all__ = ["Client", "ClientError", "check_split", "make_public_loader"]
+__all__ = ["Client", "ClientError", "check_split", "make_public_loader", "records_fingerprint"]

@@ -59,6 +59,7 @@ from fedreid.fl.aggregate import aggregate, server_step
 from fedreid.fl.server_hooks import hook_problem
 from fedreid.fl.state import clone_state, state_nbytes
 from fedreid.fl.update import Update, check_update, tensor_nbytes, to_plain
+from fedreid.utils.checkpoint import CheckpointError
 from fedreid.utils.seeding import derive_seed
 
 FitFn = Callable[[int, Mapping[str, Tensor], dict], Update]
@@ -361,7 +362,7 @@ class Server:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         if list(state["client_names"]) != self.client_names:
-            raise ValueError(
+            raise CheckpointError(
                 f"checkpoint clients {state['client_names']} differ from this run's {self.client_names}"
             )
         self.round = int(state["round"])
@@ -380,5 +381,5 @@ class Server:
         for hook in self.hooks:
             if hasattr(hook, "load_state_dict"):
                 if hook.name not in saved_hooks:
-                    raise ValueError(f"checkpoint has no state for server hook {hook.name!r}")
+                    raise CheckpointError(f"checkpoint has no state for server hook {hook.name!r}")
                 hook.load_state_dict(saved_hooks[hook.name])

@@ -6,10 +6,22 @@
     history = run_simulation(cfg, "runs/demo", resume=True)  # continue after a kill
     history = resume("runs/demo")                         # same, config from the checkpoint
 
-A run folder holds ``config.yaml``, ``checkpoint.pt`` (full state after the
-last complete round, see :mod:`fedreid.utils.checkpoint`), ``metrics.jsonl`` /
-``metrics.csv`` (one record per round), ``model_final.pt`` at the end, and
-``tensorboard/`` when TensorBoard is installed.
+A run folder holds ``config.yaml`` (its header comment names the torch
+version and thread count the run used), ``checkpoint.pt`` (full state after
+the last complete round, see :mod:`fedreid.utils.checkpoint`),
+``metrics.jsonl`` / ``metrics.csv`` (one record per round),
+``model_final.pt`` at the end, ``tensorboard/`` when TensorBoard is
+installed, and the marker ``.fedreid-run.json``. A run writes only into a new
+or empty folder, one it marked, or one holding a valid checkpoint of an
+earlier version (:func:`claim_run_dir`); a folder of the user's files is
+refused before anything in it changes.
+
+A checkpoint records fingerprints of the data (:func:`data_fingerprints`:
+each client's training rows, the public set, the evaluation sets) and the
+torch thread count (:func:`run_environment`). A resume refuses data that
+changed since the checkpoint (:class:`DataChangedError`, naming the client
+and the change) and warns when the thread count or torch version differs,
+since the numbers then differ from an uninterrupted run's.
 
 A round record (also the items of the returned history)::
 
@@ -30,7 +42,8 @@ A round record (also the items of the returned history)::
     time             seconds: per client, aggregate, kd, eval, round (differs between reruns)
 
 Everything but ``time`` is bit-identical between an uninterrupted run and a
-run killed at any point and resumed (CPU, ``run.deterministic``).
+run killed at any point and resumed (CPU, ``run.deterministic``, the same
+torch thread count, torch version and machine).
 
 ``callbacks``: callables ``cb(event, info)`` with events ``round_start``
 (``{"round"}``, 0-based), ``client_end`` (``{"round", "client", "update"}``)
@@ -43,6 +56,8 @@ from __future__ import annotations
 
 import copy
 import inspect
+import logging
+import platform
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence
@@ -55,7 +70,8 @@ from tqdm import tqdm
 from fedreid.config import Config, ConfigError, dump_config, from_dict, to_dict
 from fedreid.data.prepared import PreparedDataset, load_prepared
 from fedreid.data.scenarios import ClientSplit, build_clients, by_dataset
-from fedreid.fl.client import Client, ClientError, make_public_loader
+from fedreid.errors import FedReIDError
+from fedreid.fl.client import Client, ClientError, make_public_loader, records_fingerprint
 from fedreid.fl.evaluation import Evaluator
 from fedreid.fl.server import Server
 from fedreid.fl.server_hooks.kd import KDHook
@@ -66,11 +82,15 @@ from fedreid.utils.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from fedreid.utils.io import atomic_path, write_text_atomic
+from fedreid.utils.io import atomic_path, claim_output_dir, write_text_atomic
 from fedreid.utils.logging import MetricsLogger, flatten
 from fedreid.utils.seeding import derive_seed, deterministic_mode, numpy_rng
 
+log = logging.getLogger(__name__)
+
 Callback = Callable[[str, dict], None]
+#: The marker kind of run folders (``.fedreid-run.json``, :func:`fedreid.utils.io.claim_output_dir`).
+RUN_KIND = "run"
 #: The partition heat-map of a classification run (clients x classes).
 PARTITION_PICTURE = "partition.png"
 
@@ -80,6 +100,10 @@ RESUMABLE_CHANGES = ("fl.rounds", "run.", "eval.batch_size", "train.workers")
 
 #: Runs one round on clients in other processes: ``record = remote_round(server)``.
 RemoteRound = Callable[[Server], dict[str, Any]]
+
+
+class DataChangedError(FedReIDError, ValueError):
+    """The data of a run changed since its checkpoint; the message names what changed."""
 
 
 def resolve_device(name: str) -> torch.device:
@@ -175,14 +199,36 @@ def build_federation(
 
 
 def _reid_model(cfg: Config, num_classes: int, device: torch.device) -> nn.Module:
+    from fedreid.models.backbones import BackboneError
     from fedreid.models.factory import REID_PREFIX, create_model
 
     m = cfg.model
-    model = create_model(
-        REID_PREFIX + m.backbone, num_classes=num_classes, pretrained=m.pretrained, last_stride=m.last_stride,
-        bottleneck_dim=m.bottleneck_dim, dropout=m.dropout, seed=derive_seed(cfg.seed, "model"),
-    ).to(device)
+    try:
+        model = create_model(
+            REID_PREFIX + m.backbone, num_classes=num_classes, pretrained=m.pretrained, last_stride=m.last_stride,
+            bottleneck_dim=m.bottleneck_dim, dropout=m.dropout, seed=derive_seed(cfg.seed, "model"),
+        ).to(device)
+    except BackboneError as exc:
+        raise ConfigError(f"model.backbone={m.backbone}, model.last_stride={m.last_stride}: {exc}") from None
     return model.eval()
+
+
+def check_model_name(cfg: Config) -> None:
+    """Refuse an unknown ``model.backbone`` of a ReID run before any data is read or folder made.
+
+    Raises :class:`~fedreid.config.ConfigError` listing close timm names.
+    (Classification names are checked when the model is built.)
+    """
+    if cfg.task != "reid":
+        return
+    import timm
+
+    from fedreid.models.backbones import close_model_names
+
+    if not timm.is_model(cfg.model.backbone):
+        close = close_model_names(cfg.model.backbone)
+        hint = f"; close names: {', '.join(close)}" if close else ""
+        raise ConfigError(f"model.backbone: unknown backbone {cfg.model.backbone!r} (not a timm model){hint}")
 
 
 def build_client(cfg: Config, name: str) -> tuple[Client, nn.Module]:
@@ -226,6 +272,32 @@ def _check_resumable(saved: Config, cfg: Config) -> None:
         )
 
 
+def claim_run_dir(run_dir: str | Path, *, resume: bool, tool: str = "fedreid") -> Optional[dict[str, Any]]:
+    """Make ``run_dir`` this run's folder, or refuse without changing anything; returns its checkpoint.
+
+    A fresh run (``resume=False``) needs a new or empty folder, or one marked
+    as a run folder (``.fedreid-run.json``) that holds no checkpoint; a folder
+    with a checkpoint raises :class:`FileExistsError` (resume it instead).
+    With ``resume`` the checkpoint, if any, is read first
+    (:func:`~fedreid.utils.checkpoint.load_checkpoint`: tensors and plain
+    values only) and returned; a valid one makes an unmarked folder of an
+    earlier version ours. Any other folder holding files (a user's
+    ``report.md``...) raises :class:`~fedreid.utils.io.OutputDirError`
+    naming the folder and the files in the way. ``tool`` names the writer in
+    that message. The folder is created and marked on success.
+    """
+    run_dir = Path(run_dir)
+    path = latest_checkpoint(run_dir)
+    if path is not None and not resume:
+        raise FileExistsError(
+            f"{run_dir} already holds a run ({checkpoint_path(run_dir).name}); "
+            "resume it (resume=True / --resume) or choose another folder"
+        )
+    ckpt = load_checkpoint(path) if path is not None else None
+    claim_output_dir(run_dir, RUN_KIND, tool=tool, adopt=ckpt is not None)
+    return ckpt
+
+
 def run_simulation(
     cfg: Optional[Config],
     run_dir: str | Path,
@@ -235,6 +307,7 @@ def run_simulation(
     callbacks: Sequence[Callback] = (),
     datasets: Optional[Mapping[str, PreparedDataset]] = None,
     remote_round: Optional[RemoteRound] = None,
+    tool: str = "fedreid",
 ) -> list[dict[str, Any]]:
     """Run (or, with ``resume``, continue) a federated or local-baseline training.
 
@@ -244,34 +317,149 @@ def run_simulation(
     ``remote_round(server) -> record``: the clients live elsewhere (Flower,
     :mod:`fedreid.flower`) and keep their own state; the round is run through
     it instead of in this process, and checkpoints hold the server's side only.
+    ``run_dir`` must be a folder the run may write into (:func:`claim_run_dir`;
+    ``tool`` names the writer in a refusal). A resume refuses data changed
+    since the checkpoint (:class:`DataChangedError`) and warns when the torch
+    thread count or version differs from the checkpoint's.
     """
     run_dir = Path(run_dir)
-    ckpt = None
-    if resume:
-        path = latest_checkpoint(run_dir)
-        if path is not None:
-            ckpt = load_checkpoint(path)
-            saved = from_dict(Config, ckpt["config"])
-            if cfg is None:
-                cfg = saved
-            else:
-                _check_resumable(saved, cfg)
-    elif latest_checkpoint(run_dir) is not None:
-        raise FileExistsError(
-            f"{run_dir} already holds a run ({checkpoint_path(run_dir).name}); "
-            "resume it (resume=True / --resume) or choose another folder"
-        )
-    if cfg is None:
+    if cfg is None and (not resume or latest_checkpoint(run_dir) is None):
         raise ValueError(f"no checkpoint in {run_dir} to resume and no config given")
-    run_dir.mkdir(parents=True, exist_ok=True)
+    if cfg is not None:
+        check_model_name(cfg)
+    ckpt = claim_run_dir(run_dir, resume=resume, tool=tool)
+    if ckpt is not None:
+        saved = from_dict(Config, ckpt["config"])
+        if cfg is None:
+            cfg = saved
+        else:
+            _check_resumable(saved, cfg)
+    assert cfg is not None
     with deterministic_mode(cfg.run.deterministic):
         return _run(cfg, run_dir, ckpt, progress=progress, callbacks=callbacks, datasets=datasets,
                     remote_round=remote_round)
 
 
+def run_environment() -> dict[str, Any]:
+    """What a run's numbers depend on besides config and seed, as recorded with the run.
+
+    ``torch_threads`` (:func:`torch.get_num_threads`: float sums are split
+    differently over another thread count), ``torch`` and ``python``
+    versions, ``machine`` (OS and architecture).
+    """
+    return {
+        "torch_threads": int(torch.get_num_threads()),
+        "torch": str(torch.__version__),
+        "python": platform.python_version(),
+        "machine": f"{platform.system()} {platform.machine()}",
+    }
+
+
+def data_fingerprints(fed: Federation) -> dict[str, dict[str, dict[str, Any]]]:
+    """Fingerprints of everything the run reads as data, recorded in each checkpoint.
+
+    ``{"clients": {client: fingerprint}, "public": {name: ...}, "eval":
+    {name: ...}}``; every fingerprint has ``images`` (a count) and ``sha256``
+    (:meth:`fedreid.fl.client.Client.data_fingerprint`: the training rows;
+    the KD public set and the ReID query + gallery rows as
+    :func:`fedreid.fl.client.records_fingerprint`; a classification test
+    split over its images and labels).
+    """
+    cfg = fed.cfg
+    out: dict[str, dict[str, dict[str, Any]]] = {"clients": {c.name: c.data_fingerprint() for c in fed.clients}}
+    public = next((c.public_records for c in fed.clients if c.public_records is not None), None)
+    if public is not None:
+        name = cfg.fl.public_dataset or cfg.data.public_dataset or "public"
+        out["public"] = {name: records_fingerprint(public, cfg.data.prepared_root)}
+    evaluator = fed.evaluator
+    if evaluator is not None and hasattr(evaluator, "data_fingerprint"):
+        out["eval"] = evaluator.data_fingerprint()
+    elif evaluator is not None:
+        out["eval"] = {name: records_fingerprint(ds.split("query") + ds.split("gallery"), cfg.data.prepared_root)
+                       for name, ds in getattr(evaluator, "datasets", {}).items()}
+    return out
+
+
+#: (checkpoint section, how a message names one of its entries, what its images are)
+_DATA_SECTIONS = (("clients", "client", "training images"), ("public", "public set", "images"),
+                  ("eval", "evaluation set", "images"))
+
+
+def data_changes(saved: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:
+    """What differs between two :func:`data_fingerprints`, one phrase per entry.
+
+    E.g. ``client market1501: 12936 training images at checkpoint, 12926 now``.
+    """
+    problems = []
+    for section, label, unit in _DATA_SECTIONS:
+        old, new = saved.get(section) or {}, now.get(section) or {}
+        for name in list(old) + [n for n in new if n not in old]:
+            a, b = old.get(name), new.get(name)
+            if a is None:
+                problems.append(f"{label} {name}: not in the checkpoint, in the data now")
+            elif b is None:
+                problems.append(f"{label} {name}: in the checkpoint, not in the data now")
+            elif a.get("images") != b.get("images"):
+                problems.append(f"{label} {name}: {a.get('images')} {unit} at checkpoint, {b.get('images')} now")
+            elif a.get("sha256") != b.get("sha256"):
+                problems.append(f"{label} {name}: {b.get('images')} {unit} at checkpoint and now, but not the same "
+                                "ones (files, identities, labels or their order differ)")
+    return problems
+
+
+def check_resume(ckpt: Mapping[str, Any], fingerprints: Mapping[str, Any], environment: Mapping[str, Any],
+                 run_dir: Path) -> None:
+    """Refuse to resume on changed data; warn when the numbers cannot stay bit-identical.
+
+    Raises :class:`DataChangedError` listing every change
+    (:func:`data_changes`). Logs a warning when the checkpoint's torch thread
+    count or torch version differs from this process's, and when the
+    checkpoint (of an older fedreid) records neither data fingerprints nor
+    environment, so they cannot be checked.
+    """
+    where = checkpoint_path(run_dir)
+    saved_data = ckpt.get("data")
+    if saved_data is not None:
+        problems = data_changes(saved_data, fingerprints)
+        if problems:
+            raise DataChangedError(
+                f"cannot resume {run_dir}: the data changed since {where.name} was written: " + "; ".join(problems)
+                + " (resume with the data the run started with, or start a new run in another folder)"
+            )
+    saved_env = ckpt.get("environment")
+    unknown = [what for what, value in (("data fingerprints", saved_data), ("torch thread count", saved_env))
+               if value is None]
+    if unknown:
+        log.warning("%s (written by an older fedreid) records no %s: resuming without checking %s",
+                    where, " and no ".join(unknown), "them" if len(unknown) > 1 else "it")
+    if saved_env is None:
+        return
+    then, now = saved_env.get("torch_threads"), environment["torch_threads"]
+    if then != now:
+        log.warning("%s was written with %s torch threads, this process has %s: the resumed run's numbers will "
+                    "not be bit-identical to an uninterrupted run's (set the same count, e.g. OMP_NUM_THREADS=%s)",
+                    where, then, now, then)
+    if saved_env.get("torch") != environment["torch"]:
+        log.warning("%s was written under torch %s, this is torch %s: the resumed run's numbers may differ from "
+                    "an uninterrupted run's", where, saved_env.get("torch"), environment["torch"])
+
+
+def config_header(environment: Mapping[str, Any]) -> str:
+    """The comment lines atop a run's ``config.yaml``: the environment the numbers came from."""
+    threads = environment["torch_threads"]
+    return (f"# fedreid run config, trained under torch {environment['torch']} with "
+            f"{threads} torch thread{'' if threads == 1 else 's'} (Python {environment['python']}, "
+            f"{environment['machine']}).\n"
+            "# The same config, seed, thread count, torch version and machine give the same numbers.\n")
+
+
 def _run(cfg: Config, run_dir: Path, ckpt, *, progress: bool, callbacks, datasets,
          remote_round: Optional[RemoteRound] = None) -> list[dict[str, Any]]:
     fed = build_federation(cfg, datasets=datasets)
+    fingerprints = data_fingerprints(fed)
+    environment = run_environment()
+    if ckpt is not None:
+        check_resume(ckpt, fingerprints, environment, run_dir)
     if fed.class_counts is not None and not (run_dir / PARTITION_PICTURE).is_file():
         from fedreid.data.partition import save_partition_heatmap
 
@@ -288,7 +476,7 @@ def _run(cfg: Config, run_dir: Path, ckpt, *, progress: bool, callbacks, dataset
                 raise ClientError(f"checkpoint has no state for client {client.name!r}")
             client.load_state_dict(ckpt["clients"][client.name])
         history = list(ckpt["history"])
-    write_text_atomic(run_dir / "config.yaml", dump_config(cfg))
+    write_text_atomic(run_dir / "config.yaml", config_header(environment) + dump_config(cfg))
     logger = MetricsLogger(run_dir, tensorboard=cfg.run.tensorboard)
     logger.reset(history)
 
@@ -329,7 +517,8 @@ def _run(cfg: Config, run_dir: Path, ckpt, *, progress: bool, callbacks, dataset
                 record["local_eval"] = local_eval
             history.append(record)
             logger.log(record)
-            save_checkpoint(checkpoint_path(run_dir), _checkpoint_payload(cfg, server, clients, history))
+            save_checkpoint(checkpoint_path(run_dir), _checkpoint_payload(
+                cfg, server, clients, history, data=fingerprints, environment=environment))
             round_bar.update(1)
             round_bar.set_postfix(_postfix(record))
             emit("round_end", {"round": round_index, "record": record})
@@ -369,7 +558,8 @@ def server_objective_hooks(cfg: Config, num_clients: int) -> list[Any]:
     return []
 
 
-def _checkpoint_payload(cfg: Config, server: Server, clients: Sequence[Client], history) -> dict[str, Any]:
+def _checkpoint_payload(cfg: Config, server: Server, clients: Sequence[Client], history, *,
+                        data: Mapping[str, Any], environment: Mapping[str, Any]) -> dict[str, Any]:
     return {
         "round": server.round,
         "config": to_dict(cfg),
@@ -377,6 +567,8 @@ def _checkpoint_payload(cfg: Config, server: Server, clients: Sequence[Client], 
         "clients": {c.name: c.state_dict() for c in clients},
         "history": history,
         "rng": {"torch": torch.get_rng_state()},
+        "data": dict(data),
+        "environment": dict(environment),
     }
 
 

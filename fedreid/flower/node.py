@@ -14,6 +14,13 @@ run that reuses a folder name starts from fresh client state, a resumed run
 finds its own. Each file also records its run id and client, checked when
 it is loaded.
 
+The state folder is claimed before anything is built or loaded: it must be
+new, empty, marked as a node state folder (``.fedreid-node-state.json``), or
+hold only ``<run id>/<client>/after_round_<r>.pt`` files of an earlier
+version (:func:`claim_state_dir`); a folder of other files is refused
+untouched. State files are read with ``weights_only=True``: tensors and
+plain values only, so a planted pickle runs nothing.
+
 Before training round ``r`` the node loads the newest state saved after a
 round *before* ``r``: if the server crashed and resumes a round the node had
 already trained, the node trains it again from the same state, so the run
@@ -33,7 +40,8 @@ from torch import Tensor
 from fedreid.config import Config
 from fedreid.errors import FedReIDError
 from fedreid.fl.update import Update
-from fedreid.utils.io import atomic_path
+from fedreid.utils.checkpoint import load_torch_file
+from fedreid.utils.io import atomic_path, claim_output_dir
 
 STATE_PATTERN = re.compile(r"after_round_(\d+)\.pt$")
 KEEP_STATES = 2
@@ -42,6 +50,8 @@ LOCAL_EVAL = "local_eval"
 #: What a run id may look like: it becomes a folder name on the node, so nothing path-like.
 RUN_ID_PATTERN = re.compile(r"[A-Za-z0-9_-]{8,64}")
 STATE_FORMAT = "fedreid.node_state"
+#: The marker kind of a node's state folder (``.fedreid-node-state.json``).
+STATE_KIND = "node-state"
 
 
 class NodeStateError(FedReIDError, ValueError):
@@ -61,16 +71,62 @@ def safe_name(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("._") or "client"
 
 
+def _earlier_state_layout(folder: Path) -> bool:
+    """Whether ``folder`` holds only what a node of an earlier version wrote (``<run id>/<client>/after_round_*.pt``).
+
+    Leftover temporary files of an atomic write (``.<name>.*.tmp``) count as
+    the node's own, including those of a marker being written by a node
+    starting at the same moment.
+    """
+    def ours(path: Path) -> bool:
+        return path.name.startswith(".") and path.name.endswith(".tmp") and path.is_file()
+
+    try:
+        for run in folder.iterdir():
+            if ours(run):
+                continue
+            if run.is_symlink() or not run.is_dir() or not RUN_ID_PATTERN.fullmatch(run.name):
+                return False
+            for client in run.iterdir():
+                if client.is_symlink() or not client.is_dir():
+                    return False
+                for f in client.iterdir():
+                    if not (ours(f) or (STATE_PATTERN.fullmatch(f.name) and f.is_file() and not f.is_symlink())):
+                        return False
+    except OSError:
+        return False
+    return True
+
+
+def claim_state_dir(state_dir: str | Path) -> Path:
+    """Make ``state_dir`` this node's state folder, or refuse without changing anything.
+
+    Allowed: a new or empty folder, one marked ``.fedreid-node-state.json``,
+    or one holding only an earlier version's state files
+    (:func:`_earlier_state_layout`). Anything else raises
+    :class:`~fedreid.utils.io.OutputDirError` naming the folder and the files
+    in the way.
+    """
+    folder = Path(state_dir)
+    adopt = folder.is_dir() and not folder.is_symlink() and _earlier_state_layout(folder)
+    return claim_output_dir(folder, STATE_KIND, tool="the fedreid node (--state-dir)", adopt=adopt)
+
+
 class NodeClient:
-    """The client ``name`` of the run with id ``run_id`` on this machine, state under ``state_dir``."""
+    """The client ``name`` of the run with id ``run_id`` on this machine, state under ``state_dir``.
+
+    The run id and the state folder (:func:`claim_state_dir`) are checked
+    before the client's data or model is built or any state is read.
+    """
 
     def __init__(self, cfg: Config, name: str, state_dir: str | Path, run_id: str) -> None:
         from fedreid.fl.simulation import build_client
 
         self.run_id = check_run_id(run_id)
+        self.state_dir = claim_state_dir(state_dir)
         self.cfg = cfg
         self.client, self.work_model = build_client(cfg, name)
-        self.folder = Path(state_dir) / self.run_id / safe_name(name)
+        self.folder = self.state_dir / self.run_id / safe_name(name)
         self._evaluator = None
 
     @property
@@ -92,10 +148,8 @@ class NodeClient:
         if not earlier:
             return None
         path = self.state_path(earlier[-1])
-        try:  # tensors and primitives only: a file planted in the state dir cannot run code
-            saved = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as exc:  # noqa: BLE001 - unreadable is unreadable
-            raise NodeStateError(f"cannot read node state {path}: {exc} (move the file away)") from exc
+        # tensors and primitives only: a file planted in the state dir cannot run code
+        saved = load_torch_file(path, what="node state", error=NodeStateError)
         owner = (saved.get("run_id"), saved.get("client")) if isinstance(saved, dict) else (None, None)
         if not isinstance(saved, dict) or saved.get("format") != STATE_FORMAT or owner != (self.run_id, self.name):
             # Never train from another run's (or client's) private head: that run's state would leak into this one.
@@ -150,4 +204,4 @@ class NodeClient:
         return self._evaluator
 
 
-__all__ = ["NodeClient", "NodeStateError", "check_run_id", "safe_name"]
+__all__ = ["NodeClient", "NodeStateError", "check_run_id", "claim_state_dir", "safe_name"]

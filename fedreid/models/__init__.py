@@ -3,7 +3,9 @@ classifiers for the classification track; :func:`create_model` builds either by 
 (``"reid:resnet50"``, ``"cnn_lmd"``, see :mod:`fedreid.models.factory`)."""
 
 from fedreid.models.backbones import (
+    BackboneError,
     PretrainedWeightsError,
+    UnknownBackboneError,
     create_backbone,
     load_pretrained,
     read_state_dict,
@@ -46,8 +48,10 @@ __all__ = [
     "register_classifier",
     "PRIVATE_PREFIXES",
     "SHARED_PREFIXES",
+    "BackboneError",
     "PretrainedWeightsError",
     "ReIDModel",
+    "UnknownBackboneError",
     "StateMismatchError",
     "create_backbone",
     "create_reid_model",

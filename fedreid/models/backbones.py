@@ -47,9 +47,13 @@ import torch
 from torch import nn
 
 from fedreid.errors import FedReIDError
+from fedreid.utils.checkpoint import load_torch_file
 
 __all__ = [
+    "BackboneError",
     "PretrainedWeightsError",
+    "UnknownBackboneError",
+    "close_model_names",
     "check_state_dict",
     "create_backbone",
     "load_pretrained",
@@ -71,6 +75,29 @@ class PretrainedWeightsError(FedReIDError, ValueError):
     """A pretrained file cannot be read or does not fit the backbone."""
 
 
+class BackboneError(FedReIDError, ValueError):
+    """A backbone cannot be built as asked (its name, its last stride)."""
+
+
+class UnknownBackboneError(BackboneError):
+    """The backbone name is not a timm model; the message lists close names."""
+
+
+def close_model_names(name: str, candidates: Optional[list[str]] = None, *, limit: int = _MAX_LISTED) -> list[str]:
+    """Up to ``limit`` names of ``candidates`` (default: every timm model) close to ``name``.
+
+    Close means :func:`difflib.get_close_matches` similar (a typo, a missing
+    or extra character), then names containing ``name``; best first.
+    """
+    import difflib
+
+    candidates = timm.list_models() if candidates is None else candidates
+    close = difflib.get_close_matches(name, candidates, n=limit, cutoff=0.6)
+    if len(close) < limit and name:
+        close += [c for c in candidates if name in c and c not in close][: limit - len(close)]
+    return close
+
+
 # ---------------------------------------------------------------------------
 # Factory
 # ---------------------------------------------------------------------------
@@ -86,19 +113,19 @@ def create_backbone(
 
     ``last_stride=2`` leaves the network as built (the FedReID benchmark's
     default); ``last_stride=1`` removes the downsampling of the last stage
-    (ResNet family only; other backbones raise :class:`ValueError`).
+    (ResNet family only; other backbones raise :class:`BackboneError`).
     ``pretrained`` is a local file (see the module docstring); ``None`` keeps
     timm's random initialisation. The module's keys are timm's, so the
-    backbone's ``state_dict`` has no prefix.
+    backbone's ``state_dict`` has no prefix. A name timm does not know raises
+    :class:`UnknownBackboneError` listing close names.
     """
     if last_stride not in (1, 2):
-        raise ValueError(f"last_stride must be 1 or 2, got {last_stride!r}")
-    try:
-        model = timm.create_model(name, pretrained=False, num_classes=0, global_pool="avg")
-    except RuntimeError as exc:  # timm: "Unknown model (...)"
-        similar = timm.list_models(f"*{name}*")[:_MAX_LISTED]
-        hint = f"; similar names: {', '.join(similar)}" if similar else ""
-        raise ValueError(f"unknown backbone {name!r} (not a timm model){hint}") from exc
+        raise BackboneError(f"last_stride must be 1 or 2, got {last_stride!r}")
+    if not timm.is_model(name):
+        similar = close_model_names(name)
+        hint = f"; close names: {', '.join(similar)}" if similar else ""
+        raise UnknownBackboneError(f"unknown backbone {name!r} (not a timm model){hint}")
+    model = timm.create_model(name, pretrained=False, num_classes=0, global_pool="avg")
     if pretrained is not None:
         load_pretrained(model, pretrained)
     if last_stride == 1:
@@ -118,24 +145,24 @@ def set_last_stride(model: nn.Module, stride: int = 1, *, name: str = "") -> nn.
     every strided conv in it (``conv2`` in a Bottleneck, ``conv1`` in a
     BasicBlock, ``downsample[0]``) gets stride 1 and an average-pool
     shortcut (ResNet-D) becomes the identity, as in the FedReID reference.
-    ``stride=2`` is a no-op. Raises :class:`ValueError` for models without a
+    ``stride=2`` is a no-op. Raises :class:`BackboneError` for models without a
     ResNet ``layer4`` or with anti-aliased downsampling.
     """
     if stride == 2:
         return model
     if stride != 1:
-        raise ValueError(f"last stride must be 1 or 2, got {stride!r}")
+        raise BackboneError(f"last stride must be 1 or 2, got {stride!r}")
     label = name or type(model).__name__
     layer4 = getattr(model, "layer4", None)
     if not isinstance(layer4, nn.Sequential) or len(layer4) == 0:
-        raise ValueError(
+        raise BackboneError(
             f"last_stride=1 is supported for ResNet backbones only; {label!r} has no layer4 "
             f"(use last_stride=2)"
         )
     block = layer4[0]
     aa = getattr(block, "aa", None)
     if aa is not None and not isinstance(aa, nn.Identity):
-        raise ValueError(f"last_stride=1 is not supported for anti-aliased ResNet {label!r}")
+        raise BackboneError(f"last_stride=1 is not supported for anti-aliased ResNet {label!r}")
     changed = False
     for mod in block.modules():
         if isinstance(mod, nn.Conv2d) and tuple(mod.stride) != (1, 1):
@@ -148,7 +175,7 @@ def set_last_stride(model: nn.Module, stride: int = 1, *, name: str = "") -> nn.
                 downsample[i] = nn.Identity()
                 changed = True
     if not changed:
-        raise ValueError(
+        raise BackboneError(
             f"last_stride=1: {label!r} has no strided layer in layer4[0] "
             f"(already stride 1 or dilated)"
         )
@@ -190,15 +217,16 @@ def read_state_dict(path: PathLike) -> dict[str, torch.Tensor]:
             f"pretrained weights file {path} does not exist (weights are never downloaded; "
             f"pass the path of a local timm or torchvision state-dict file)"
         )
-    try:
-        if path.suffix == ".safetensors":
+    if path.suffix == ".safetensors":
+        try:
             from safetensors.torch import load_file
 
             obj = load_file(str(path), device="cpu")
-        else:
-            obj = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # noqa: BLE001 - any reader failure is the file's fault
-        raise PretrainedWeightsError(f"cannot read pretrained weights file {path}: {exc}") from exc
+        except Exception as exc:  # noqa: BLE001 - any reader failure is the file's fault
+            first = next((line for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+            raise PretrainedWeightsError(f"cannot read pretrained weights file {path}: {first}") from exc
+    else:  # weights_only: a pickle that would run code is refused before any of it runs
+        obj = load_torch_file(path, what="pretrained weights file", error=PretrainedWeightsError)
     for key in WRAPPER_KEYS:
         if isinstance(obj, Mapping) and isinstance(obj.get(key), Mapping):
             obj = obj[key]

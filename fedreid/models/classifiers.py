@@ -124,6 +124,7 @@ from fedreid.models.backbones import (
     PathLike,
     PretrainedWeightsError,
     check_state_dict,
+    close_model_names,
     load_pretrained,
     read_state_dict,
     resolve_weights_path,
@@ -335,8 +336,8 @@ def _resolve(name: str) -> tuple[Callable[..., tuple[nn.Module, int]], str]:
     timm_name = name[len(TIMM_PREFIX):] if name.startswith(TIMM_PREFIX) else name
     if timm_name and timm.is_model(timm_name):
         return (lambda **kw: _timm_body(timm_name, **kw)), name
-    similar = timm.list_models(f"*{timm_name}*")[:_MAX_SIMILAR] if timm_name else []
-    hint = f"; similar timm names: {', '.join(similar)}" if similar else ""
+    similar = close_model_names(timm_name, list_classifiers() + timm.list_models(), limit=_MAX_SIMILAR) if timm_name else []
+    hint = f"; close names: {', '.join(similar)}" if similar else ""
     raise UnknownModelError(
         f"unknown classifier {name!r}: ours are {', '.join(list_classifiers())}, "
         f"and it is not a timm model either{hint}"

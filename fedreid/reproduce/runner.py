@@ -136,7 +136,8 @@ def run_cell(table: Table, cell: Cell, slug: str, seed: int, *, out: Path, round
             result.status, result.detail = "missing-data", lacking
             return result
         try:
-            history = run_simulation(cfg, run_dir, resume=done > 0, progress=progress, callbacks=callbacks)
+            history = run_simulation(cfg, run_dir, resume=done > 0, progress=progress, callbacks=callbacks,
+                                     tool="reproduce")
         except (RoundFailedError, FloatingPointError) as exc:  # the run diverged (non-finite loss or updates)
             done, history = _completed(run_dir)
             result.status, result.detail = "failed", f"stopped in round {done + 1}: {exc}"
@@ -222,7 +223,7 @@ def machine_description() -> str:
 
     cpu = platform.processor() or platform.machine()
     parts = [f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPU cores ({cpu})",
-             f"Python {platform.python_version()}, torch {torch.__version__}"]
+             f"Python {platform.python_version()}, torch {torch.__version__} with {torch.get_num_threads()} threads"]
     if torch.cuda.is_available():
         parts.append(f"GPU {torch.cuda.get_device_name(0)}")
     return "; ".join(parts)

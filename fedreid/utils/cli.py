@@ -1,8 +1,13 @@
-"""What every tool shares: ``--config FILE`` plus ``key=value`` overrides."""
+"""What every tool shares: ``--config FILE`` plus ``key=value`` overrides, and :func:`run_main`.
+
+Overrides may stand anywhere among the options (``fl.rounds=1 --no-progress
+seed=2``), in subcommands too (:func:`add_override_arguments`).
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Any, Callable, Sequence
 
@@ -24,16 +29,44 @@ USER_PATH_ERRORS: tuple[type[OSError], ...] = (
 )
 
 
+#: Exit status of a tool whose output pipe was closed by its reader (``| head``):
+#: what a process killed by SIGPIPE reports to a shell (128 + 13).
+BROKEN_PIPE_EXIT = 141
+
+
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--config FILE`` and the ``key=value`` overrides (see :func:`add_override_arguments`)."""
     parser.add_argument(
         "--config", metavar="FILE", help="YAML experiment config (defaults are used without one)"
     )
-    parser.add_argument(
-        "overrides",
-        nargs="*",
-        metavar="key=value",
-        help="config overrides applied after the file, e.g. data.workers=4 seed=1",
-    )
+    add_override_arguments(parser)
+
+
+def add_override_arguments(
+    parser: argparse.ArgumentParser,
+    help: str = "config overrides applied after the file, e.g. data.workers=4 seed=1",
+) -> None:
+    """The positional ``key=value`` overrides (``args.overrides``), accepted anywhere among the options.
+
+    argparse alone takes one contiguous run of positionals, so
+    ``fl.rounds=1 --no-progress seed=2`` would fail on ``seed=2``. The parser
+    is made to collect every leftover argument that is not an option into
+    ``args.overrides``, in command-line order; unknown options are still
+    refused. This works for a subcommand's parser too (argparse parses a
+    subcommand with the subparser's ``parse_known_args``).
+    """
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help=help)
+    parse_known = parser.parse_known_args
+
+    def parse_known_args(args=None, namespace=None):  # the signature argparse calls
+        namespace, extras = parse_known(args, namespace)
+        stray = [a for a in extras if not a.startswith("-")]
+        if stray and hasattr(namespace, "overrides"):
+            namespace.overrides = list(namespace.overrides or []) + stray
+            extras = [a for a in extras if a.startswith("-")]
+        return namespace, extras
+
+    parser.parse_known_args = parse_known_args  # type: ignore[method-assign]
 
 
 def literal_override(key: str, value: str) -> str:
@@ -75,13 +108,26 @@ def run_main(main: Callable[[], int]) -> None:
     dataset, checkpoint, weights file...) and the OS errors about a path the
     user gave (:data:`USER_PATH_ERRORS`: missing, already existing, not
     readable or writable, a folder where a file was expected or the reverse).
+    A reader that closes the tool's output early (``tool | head -1``) ends
+    the tool quietly with :data:`BROKEN_PIPE_EXIT`, whether the pipe broke
+    while printing or when the last output is flushed.
     """
     try:
-        code = main()
-    except (FedReIDError, *USER_PATH_ERRORS) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        code = 2
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        code = 130
+        try:
+            code = main()
+        except SystemExit as exc:  # argparse's --help and usage errors print before they exit
+            code = exc.code
+        except (FedReIDError, *USER_PATH_ERRORS) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            code = 2
+        except KeyboardInterrupt:
+            print("interrupted", file=sys.stderr)
+            code = 130
+        sys.stdout.flush()  # inside the try: the interpreter's own flush at exit would print a traceback
+    except BrokenPipeError:
+        # Whatever is still buffered goes nowhere, so the flush at exit cannot fail again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        code = BROKEN_PIPE_EXIT
     sys.exit(code)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
@@ -74,6 +75,12 @@ def owns_folder(folder: str | Path, kind: str) -> bool:
     return isinstance(record, dict) and record.get("kind") == kind
 
 
+def is_marker_leftover(path: str | Path, kind: str) -> bool:
+    """Whether ``path`` is the temporary file of a ``kind`` marker whose writer was killed (:func:`atomic_path`)."""
+    name = marker_path(".", kind).name
+    return re.fullmatch(rf"\.{re.escape(name)}\.[A-Za-z0-9_]+\.tmp", Path(path).name) is not None
+
+
 def claim_output_dir(folder: str | Path, kind: str, *, tool: str, adopt: bool = False) -> Path:
     """Make ``folder`` a ``kind`` output folder of ``tool``, or refuse without touching it.
 
@@ -90,6 +97,9 @@ def claim_output_dir(folder: str | Path, kind: str, *, tool: str, adopt: bool = 
         raise OutputDirError(f"{folder} is a symbolic link, not a folder {tool} made; choose another folder")
     if folder.exists() and not folder.is_dir():
         raise OutputDirError(f"{folder} exists and is not a folder; choose another folder for {tool}'s output")
+    if folder.is_dir():
+        for leftover in [p for p in folder.iterdir() if is_marker_leftover(p, kind) and p.is_file()]:
+            leftover.unlink()  # our own marker's temporary file, left by a kill while claiming
     if folder.is_dir() and not owns_folder(folder, kind) and not adopt:
         entries = sorted(p.name for p in folder.iterdir())
         if entries:

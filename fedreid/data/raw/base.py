@@ -9,7 +9,11 @@ Conventions every parser follows:
 
 * ``pid`` is the dataset's own identity number, parsed as a whole integer.
   ``-1`` means junk (removed at evaluation), ``0`` is a real id or, for
-  Market-1501, a distractor (kept as a negative).
+  Market-1501, a distractor (kept as a negative). A release that numbers its
+  test identities afresh (MSMT17: train and test both start at ``0000`` and
+  are different people) sets :attr:`RawDataset.test_pid_offset`; the prepared
+  manifest adds it to the query and gallery pids (:func:`offset_test_ids`), so
+  that there one pid is one person and train and test identities are disjoint.
 * ``camid`` is **0-based** and parsed as a whole integer (MSMT17's ``c15`` is
   camera 14, never camera 0 from a one-digit regex).
 * ``split`` is one of :data:`SPLITS`. ``train_all`` is not stored: it is
@@ -100,6 +104,10 @@ class RawDataset:
     expected: ClassVar[Optional[ExpectedCounts]] = None
     #: True for a set without identity labels used for knowledge distillation.
     public: ClassVar[bool] = False
+    #: Added to every non-negative query and gallery pid in the prepared
+    #: manifest; non-zero where the release numbers train and test identities
+    #: independently (module docstring).
+    test_pid_offset: ClassVar[int] = 0
 
     def __init__(
         self,
@@ -115,6 +123,11 @@ class RawDataset:
 
     def parse(self) -> ParseResult:
         raise NotImplementedError
+
+    @property
+    def source_dir(self) -> Path:
+        """The folder :meth:`parse` reads; the prepared copy records its file list."""
+        return self.root
 
     # -- helpers shared by the parsers -------------------------------------
     def require_dir(self, *parts: str) -> Path:
@@ -276,3 +289,18 @@ def split_ids(
     train = sorted(ids[i] for i in order[:num_train])
     test = sorted(ids[i] for i in order[num_train:])
     return train, test
+
+
+def offset_test_ids(records: Sequence[RawRecord], offset: int) -> list[RawRecord]:
+    """``records`` with ``offset`` added to the non-negative pids of query and gallery.
+
+    Junk (negative pids) keeps its pid; train and val records are unchanged.
+    """
+    if offset == 0:
+        return list(records)
+    return [
+        RawRecord(r.path, r.pid + offset, r.camid, r.split)
+        if r.split in ("query", "gallery") and r.pid >= 0
+        else r
+        for r in records
+    ]

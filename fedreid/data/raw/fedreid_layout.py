@@ -96,8 +96,9 @@ class FedReIDLayout(RawDataset):
     """Reads one dataset from the FedReID benchmark's processed folders.
 
     Not registered: :func:`fedreid.data.raw.create_raw_dataset` builds it for
-    ``layout="fedreid"``. ``expected`` and ``public`` are those of the raw
-    parser of the same name, so the prepared counts are checked the same way.
+    ``layout="fedreid"``. ``expected``, ``public`` and ``test_pid_offset`` are
+    those of the raw parser of the same name, so the prepared counts are
+    checked, and the test identities renumbered, the same way.
     """
 
     dataset_dir = ""  # set per instance from FOLDERS
@@ -130,6 +131,8 @@ class FedReIDLayout(RawDataset):
         raw_class = _raw_class(dataset)
         self.expected = raw_class.expected if raw_class is not None else None
         self.public = raw_class.public if raw_class is not None else dataset == "cuhk02"
+        # The processed folders keep the release's numbers (MSMT17's test ids restart at 0).
+        self.test_pid_offset = raw_class.test_pid_offset if raw_class is not None else 0
 
     def parse(self) -> ParseResult:
         pytorch = self.root / "pytorch"

@@ -56,6 +56,13 @@ class MSMT17(RawDataset):
        It has no val list, so val is carved from the training images.
 
     Cameras are whole integers in both layouts: ``15`` / ``c15`` is camid 14.
+
+    Both layouts number the train and the test identities from ``0000`` each,
+    and train ``0000`` and test ``0000`` are different people. The records
+    keep the release's numbers; the prepared manifest adds
+    :attr:`test_pid_offset` (10000, above any MSMT17 number) to every query and
+    gallery pid, so that test identity ``n`` is pid ``10000 + n`` there and no
+    test identity shares a pid with a training one.
     """
 
     name = "msmt17"
@@ -69,6 +76,7 @@ class MSMT17(RawDataset):
         query_images=11659,
         gallery_images=82161,
     )
+    test_pid_offset = 10000
 
     #: (list file, image folder its paths are relative to, split).
     _LISTS: tuple[tuple[str, str, str], ...] = (
@@ -87,6 +95,11 @@ class MSMT17(RawDataset):
         ("query", "query"),
         ("bounding_box_test", "gallery"),
     )
+
+    @property
+    def source_dir(self) -> Path:
+        """``MSMT17_V1`` when present, else the repack folder (the one :meth:`parse` reads)."""
+        return self.root if self.root.is_dir() else self.raw_root / self.repack_dir
 
     def parse(self) -> ParseResult:
         if self.root.is_dir():

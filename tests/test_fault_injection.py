@@ -1,0 +1,119 @@
+"""Fault injection: the tools killed with SIGKILL at seeded random moments, then re-run or resumed.
+
+For each tool (prepare_datasets.py; train_fed.py FedPav + CDW + KD and SCAFFOLD +
+FedFTG; eval_reid.py index) a reference run and a couple of seeded random kill
+points (prepare, the cheap one, also at the two ends and right before two of
+its os.replace commits); after every kill: no input or user file changed,
+every output absent, previous or complete, and after the recovery (the same
+command, or ``--resume``) the outputs equal the uninterrupted run's exactly.
+The shared logic is ``fault_helpers``; ``bench/fault_soak.py`` runs the same
+checks at 20+ random points and 10 write points per tool and prints the figures.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+from fault_helpers import (
+    TOOL_NAMES,
+    FaultHarness,
+    compare_hashes,
+    kill_delays,
+    make_tool,
+    summary_row,
+    tree_hashes,
+)
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+#: Seeded random kill points per tool here; the soak runs 20+.
+CI_POINTS = 2
+SEED = 0
+
+
+@pytest.fixture(scope="module", params=TOOL_NAMES)
+def harness(request, tmp_path_factory):
+    """Inputs and an uninterrupted reference run of one tool, shared by this module's tests."""
+    return FaultHarness(make_tool(request.param), tmp_path_factory.mktemp(f"fault-{request.param}"), seed=SEED)
+
+
+def test_killed_at_random_points_then_recovered(harness):
+    delays = harness.delays(CI_POINTS)
+    cheap = harness.tool.name == "prepare"
+    if cheap:
+        # The two ends: killed before anything is written, and after it finished.
+        delays += [0.0, 5 * harness.wall + 5]
+    outcomes = [harness.kill_point(point, delay, skip_untouched=True) for point, delay in enumerate(delays)]
+    if cheap:
+        # and right before two of its commits (os.replace), the windows a random time rarely hits
+        outcomes += [harness.kill_point(len(outcomes) + k, before_replace=n)
+                     for k, n in enumerate(harness.write_points(2))]
+    row = summary_row(harness.tool.name, outcomes, harness.wall, sum(o.seconds for o in outcomes))
+    print(row)
+    assert row["files_lost"] == 0
+    failed = [o.describe() for o in outcomes if not o.ok]
+    assert not failed, "\n".join(failed)
+    if cheap:
+        assert outcomes[2].killed and outcomes[2].phase == "before output"
+        assert not outcomes[3].killed and outcomes[3].phase == "finished before the kill"
+        assert all(o.killed and o.where.startswith("before os.replace #") for o in outcomes[4:])
+
+
+@pytest.mark.parametrize("harness", ["index"], indirect=True)
+def test_killed_while_marking_a_new_output_folder(harness):
+    # Point 0: a new index folder; the run's first os.replace is its marker's.
+    outcome = harness.kill_point(0, before_replace=1)
+    assert outcome.killed and "fedreid-index.json" in outcome.where
+    assert outcome.ok, outcome.describe()
+
+
+def _damaged(harness, tmp_path):
+    """A copy of the reference run's outputs in a fresh work folder, for the checks to inspect."""
+    tool = harness.tool
+    work = tmp_path / "damaged"
+    shutil.copytree(tool.output_root(harness.reference_dir), tool.output_root(work))
+    return work, tool.output_root(work)
+
+
+def test_the_checks_catch_half_outputs(harness, tmp_path):
+    """The invariant checks are not vacuous: each flags a half-written output of its tool."""
+    tool = harness.tool
+    work, out = _damaged(harness, tmp_path)
+    assert tool.after_kill(work, harness.reference)[1] == []  # the complete outputs pass
+    if tool.name == "prepare":
+        (out / "market1501" / "prepare.json").unlink()
+        (out / "viper" / "manifest.csv").write_text("path,pid,camid,split,source\n")
+        problems = tool.after_kill(work, harness.reference)[1]
+        assert any("market1501 is half written" in p for p in problems)
+        assert any("viper differs" in p for p in problems)
+    elif tool.name.startswith("train"):
+        text = (out / "metrics.jsonl").read_text()
+        (out / "metrics.jsonl").write_text(text[: len(text) - 40])
+        data = (out / "checkpoint.pt").read_bytes()
+        (out / "checkpoint.pt").write_bytes(data[: len(data) // 2])
+        problems = tool.after_kill(work, harness.reference)[1]
+        assert any("checkpoint.pt does not load" in p for p in problems)
+        assert any("half-written line" in p for p in problems)
+    else:
+        shutil.copy(tool.previous / "header.json", out / "header.json")
+        phase, problems = tool.after_kill(work, harness.reference)
+        assert phase == "mid-save" and "half written" in problems[0] and "earlier ['header.json']" in problems[0]
+
+
+def test_kill_delays_are_seeded_and_within_the_wall_time():
+    a = kill_delays(0, "prepare", 2.0, 20)
+    assert a == kill_delays(0, "prepare", 2.0, 20) and a != kill_delays(1, "prepare", 2.0, 20)
+    assert a != kill_delays(0, "index", 2.0, 20) and all(0 <= d < 2.0 for d in a)
+    assert kill_delays(0, "prepare", 2.0, 5) == a[:5]
+
+
+def test_protected_file_check_counts_lost_and_changed_files(tmp_path):
+    (tmp_path / "a").write_text("a")
+    (tmp_path / "b").write_text("b")
+    before = tree_hashes(tmp_path)
+    (tmp_path / "a").unlink()
+    (tmp_path / "b").write_text("B")
+    (tmp_path / "c").write_text("c")
+    lost, problems = compare_hashes(before, tree_hashes(tmp_path), "raw")
+    assert lost == 2 and len(problems) == 3 and "1 file(s) lost, e.g. a" in problems[0]
