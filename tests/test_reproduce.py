@@ -114,6 +114,8 @@ def test_missing_data_names_what_is_needed(tmp_path, monkeypatch):
                   rows=(Row("FedAvg", "fedavg", (Cell(str(REPO / cell.config), cell.overrides, paper=33.02),)),))
     outcomes = run_table(table, [0], out=tmp_path / "runs")
     assert outcomes[0][0].runs[0].status == "missing-data"
+    (tmp_path / cfg.classification.root / "train" / "airplane").mkdir(parents=True)  # the class-folder layout
+    assert missing_data(cfg) == ""
     page, picture = write_page(table, outcomes, pages=tmp_path / "pages", seeds=[0], rounds=None,
                                synthetic=False, command="x")
     assert "data missing: cifar10" in page.read_text() and picture is None

