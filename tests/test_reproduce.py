@@ -150,6 +150,8 @@ def test_a_diverged_run_is_reported_not_averaged(tmp_path):
     assert outcomes[0][0].values() == []
     page, _ = write_page(table, outcomes, pages=tmp_path / "pages", seeds=[0], rounds=3, synthetic=False, command="x")
     assert "1 of 1 runs failed (seed 0 stopped in round 1)" in page.read_text()
+    again = run_table(table, [0], out=tmp_path / "runs", rounds=3, execute=False)  # --page-only
+    assert again[0][0].runs[0].status == "failed" and "stopped in round 1" in again[0][0].runs[0].detail
 
 
 def test_a_run_folder_holding_a_users_files_is_refused_untouched(tmp_path):

@@ -15,6 +15,7 @@ the top: reduced and full rows are never mixed silently.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import platform
@@ -31,6 +32,7 @@ from fedreid.errors import FedReIDError
 from fedreid.fl.server import RoundFailedError
 from fedreid.reproduce.tables import Cell, Table
 from fedreid.utils.cli import literal_override
+from fedreid.utils.io import write_json_atomic
 
 #: The repository root: the tables name their configs relative to it.
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -116,6 +118,10 @@ def _completed(run_dir: Path) -> tuple[int, list[dict[str, Any]]]:
     return int(ckpt["round"]), list(ckpt["history"])
 
 
+#: Written into a run folder whose run diverged, so that a page written later (--page-only) says so.
+FAILED_RECORD = "failed.json"
+
+
 def run_cell(table: Table, cell: Cell, slug: str, seed: int, *, out: Path, rounds: Optional[int],
              synthetic: bool, execute: bool, progress: bool,
              callbacks: Sequence[Callable[[str, dict], None]] = ()) -> RunResult:
@@ -142,8 +148,13 @@ def run_cell(table: Table, cell: Cell, slug: str, seed: int, *, out: Path, round
         except (RoundFailedError, FloatingPointError) as exc:  # the run diverged (non-finite loss or updates)
             done, history = _completed(run_dir)
             result.status, result.detail = "failed", f"stopped in round {done + 1}: {exc}"
+            write_json_atomic(run_dir / FAILED_RECORD, {"round": done + 1, "detail": result.detail})
             result.history, result.rounds = history, done
             return result
+    if done < cfg.fl.rounds and (run_dir / FAILED_RECORD).is_file():  # --page-only: how the last attempt ended
+        result.status, result.detail = "failed", json.loads((run_dir / FAILED_RECORD).read_text())["detail"]
+        result.history, result.rounds = history, done
+        return result
         done = len(history)
         from fedreid.eval.report import write_report
 
