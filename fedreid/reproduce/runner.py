@@ -151,15 +151,15 @@ def run_cell(table: Table, cell: Cell, slug: str, seed: int, *, out: Path, round
             write_json_atomic(run_dir / FAILED_RECORD, {"round": done + 1, "detail": result.detail})
             result.history, result.rounds = history, done
             return result
-    if done < cfg.fl.rounds and (run_dir / FAILED_RECORD).is_file():  # --page-only: how the last attempt ended
-        result.status, result.detail = "failed", json.loads((run_dir / FAILED_RECORD).read_text())["detail"]
-        result.history, result.rounds = history, done
-        return result
         done = len(history)
         from fedreid.eval.report import write_report
 
         write_report(run_dir, history, title=f"{table.name}: {slug}, seed {seed}",
                      targets=cfg.classification.target_accuracies)
+    elif done < cfg.fl.rounds and (run_dir / FAILED_RECORD).is_file():  # --page-only: how the last attempt ended
+        result.status, result.detail = "failed", json.loads((run_dir / FAILED_RECORD).read_text())["detail"]
+        result.history, result.rounds = history, done
+        return result
     result.history, result.rounds = history, done
     result.seconds = float(sum(r.get("time", {}).get("round", 0.0) for r in history))
     if done >= cfg.fl.rounds:
