@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import csv
 import hashlib
-import importlib.util
 import json
 import pathlib
 import pickle
@@ -22,6 +21,7 @@ import numpy as np
 import pytest
 import torch
 from fl_helpers import write_prepared
+from tool_loader import load_tool
 
 from fedreid.config import ModelConfig, to_dict
 from fedreid.models.reid import create_reid_model, shared_state
@@ -29,17 +29,9 @@ from fedreid.utils.cli import run_main
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-TOOL = Path(__file__).resolve().parents[1] / "tools" / "eval_reid.py"
 
 
-def _load_tool():
-    spec = importlib.util.spec_from_file_location("eval_reid_tool_safety", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-tool = _load_tool()
+tool = load_tool("eval_reid", "eval_reid_tool_safety")
 
 
 class Planted:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import shutil
 from contextlib import nullcontext
@@ -12,23 +11,14 @@ from pathlib import Path
 import pytest
 import torch
 from fl_helpers import write_prepared
+from tool_loader import load_tool
 
 from fedreid.config import ConfigError, ModelConfig, dump_config, load_config, to_dict
 from fedreid.data.prepared import PreparedDatasetError
 from fedreid.models.reid import create_reid_model, shared_state
 from fedreid.utils.cli import run_main
 
-TOOL = Path(__file__).resolve().parents[1] / "tools" / "eval_reid.py"
-
-
-def _load_tool():
-    spec = importlib.util.spec_from_file_location("eval_reid_tool", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-tool = _load_tool()
+tool = load_tool("eval_reid", "eval_reid_tool")
 
 
 @pytest.fixture(scope="module")

@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import csv
 import hashlib
-import importlib.util
 import logging
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from fl_helpers import write_world
+from tool_loader import load_tool
 
 from fedreid.fl.simulation import DataChangedError, data_changes
 from fedreid.utils.checkpoint import checkpoint_path, load_checkpoint, save_checkpoint
@@ -21,18 +20,9 @@ from fedreid.utils.io import OutputDirError, marker_path
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-TOOL = Path(__file__).resolve().parents[1] / "tools" / "train_fed.py"
 
 
-def _load_tool():
-    spec = importlib.util.spec_from_file_location("train_fed_tool_guarantees", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault(spec.name, module)
-    spec.loader.exec_module(module)
-    return module
-
-
-tool = _load_tool()
+tool = load_tool("train_fed", "train_fed_tool_guarantees")
 
 
 def _overrides(root: Path) -> list[str]:
@@ -205,11 +195,7 @@ def test_resume_refuses_changed_data_through_the_library_too(one_round, tmp_path
 
 
 def _flower_tool():
-    spec = importlib.util.spec_from_file_location("flower_fed_tool_guarantees", TOOL.parent / "flower_fed.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault(spec.name, module)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("flower_fed", "flower_fed_tool_guarantees")
 
 
 def test_flower_local_and_node_refuse_a_users_folders_before_starting_anything(tmp_path):

@@ -2,26 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 from fl_helpers import write_world
+from tool_loader import load_tool
 
 from fedreid.config import ConfigError
 from fedreid.utils.logging import read_metrics
 
-TOOL = Path(__file__).resolve().parents[1] / "tools" / "train_fed.py"
-
-
-def _load_tool():
-    spec = importlib.util.spec_from_file_location("train_fed_tool", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-tool = _load_tool()
+tool = load_tool("train_fed", "train_fed_tool")
 
 
 def _overrides(root: Path) -> list[str]:

