@@ -271,7 +271,8 @@ def _status(outcome: CellOutcome) -> str:
         return f"data missing: {missing[0].detail}"
     failed = [r for r in runs if r.status == "failed"]
     if failed:
-        return (f"{len(failed)} of {len(runs)} runs failed (seed {failed[0].seed} "
+        attempted = [r for r in runs if r.status != "not-run"]
+        return (f"{len(failed)} of {len(attempted)} runs failed (seed {failed[0].seed} "
                 f"{failed[0].detail.split(':')[0]}), left out of the mean")
     partial = [r for r in runs if r.status == "partial"]
     if partial:
