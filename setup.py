@@ -10,6 +10,13 @@ faiss_build = os.environ.get("FEDREID_FAISS", "cpu")
 if faiss_build not in FAISS:
     raise SystemExit(f"FEDREID_FAISS={faiss_build!r}: expected one of {sorted(FAISS)}")
 
+# Exporting to ONNX (torch.onnx's TorchScript-based exporter) and running exports with ONNX Runtime;
+# tested with onnx 1.23.2 and onnxruntime 1.32.0.
+ONNX = ["onnx>=1.16,<2", "onnxruntime>=1.18,<2"]
+# The search service (`tools/eval_reid.py serve`); tested with fastapi 0.138.2, uvicorn 0.49.0,
+# python-multipart 0.0.34.
+SERVE = ["fastapi>=0.115", "uvicorn>=0.29", "python-multipart>=0.0.9"]
+
 version = {}
 exec((Path(__file__).parent / "fedreid" / "__init__.py").read_text(), version)
 
@@ -21,7 +28,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["fedreid", "fedreid.*"]),
-    package_data={"fedreid.flower": ["project/pyproject.toml"]},
+    package_data={"fedreid.flower": ["project/pyproject.toml"], "fedreid.retrieval": ["web/*"]},
     install_requires=[
         "torch>=2.2",
         "torchvision",
@@ -37,8 +44,14 @@ setup(
     ],
     extras_require={
         # tensorboard: the run logger's TensorBoard path is tested too.
-        "test": ["pytest>=7", "scikit-learn", "ruff", "tensorboard"],
+        # onnx + onnxruntime: the exported-extractor tests (tests/test_export.py) run in CI;
+        # the service's tests need its packages, httpx (FastAPI's TestClient) and selenium (driving
+        # Debian's chromium through /usr/bin/chromedriver; nothing is downloaded at run time).
+        "test": ["pytest>=7", "scikit-learn", "ruff", "tensorboard", *ONNX, *SERVE, "httpx", "selenium>=4.10"],
         "tensorboard": ["tensorboard"],
+        # `tools/eval_reid.py export --format onnx` and the onnx backend (ONNX Runtime, CPU).
+        "onnx": ONNX,
+        "serve": SERVE,
         # Install as `FEDREID_FAISS=gpu pip install -e .[gpu]` so that faiss-cpu is not
         # installed beside it (one `faiss` module, two packages would overwrite each other).
         "gpu": [FAISS["gpu"]],

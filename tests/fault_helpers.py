@@ -584,7 +584,8 @@ class TrainTool(Tool):
 
 # -- index -----------------------------------------------------------------
 
-INDEX_FILES = ("header.json", "index.faiss", "meta.npz")
+#: The gallery store's files (fedreid.retrieval.store), as ``eval_reid.py index`` writes them.
+INDEX_FILES = ("header.json", "index.faiss", "vectors.npy", "ids.npy", "meta.sqlite")
 
 
 class IndexTool(Tool):
@@ -644,7 +645,7 @@ class IndexTool(Tool):
 
     @staticmethod
     def index_digest(folder: Path) -> dict[str, Any]:
-        """The index files (None where missing): header as JSON, index bytes, meta.npz arrays (its zip has dates)."""
+        """The store's files (None where missing): header as JSON, the others' bytes."""
         out: dict[str, Any] = {}
         for name in INDEX_FILES:
             path = folder / name
@@ -655,20 +656,14 @@ class IndexTool(Tool):
                     out[name] = json.loads(path.read_text())
                 except ValueError:
                     out[name] = "unreadable"
-            elif name == "meta.npz":
-                try:
-                    with np.load(path, allow_pickle=False) as data:
-                        out[name] = payload_digest({k: data[k] for k in data.files})
-                except Exception:  # noqa: BLE001
-                    out[name] = "unreadable"
             else:
                 out[name] = file_sha(path)
         return out
 
     def result(self, work: Path) -> dict[str, Any]:
-        from fedreid.eval.retrieval import load_index
+        from fedreid.retrieval import GalleryStore
 
-        load_index(self.output_root(work))  # loads, and consistent
+        GalleryStore.open(self.output_root(work))  # loads, and consistent
         return self.index_digest(self.output_root(work))
 
     def after_kill(self, work: Path, ref: dict[str, Any]) -> tuple[str, list[str]]:

@@ -173,16 +173,16 @@ def test_a_planted_pickle_as_features_runs_nothing(tmp_path, capsys):
         assert "allow_pickle" not in err and not sentinel.exists()
 
 
-@pytest.mark.parametrize("name", ["header.json", "index.faiss", "meta.npz", "meta.npz with object arrays"])
+@pytest.mark.parametrize("name", ["header.json", "index.faiss", "vectors.npy", "ids.npy", "meta.sqlite",
+                                  "vectors.npy with object arrays", "ids.npy with object arrays"])
 def test_a_planted_pickle_in_an_index_folder_runs_nothing(world, index_dir, tmp_path, capsys, name):
     sentinel = tmp_path / "SENTINEL"
     folder = tmp_path / "index"
     shutil.copytree(index_dir, folder)
     file = name.split()[0]
     if name.endswith("object arrays"):
-        np.savez(folder / file, ids=np.array([Planted(sentinel)] * 6, dtype=object),
-                 cameras=np.zeros(6, int), paths=np.array(["a"] * 6))
-        np.load(folder / file, allow_pickle=True)["ids"]  # control
+        np.save(folder / file, np.array([Planted(sentinel)] * 6, dtype=object), allow_pickle=True)
+        np.load(folder / file, allow_pickle=True)  # control
     else:
         (folder / file).write_bytes(pickle.dumps(Planted(sentinel), protocol=4))
         pickle.loads((folder / file).read_bytes())  # control
@@ -241,16 +241,21 @@ def test_index_rebuilds_its_own_folder_and_adopts_one_of_an_earlier_version(worl
     shutil.copytree(index_dir, own)
     assert (own / ".fedreid-index.json").is_file()
     assert tool.main(_index(world, own)) == 0
-    old = tmp_path / "old"  # what an earlier fedreid left: no marker, a version-1 header
-    shutil.copytree(index_dir, old)
-    (old / ".fedreid-index.json").unlink()
+    from fedreid.eval.retrieval import build_index, save_index
+
+    old = tmp_path / "old"  # what an earlier fedreid left: no marker, a version-1 header of the earlier format
+    feats = np.random.default_rng(0).standard_normal((6, 16)).astype(np.float32)
+    save_index(old, build_index(feats, use_gpu=False), ids=np.arange(6), cameras=np.zeros(6), paths=["a"] * 6,
+               meta={"gallery": str(world["gallery"])})
     header = json.loads((old / "header.json").read_text())
     header.update(version=1, files={k: v["bytes"] for k, v in header["files"].items()})
     (old / "header.json").write_text(json.dumps(header))
     err = _cli_error(_query(world, old), capsys)
-    assert "version 1" in err and "build the index again" in err
+    assert "version 1" in err and "build the index again" in err and "earlier version" in err
     assert tool.main(_index(world, old)) == 0
-    assert (old / ".fedreid-index.json").is_file() and json.loads((old / "header.json").read_text())["version"] == 2
+    header = json.loads((old / "header.json").read_text())
+    assert (old / ".fedreid-index.json").is_file() and header["version"] == 3
+    assert header["format"] == "fedreid-gallery-store" and not (old / "meta.npz").exists()
     assert tool.main(_query(world, old)) == 0
     capsys.readouterr()
 
@@ -282,19 +287,19 @@ def test_index_never_deletes_files_in_its_own_folder_or_beside_it(world, index_d
 
 
 def test_a_failed_build_leaves_the_previous_index_whole(world, index_dir, tmp_path, capsys, monkeypatch):
-    from fedreid.eval import retrieval
+    from fedreid.retrieval import store
 
     own = tmp_path / "index"
     shutil.copytree(index_dir, own)
     before = _snapshot(own)
-    real = retrieval.save_index
+    real = store.write_json_atomic
 
-    def failing(folder, *args, **kwargs):
-        real(folder, *args, **kwargs)
-        (Path(folder) / "header.json").unlink()  # as if killed before the header was written
+    def failing(path, *args, **kwargs):  # the staged store's header, its last file
+        real(path, *args, **kwargs)
+        Path(path).unlink()  # as if killed while the header was written
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(retrieval, "save_index", failing)
+    monkeypatch.setattr(store, "write_json_atomic", failing)
     with pytest.raises(OSError, match="No space left"):
         tool.main(_index(world, own))
     assert _snapshot(own) == before

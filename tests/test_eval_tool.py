@@ -473,7 +473,8 @@ def test_faiss_gpu_flag(world, tmp_path, monkeypatch, capsys):
         assert "GPU faiss index was required" in err and "faiss-gpu" in err
         assert not (tmp_path / "i0").exists()  # refused before any work
 
-    # Plumbing, with faiss pretending to have a GPU: the decision reaches build_index / load_index.
+    # Plumbing, with faiss pretending to have a GPU: the decision reaches the query's search index (a Flat
+    # store's; building a Flat store uses no GPU).
     placed = []
     monkeypatch.setattr(retrieval, "faiss_gpu_available", lambda: True)
     monkeypatch.setattr(retrieval, "_maybe_to_gpu", lambda index, use_gpu, gpu_id=0: placed.append(use_gpu) or index)
@@ -482,7 +483,7 @@ def test_faiss_gpu_flag(world, tmp_path, monkeypatch, capsys):
         folder = tmp_path / f"i_{mode}"
         assert tool.main(index_args + ["--index", str(folder), "--faiss-gpu", mode]) == 0
         assert tool.main(query_args + ["--index", str(folder), "--faiss-gpu", mode]) == 0
-        assert placed == [expected, expected], mode
+        assert placed == [expected], mode
     assert pl.resolve_faiss_gpu("auto", torch.device("cuda")) is True
     assert pl.resolve_faiss_gpu("auto", torch.device("cpu")) is False
     monkeypatch.setattr(retrieval, "faiss_gpu_available", lambda: False)

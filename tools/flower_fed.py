@@ -26,6 +26,14 @@ On one host (SuperLink and a SuperNode per client on 127.0.0.1, stopped at the e
 On Flower's simulation engine (Ray, the [flower-sim] extra):
   python tools/flower_fed.py simulate --config configs/fedreid/synthetic_fedpav.yaml --out runs/flower_sim
 
+Federated search (each site's SuperNode gets --gallery-store, its own gallery store
+folder; --search-thumbnails lets its answers carry small thumbnails):
+  python tools/flower_fed.py node --client site1 ... --gallery-store /srv/gallery_store
+  python tools/flower_fed.py search --superlink HOST:8000 --ca tls/ca.crt \\
+      --image query.jpg --model runs/fedpav --k 20 --expect site1 --expect site2 --out result.json
+Sites receive only the query's feature vector (computed here), k, the filters and the
+model fingerprint; they answer with ids, scores, cameras, times and file names.
+
 `local` and `simulate` stop every process they started when they end, on
 Ctrl-C, SIGTERM or SIGHUP, and (Linux) when the tool itself is killed. Before
 starting anything they check --out (a new or empty folder or a run folder;
@@ -110,7 +118,10 @@ def cmd_node(args: argparse.Namespace) -> int:
     # Absolute paths: the node's ClientApp processes do not run in this folder.
     local = {"prepared_root": args.prepared_root and str(Path(args.prepared_root).resolve()),
              "classification_root": args.classification_root and str(Path(args.classification_root).resolve()),
-             "device": args.device}
+             "device": args.device,
+             "gallery_store": args.gallery_store and str(Path(args.gallery_store).resolve()),
+             "gallery_root": args.gallery_root and str(Path(args.gallery_root).resolve()),
+             "search_thumbnails": "true" if args.search_thumbnails else None}
     key = Path(args.key).resolve() if args.key else None
     if key is not None and not key.is_file():
         raise FileNotFoundError(f"node key {key} not found (make it with `node-key`)")
@@ -118,6 +129,10 @@ def cmd_node(args: argparse.Namespace) -> int:
         from fedreid.flower.node import claim_state_dir
 
         claim_state_dir(args.state_dir)
+        if args.gallery_store:
+            from fedreid.retrieval.store import GalleryStore
+
+            GalleryStore.open(args.gallery_store)  # every file checked, as each search will
     cmd = supernode_command(args.superlink, args.client, Path(args.state_dir).resolve(), port=args.port,
                             root_cert=ca.resolve() if ca else None, private_key=key,
                             **{k: v for k, v in local.items() if v})
@@ -133,6 +148,78 @@ def cmd_register(args: argparse.Namespace) -> int:
     FlowerCli(args.superlink, root_cert=ca).register(Path(args.public_key))
     print(f"registered {args.public_key} on {args.superlink}")
     return 0
+
+
+def _search_query(args: argparse.Namespace) -> tuple[object, dict]:
+    """The query feature and its model fingerprint: computed here from --image, or read from --feature."""
+    from fedreid.flower.search import image_query, read_feature_file, read_fingerprint_file
+
+    if args.image:
+        if not args.model:
+            raise ConfigError("search: --image needs --model (the sites' model: a run folder or model file)")
+        if args.fingerprint:
+            raise ConfigError("search: with --image the fingerprint is the model's; leave out --fingerprint")
+        return image_query(args.image, args.model, args.device)
+    if args.model:
+        raise ConfigError("search: --model goes with --image; with --feature give --fingerprint")
+    if not args.fingerprint:
+        raise ConfigError("search: --feature needs --fingerprint (a JSON model fingerprint, or the header.json / "
+                          "sidecar of the store or model that made the feature): the sites check it")
+    return read_feature_file(args.feature), read_fingerprint_file(args.fingerprint)
+
+
+def cmd_search(args: argparse.Namespace) -> int:
+    import json
+    import tempfile
+
+    from fedreid.flower.launch import FlowerCli, search_run_config_string
+    from fedreid.flower.search import RESULT_FORMAT, encode_vector, format_result
+    from fedreid.flower.search_codec import SearchFilters
+    from fedreid.utils.io import write_json_atomic
+
+    ca = _security(args, "search")
+    if not 1 <= args.k <= 1000:
+        raise ConfigError(f"search: --k must be in 1..1000, got {args.k}")
+    if args.timeout <= 0:
+        raise ConfigError(f"search: --timeout must be > 0 seconds, got {args.timeout}")
+    filters = {"cameras": args.camera, "sites": args.site,
+               "time_window": None if args.since is None and args.until is None else [args.since, args.until]}
+    SearchFilters.from_plain(filters)  # refused here, in words, before anything runs
+    out = Path(args.out).resolve() if args.out else None
+    if out is not None and (out.is_dir() or out.is_symlink()):
+        raise ConfigError(f"--out {out}: expected a JSON file path, it is a folder or a link")
+    if out is not None and out.exists():  # refused before anything runs
+        try:
+            earlier = json.loads(out.read_text()).get("format")
+        except (OSError, UnicodeDecodeError, ValueError, AttributeError):
+            earlier = None
+        if earlier != RESULT_FORMAT:
+            raise ConfigError(f"--out {out} exists and is not a federated search result; choose another file")
+    feature, fingerprint = _search_query(args)
+    with tempfile.TemporaryDirectory(prefix="fedreid-search-") as tmp:
+        # The ServerApp writes the result into this fresh folder when it runs on this host (the SuperLink's),
+        # so an older file can never pass for this search's result; on another host it writes nothing.
+        result_path = Path(tmp) / "result.json"
+        text = search_run_config_string(encode_vector(feature), k=args.k, fingerprint=fingerprint, filters=filters,
+                                        timeout=args.timeout, thumbnails=args.thumbnails, expect=args.expect or (),
+                                        out=result_path, join_timeout=args.join_timeout)
+        log = Path(tmp) / "flwr_run.log"
+        rc = FlowerCli(args.superlink, root_cert=ca, home=Path(tmp) / "flwr_home").run(
+            text, log=log, timeout=args.join_timeout + args.timeout + 600)
+        if not result_path.is_file():  # the run failed, or its ServerApp runs on another host than this one
+            print(log.read_text(errors="replace")[-8000:], end="", file=sys.stderr)
+            why = ("the search failed" if rc != 0 else
+                   "the SuperLink runs on another host: its ServerApp logged the result above; run `search` on "
+                   "the SuperLink's host for the JSON")
+            print(f"search: no result file (flwr exit code {rc}): {why}", file=sys.stderr)
+            return 1
+        plain = json.loads(result_path.read_text())
+    for line in format_result(plain):
+        print(line)
+    if out is not None:
+        write_json_atomic(out, plain)
+        print(f"result: {out}")
+    return 0 if plain["answered"] else 1
 
 
 def _finish(out: Path, rounds: int, rc: int, log: Optional[Path]) -> int:
@@ -288,6 +375,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--classification-root", help="this machine's classification.root")
     p.add_argument("--device", help="this machine's run.device, e.g. cuda:0")
     p.add_argument("--port", type=int, default=9094, help="local port for the node's ClientApp runtime (9094)")
+    p.add_argument("--gallery-store", help="this site's gallery store folder, searched by `search` (never sent)")
+    p.add_argument("--gallery-root", help="where the store's relative image paths lie (default: the store folder)")
+    p.add_argument("--search-thumbnails", action="store_true",
+                   help="let search answers carry small JPEG thumbnails of the hits (off: ids, scores, "
+                        "cameras, times and file names only)")
     p.add_argument("--print-only", action="store_true", help="print the command instead of running it")
     p.set_defaults(func=cmd_node)
 
@@ -313,6 +405,31 @@ def build_parser() -> argparse.ArgumentParser:
                         "a connected node is refused to any other node")
     run_arguments(p)
     p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("search", help="federated search: every site searches its own gallery store, one merged list")
+    p.add_argument("--superlink", required=True, metavar="HOST:PORT", help="the SuperLink's address")
+    security(p)
+    q = p.add_mutually_exclusive_group(required=True)
+    q.add_argument("--image", help="query image; its feature is computed here with --model")
+    q.add_argument("--feature", help="query feature, a .npy of float32 [d] (with --fingerprint)")
+    p.add_argument("--model", help="with --image: the sites' model (run folder, model_final.pt or checkpoint.pt)")
+    p.add_argument("--fingerprint", help="with --feature: JSON model fingerprint, or a store header.json / model "
+                   "sidecar holding one")
+    p.add_argument("--device", default="cpu", help="device for --image's feature (cpu)")
+    p.add_argument("--k", type=int, default=10, help="length of the merged list; each site sends at most k (10)")
+    p.add_argument("--camera", type=int, action="append", help="only these cameras (repeat)")
+    p.add_argument("--site", action="append", help="only items whose store site column is this (repeat)")
+    p.add_argument("--since", type=float, help="only items with timestamp >= SINCE")
+    p.add_argument("--until", type=float, help="only items with timestamp <= UNTIL")
+    p.add_argument("--timeout", type=float, default=30.0, help="seconds the sites have to answer (30)")
+    p.add_argument("--join-timeout", type=float, default=30.0,
+                   help="seconds to wait for the --expect sites' nodes (else one node) to be connected (30)")
+    p.add_argument("--expect", action="append", help="a site that should answer (repeat): listed as missing if none "
+                   "answers as it")
+    p.add_argument("--thumbnails", action="store_true", help="ask for thumbnails (only sites allowing them send)")
+    p.add_argument("--out", help="write the result (ranked list with thumbnails, missing sites) as JSON here; "
+                   "needs this tool on the SuperLink's host, where the ServerApp runs")
+    p.set_defaults(func=cmd_search)
 
     p = sub.add_parser("local", help="SuperLink, one SuperNode per client and the run, all on 127.0.0.1")
     run_arguments(p)

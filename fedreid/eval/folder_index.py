@@ -1,52 +1,106 @@
-"""A FAISS index of an image folder, and searching it with query images.
+"""A gallery store of an image folder (build, add, remove), and searching it with query images.
 
-Index folders (:func:`build_gallery_index`): written only into a new, empty
+The index folder is a :class:`fedreid.retrieval.GalleryStore` (files and
+guarantees: :mod:`fedreid.retrieval.store`): a FAISS index chosen by factory
+string (default ``Flat``: exact, ranking as an ``IndexFlatIP`` does), stable
+item ids, and an SQLite table of each item's path, camera, site, timestamp and
+identity (:mod:`fedreid.retrieval.gallery_rows`). The header's
+``meta.model_fingerprint`` is the model the features came from
+(:func:`~fedreid.eval.model_io.check_index_model` reads it there).
+
+Index folders (:func:`build_gallery_store`): written only into a new, empty
 or fedreid-marked folder (:func:`fedreid.utils.io.claim_output_dir`, kind
-``index``; an unmarked index folder of an earlier version is adopted), never
-into or under the gallery folder, and replaced as a whole
-(:func:`fedreid.utils.io.replace_dir_atomically`). Unreadable images abort
-with an error naming the image unless the caller collects them
-(``skipped``), in which case they are left out and listed in
-``skipped.csv``. Queries (:func:`query_index`) check the index's recorded
-model fingerprint first. The index files themselves are
-:mod:`fedreid.eval.retrieval`'s.
+``index``; an unmarked index folder of an earlier version is adopted and
+replaced), never into or under the gallery folder, and replaced as a whole
+(:func:`fedreid.utils.io.replace_dir_atomically`); :func:`add_to_gallery_store`
+and :func:`remove_from_gallery_store` update a store the same way. Unreadable
+images abort with an error naming the image unless the caller collects them
+(``skipped``), in which case they are left out and listed in ``skipped.csv``.
+Queries (:func:`query_index`) check the store's recorded model fingerprint
+first. An index folder of the earlier format (``fedreid-faiss-index``, of
+:mod:`fedreid.eval.retrieval`) is not read: the error asks to rebuild it.
 """
 
 from __future__ import annotations
 
+import csv
+import json
 import os
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
+import numpy as np
 import torch
 
 from fedreid.eval.devices import _faiss_gpu_id
 from fedreid.eval.errors import EvalInputError
 from fedreid.eval.image_folders import SKIPPED_FILE, SkippedImage, image_features, list_images, write_skipped_csv
 from fedreid.eval.model_io import LoadedModel, check_index_model
-from fedreid.utils.io import replace_dir_atomically, swap_leftovers, swap_sibling
+from fedreid.retrieval.gallery_rows import apply_metadata, image_rows, read_metadata_csv
+from fedreid.retrieval.store import GalleryStore, check_factory_string
+from fedreid.utils.io import swap_leftovers
 
-__all__ = ["build_gallery_index", "QueryResult", "query_index", "draw_query_picture", "draw_query_pictures"]
+__all__ = [
+    "add_to_gallery_store",
+    "build_gallery_index",
+    "build_gallery_store",
+    "open_gallery_store",
+    "remove_from_gallery_store",
+    "resolve_store_items",
+    "QueryResult",
+    "query_index",
+    "draw_query_picture",
+    "draw_query_pictures",
+]
 
 _TOOL_INDEX = "tools/eval_reid.py index"
+_EARLIER_TEMP = re.compile(r"^\.(index\.faiss|meta\.npz|header\.json)\..+\.tmp$")  # the earlier format's temporaries
 
 
-def _check_index_location(gallery: Path, index_dir: Path) -> None:
-    """Refuse an index folder that is the gallery folder or lies inside it (symlinks resolved)."""
+def _check_index_location(gallery: Path, index_dir: Path, flag: str = "--gallery") -> None:
+    """Refuse an index folder that is the image folder or lies inside it (symlinks resolved)."""
     if not gallery.is_dir():
         return
     g, i = gallery.resolve(), index_dir.resolve()
     if i == g or g in i.parents:
         where = "is the gallery folder" if i == g else f"is inside the gallery folder {gallery}"
+        if flag != "--gallery":
+            where = f"is the {flag} folder" if i == g else f"is inside the {flag} folder {gallery}"
         raise EvalInputError(
             f"--index {index_dir} {where}: the index files would be written among the images; "
             "choose a folder outside the gallery (nothing was changed)"
         )
 
 
-def build_gallery_index(
+def _rows_for(paths: Sequence[Path], folder: Path, site: Optional[str], metadata: Optional[str | Path]) -> dict:
+    """{listed path as str: its row}, with the metadata CSV applied (read before any extraction)."""
+    defaults = image_rows(paths, site=site)
+    overrides = read_metadata_csv(metadata, base=folder, images=[r["path"] for r in defaults]) if metadata else None
+    return dict(zip((str(p) for p in paths), apply_metadata(defaults, overrides)))
+
+
+def _skipped_writer(entries: Sequence[SkippedImage]) -> Optional[Callable[[Path], Any]]:
+    return (lambda path: write_skipped_csv(path, entries)) if entries else None
+
+
+def _clustering_index(factory: str, dim: int, faiss_gpu: bool, device: torch.device) -> Any:
+    """A GPU ``IndexFlatIP`` for the k-means of an IVF factory's training when ``faiss_gpu``; else None."""
+    if not faiss_gpu:
+        return None
+    import faiss
+
+    from fedreid.eval import retrieval
+    from fedreid.retrieval.store import factory_kind
+
+    if factory_kind(factory, dim) != "ivf":
+        return None
+    return retrieval._maybe_to_gpu(faiss.IndexFlatIP(dim), True, _faiss_gpu_id(device))
+
+
+def build_gallery_store(
     loaded: LoadedModel,
     gallery: str | Path,
     index_dir: str | Path,
@@ -57,8 +111,12 @@ def build_gallery_index(
     channels_last: bool = False,
     faiss_gpu: bool = False,
     skipped: Optional[list[SkippedImage]] = None,
-) -> tuple[Path, int]:
-    """Index every image under ``gallery`` into ``index_dir``; returns ``(folder, number of images indexed)``.
+    factory: str = "Flat",
+    seed: int = 0,
+    site: Optional[str] = None,
+    metadata: Optional[str | Path] = None,
+) -> tuple[GalleryStore, int]:
+    """Build a gallery store of every image under ``gallery`` in ``index_dir``; returns ``(store, images indexed)``.
 
     ``index_dir`` must be new, empty, marked as a fedreid index folder holding
     nothing but the index's files, or an index folder of an earlier version
@@ -68,22 +126,30 @@ def build_gallery_index(
     changes nothing. The folder is replaced as a whole, so an interrupted
     build leaves the previous index or the new one, never a mix (a hidden
     sibling ``.<name>.tmp-*`` / ``.<name>.old-*`` it leaves is removed by the
-    next build). The header records the model's fingerprint
-    (:func:`~fedreid.eval.model_io.model_fingerprint`) for :func:`query_index`. ``skipped``: as in
-    :func:`image_features`; when given, the images left out are listed in
-    ``index_dir/skipped.csv``. ``faiss_gpu`` builds the index on the GPU (see
-    :func:`~fedreid.eval.devices.resolve_faiss_gpu`); the saved file is the same either way (a CPU
-    copy is written).
+    next build). Rows: :func:`~fedreid.retrieval.gallery_rows.image_rows`
+    with ``site``, overridden by the CSV ``metadata`` (read, and its errors
+    raised, before any image is). ``factory``/``seed``: the FAISS index and
+    its training (:meth:`GalleryStore.create`; a string FAISS cannot parse
+    is refused before any work). The header's ``meta`` records
+    the model (``model``, ``round``, ``model_fingerprint``), the ``gallery``
+    and the number ``skipped``. ``skipped``: as in :func:`image_features`;
+    when given, the images left out are listed in ``index_dir/skipped.csv``.
+    ``faiss_gpu`` runs the k-means of an IVF factory's training on the GPU
+    (the stored index is a CPU index either way; other factories need no GPU).
     """
-    from fedreid.eval.retrieval import build_index, is_index_folder, save_index
+    from fedreid.eval.retrieval import is_index_folder
     from fedreid.utils.io import claim_output_dir
 
     device = torch.device(device)
     gallery, index_dir = Path(gallery), Path(index_dir)
+    check_factory_string(factory)
     paths = list_images(gallery, "gallery")
     _check_index_location(gallery, index_dir)
-    adopt = index_dir.is_dir() and not index_dir.is_symlink() and is_index_folder(index_dir, extra_files=(SKIPPED_FILE,))
-    claim_output_dir(index_dir, "index", tool=_TOOL_INDEX, adopt=adopt)
+    rows = _rows_for(paths, gallery, site, metadata)
+    earlier = (
+        index_dir.is_dir() and not index_dir.is_symlink() and is_index_folder(index_dir, extra_files=(SKIPPED_FILE,))
+    )
+    claim_output_dir(index_dir, "index", tool=_TOOL_INDEX, adopt=earlier)
     _refuse_foreign_files(index_dir)
     _remove_index_temporaries(index_dir)
     first_skip = len(skipped) if skipped is not None else 0
@@ -92,25 +158,178 @@ def build_gallery_index(
         skipped=skipped, where=f"gallery {gallery}",
     )
     left_out = list(skipped[first_skip:]) if skipped is not None else []
-    meta = {
-        "model": str(loaded.source), "round": loaded.round, "gallery": str(gallery.resolve()),
-        "model_fingerprint": loaded.fingerprint, "skipped": len(left_out),
-    }
-    index = build_index(fs.features, use_gpu=bool(faiss_gpu), gpu_id=_faiss_gpu_id(device))
-    stage = _index_temporary(index_dir, "tmp")
+    meta = {"model": str(loaded.source), "round": loaded.round, "gallery": str(gallery.resolve()),
+            "skipped": len(left_out)}
+    clustering = _clustering_index(factory, fs.features.shape[1], faiss_gpu, device)
+    _refuse_foreign_files(index_dir)  # checked again right before anything is replaced
+    for p in index_dir.iterdir():
+        if _EARLIER_TEMP.match(p.name) and p.is_file():
+            p.unlink()  # an interrupted save of the earlier format left it
+    store = GalleryStore.create(
+        index_dir, fs.features, [rows[str(p)] for p in fs.paths], factory=factory, seed=seed,
+        model_fingerprint=loaded.fingerprint, meta=meta, side_files={SKIPPED_FILE: _skipped_writer(left_out)},
+        replaces=("meta.npz",), clustering_index=clustering,
+    )
+    return store, len(fs.paths)
+
+
+def build_gallery_index(
+    loaded: LoadedModel,
+    gallery: str | Path,
+    index_dir: str | Path,
+    **kwargs: Any,
+) -> tuple[Path, int]:
+    """:func:`build_gallery_store` (same arguments); returns ``(index_dir, number of images indexed)``."""
+    _, n = build_gallery_store(loaded, gallery, index_dir, **kwargs)
+    return Path(index_dir), n
+
+
+def open_gallery_store(index_dir: str | Path) -> GalleryStore:
+    """The gallery store in ``index_dir`` (checked as :meth:`GalleryStore.open` does).
+
+    A missing folder raises FileNotFoundError; an index folder of the earlier
+    format raises :class:`EvalInputError` asking to rebuild it with ``index``.
+    """
+    from fedreid.eval.retrieval import INDEX_FORMAT
+
+    folder = Path(index_dir)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"index folder {folder} does not exist: build it with {_TOOL_INDEX}")
     try:
-        claim_output_dir(stage, "index", tool=_TOOL_INDEX)  # new: created and marked
-        save_index(
-            stage, index, ids=fs.pids, cameras=fs.camids,
-            paths=[str(Path(p).resolve()) for p in fs.paths], meta=meta,
+        header = json.loads((folder / "header.json").read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        header = None
+    if isinstance(header, dict) and header.get("format") == INDEX_FORMAT:
+        gallery = (header.get("meta") or {}).get("gallery") if isinstance(header.get("meta"), dict) else None
+        raise EvalInputError(
+            f"index folder {folder} was built by an earlier version of fedreid ({INDEX_FORMAT} version "
+            f"{header.get('version')!r}): rebuild with index, i.e. build the index again with "
+            f"{_TOOL_INDEX} --model MODEL --gallery {gallery or 'GALLERY'} --index {folder}"
         )
-        if left_out:
-            write_skipped_csv(stage / SKIPPED_FILE, left_out)
-        _swap_index_folder(stage, index_dir)
-    finally:
-        if stage.exists():
-            shutil.rmtree(stage)
-    return index_dir, len(fs.paths)
+    return GalleryStore.open(folder)
+
+
+def _read_skipped(folder: Path) -> list[SkippedImage]:
+    path = folder / SKIPPED_FILE
+    if not path.is_file():
+        return []
+    with open(path, newline="", encoding="utf-8") as f:
+        rows = list(csv.reader(f))
+    return [SkippedImage(r[0], r[1]) for r in rows[1:] if len(r) == 2]
+
+
+def add_to_gallery_store(
+    loaded: LoadedModel,
+    index_dir: str | Path,
+    images: str | Path,
+    *,
+    batch_size: int = 128,
+    device: str | torch.device = "cpu",
+    amp: bool = False,
+    channels_last: bool = False,
+    skipped: Optional[list[SkippedImage]] = None,
+    site: Optional[str] = None,
+    metadata: Optional[str | Path] = None,
+) -> tuple[GalleryStore, np.ndarray]:
+    """Add every image under ``images`` to the store in ``index_dir``; returns ``(store, their new ids)``.
+
+    Checked before any image is read, each raising and changing nothing: the
+    store's model is ``loaded``'s (:func:`check_index_model`:
+    :class:`~fedreid.eval.model_io.ModelMismatchError`), the index folder does
+    not lie inside ``images``, the metadata CSV (relative paths relative to
+    ``images``) is valid, and no image is in the store already (an
+    :class:`EvalInputError` naming them). The index is not retrained
+    (:meth:`GalleryStore.add`). ``skipped``: as in :func:`image_features`;
+    ``skipped.csv`` then lists the images this and earlier builds/adds left
+    out that are not in the store.
+    """
+    device = torch.device(device)
+    folder, images = Path(index_dir), Path(images)
+    store = open_gallery_store(folder)
+    check_index_model(store.header, loaded, folder)
+    paths = list_images(images, "images to add")
+    _check_index_location(images, folder, "--add")
+    rows = _rows_for(paths, images if images.is_dir() else images.parent, site, metadata)
+    held = store.find_paths([r["path"] for r in rows.values()])
+    if held:
+        shown = ", ".join(sorted(held)[:5]) + (f" and {len(held) - 5} more" if len(held) > 5 else "")
+        raise EvalInputError(
+            f"store {folder} already holds {len(held)} of the images of {images} ({shown}): add only new images, "
+            "or remove those first with index --remove (nothing was changed)"
+        )
+    _refuse_foreign_files(folder)
+    first_skip = len(skipped) if skipped is not None else 0
+    fs = image_features(
+        loaded, paths, batch_size=batch_size, device=device, amp=amp, channels_last=channels_last,
+        skipped=skipped, where=f"images to add {images}", identical_ok=True,
+    )
+    if fs.features.shape[1] != store.dim:
+        raise EvalInputError(
+            f"store {folder} holds {store.dim}-d features but the model gives {fs.features.shape[1]}-d"
+        )
+    left_out = list(skipped[first_skip:]) if skipped is not None else []
+    added = {rows[str(p)]["path"] for p in fs.paths}
+    again = {str(Path(s.path).resolve()) for s in left_out}
+    listed = [
+        s for s in _read_skipped(folder) if str(Path(s.path).resolve()) not in added | again
+    ] + left_out
+    ids = store.add(
+        fs.features, [rows[str(p)] for p in fs.paths], meta={"skipped": len(listed)},
+        side_files={SKIPPED_FILE: _skipped_writer(listed)},
+    )
+    return store, ids
+
+
+def resolve_store_items(store: GalleryStore, items: Sequence[str]) -> list[int]:
+    """The ids of ``items``: ids (all digits), paths as stored, other paths, or bare file names.
+
+    A token of digits only is an item id. Any other token is a path: as stored
+    (absolute), else resolved from the working folder; a token without a
+    folder separator that matches no path is a file name, naming the one item
+    whose path ends with it. Unknown ids or paths and file names that several
+    items share raise :class:`EvalInputError` naming every such token.
+    """
+    ids: list[int] = []
+    unknown: list[str] = []
+    ambiguous: list[str] = []
+    held = set(store.ids.tolist())
+    for token in items:
+        token = str(token).strip()
+        if token.isascii() and token.isdigit():
+            (ids.append(int(token)) if int(token) in held else unknown.append(token))
+            continue
+        found = store.find_paths([token]) or store.find_paths([str(Path(token).expanduser().resolve())])
+        if found:
+            ids.extend(found.values())
+            continue
+        matches = store.find_file_name(token) if token and "/" not in token and os.sep not in token else []
+        if len(matches) == 1:
+            ids.append(matches[0][0])
+        elif matches:
+            shown = ", ".join(f"{i} ({p})" for i, p in matches[:3]) + (" ..." if len(matches) > 3 else "")
+            ambiguous.append(f"{token} names {len(matches)} items: {shown}")
+        else:
+            unknown.append(token)
+    problems = ([f"holds no item {', '.join(unknown)}"] if unknown else []) + ambiguous
+    if problems:
+        raise EvalInputError(
+            f"store {store.folder} {'; '.join(problems)}: give item ids (query prints them), paths as stored, "
+            "or file names that one item has (nothing was removed)"
+        )
+    return sorted(set(ids))
+
+
+def remove_from_gallery_store(index_dir: str | Path, items: Sequence[str]) -> tuple[GalleryStore, np.ndarray]:
+    """Erase ``items`` (:func:`resolve_store_items`) from the store; returns ``(store, removed ids)``.
+
+    No model is needed. The removed items leave no trace in the store's files
+    (:meth:`GalleryStore.remove`); nothing changes when any item is unknown.
+    """
+    folder = Path(index_dir)
+    store = open_gallery_store(folder)
+    _refuse_foreign_files(folder)
+    ids = resolve_store_items(store, items)
+    return store, store.remove(ids)
 
 
 # An index folder is replaced as a whole: staged in a hidden sibling ``.<name>.tmp-<hex>`` and
@@ -121,15 +340,11 @@ def build_gallery_index(
 # that are empty or marked).
 
 
-def _index_temporary(index_dir: Path, kind: str) -> Path:
-    return swap_sibling(os.path.abspath(index_dir), kind)
-
-
 def _index_own_names() -> set[str]:
-    from fedreid.eval.retrieval import HEADER_FILE, INDEX_FILE, META_FILE
-    from fedreid.utils.io import marker_path
+    from fedreid.eval.retrieval import META_FILE
+    from fedreid.retrieval.store import _own_names
 
-    return {HEADER_FILE, INDEX_FILE, META_FILE, SKIPPED_FILE, marker_path(".", "index").name}
+    return _own_names() | {META_FILE, SKIPPED_FILE}
 
 
 def _refuse_foreign_files(index_dir: Path) -> None:
@@ -142,7 +357,7 @@ def _refuse_foreign_files(index_dir: Path) -> None:
     if foreign:
         shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
         raise EvalInputError(
-            f"index folder {index_dir} also holds files that are not the index's ({shown}); a new index replaces "
+            f"index folder {index_dir} also holds files that are not the index's ({shown}); the index replaces "
             "the whole folder: move them elsewhere or choose another folder (nothing was changed)"
         )
 
@@ -151,9 +366,8 @@ def _remove_index_temporaries(index_dir: Path) -> None:
     """Clean up the hidden ``.<name>.tmp-*`` / ``.<name>.old-*`` siblings an interrupted build left.
 
     A marked ``.old-*`` folder is moved back when the kill fell between the two
-    renames of :func:`_swap_index_folder` (no index folder in place); other
-    siblings are deleted when empty, marked, or holding only a marker's
-    temporary file.
+    renames of the swap (no index folder in place); other siblings are deleted
+    when empty, marked, or holding only a marker's temporary file.
     """
     from fedreid.utils.io import is_marker_leftover, owns_folder
 
@@ -167,14 +381,16 @@ def _remove_index_temporaries(index_dir: Path) -> None:
             shutil.rmtree(p)
 
 
-def _swap_index_folder(stage: Path, index_dir: Path) -> None:
-    _refuse_foreign_files(index_dir)  # checked again right before anything is moved
-    replace_dir_atomically(stage, index_dir, aside=_index_temporary(index_dir, "old"))
-
-
 @dataclass
 class QueryResult:
-    """One query image's top-k: gallery paths, scores, ids; ``correct`` is None when ids are unknown."""
+    """One query image's top-k, best first.
+
+    Each match: ``rank``, ``score``, ``path``, ``pid`` (identity, -1 when
+    unknown), ``camid`` (0-based camera, -1 when unknown), ``correct`` (None
+    unless both identities are known), and the store's ``id``, ``camera``
+    (the number as in the file name or metadata), ``site`` and ``timestamp``
+    (seconds since the epoch), each None when unknown.
+    """
 
     path: str
     pid: int
@@ -195,47 +411,64 @@ def query_index(
     allow_model_mismatch: bool = False,
     warn: Optional[Callable[[str], None]] = None,
     skipped: Optional[list[SkippedImage]] = None,
+    cameras: Optional[Sequence[int]] = None,
+    sites: Optional[Sequence[str]] = None,
+    time_window: Optional[tuple[Optional[float], Optional[float]]] = None,
 ) -> list[QueryResult]:
-    """Search the index in ``index_dir`` with every image of ``images`` (a file or a folder).
+    """Search the store in ``index_dir`` with every image of ``images`` (a file or a folder).
 
-    The index must have been built with ``loaded``'s model (equal
+    The store must have been built with ``loaded``'s model (equal
     fingerprints, :func:`check_index_model`), checked before any image is
     read: otherwise :class:`~fedreid.eval.model_io.ModelMismatchError`, or, with
     ``allow_model_mismatch``, ``warn`` (default :func:`warnings.warn`) gets
-    the differences and the search goes on. ``skipped``: as in
-    :func:`image_features`. ``faiss_gpu`` loads the index onto the GPU (see
-    :func:`~fedreid.eval.devices.resolve_faiss_gpu`).
+    the differences and the search goes on. ``cameras``/``sites``/``time_window``
+    (``(since, until)`` in seconds since the epoch, inclusive, either end None)
+    restrict the results to the items passing all of them
+    (:meth:`GalleryStore.search`); a query may then get fewer than ``top_k``.
+    ``skipped``: as in :func:`image_features`. ``faiss_gpu`` searches a Flat
+    store on a GPU copy of its index (unfiltered searches; same results);
+    other stores are searched on the CPU.
     """
     import warnings
 
-    from fedreid.eval.retrieval import load_index, search
+    from fedreid.eval import retrieval
 
     device = torch.device(device)
-    index = load_index(index_dir, use_gpu=bool(faiss_gpu), gpu_id=_faiss_gpu_id(device))
-    mismatch = check_index_model(index.header, loaded, index_dir, allow_mismatch=allow_model_mismatch)
+    store = open_gallery_store(index_dir)
+    mismatch = check_index_model(store.header, loaded, index_dir, allow_mismatch=allow_model_mismatch)
     if mismatch is not None:
         (warn or (lambda m: warnings.warn(m, UserWarning, stacklevel=3)))(mismatch)
+    flat_index = None
+    if store.kind == "flat":
+        flat_index = retrieval._maybe_to_gpu(store.flat_faiss_index(), bool(faiss_gpu), _faiss_gpu_id(device))
     paths = list_images(images, "query")
     fs = image_features(
         loaded, paths, batch_size=batch_size, device=device, amp=amp, channels_last=channels_last,
         skipped=skipped, where=f"query images {images}", identical_ok=True,
     )
-    if fs.features.shape[1] != index.index.d:
+    if fs.features.shape[1] != store.dim:
         raise EvalInputError(
-            f"index {index_dir} holds {index.index.d}-d features but the model gives {fs.features.shape[1]}-d: "
+            f"index {index_dir} holds {store.dim}-d features but the model gives {fs.features.shape[1]}-d: "
             "build the index with the same model"
         )
-    scores, indices = search(index.index, fs.features, top_k)
+    found = store.search(
+        fs.features, top_k, cameras=cameras, sites=sites, time_window=time_window, flat_index=flat_index
+    )
+    rows = store.rows(found.ids.ravel())
     out = []
     for qi, path in enumerate(fs.paths):
         q_pid = int(fs.pids[qi])
         matches = []
-        for rank, (score, gi) in enumerate(zip(scores[qi], indices[qi]), start=1):
-            g_pid = int(index.ids[gi])
+        for rank, (score, row) in enumerate(zip(found.scores[qi], rows[qi * top_k : (qi + 1) * top_k]), start=1):
+            if row is None:  # -1: fewer items than top_k pass the filters
+                break
+            identity, camera = row["identity"], row["camera"]
+            g_pid = int(identity) if identity is not None else -1
             known = q_pid >= 0 and g_pid >= 0
             matches.append({
-                "rank": rank, "score": float(score), "path": str(index.paths[gi]), "pid": g_pid,
-                "camid": int(index.cameras[gi]), "correct": (g_pid == q_pid) if known else None,
+                "rank": rank, "score": float(score), "path": str(row["path"]), "pid": g_pid,
+                "camid": int(camera) - 1 if camera is not None else -1, "correct": (g_pid == q_pid) if known else None,
+                "id": int(row["id"]), "camera": camera, "site": row["site"], "timestamp": row["timestamp"],
             })
         out.append(QueryResult(path=path, pid=q_pid, matches=matches))
     return out

@@ -3,6 +3,12 @@
 An unreadable image aborts with an error naming it unless the caller collects
 them (``skipped``), in which case it is left out and listed
 (:class:`SkippedImage`, :func:`write_skipped_csv`).
+
+Images already in memory (an upload's bytes, a PIL image, an RGB array) get
+the same preprocessing and features as image files: :func:`decode_image_bytes`
+decodes as :func:`fedreid.data.datasets.read_image` does, and
+:func:`array_features` feeds the arrays through the same test transform and
+:func:`~fedreid.eval.model_io.model_features` as :func:`image_features`.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
+import numpy as np
 import torch
 
 from fedreid.eval.errors import EvalInputError
@@ -28,6 +35,8 @@ __all__ = [
     "list_images",
     "parse_market_name",
     "image_features",
+    "decode_image_bytes",
+    "array_features",
     "write_skipped_csv",
 ]
 
@@ -75,6 +84,17 @@ def _skip_reason(exc: BaseException) -> str:
     return "cannot decode the image (empty, corrupt or not an image)"
 
 
+def _collate(batch: Sequence[tuple[Any, int, int, str]]) -> dict[str, Any]:
+    """``(tensor, pid, camid, path)`` items as one batch of the loader contract."""
+    images, pids, camids, names = zip(*batch)
+    return {
+        "images": torch.stack(images),
+        "pids": torch.tensor(pids, dtype=torch.int64),
+        "camids": torch.tensor(camids, dtype=torch.int64),
+        "paths": list(names),
+    }
+
+
 def _image_batches(
     paths: Sequence[Path], height: int, width: int, batch_size: int, skipped: Optional[list[SkippedImage]]
 ) -> Iterator[dict[str, Any]]:
@@ -88,16 +108,6 @@ def _image_batches(
 
     transform = build_test_transform(height, width)
     batch: list[tuple[Any, int, int, str]] = []
-
-    def collate() -> dict[str, Any]:
-        images, pids, camids, names = zip(*batch)
-        return {
-            "images": torch.stack(images),
-            "pids": torch.tensor(pids, dtype=torch.int64),
-            "camids": torch.tensor(camids, dtype=torch.int64),
-            "paths": list(names),
-        }
-
     for path in paths:
         try:
             image = read_image(path)
@@ -111,10 +121,10 @@ def _image_batches(
         pid, camid = parse_market_name(path)
         batch.append((transform(image), pid, camid, str(path)))
         if len(batch) == batch_size:
-            yield collate()
+            yield _collate(batch)
             batch = []
     if batch:
-        yield collate()
+        yield _collate(batch)
 
 
 def image_features(
@@ -156,6 +166,73 @@ def image_features(
         raise
     check_features(fs.features, f"model {loaded.source} on {where}", paths=fs.paths, identical_ok=identical_ok)
     return fs
+
+
+def decode_image_bytes(data: bytes, what: str = "image") -> np.ndarray:
+    """An encoded image (JPEG/PNG/BMP/... bytes) as an RGB uint8 ``[H, W, 3]`` array, decoded as files are.
+
+    The same decoder and flags as :func:`fedreid.data.datasets.read_image`
+    (OpenCV, colour, EXIF orientation applied, grey becomes RGB), so the
+    bytes of a gallery file give the very pixels its path gives. Empty or
+    undecodable bytes raise :class:`EvalInputError` naming ``what``.
+    """
+    import cv2
+
+    buffer = np.frombuffer(memoryview(data), dtype=np.uint8)
+    if buffer.size == 0:
+        raise EvalInputError(f"{what} is empty (0 bytes): expected an encoded image (JPEG, PNG, BMP)")
+    image = cv2.imdecode(buffer, cv2.IMREAD_COLOR)
+    if image is None:
+        raise EvalInputError(f"{what} cannot be decoded: expected an encoded image (JPEG, PNG, BMP), not {buffer.size} "
+                             "bytes of something else or a damaged file")
+    return cv2.cvtColor(image, cv2.COLOR_BGR2RGB)
+
+
+def _rgb_array(image: Any, i: int) -> np.ndarray:
+    if isinstance(image, np.ndarray):
+        if image.dtype != np.uint8 or image.ndim != 3 or image.shape[2] != 3 or 0 in image.shape:
+            raise EvalInputError(f"image {i}: expected an RGB uint8 array [H, W, 3], got {image.dtype} {image.shape}")
+        return image
+    from PIL import Image
+
+    if isinstance(image, Image.Image):
+        return np.asarray(image.convert("RGB"))
+    raise EvalInputError(f"image {i}: expected an RGB uint8 array [H, W, 3] or a PIL image, got {type(image).__name__}")
+
+
+def array_features(
+    loaded: LoadedModel,
+    images: Sequence[Any],
+    *,
+    batch_size: int = 32,
+    device: str | torch.device = "cpu",
+) -> np.ndarray:
+    """Features [N, d] float32 of in-memory images: RGB uint8 ``[H, W, 3]`` arrays or PIL images.
+
+    The preprocessing and model call of :func:`image_features` (the test
+    transform: resize to the model's height x width, ImageNet mean/std; then
+    :func:`~fedreid.eval.model_io.model_features`: flip-averaged,
+    L2-normalised, or the exported file's own feature), so an image gives
+    the same feature from memory as from a file. PIL images are converted to
+    RGB first; decode bytes with :func:`decode_image_bytes` to match files
+    exactly (PIL's JPEG decoder may differ from OpenCV's by a few levels).
+    Safe to call from several threads at once (each call builds its own transform).
+    """
+    from fedreid.data.transforms import build_test_transform
+
+    if int(batch_size) < 1:
+        raise EvalInputError(f"batch_size must be >= 1, got {batch_size}")
+    if len(images) == 0:
+        raise EvalInputError("no images to compute features of")
+    arrays = [_rgb_array(image, i) for i, image in enumerate(images)]
+    transform = build_test_transform(int(loaded.config["height"]), int(loaded.config["width"]))
+
+    def batches() -> Iterator[dict[str, Any]]:
+        for start in range(0, len(arrays), int(batch_size)):
+            part = arrays[start : start + int(batch_size)]
+            yield _collate([(transform(a), -1, -1, f"<image {start + j}>") for j, a in enumerate(part)])
+
+    return model_features(loaded, batches(), torch.device(device)).features
 
 
 def write_skipped_csv(path: str | Path, skipped: Sequence[SkippedImage]) -> Path:

@@ -68,6 +68,9 @@ class LoadedModel:
     round: Optional[int] = None
     #: :func:`model_fingerprint` of the loaded weights and config (empty when built by hand).
     fingerprint: dict[str, Any] = field(default_factory=dict)
+    #: An exported-file runner (:func:`fedreid.eval.export.load_exported_model`); then ``model`` is its
+    #: module wrapper and :func:`model_features` takes the features from it as they are.
+    extractor: Any = None
 
 
 def find_model_file(path: str | Path) -> Path:
@@ -277,7 +280,15 @@ def check_index_model(
 def model_features(
     loaded: LoadedModel, loader: Iterable[Any], device: torch.device, *, amp: bool = False, channels_last: bool = False
 ) -> FeatureSet:
-    """Features of ``loader``'s images by ``loaded``: ``embed`` of image + flipped image, L2-normalised, float32."""
+    """Features of ``loader``'s images by ``loaded``: ``embed`` of image + flipped image, L2-normalised, float32.
+
+    For an exported model (``loaded.extractor`` set) the exported file computes
+    the flip-averaged, normalised feature itself; it runs on the CPU, ``amp``
+    and ``channels_last`` do not apply.
+    """
+    if loaded.extractor is not None:
+        out = extract_features(loaded.model, loader, flip=False, normalize=False, device="cpu")
+        return out._replace(features=np.ascontiguousarray(out.features, dtype=np.float32))
     out = extract_features(
         EmbedModule(loaded.model), loader, flip=True, normalize=True, device=device, amp=amp,
         channels_last=channels_last,

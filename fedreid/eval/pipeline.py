@@ -12,7 +12,8 @@ every name is re-exported here (``from fedreid.eval import pipeline as pl``):
 * :mod:`fedreid.eval.protocols`: CMC/mAP of one dataset (standard, re-ranked, CUHK03);
 * :mod:`fedreid.eval.query_picking`: which queries are drawn, their ranked lists, pictures;
 * :mod:`fedreid.eval.image_folders`: image files -> features, unreadable images;
-* :mod:`fedreid.eval.folder_index`: a FAISS index of an image folder, and queries of it.
+* :mod:`fedreid.eval.folder_index`: a gallery store (:mod:`fedreid.retrieval`) of an image folder:
+  build, add, remove, and queries of it.
 
 Features come from :func:`fedreid.eval.features.extract_features`, search
 from :mod:`fedreid.eval.retrieval`, pictures from :mod:`fedreid.eval.visualize`.
@@ -41,10 +42,15 @@ from fedreid.eval.errors import EvalInputError
 from fedreid.eval.features import extract_features
 from fedreid.eval.folder_index import (
     QueryResult,
+    add_to_gallery_store,
     build_gallery_index,
+    build_gallery_store,
     draw_query_picture,
     draw_query_pictures,
+    open_gallery_store,
     query_index,
+    remove_from_gallery_store,
+    resolve_store_items,
 )
 from fedreid.eval.image_folders import (
     IMAGE_EXTENSIONS,
@@ -111,6 +117,11 @@ __all__ = [
     "parse_market_name",
     "image_features",
     "build_gallery_index",
+    "build_gallery_store",
+    "add_to_gallery_store",
+    "remove_from_gallery_store",
+    "resolve_store_items",
+    "open_gallery_store",
     "query_index",
     "draw_query_picture",
     "draw_query_pictures",

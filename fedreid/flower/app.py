@@ -16,12 +16,22 @@ Run config (``flwr run ... --run-config``; see :class:`ServerSettings`):
 ``resume``, ``round-timeout``, ``join-timeout``, ``secure-aggregation``,
 ``node-auth`` (the SuperLink authenticates SuperNodes: a client name held by
 a connected node is never handed to another node, see :class:`GridRound`).
+``mode=search`` runs a federated search instead of training
+(:func:`fedreid.flower.search.serve_search`; its keys ``search-*`` are in
+:class:`fedreid.flower.search.SearchSettings`).
 
 Node config (``flower-supernode --node-config``; see :class:`NodeSettings`):
 ``client`` (the client this machine is: a dataset name such as
 ``market1501``, or ``client003`` of a partition), ``state-dir`` (its private
 state), and machine-local paths: ``prepared-root``, ``classification-root``,
-``device``.
+``device``. For federated search (:mod:`fedreid.flower.search`): this
+site's ``gallery-store`` folder, ``gallery-root`` (where its relative image
+paths lie), ``search-thumbnails`` (whether answers may carry small JPEG
+thumbnails; off by default) and ``thumbnail-size`` (pixels, default 64).
+
+The ClientApp's ``query`` handler answers both the training "which client
+are you?" and search queries, told apart by the message content
+(:func:`fedreid.flower.search_codec.is_search_query`).
 """
 
 from __future__ import annotations
@@ -31,7 +41,7 @@ import shlex
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 from flwr.app import Context, Message, MessageType
 from flwr.clientapp import ClientApp
@@ -39,9 +49,13 @@ from flwr.serverapp import Grid, ServerApp
 
 from fedreid.config import Config, ConfigError, dump_config, load_config, load_config_text
 from fedreid.errors import FedReIDError
-from fedreid.fl.server import RoundFailedError, Server
 from fedreid.flower.codec import CodecError, pack, unpack, update_from_plain, update_to_plain
-from fedreid.flower.node import LOCAL_EVAL, NodeClient
+from fedreid.flower.search import SEARCH_KEYS, SitePolicy, site_reply
+from fedreid.flower.search_codec import is_search_query
+
+if TYPE_CHECKING:  # the training modules (timm, torchvision...) load when a round or a train message needs them:
+    from fedreid.fl.server import Server  # a search query's ClientApp process starts seconds sooner
+    from fedreid.flower.node import NodeClient
 
 log = logging.getLogger("fedreid.flower")
 
@@ -75,7 +89,7 @@ class ServerSettings:
     @classmethod
     def from_run_config(cls, run_config: Mapping[str, Any]) -> "ServerSettings":
         known = {"config", "overrides", "out", "resume", "round-timeout", "join-timeout", "secure-aggregation",
-                 "node-auth"}
+                 "node-auth", "mode", *SEARCH_KEYS}  # mode and search-* are read by mode=search only
         unknown = sorted(set(run_config) - known)
         if unknown:
             raise ConfigError(f"flower run config: unknown key(s) {', '.join(unknown)}; allowed: "
@@ -104,6 +118,10 @@ class NodeSettings:
     local_overrides: tuple[str, ...] = ()
     #: Flower's simulation engine names nodes by ``partition-id`` instead: the k-th client of the federation.
     partition: Optional[int] = None
+    #: This site's gallery store for federated search (``gallery-store``); None: it answers searches with an error.
+    gallery_store: Optional[Path] = None
+    #: What a search may take from this site (``search-thumbnails``, ``thumbnail-size``, ``gallery-root``).
+    search_policy: SitePolicy = SitePolicy()
 
     @classmethod
     def from_node_config(cls, node_config: Mapping[str, Any]) -> "NodeSettings":
@@ -114,7 +132,22 @@ class NodeSettings:
                               "e.g. --node-config \"client='market1501' state-dir='/var/lib/fedreid'\"")
         overrides = tuple(f"{key}={node_config[name]}" for name, key in NODE_PATHS.items() if name in node_config)
         state_dir = Path(str(node_config.get("state-dir", "fedreid_state")))
-        return cls(client, state_dir, overrides, None if client is not None else int(partition))
+        store = str(node_config.get("gallery-store", "")).strip()
+        root = str(node_config.get("gallery-root", "")).strip()
+        try:
+            size = int(node_config.get("thumbnail-size", 64))
+        except (TypeError, ValueError):
+            raise ConfigError(f"flower node config: thumbnail-size: expected pixels (an integer), got "
+                              f"{node_config.get('thumbnail-size')!r}") from None
+        policy = SitePolicy(thumbnails=_flag(node_config.get("search-thumbnails", False)), thumbnail_size=size,
+                            image_root=Path(root) if root else None)
+        return cls(client, state_dir, overrides, None if client is not None else int(partition),
+                   gallery_store=Path(store) if store else None, search_policy=policy)
+
+    @property
+    def site(self) -> str:
+        """The name this node answers searches as: its client name (``partition-<k>`` in a simulation)."""
+        return self.client if self.client is not None else f"partition-{self.partition}"
 
     def hello(self) -> dict[str, Any]:
         """The answer to "which client are you?"."""
@@ -297,6 +330,8 @@ class GridRound:
         for name in failures:  # a lost node is asked again who it is (a restart gives a new id)
             if name in sent_to and self.nodes.get(name) == sent_to[name]:
                 del self.nodes[name]
+        from fedreid.flower.node import LOCAL_EVAL
+
         local_eval = {u.client: u.metadata.pop(LOCAL_EVAL) for u in updates if LOCAL_EVAL in u.metadata}
         record = server.finish_round(plan, updates, failures)
         if local_eval:  # as the simulation records it: the clients' models before aggregation
@@ -311,10 +346,19 @@ server_app = ServerApp()
 
 @server_app.main()
 def server_main(grid: Grid, context: Context) -> None:
+    _log_to_stderr()
+    mode = str(context.run_config.get("mode", "train")).strip() or "train"
+    if mode == "search":  # before the training modules load: a search starts seconds sooner
+        from fedreid.flower.search import serve_search
+
+        serve_search(grid, context.run_config)
+        return
+    if mode != "train":
+        raise ConfigError(f"flower run config: mode={mode!r}; expected 'train' or 'search'")
     from fedreid.eval.report import write_report
+    from fedreid.fl.server import RoundFailedError
     from fedreid.fl.simulation import run_simulation
 
-    _log_to_stderr()
     settings = ServerSettings.from_run_config(context.run_config)
     cfg = load_config(settings.config, settings.overrides) if settings.config else None
     if cfg is None and not settings.resume:
@@ -374,6 +418,8 @@ def _node_client(run: Mapping[str, Any], settings: NodeSettings) -> NodeClient:
                           "run the same fedreid version on the server and the nodes")
     key = (str(run["id"]), settings.client, str(run["config"]))
     if key not in _NODES:
+        from fedreid.flower.node import NodeClient
+
         _NODES.clear()
         cfg = load_config_text(str(run["config"]), list(settings.local_overrides))
         _NODES[key] = NodeClient(cfg, settings.client, settings.state_dir, str(run["id"]))
@@ -381,8 +427,12 @@ def _node_client(run: Mapping[str, Any], settings: NodeSettings) -> NodeClient:
 
 
 @client_app.query()
-def client_hello(msg: Message, context: Context) -> Message:
+def client_query(msg: Message, context: Context) -> Message:
+    """A search query (its content says so): this site's answer; otherwise "which client are you?"."""
     settings = NodeSettings.from_node_config(context.node_config)
+    if is_search_query(msg.content):
+        return Message(site_reply(msg.content, site=settings.site, store_folder=settings.gallery_store,
+                                  policy=settings.search_policy), reply_to=msg)
     return Message(pack(hello=settings.hello()), reply_to=msg)
 
 

@@ -239,6 +239,38 @@ def run_config_string(config: Path, out: Path, overrides: Sequence[str] = (), *,
     return text
 
 
+def _json_literal(value: object) -> str:
+    """JSON text that fits a single-quoted run-config value (a quote becomes the JSON escape \\u0027)."""
+    import json
+
+    text = json.dumps(value, sort_keys=True, allow_nan=False, separators=(",", ":"))
+    return text.replace("'", "\\u0027")
+
+
+def search_run_config_string(vector: str, *, k: int, fingerprint: Optional[Mapping[str, object]] = None,
+                             filters: Optional[Mapping[str, object]] = None, timeout: float = 30.0,
+                             thumbnails: bool = False, expect: Sequence[str] = (), out: Optional[Path] = None,
+                             join_timeout: float = 30.0) -> str:
+    """``--run-config`` text of a federated search (``mode=search``, see :class:`fedreid.flower.search.SearchSettings`).
+
+    ``vector``: :func:`fedreid.flower.search.encode_vector` of the query
+    feature; ``out``: the result JSON on the SuperLink's machine (made absolute).
+    """
+    for name in expect:
+        if not name or any(c.isspace() or c in "'\"" for c in name):
+            raise LaunchError(f"expected site {name!r}: a site name without spaces or quotes")
+    parts = {"mode": "search", "search-vector": vector,
+             "search-fingerprint": _json_literal(dict(fingerprint)) if fingerprint else "",
+             "search-filters": _json_literal(dict(filters or {})), "search-expect": " ".join(expect),
+             "out": str(Path(out).resolve()) if out is not None else ""}
+    for key, value in parts.items():
+        if "'" in value:
+            raise LaunchError(f"run config {key}={value!r}: single quotes cannot be passed to flwr run")
+    text = " ".join(f"{k}='{v}'" for k, v in parts.items())
+    return (text + f" search-k={int(k)} search-timeout={float(timeout)} join-timeout={float(join_timeout)}"
+            f" search-thumbnails={'true' if thumbnails else 'false'}")
+
+
 class FlowerCli:
     """The ``flwr`` command against one SuperLink, with a private FLWR_HOME holding its connection."""
 
@@ -319,6 +351,8 @@ class LocalDeployment:
     tls: Optional[TLSFiles] = None
     node_keys: Mapping[str, Path] = field(default_factory=dict)  # client -> private key (enables auth)
     local: Mapping[str, str] = field(default_factory=dict)  # prepared_root=..., device=... for every node
+    #: Node config of one client's node only, on top of ``local`` (e.g. its ``gallery_store`` for search).
+    per_node: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
     start_timeout: float = 120.0
     #: Flower's simulation engine (Ray) instead of SuperNode processes: one virtual node per client.
     simulation: bool = False
@@ -377,8 +411,9 @@ class LocalDeployment:
                    name: Optional[str] = None) -> subprocess.Popen:
         """A SuperNode for ``client``; ``name`` labels its process and log (default ``node-<client>``)."""
         key = private_key if private_key is not None else self.node_keys.get(client)
+        local = {**self.local, **self.per_node.get(client, {})}
         cmd = supernode_command(self.superlink, client, self.workdir / "state", port=free_port(),
-                                root_cert=self.tls.ca if self.tls else None, private_key=key, **self.local)
+                                root_cert=self.tls.ca if self.tls else None, private_key=key, **local)
         return self.start_process(name or f"node-{client}", cmd)
 
     def start(self) -> "LocalDeployment":
@@ -412,5 +447,5 @@ class LocalDeployment:
 
 
 __all__ = ["LaunchError", "TLSFiles", "FlowerCli", "LocalDeployment", "Terminated", "die_with_parent", "flower_env",
-           "free_port", "node_config_string", "popen_group", "run_config_string", "stop_group", "stop_on_signals",
-           "superlink_command", "supernode_command"]
+           "free_port", "node_config_string", "popen_group", "run_config_string", "search_run_config_string",
+           "stop_group", "stop_on_signals", "superlink_command", "supernode_command"]

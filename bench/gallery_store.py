@@ -1,0 +1,129 @@
+"""Build time, size, recall@10 and query speed of the gallery store's FAISS factories.
+
+Synthetic clustered features (unit vectors around ``--clusters`` random centres,
+Gaussian noise of norm ``--noise``, L2-normalised), a gallery of ``--n`` and ``--queries`` held-out
+queries from the same distribution. For each factory, a
+:class:`fedreid.retrieval.GalleryStore` is created in a temporary folder and:
+
+* build    - seconds of ``GalleryStore.create`` (training, adding, writing the
+             whole store: index, vectors, SQLite table, header with checksums);
+* index MB - size of ``index.faiss`` on disk (the store also keeps the raw
+             vectors, ``vectors.npy``, for exact verification and HNSW rebuilds);
+* recall   - recall@10 against exact search on ``--sample`` stored vectors
+             (``GalleryStore.recall``), at the default parameters and after
+             ``tune(--target)`` (the parameter it picked is shown); "held-out" is
+             recall@10 of the ``--queries`` held-out queries at the tuned parameters;
+* q/s 1t   - queries per second, one query per call, one thread;
+* q/s batch- queries per second, all queries in one call, all threads;
+* x exact  - both throughputs over the first factory's (list Flat first).
+
+    python bench/gallery_store.py                      # 100,000 x 512
+    python bench/gallery_store.py --n 1000000          # the full run
+    python bench/gallery_store.py --factories Flat,HNSW32 --n 20000
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import faiss
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from fedreid.retrieval import GalleryStore  # noqa: E402
+
+DEFAULT_FACTORIES = "Flat,IVF1024,Flat,IVF1024,PQ64,OPQ64,IVF1024,PQ64,HNSW32"
+
+
+def split_factories(text: str) -> list[str]:
+    """Split a comma-joined list of factory strings (which contain commas) at each new index type."""
+    starts = ("Flat", "IVF", "OPQ", "HNSW", "PCA", "LSH", "PQ")
+    parts, current = [], []
+    for token in text.split(","):
+        if current and token.startswith(starts) and not (current[-1].startswith(("IVF", "OPQ", "PCA"))):
+            parts.append(",".join(current))
+            current = []
+        current.append(token)
+    if current:
+        parts.append(",".join(current))
+    return parts
+
+
+def clustered(n: int, d: int, clusters: int, noise: float, rng: np.random.Generator,
+              centres: np.ndarray | None = None):
+    if centres is None:
+        centres = rng.standard_normal((clusters, d)).astype(np.float32)
+        centres /= np.linalg.norm(centres, axis=1, keepdims=True)
+    out = np.empty((n, d), np.float32)
+    for s in range(0, n, 100_000):
+        m = min(100_000, n - s)
+        x = centres[rng.integers(0, clusters, m)] + (noise / np.sqrt(d)) * rng.standard_normal((m, d)).astype(np.float32)
+        out[s : s + m] = x / np.linalg.norm(x, axis=1, keepdims=True)
+    return out, centres
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--n", type=int, default=100_000)
+    p.add_argument("--dim", type=int, default=512)
+    p.add_argument("--clusters", type=int, default=2000)
+    p.add_argument("--noise", type=float, default=1.0,
+                   help="norm of the Gaussian noise around a unit centre (clusters overlap more as it grows)")
+    p.add_argument("--queries", type=int, default=1000)
+    p.add_argument("--sample", type=int, default=500, help="verification queries (stored vectors)")
+    p.add_argument("--target", type=float, default=0.95, help="recall@10 that tune() aims for")
+    p.add_argument("--factories", default=DEFAULT_FACTORIES)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+
+    rng = np.random.default_rng(args.seed)
+    gallery, centres = clustered(args.n, args.dim, args.clusters, args.noise, rng)
+    queries, _ = clustered(args.queries, args.dim, args.clusters, args.noise, rng, centres)
+    rows = [{"path": f"g/{i:08d}.jpg", "camera": i % 8, "site": f"s{i % 3}", "timestamp": float(i)}
+            for i in range(args.n)]
+    threads = faiss.omp_get_max_threads()
+    print(f"gallery {args.n} x {args.dim}, {args.clusters} clusters (noise {args.noise}), {args.queries} queries, "
+          f"faiss {faiss.__version__}, {os.cpu_count()} CPUs, {threads} faiss threads")
+    header = (f"{'factory':<22} {'build s':>8} {'index MB':>9} {'recall@10':>10} {'tuned':>16} "
+              f"{'recall@10':>10} {'held-out':>9} {'q/s 1t':>9} {'q/s batch':>10} {'x exact':>12}")
+    print(header)
+    print("-" * len(header))
+    reference = None
+    for factory in split_factories(args.factories):
+        with tempfile.TemporaryDirectory() as tmp:
+            folder = Path(tmp) / "store"
+            t0 = time.perf_counter()
+            store = GalleryStore.create(folder, gallery, rows, factory=factory, seed=args.seed)
+            build = time.perf_counter() - t0
+            size_mb = (folder / "index.faiss").stat().st_size / 2**20
+            default = store.recall(args.sample, 10, args.seed)["recall"]
+            tuned = store.tune(args.target, args.sample, 10, args.seed)
+            chosen = ", ".join(f"{k}={v}" for k, v in store.search_params.items()) or "exact"
+            exact = store.exact_search(queries, 10).ids
+            found = store.search(queries, 10).ids
+            held_out = float(np.mean([len(np.intersect1d(f[f >= 0], e)) for f, e in zip(found, exact)]) / 10)
+            faiss.omp_set_num_threads(1)
+            n1 = min(200, args.queries)
+            t0 = time.perf_counter()
+            for i in range(n1):
+                store.search(queries[i : i + 1], 10)
+            qps1 = n1 / (time.perf_counter() - t0)
+            faiss.omp_set_num_threads(threads)
+            t0 = time.perf_counter()
+            store.search(queries, 10)
+            qpsb = args.queries / (time.perf_counter() - t0)
+            reference = reference or (qps1, qpsb)
+            speedup = f"{qps1 / reference[0]:.1f}/{qpsb / reference[1]:.1f}"
+            print(f"{factory:<22} {build:>8.1f} {size_mb:>9.1f} {default:>10.3f} {chosen:>16} "
+                  f"{tuned['recall']:>10.3f} {held_out:>9.3f} {qps1:>9.0f} {qpsb:>10.0f} {speedup:>12}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

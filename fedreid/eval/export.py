@@ -1,0 +1,384 @@
+"""Exported feature extractors: ONNX and TorchScript files of a model's retrieval feature, and their runners.
+
+What is exported. :func:`fedreid.eval.model_io.model_features` computes an
+image's feature as ``embed(x) + embed(flip_lr(x))``, L2-normalised; the flip
+and the normalisation happen *outside* the network, in
+:func:`fedreid.eval.features.extract_features`. The exported graph
+(:func:`feature_graph`) holds all of it, using the same two operations
+(``features._flip_lr``, ``nn.functional.normalize``): its output
+``features`` [B, d] float32 *is* the index feature, so a consumer without
+PyTorch has nothing to re-implement. Input ``images`` is [B, 3, H, W]
+float32, the output of :func:`fedreid.data.transforms.build_test_transform`
+(resize to H x W, ImageNet normalisation, CHW); the batch axis is dynamic.
+
+Each exported file ``F`` has a sidecar ``F.json`` (:data:`EXPORT_FORMAT`):
+backend, input size, feature size, the model fingerprint
+(:func:`~fedreid.eval.model_io.model_fingerprint`, with the exported input
+size) and the file's size and SHA-256. :func:`load_extractor` reads the
+sidecar first and checks the file against it before any reader sees the
+file. Loading a TorchScript file runs the program inside it: only load
+files this tool wrote (the sidecar check refuses files without a matching
+sidecar, not a determined forger who writes both).
+
+Files are written atomically (:func:`fedreid.utils.io.atomic_path`); an
+existing file is replaced only when it is itself an export of this module
+(its sidecar matches it); anything else at the path is refused and left
+untouched.
+
+This module itself imports neither torch nor onnxruntime at import time, and
+:class:`OnnxExtractor` needs only numpy and onnxruntime; but the
+``fedreid.eval`` package imports torch today (through ``metrics``), and torch
+is a dependency of the package, so a PyTorch-free install is not there yet.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+import numpy as np
+
+from fedreid.eval.errors import EvalInputError
+from fedreid.eval.filecheck import sha256_file
+from fedreid.utils.io import atomic_path, write_json_atomic
+
+__all__ = [
+    "EXPORT_FORMAT",
+    "EXPORT_FORMATS",
+    "INPUT_NAME",
+    "OUTPUT_NAME",
+    "DEFAULT_OPSET",
+    "ExportError",
+    "feature_graph",
+    "export_model",
+    "sidecar_path",
+    "read_sidecar",
+    "OnnxExtractor",
+    "TorchScriptExtractor",
+    "load_extractor",
+    "load_exported_model",
+    "BACKENDS",
+    "load_feature_model",
+]
+
+EXPORT_FORMAT = "fedreid.export"
+EXPORT_VERSION = 1
+EXPORT_FORMATS = ("onnx", "torchscript")
+#: What computes the features of ``index``, ``query`` and ``serve``: the PyTorch model or an exported file.
+BACKENDS = ("pytorch", *EXPORT_FORMATS)
+INPUT_NAME, OUTPUT_NAME = "images", "features"
+DEFAULT_OPSET = 17
+
+
+class ExportError(EvalInputError):
+    """An export path that may not be written, or an exported file that may not be loaded."""
+
+
+def sidecar_path(path: str | Path) -> Path:
+    """``<path>.json``: the description of the exported file ``path``."""
+    path = Path(path)
+    return path.with_name(path.name + ".json")
+
+
+def _graph_class():
+    import torch
+    from torch import nn
+
+    from fedreid.eval.features import _flip_lr
+
+    class FeatureGraph(nn.Module):
+        """``normalize(embed(x) + embed(flip_lr(x)))``: the feature of ``model_features``, as one module."""
+
+        def __init__(self, model: nn.Module) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, images: torch.Tensor) -> torch.Tensor:
+            feats = self.model.embed(images) + self.model.embed(_flip_lr(images))
+            return nn.functional.normalize(feats.reshape(feats.shape[0], -1).float(), p=2, dim=1)
+
+    return FeatureGraph
+
+
+def feature_graph(model: Any) -> Any:
+    """``FeatureGraph(model)``: ``normalize(embed(x) + embed(flip_lr(x)))`` as one module (what is exported)."""
+    return _graph_class()(model)
+
+
+def read_sidecar(path: str | Path, *, check_file: bool = True) -> dict[str, Any]:
+    """The sidecar of exported file ``path``, checked: format, fields, and (``check_file``) the file's size and SHA-256.
+
+    Raises :class:`ExportError` naming the file and what is wrong.
+    """
+    path, side = Path(path), sidecar_path(path)
+    how = "only files written by 'tools/eval_reid.py export' (with their .json sidecar) are loaded"
+    if not path.is_file():
+        raise ExportError(f"exported model {path} does not exist")
+    if not side.is_file():
+        raise ExportError(f"exported model {path} has no sidecar {side.name}: {how}")
+    try:
+        meta = json.loads(side.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ExportError(f"sidecar {side} is unreadable ({type(exc).__name__}): {how}") from None
+    if not isinstance(meta, dict) or meta.get("format") != EXPORT_FORMAT:
+        raise ExportError(f"sidecar {side} is not a {EXPORT_FORMAT} description: {how}")
+    try:
+        backend, height, width = meta["backend"], int(meta["input"]["height"]), int(meta["input"]["width"])
+        size, digest = int(meta["file_bytes"]), str(meta["file_sha256"])
+        dict(meta["model_fingerprint"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ExportError(f"sidecar {side} lacks or garbles entry {exc}: {how}") from None
+    if backend not in EXPORT_FORMATS or height < 1 or width < 1:
+        raise ExportError(f"sidecar {side}: backend {backend!r} / input {height}x{width} not understood: {how}")
+    if check_file:
+        actual = path.stat().st_size
+        if actual != size or sha256_file(path) != digest:
+            raise ExportError(
+                f"exported model {path} is not the file its sidecar {side.name} describes "
+                f"({actual} bytes vs {size} recorded, or another SHA-256): changed, damaged or replaced; "
+                "export it again"
+            )
+    return meta
+
+
+def _is_our_export(path: Path) -> bool:
+    try:
+        read_sidecar(path)
+    except ExportError:
+        return False
+    return True
+
+
+def _claim_export_path(path: Path) -> None:
+    """Refuse ``path`` (or its sidecar) when it exists and is not an export of this module."""
+    side = sidecar_path(path)
+    if path.is_dir():
+        raise ExportError(f"--out {path} is a folder; give a file name")
+    if path.exists() and not _is_our_export(path):
+        raise ExportError(
+            f"refusing to overwrite {path}: it exists and is not a model exported by this tool "
+            f"(no matching {side.name}); remove it or choose another --out"
+        )
+    if side.exists() and not path.exists():
+        raise ExportError(f"refusing to overwrite {side}: it exists without the file it describes; remove it")
+
+
+def export_model(
+    model: Any,
+    path: str | Path,
+    format: str,
+    input_size: tuple[int, int],
+    *,
+    opset: int = DEFAULT_OPSET,
+    fingerprint: Optional[Mapping[str, Any]] = None,
+    source: Optional[str] = None,
+) -> Path:
+    """Write ``model``'s retrieval feature (:func:`feature_graph`) to ``path`` as ``onnx`` or ``torchscript``.
+
+    ``model``: a :class:`~fedreid.models.reid.ReIDModel` (anything with
+    ``embed``) or a :class:`~fedreid.eval.model_io.LoadedModel` (then
+    ``fingerprint`` and ``source`` default to its own, with ``input_size``
+    as height and width). ``input_size``: (height, width) of the images
+    the file is traced with and will expect. The model is exported on the
+    CPU in eval mode; every module's train/eval flag is restored
+    afterwards. Writes ``path`` and then ``path.json`` atomically; returns
+    ``path``. Raises :class:`ExportError` when ``path`` holds something that
+    is not an earlier export.
+    """
+    import torch
+
+    if format not in EXPORT_FORMATS:
+        raise ExportError(f"export format {format!r}: expected one of {', '.join(EXPORT_FORMATS)}")
+    height, width = (int(v) for v in input_size)
+    if height < 1 or width < 1:
+        raise ExportError(f"input size {height}x{width}: both must be >= 1")
+    path = Path(path)
+    if hasattr(model, "fingerprint") and hasattr(model, "model"):  # a LoadedModel
+        fingerprint = fingerprint if fingerprint is not None else model.fingerprint
+        source = source if source is not None else str(model.source)
+        model = model.model
+    fp = dict(fingerprint or {})
+    if fp:
+        fp.update(height=height, width=width)
+    _claim_export_path(path)
+
+    modes = {module: module.training for module in model.modules()}
+    device = next((t.device for t in model.parameters()), torch.device("cpu"))
+    graph = feature_graph(model).to("cpu").eval()
+    example = torch.zeros(2, 3, height, width)
+    try:
+        with torch.no_grad():
+            dim = int(graph(example).shape[1])
+        with atomic_path(path) as tmp, warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the exporters' deprecation and tracer notes are not the user's concern
+            if format == "onnx":
+                torch.onnx.export(
+                    graph, (example,), str(tmp), input_names=[INPUT_NAME], output_names=[OUTPUT_NAME],
+                    dynamic_axes={INPUT_NAME: {0: "batch"}, OUTPUT_NAME: {0: "batch"}},
+                    opset_version=int(opset), do_constant_folding=True, dynamo=False,
+                )
+            else:
+                with torch.no_grad():
+                    traced = torch.jit.trace(graph, (example,), check_trace=False)
+                torch.jit.save(traced, str(tmp))
+    finally:
+        model.to(device)
+        for module, training in modes.items():
+            module.training = training
+    meta = {
+        "format": EXPORT_FORMAT,
+        "version": EXPORT_VERSION,
+        "backend": format,
+        "file": path.name,
+        "file_bytes": path.stat().st_size,
+        "file_sha256": sha256_file(path),
+        "input": {"name": INPUT_NAME, "shape": ["batch", 3, height, width], "dtype": "float32",
+                  "height": height, "width": width,
+                  "preprocessing": "RGB, resize to height x width (bicubic), ImageNet mean/std, CHW"},
+        "output": {"name": OUTPUT_NAME, "shape": ["batch", dim], "dtype": "float32",
+                   "feature": "embed(x) + embed(flip_lr(x)), L2-normalised"},
+        "opset": int(opset) if format == "onnx" else None,
+        "model_fingerprint": fp,
+        "source": source,
+    }
+    write_json_atomic(sidecar_path(path), meta)
+    return path
+
+
+def _as_array(images: Any, height: int, width: int, where: Path) -> np.ndarray:
+    if hasattr(images, "detach"):  # a torch tensor, without importing torch here
+        images = images.detach().cpu().numpy()
+    x = np.ascontiguousarray(images, dtype=np.float32)
+    if x.ndim != 4 or x.shape[1] != 3 or x.shape[2:] != (height, width):
+        raise ExportError(
+            f"exported model {where} takes images [batch, 3, {height}, {width}], got shape {tuple(x.shape)}"
+        )
+    return x
+
+
+class _Extractor:
+    backend = ""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.meta = read_sidecar(self.path)
+        if self.meta["backend"] != self.backend:
+            raise ExportError(f"exported model {self.path} is a {self.meta['backend']} file, not {self.backend}")
+        self.height, self.width = int(self.meta["input"]["height"]), int(self.meta["input"]["width"])
+        #: The model fingerprint recorded at export (weights SHA-256, backbone, input size, feature kind).
+        self.fingerprint: dict[str, Any] = dict(self.meta["model_fingerprint"])
+        self.file_sha256: str = self.meta["file_sha256"]
+
+    def __call__(self, images: Any) -> np.ndarray:
+        """Features [B, d] float32 (L2-normalised, flip-averaged) of ``images`` [B, 3, H, W] (numpy or torch)."""
+        x = _as_array(images, self.height, self.width, self.path)
+        return np.ascontiguousarray(self._run(x), dtype=np.float32)
+
+    def _run(self, x: np.ndarray) -> np.ndarray:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+
+class OnnxExtractor(_Extractor):
+    """An exported ONNX file run by ONNX Runtime (CPU), checked against its sidecar first. No torch needed."""
+
+    backend = "onnx"
+
+    def __init__(self, path: str | Path, *, threads: Optional[int] = None) -> None:
+        super().__init__(path)
+        try:
+            import onnxruntime as ort
+        except ImportError as exc:
+            raise ExportError(f"the onnx backend needs onnxruntime (pip install 'fedreid[onnx]'): {exc}") from None
+        options = ort.SessionOptions()
+        if threads:
+            options.intra_op_num_threads = int(threads)
+        try:
+            self.session = ort.InferenceSession(str(self.path), options, providers=["CPUExecutionProvider"])
+        except Exception as exc:  # noqa: BLE001 - any reader failure is the file's fault
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise ExportError(f"exported model {self.path} is not a readable ONNX file ({first[:200]})") from None
+
+    def _run(self, x: np.ndarray) -> np.ndarray:
+        return self.session.run([OUTPUT_NAME], {INPUT_NAME: x})[0]
+
+
+class TorchScriptExtractor(_Extractor):
+    """An exported TorchScript file (``torch.jit.load``: runs its program; load only files this tool wrote)."""
+
+    backend = "torchscript"
+
+    def __init__(self, path: str | Path) -> None:
+        super().__init__(path)
+        import torch
+
+        try:
+            with warnings.catch_warnings():  # torch.jit.load's deprecation note: the file format is ours
+                warnings.simplefilter("ignore", FutureWarning)
+                self.module = torch.jit.load(str(self.path), map_location="cpu").eval()
+        except Exception as exc:  # noqa: BLE001
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise ExportError(f"exported model {self.path} is not a readable TorchScript file ({first[:200]})") from None
+
+    def _run(self, x: np.ndarray) -> np.ndarray:
+        import torch
+
+        with torch.no_grad():
+            return self.module(torch.from_numpy(x)).numpy()
+
+
+def load_extractor(path: str | Path, **kwargs: Any) -> OnnxExtractor | TorchScriptExtractor:
+    """The extractor for exported file ``path``, by the backend its sidecar records."""
+    backend = read_sidecar(path)["backend"]
+    return (OnnxExtractor if backend == "onnx" else TorchScriptExtractor)(path, **kwargs)
+
+
+def load_exported_model(path: str | Path, **kwargs: Any) -> Any:
+    """An exported file as a :class:`~fedreid.eval.model_io.LoadedModel` for ``index`` / ``query``.
+
+    Its ``fingerprint`` is the one recorded at export plus ``backend`` (``onnx`` /
+    ``torchscript``) and ``export_sha256`` (the file's SHA-256), so an index
+    built with it is only queried with the same file (another model, or the
+    PyTorch model itself, differs and is refused as any other model is, unless
+    --allow-model-mismatch). ``model_features`` runs the file on the CPU.
+    """
+    import torch
+    from torch import nn
+
+    from fedreid.eval.model_io import LoadedModel
+
+    extractor = load_extractor(path, **kwargs)
+
+    class ExtractorModule(nn.Module):
+        def forward(self, images: torch.Tensor) -> torch.Tensor:
+            return torch.from_numpy(extractor(images))
+
+    fp = dict(extractor.fingerprint, backend=extractor.backend, export_sha256=extractor.file_sha256)
+    config = {"backbone": fp.get("backbone"), "height": extractor.height, "width": extractor.width,
+              "backend": extractor.backend}
+    return LoadedModel(model=ExtractorModule(), config=config, source=Path(path), fingerprint=fp,
+                       extractor=extractor)
+
+
+def load_feature_model(path: str | Path, backend: str, device: Any = "cpu", *, client: Optional[str] = None) -> Any:
+    """The :class:`~fedreid.eval.model_io.LoadedModel` that computes features for ``backend``.
+
+    ``pytorch``: ``path`` is a run folder, ``model_final.pt`` or ``checkpoint.pt``
+    (:func:`~fedreid.eval.model_io.load_model`, on ``device``; ``client`` picks a
+    local-training baseline's model). ``onnx`` / ``torchscript``: ``path`` is a file
+    written by :func:`export_model` in that format (:func:`load_exported_model`, CPU);
+    ``client`` does not apply. Raises :class:`ExportError` for a file of the other format.
+    """
+    if backend not in BACKENDS:
+        raise ExportError(f"backend {backend!r}: expected one of {', '.join(BACKENDS)}")
+    if backend == "pytorch":
+        from fedreid.eval.model_io import load_model
+
+        return load_model(path, device, client=client)
+    if client:
+        raise ExportError(f"--client does not apply to --backend {backend} (an exported file is one model)")
+    recorded = read_sidecar(path)["backend"]
+    if recorded != backend:
+        raise ExportError(f"--backend {backend}: {path} was exported as {recorded}")
+    return load_exported_model(path)

@@ -1,0 +1,632 @@
+"""Federated search over Flower: every site searches its own gallery store, the server merges the answers.
+
+The deployment is the training one (SuperLink, one SuperNode per site, the
+same TLS and node authentication). A search is a Flower ``query`` message
+to each site's SuperNode whose content is a search query
+(:mod:`fedreid.flower.search_codec`); the ClientApp's query handler
+(:mod:`fedreid.flower.app`) tells it from the training "which client are
+you?" question by that content and answers with :func:`site_reply`.
+
+* Site side, independent of the transport: :func:`answer_query` searches a
+  :class:`~fedreid.retrieval.store.GalleryStore` for a decoded
+  :class:`~fedreid.flower.search_codec.SearchQuery`; :func:`site_reply` does
+  decode -> open the store -> answer -> encode for the ClientApp. The store
+  folder and the thumbnail policy are node settings (``gallery-store``,
+  ``search-thumbnails``, ``thumbnail-size``, ``gallery-root``).
+* Server side: :func:`federated_search` sends the query to the given nodes
+  and collects the answers until ``timeout``; :func:`merge_answers` ranks
+  them. :func:`serve_search` is the ServerApp's ``mode=search`` (run config
+  in :class:`SearchSettings`); ``tools/flower_fed.py search`` submits it.
+
+Model check: a site compares the query's model fingerprint with the one its
+store recorded (``header["meta"]["model_fingerprint"]`` or
+``header["model_fingerprint"]``) and answers with an error record, not a
+ranking, when they differ or either is missing: features of another model
+would give a meaningless ranking.
+
+Privacy: the server computes the query feature itself (from an image with
+the model, or a given vector); a site receives only that vector, ``k``, the
+filters and the fingerprint. A site's answer holds, per hit, its store id,
+score, camera, timestamp, the store's site column and the image's file name;
+a small JPEG thumbnail (EXIF and other metadata dropped by re-encoding) only
+where the site's own node config allows it and the query asked. Gallery
+images, stored vectors, identities and paths beyond the file name never leave
+a site; a site's error messages omit its local paths (the full error is in
+the site's own log).
+
+Missing sites: a node that does not answer within ``timeout``, whose
+SuperNode is gone (the SuperLink's error reply), whose ClientApp failed, that
+refused the query (error record) or whose answer is malformed is listed in
+:attr:`FederatedResult.missing` with the reason; the search goes on with the
+others. Expected sites (``expected_sites``) that no node answered as are
+listed too. Messages carry a TTL of ``timeout``: a site that comes back later
+does not run a stale query.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import json
+import logging
+import math
+import shlex
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Optional, Sequence
+
+import numpy as np
+from flwr.app import Message, MessageType, RecordDict
+from flwr.common.constant import ErrorCode
+from flwr.serverapp import Grid
+
+from fedreid.config import ConfigError
+from fedreid.flower.search_codec import (
+    MAX_K,
+    MAX_THUMBNAIL_BYTES,
+    Hit,
+    SearchCodecError,
+    SearchFilters,
+    SearchQuery,
+    SiteAnswer,
+    decode_hits,
+    decode_query,
+    encode_hits,
+    encode_query,
+    file_name,
+)
+
+log = logging.getLogger("fedreid.flower.search")
+
+__all__ = [
+    "RESULT_FORMAT",
+    "SitePolicy",
+    "AnsweredSite",
+    "MissingSite",
+    "FederatedResult",
+    "SearchSettings",
+    "store_fingerprint",
+    "fingerprint_problem",
+    "make_thumbnail",
+    "answer_query",
+    "site_reply",
+    "merge_answers",
+    "federated_search",
+    "serve_search",
+    "format_result",
+    "encode_vector",
+    "decode_vector",
+    "read_feature_file",
+    "read_fingerprint_file",
+    "image_query",
+]
+
+RESULT_FORMAT = "fedreid-federated-search"
+#: Run-config keys of ``mode=search`` (besides ``mode``, ``out`` and ``join-timeout``).
+SEARCH_KEYS = ("search-vector", "search-fingerprint", "search-filters", "search-k", "search-timeout",
+               "search-thumbnails", "search-expect")
+THUMBNAIL_SIZES = (16, 256)
+
+
+# =========================================================================== site side
+
+
+@dataclass(frozen=True)
+class SitePolicy:
+    """What a site lets a search take away: thumbnails (off unless its node config says ``search-thumbnails``).
+
+    ``thumbnail_size``: the longest side in pixels (16..256); ``image_root``:
+    where the store's relative image paths lie (default: the store folder).
+    """
+
+    thumbnails: bool = False
+    thumbnail_size: int = 64
+    image_root: Optional[Path] = None
+
+    def __post_init__(self) -> None:
+        low, high = THUMBNAIL_SIZES
+        if not low <= int(self.thumbnail_size) <= high:
+            raise ConfigError(f"thumbnail-size: expected {low}..{high} pixels, got {self.thumbnail_size}")
+
+
+def store_fingerprint(header: Mapping[str, Any]) -> Optional[dict[str, Any]]:
+    """The model fingerprint a store header records (``meta.model_fingerprint`` or ``model_fingerprint``); None.
+
+    Raises :class:`SearchCodecError` when the header records two different ones.
+    """
+    meta = header.get("meta") if isinstance(header.get("meta"), Mapping) else {}
+    found = [fp for fp in (meta.get("model_fingerprint"), header.get("model_fingerprint"))
+             if isinstance(fp, Mapping) and fp]
+    if len(found) == 2 and dict(found[0]) != dict(found[1]):
+        raise SearchCodecError("the store header records two different model fingerprints "
+                               "(meta.model_fingerprint and model_fingerprint)")
+    return dict(found[0]) if found else None
+
+
+def fingerprint_problem(header: Mapping[str, Any], fingerprint: Optional[Mapping[str, Any]]) -> Optional[str]:
+    """Why a query of model ``fingerprint`` must not be ranked against the store of ``header``; None when it may."""
+    try:
+        recorded = store_fingerprint(header)
+    except SearchCodecError as exc:
+        return str(exc)
+    if recorded is None:
+        return "this site's store records no model fingerprint, so the query's model cannot be checked"
+    if not fingerprint:
+        return "the query names no model fingerprint; this site answers only queries of its store's model"
+    diffs = [f"{key} {_shown(fingerprint.get(key))} (query) vs {_shown(recorded.get(key))} (site)"
+             for key in sorted(set(recorded) | set(fingerprint)) if recorded.get(key) != fingerprint.get(key)]
+    if diffs:
+        return "model fingerprint mismatch, the query's features are not comparable with this site's: " + "; ".join(diffs)
+    return None
+
+
+def _shown(value: Any) -> str:
+    return value[:16] if isinstance(value, str) and len(value) == 64 else repr(value)
+
+
+def make_thumbnail(path: str | Path, size: int) -> Optional[bytes]:
+    """A JPEG of the image at ``path`` whose longest side is at most ``size`` px, metadata dropped; None if unreadable."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(path) as image:
+            image.draft("RGB", (int(size), int(size)))  # a JPEG decodes at a reduced scale: big photos stay cheap
+            image = image.convert("RGB")
+            image.thumbnail((int(size), int(size)))
+            out = io.BytesIO()
+            image.save(out, format="JPEG", quality=75)  # a fresh encode: no EXIF, ICC or comments carried over
+    except (OSError, ValueError, UnidentifiedImageError, Image.DecompressionBombError) as exc:
+        log.warning("no thumbnail for %s: %s", path, exc)
+        return None
+    data = out.getvalue()
+    return data if len(data) <= MAX_THUMBNAIL_BYTES else None
+
+
+def _image_path(row_path: str, store_folder: Path, policy: SitePolicy) -> Path:
+    path = Path(row_path)
+    return path if path.is_absolute() else (policy.image_root or store_folder) / path
+
+
+def answer_query(store: Any, query: SearchQuery, *, site: str, policy: SitePolicy = SitePolicy()) -> SiteAnswer:
+    """This site's answer to ``query`` from ``store`` (a :class:`~fedreid.retrieval.store.GalleryStore`).
+
+    Contract: the fingerprint must match the store's (else an error answer,
+    see :func:`fingerprint_problem`) and the feature must have the store's
+    dimension (else an error answer); then the store's top ``query.k`` under
+    ``query.filters``, best first, -1 pads dropped (fewer hits when fewer
+    items pass). Each hit carries id, score, camera, timestamp, file name and
+    the row's site column; a thumbnail only when ``policy.thumbnails`` and
+    ``query.thumbnails``. Nothing else of the store is read into the answer.
+    """
+    problem = fingerprint_problem(store.header, query.fingerprint)
+    if problem is None and query.feature.shape[0] != store.dim:
+        problem = f"the query's feature has {query.feature.shape[0]} dimensions, this site's store holds {store.dim}"
+    if problem is not None:
+        return SiteAnswer(site, error=problem)
+    result = store.search(query.feature[None, :], query.k, **query.filters.store_kwargs())
+    keep = result.ids[0] >= 0
+    ids, scores = result.ids[0][keep], result.scores[0][keep]
+    rows = store.rows(ids.tolist())
+    thumbnails = policy.thumbnails and query.thumbnails
+    hits = []
+    for item, score, row in zip(ids.tolist(), scores.tolist(), rows):
+        if row is None:  # the index and the table disagree: the store's own checks should prevent this
+            raise SearchCodecError(f"store id {item} has no metadata row")
+        thumb = None
+        if thumbnails:
+            thumb = make_thumbnail(_image_path(row["path"], Path(store.folder), policy), policy.thumbnail_size)
+        hits.append(Hit(site=site, id=int(item), score=float(score),
+                        camera=None if row.get("camera") is None else int(row["camera"]),
+                        timestamp=None if row.get("timestamp") is None else float(row["timestamp"]),
+                        name=file_name(row["path"]), row_site=row.get("site"), thumbnail=thumb))
+    return SiteAnswer(site, tuple(hits))
+
+
+def site_reply(content: RecordDict, *, site: str, store_folder: Optional[Path],
+               policy: SitePolicy = SitePolicy()) -> RecordDict:
+    """The ClientApp's reply content to a search query: decode, open the store, :func:`answer_query`, encode.
+
+    Every refusal is an error record (see :mod:`fedreid.flower.search_codec`)
+    whose text holds no local path; the full error goes to this site's log.
+    """
+    from fedreid.retrieval.store import GalleryStore, GalleryStoreError
+
+    def refuse(reason: str) -> RecordDict:
+        log.warning("search refused: %s", reason)
+        return encode_hits(SiteAnswer(site, error=reason))
+
+    try:
+        query = decode_query(content)
+    except SearchCodecError as exc:
+        return refuse(f"malformed query: {exc}")
+    if store_folder is None:
+        return refuse("this site has no gallery store (its node config sets no gallery-store)")
+    try:
+        store = GalleryStore.open(store_folder)
+    except (GalleryStoreError, OSError) as exc:
+        log.error("search: gallery store %s cannot be opened: %s", store_folder, exc)
+        return refuse("this site's gallery store cannot be opened (the details are in the site's log)")
+    try:
+        answer = answer_query(store, query, site=site, policy=policy)
+    except (GalleryStoreError, SearchCodecError) as exc:
+        log.error("search in %s failed: %s", store_folder, exc)
+        return refuse(f"the search failed: {str(exc).replace(str(store.folder), '<store>')}")
+    if answer.ok:
+        log.info("search: k=%d, filters %s: %d hits (%d thumbnails)", query.k, query.filters.to_plain(),
+                 len(answer.hits), sum(h.thumbnail is not None for h in answer.hits))
+    else:
+        log.warning("search refused: %s", answer.error)
+    return encode_hits(answer)
+
+
+# =========================================================================== server side
+
+
+@dataclass(frozen=True)
+class AnsweredSite:
+    """A node that answered with a ranking (``hits`` of them, possibly 0)."""
+
+    site: str
+    node_id: int
+    hits: int
+
+
+@dataclass(frozen=True)
+class MissingSite:
+    """A site or node whose results are not in the list, and why.
+
+    ``code``: ``no-reply`` (not within the timeout), ``unavailable`` (the
+    SuperLink says the node or message is gone), ``node-error`` (its ClientApp
+    failed), ``refused`` (the site's error record, e.g. a model mismatch),
+    ``malformed`` (the answer failed the checks), ``not-sent`` (the SuperLink
+    did not take the query), ``duplicate`` (a second node answering as a site
+    already answered), ``not-answered`` (an expected site no node answered as).
+    ``site`` is None for a node that never said which site it is.
+    """
+
+    site: Optional[str]
+    node_id: Optional[int]
+    code: str
+    reason: str
+
+
+@dataclass
+class FederatedResult:
+    """The merged ranking (``results``, at most ``k``), the sites that answered, and the ``missing`` ones."""
+
+    results: list[Hit]
+    answered: list[AnsweredSite]
+    missing: list[MissingSite]
+    k: int = 0
+    timeout: float = 0.0
+    seconds: float = 0.0
+    query: dict[str, Any] = field(default_factory=dict)
+
+    def to_plain(self) -> dict[str, Any]:
+        """The JSON document of the result (thumbnails as base64 JPEG)."""
+        return {
+            "format": RESULT_FORMAT, "version": 1, "k": self.k, "timeout": self.timeout,
+            "seconds": round(self.seconds, 3), "query": self.query,
+            "results": [dict(rank=i + 1, **hit.to_plain()) for i, hit in enumerate(self.results)],
+            "answered": [vars(a).copy() for a in self.answered],
+            "missing": [vars(m).copy() for m in self.missing],
+        }
+
+
+def merge_answers(answers: Iterable[SiteAnswer], k: int) -> list[Hit]:
+    """The best ``k`` hits of all answers: score descending, ties by site name then store id (deterministic).
+
+    Error answers contribute nothing. Scores are the sites' float32 inner
+    products, compared as they are (the same model, checked by fingerprint).
+    """
+    hits = [hit for answer in answers if answer.ok for hit in answer.hits]
+    hits.sort(key=lambda h: (-h.score, h.site, h.id))
+    return hits[: max(int(k), 0)]
+
+
+def _error_code(code: int) -> str:
+    unavailable = (ErrorCode.NODE_UNAVAILABLE, ErrorCode.MESSAGE_UNAVAILABLE, ErrorCode.REPLY_MESSAGE_UNAVAILABLE)
+    return "unavailable" if code in unavailable else "node-error"
+
+
+def federated_search(grid: Grid, node_ids: Iterable[int], feature: Any, k: int,
+                     filters: Optional[SearchFilters | Mapping[str, Any]] = None, timeout: float = 30.0, *,
+                     fingerprint: Optional[Mapping[str, Any]], thumbnails: bool = False,
+                     expected_sites: Sequence[str] = (), poll_seconds: float = 0.5) -> FederatedResult:
+    """Send one query to every node of ``node_ids`` over ``grid`` (a Flower ``Grid``) and merge the answers.
+
+    Contract: each node gets a ``query`` message (TTL ``timeout``) holding
+    ``feature`` (float32 [d]), ``k``, ``filters`` and ``fingerprint``; replies
+    are collected until all came or ``timeout`` seconds passed (polling every
+    ``poll_seconds``; Flower's ``send_and_receive`` polls every 3 s and cannot
+    tell which push failed). A node that does not contribute is a
+    :class:`MissingSite` with the reason, never an exception; so is each
+    ``expected_sites`` name no node answered as. ``results`` are
+    :func:`merge_answers` of the valid answers (each checked by
+    :func:`~fedreid.flower.search_codec.decode_hits`). The grid is only used
+    for these messages; what leaves the server is listed in the module docstring.
+    """
+    if not isinstance(filters, SearchFilters):
+        filters = SearchFilters.from_plain(filters)
+    query = SearchQuery(feature=feature, k=k, filters=filters, fingerprint=fingerprint, thumbnails=bool(thumbnails))
+    timeout = float(timeout)
+    if not timeout > 0:
+        raise ConfigError(f"search timeout: expected seconds > 0, got {timeout}")
+    started = time.monotonic()
+    nodes = sorted({int(n) for n in node_ids})
+    messages = [Message(content=encode_query(query), dst_node_id=node, message_type=MessageType.QUERY,
+                        group_id="search", ttl=timeout) for node in nodes]
+    missing: list[MissingSite] = []
+    pending: dict[str, int] = {}
+    for mid, node in zip(list(grid.push_messages(messages)) if messages else [], nodes):
+        if mid:
+            pending[mid] = node
+        else:
+            missing.append(MissingSite(None, node, "not-sent", "the SuperLink did not accept the query"))
+    replies: dict[int, Any] = {}
+    while pending:
+        for reply in grid.pull_messages(list(pending)):
+            node = pending.pop(reply.metadata.reply_to_message_id, None)
+            if node is not None:
+                replies[node] = reply
+        if not pending or time.monotonic() - started >= timeout:
+            break
+        time.sleep(min(poll_seconds, max(timeout - (time.monotonic() - started), 0.0)))
+    for node in sorted(pending.values()):
+        missing.append(MissingSite(None, node, "no-reply", f"no reply within {timeout:g} s"))
+    answers: list[SiteAnswer] = []
+    answered: list[AnsweredSite] = []
+    first_node: dict[str, int] = {}
+    for node in sorted(replies):
+        reply = replies[node]
+        if reply.has_error():
+            missing.append(MissingSite(None, node, _error_code(reply.error.code),
+                                       str(reply.error.reason or f"error code {reply.error.code}")))
+            continue
+        try:
+            answer = decode_hits(reply.content, k=query.k, thumbnails=query.thumbnails)
+        except SearchCodecError as exc:
+            missing.append(MissingSite(None, node, "malformed", f"answer rejected: {exc}"))
+            continue
+        if answer.site in first_node:
+            missing.append(MissingSite(answer.site, node, "duplicate",
+                                       f"answers as site {answer.site!r}, which node {first_node[answer.site]} "
+                                       "already answered as; its hits are left out"))
+            continue
+        first_node[answer.site] = node
+        if not answer.ok:
+            missing.append(MissingSite(answer.site, node, "refused", str(answer.error)))
+            continue
+        answers.append(answer)
+        answered.append(AnsweredSite(answer.site, node, len(answer.hits)))
+    unnamed = sorted(m.node_id for m in missing if m.site is None and m.node_id is not None)
+    for site in expected_sites:
+        if site in first_node:
+            continue
+        why = (f"nodes that did not say which site they are: {', '.join(map(str, unnamed))}" if unnamed
+               else "no node of the SuperLink is this site: not connected")
+        missing.append(MissingSite(site, None, "not-answered", f"no node answered as this site ({why})"))
+    answered.sort(key=lambda a: (a.site, a.node_id))
+    results = merge_answers(answers, query.k)
+    described = {"dim": int(query.feature.shape[0]), "filters": query.filters.to_plain(),
+                 "fingerprint": query.fingerprint, "thumbnails": query.thumbnails, "nodes": nodes}
+    return FederatedResult(results, answered, missing, k=query.k, timeout=timeout,
+                           seconds=time.monotonic() - started, query=described)
+
+
+# =========================================================================== the ServerApp's mode=search
+
+
+def encode_vector(feature: Any) -> str:
+    """A feature vector as run-config text: base64 of its little-endian float32 bytes (exact)."""
+    vec = np.asarray(feature, dtype="<f4").reshape(-1)
+    return base64.b64encode(vec.tobytes()).decode("ascii")
+
+
+def decode_vector(text: str) -> np.ndarray:
+    """Inverse of :func:`encode_vector`."""
+    try:
+        raw = base64.b64decode(str(text), validate=True)
+    except (binascii.Error, ValueError):
+        raise ConfigError("search-vector: expected base64 of float32 numbers (tools/flower_fed.py search "
+                          "writes it)") from None
+    if not raw or len(raw) % 4:
+        raise ConfigError(f"search-vector: expected a whole number of float32 values, got {len(raw)} bytes")
+    return np.frombuffer(raw, dtype="<f4").astype(np.float32)
+
+
+def _flag(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    return str(value).strip().lower() in {"1", "true", "yes", "on"}
+
+
+@dataclass(frozen=True)
+class SearchSettings:
+    """The run config of ``mode=search`` (``flwr run ... --run-config``).
+
+    ``search-vector`` (required: :func:`encode_vector` of the query feature),
+    ``search-fingerprint`` (JSON object), ``search-filters`` (JSON object:
+    cameras, sites, time_window), ``search-k``, ``search-timeout`` (seconds
+    the sites have), ``search-thumbnails``, ``search-expect`` (site names,
+    space separated: reported when none answers), ``join-timeout`` (seconds to
+    wait for nodes to be connected: all expected ones, else one), ``out`` (the
+    result JSON on the server machine, in an existing folder; optional: the
+    ranked list is logged either way).
+    """
+
+    feature: np.ndarray
+    k: int = 10
+    fingerprint: Optional[dict[str, Any]] = None
+    filters: SearchFilters = field(default_factory=SearchFilters)
+    timeout: float = 30.0
+    thumbnails: bool = False
+    expect: tuple[str, ...] = ()
+    join_timeout: float = 30.0
+    out: Optional[Path] = None
+
+    @classmethod
+    def from_run_config(cls, run_config: Mapping[str, Any]) -> "SearchSettings":
+        text = str(run_config.get("search-vector", "")).strip()
+        if not text:
+            raise ConfigError("flower run config: mode=search needs 'search-vector' (the query feature; "
+                              "tools/flower_fed.py search fills it)")
+
+        def parsed(key: str) -> Any:
+            raw = str(run_config.get(key, "")).strip()
+            if not raw:
+                return None
+            try:
+                return json.loads(raw)
+            except ValueError as exc:
+                raise ConfigError(f"flower run config: {key} is not JSON ({exc})") from None
+
+        try:
+            filters = SearchFilters.from_plain(parsed("search-filters"))
+        except SearchCodecError as exc:
+            raise ConfigError(f"flower run config: search-filters: {exc}") from None
+        k = int(run_config.get("search-k", 10))
+        if not 1 <= k <= MAX_K:
+            raise ConfigError(f"flower run config: search-k: expected 1..{MAX_K}, got {k}")
+        timeout = float(run_config.get("search-timeout", 30.0))
+        if not (math.isfinite(timeout) and timeout > 0):
+            raise ConfigError(f"flower run config: search-timeout: expected seconds > 0, got {timeout}")
+        out = str(run_config.get("out", "")).strip()
+        return cls(feature=decode_vector(text), k=k, fingerprint=parsed("search-fingerprint"), filters=filters,
+                   timeout=timeout, thumbnails=_flag(run_config.get("search-thumbnails", False)),
+                   expect=tuple(shlex.split(str(run_config.get("search-expect", "")))),
+                   join_timeout=float(run_config.get("join-timeout", 30.0)), out=Path(out) if out else None)
+
+
+def _check_result_path(path: Path) -> None:
+    """Refuse (before searching) to overwrite a file that is not an earlier search result (its folder must exist)."""
+    if not path.parent.is_dir():
+        return  # not this host's folder (see serve_search)
+    if path.is_symlink() or path.is_dir():
+        raise ConfigError(f"out={path}: expected a JSON file path, it is a folder or a link")
+    if path.exists():
+        try:
+            earlier = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, ValueError):
+            earlier = None
+        if not (isinstance(earlier, dict) and earlier.get("format") == RESULT_FORMAT):
+            raise ConfigError(f"out={path} exists and is not a federated search result; choose another file "
+                              "(nothing was changed)")
+
+
+def wait_for_nodes(grid: Grid, count: int, wait: float, poll_seconds: float = 0.5) -> list[int]:
+    """The connected node ids, once at least ``count`` are connected or ``wait`` seconds passed."""
+    deadline = time.monotonic() + max(float(wait), 0.0)
+    while True:
+        nodes = sorted(int(n) for n in grid.get_node_ids())
+        if len(nodes) >= count or time.monotonic() >= deadline:
+            return nodes
+        time.sleep(poll_seconds)
+
+
+def serve_search(grid: Grid, run_config: Mapping[str, Any]) -> FederatedResult:
+    """The ServerApp's ``mode=search``: one :func:`federated_search` of every connected node; logs, writes ``out``."""
+    from fedreid.utils.io import write_json_atomic
+
+    settings = SearchSettings.from_run_config(run_config)
+    if settings.out is not None:
+        _check_result_path(settings.out)
+    nodes = wait_for_nodes(grid, max(len(settings.expect), 1), settings.join_timeout)
+    log.info("search: k=%d, %d-d feature, %d connected nodes, timeout %g s", settings.k,
+             settings.feature.shape[0], len(nodes), settings.timeout)
+    result = federated_search(grid, nodes, settings.feature, settings.k, settings.filters, settings.timeout,
+                              fingerprint=settings.fingerprint, thumbnails=settings.thumbnails,
+                              expected_sites=settings.expect)
+    plain = result.to_plain()
+    for line in format_result(plain):
+        log.info("%s", line)
+    if settings.out is not None and settings.out.parent.is_dir():
+        write_json_atomic(settings.out, plain)
+        log.info("search result written to %s", settings.out)
+    elif settings.out is not None:  # e.g. a folder of the machine `flwr run` was started on: nothing is created here
+        log.warning("out=%s: its folder does not exist on the server machine; the result is only in this log",
+                    settings.out)
+    return result
+
+
+def format_result(plain: Mapping[str, Any]) -> list[str]:
+    """The lines that show a result document (:meth:`FederatedResult.to_plain`): ranked list, then missing sites."""
+    results, answered, missing = plain["results"], plain["answered"], plain["missing"]
+    lines = [f"federated search: {len(results)} results (k={plain['k']}) from {len(answered)} sites "
+             f"({', '.join(a['site'] for a in answered) or 'none'}); {len(missing)} missing"]
+    if results:
+        lines.append(f"{'rank':>4}  {'score':>8}  {'site':<12} {'id':>8}  {'camera':>6}  {'time':>12}  name")
+    for hit in results:
+        camera = "-" if hit["camera"] is None else str(hit["camera"])
+        stamp = "-" if hit["timestamp"] is None else f"{hit['timestamp']:.3f}"
+        thumb = "  [thumbnail]" if hit.get("thumbnail_jpeg_base64") else ""
+        lines.append(f"{hit['rank']:>4}  {hit['score']:>8.4f}  {hit['site']:<12} {hit['id']:>8}  {camera:>6}  "
+                     f"{stamp:>12}  {hit['name']}{thumb}")
+    for m in missing:
+        who = m["site"] if m["site"] is not None else "unknown site"
+        node = f" (node {m['node_id']})" if m["node_id"] is not None else ""
+        lines.append(f"missing: {who}{node}: {m['code']}: {m['reason']}")
+    return lines
+
+
+# =========================================================================== the query feature
+
+
+def read_feature_file(path: str | Path) -> np.ndarray:
+    """A query feature from a ``.npy`` file (float [d] or [1, d]); read without pickles."""
+    path = Path(path)
+    try:
+        arr = np.load(path, allow_pickle=False)
+    except FileNotFoundError:
+        raise
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{path}: expected a NumPy .npy file of one float32 feature [d] ({exc})") from None
+    if not isinstance(arr, np.ndarray) or not np.issubdtype(arr.dtype, np.floating) \
+            or not (arr.ndim == 1 or (arr.ndim == 2 and arr.shape[0] == 1)) or arr.size == 0:
+        raise ConfigError(f"{path}: expected one float feature of shape [d] or [1, d], got "
+                          f"{getattr(arr, 'dtype', type(arr).__name__)} {getattr(arr, 'shape', '')}")
+    arr = arr.reshape(-1).astype(np.float32)
+    if not np.isfinite(arr).all():
+        raise ConfigError(f"{path}: the feature holds NaN or inf values")
+    return arr
+
+
+def read_fingerprint_file(path: str | Path) -> dict[str, Any]:
+    """A model fingerprint from JSON: the fingerprint itself, or a document holding one.
+
+    Accepted: ``{"weights_sha256": ...}``; a store header or model sidecar with
+    ``model_fingerprint`` or ``meta.model_fingerprint``.
+    """
+    path = Path(path)
+    try:
+        doc = json.loads(path.read_text())
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ConfigError(f"{path}: expected a JSON model fingerprint ({exc})") from None
+    if isinstance(doc, dict):
+        try:
+            held = store_fingerprint(doc)
+        except SearchCodecError as exc:
+            raise ConfigError(f"{path}: {exc}") from None
+        fp = held if held is not None else doc
+        if fp and all(isinstance(v, (str, int, float, bool)) or v is None for v in fp.values()):
+            return dict(fp)
+    raise ConfigError(f"{path}: expected a JSON object of a model fingerprint (e.g. weights_sha256, backbone, ...) "
+                      "or a store header / model sidecar holding model_fingerprint")
+
+
+def image_query(image: str | Path, model: str | Path, device: str = "cpu") -> tuple[np.ndarray, dict[str, Any]]:
+    """The query feature of ``image`` by ``model`` (a run folder or model file) and the model's fingerprint.
+
+    The feature is the evaluation one (flip-averaged, L2-normalised
+    :func:`fedreid.eval.model_io.model_features`), as the sites' stores hold.
+    """
+    from fedreid.eval.image_folders import image_features
+    from fedreid.eval.model_io import load_model
+
+    loaded = load_model(model, device)
+    if not loaded.fingerprint:
+        raise ConfigError(f"model {model} has no fingerprint; the sites cannot check it")
+    fs = image_features(loaded, [Path(image)], batch_size=1, device=device, where=str(image), identical_ok=True)
+    return np.asarray(fs.features[0], dtype=np.float32), dict(loaded.fingerprint)

@@ -1,0 +1,199 @@
+"""Metadata rows of gallery images for a gallery store: defaults from the files, overrides from a CSV.
+
+A row (what :meth:`fedreid.retrieval.GalleryStore.create` and ``add`` take) is
+``{"path", "camera", "site", "timestamp", "identity"}``:
+
+* ``path``: the image's absolute path with symbolic links resolved;
+* ``camera`` and ``identity``: from a Market-1501-style file name
+  (:func:`fedreid.eval.image_folders.parse_market_name`):
+  ``0002_c3s1_000451_01.jpg`` is identity 2, camera 3 (the number as written in
+  the name; the 0-based ``camid`` of evaluation is ``camera - 1``); both None
+  when the name does not parse;
+* ``site``: the caller's (``index --site NAME``), default None;
+* ``timestamp``: the file's modification time, in seconds since the epoch.
+
+A metadata CSV (``index --metadata FILE.csv``) overrides these per image. Its
+first row names the columns: ``path`` and any of ``camera``, ``site``,
+``timestamp``, ``identity`` (no others, none twice). Each further row names
+one image of the folder being indexed (a relative ``path`` is relative to that
+folder; at most one row per image) and sets the values of its non-empty cells;
+an empty cell keeps the default above, and images without a row keep all
+their defaults. ``camera`` and ``identity`` are integers; ``timestamp`` is
+seconds since the epoch or an ISO 8601 date/time (:func:`parse_time`);
+``site`` is any text. Every error names the file and the row.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Collection, Optional, Sequence
+
+from fedreid.errors import FedReIDError
+
+__all__ = [
+    "METADATA_COLUMNS",
+    "GalleryMetadataError",
+    "apply_metadata",
+    "format_time",
+    "image_rows",
+    "parse_time",
+    "read_metadata_csv",
+]
+
+#: The columns a metadata CSV may have (``path`` required).
+METADATA_COLUMNS = ("path", "camera", "site", "timestamp", "identity")
+_TIME_EXAMPLE = "seconds since the epoch (1714550400) or an ISO date/time (2024-05-01, 2024-05-01T08:00:00+02:00)"
+
+
+class GalleryMetadataError(FedReIDError, ValueError):
+    """Bad gallery metadata (a metadata CSV, a --site or a time); the message names the file and row."""
+
+
+def parse_time(text: str, what: str = "time") -> float:
+    """Seconds since the epoch of ``text``: a number, or an ISO 8601 date or date/time.
+
+    A date/time without a UTC offset (``2024-05-01T08:00``) is UTC, as is a
+    bare date (its midnight); ``Z`` or ``+02:00`` give the offset. NaN and
+    infinities are refused. Raises :class:`GalleryMetadataError` naming ``what``.
+    """
+    value = str(text).strip()
+    try:
+        seconds = float(value)
+    except ValueError:
+        try:
+            moment = datetime.fromisoformat(value[:-1] + "+00:00" if value[-1:] in ("Z", "z") else value)
+        except ValueError:
+            raise GalleryMetadataError(f"{what} {text!r} is not a time: expected {_TIME_EXAMPLE}") from None
+        if moment.tzinfo is None:
+            moment = moment.replace(tzinfo=timezone.utc)
+        return moment.timestamp()
+    if not math.isfinite(seconds):
+        raise GalleryMetadataError(f"{what} {text!r} is not a time: expected {_TIME_EXAMPLE}")
+    return seconds
+
+
+def format_time(seconds: Optional[float]) -> Optional[str]:
+    """``seconds`` since the epoch as ISO 8601 UTC to the second (``2024-05-01T06:00:00Z``); None stays None."""
+    if seconds is None:
+        return None
+    return datetime.fromtimestamp(float(seconds), tz=timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def image_rows(paths: Sequence[str | Path], *, site: Optional[str] = None) -> list[dict[str, Any]]:
+    """The default rows of image files (see the module docstring), in ``paths`` order.
+
+    Two paths naming one file (through a symbolic link) raise
+    :class:`GalleryMetadataError` naming both: a store keeps one item per file.
+    """
+    from fedreid.eval.image_folders import parse_market_name
+
+    if site is not None and not str(site).strip():
+        raise GalleryMetadataError("--site must be a non-empty name")
+    rows, seen = [], {}
+    for p in paths:
+        resolved = Path(p).resolve()
+        key = str(resolved)
+        if key in seen:
+            raise GalleryMetadataError(
+                f"images {seen[key]} and {p} are the same file ({key}): a gallery store keeps one item per file; "
+                "remove the link or index the folders separately"
+            )
+        seen[key] = p
+        pid, camid = parse_market_name(p)  # the name as listed (a link's own name)
+        parsed = camid >= 0
+        rows.append({
+            "path": key,
+            "camera": camid + 1 if parsed else None,
+            "site": site,
+            "timestamp": float(os.stat(resolved).st_mtime),
+            "identity": pid if parsed else None,
+        })
+    return rows
+
+
+def _int_cell(value: str, column: str, where: str) -> int:
+    try:
+        return int(value.strip())
+    except ValueError:
+        raise GalleryMetadataError(f"{where}: {column} {value!r} is not an integer") from None
+
+
+def read_metadata_csv(file: str | Path, *, base: str | Path, images: Collection[str]) -> dict[str, dict[str, Any]]:
+    """{resolved image path: {column: value}} of the non-empty cells of a metadata CSV.
+
+    ``base``: the folder relative paths are resolved against (the folder being
+    indexed); ``images``: the resolved paths of its images, the only paths a
+    row may name. Raises :class:`GalleryMetadataError` (naming the file and
+    row) for unknown or repeated columns, no ``path`` column, a path that is
+    not one of ``images``, two rows for one image, or a value of the wrong kind;
+    FileNotFoundError when the file does not exist.
+    """
+    file, base = Path(file), Path(base)
+    if not file.is_file():
+        raise FileNotFoundError(f"metadata file {file} does not exist")
+    known = set(images)
+    try:
+        with open(file, newline="", encoding="utf-8-sig") as f:
+            lines = list(csv.reader(f))
+    except UnicodeDecodeError:
+        raise GalleryMetadataError(f"metadata file {file} is not a UTF-8 text (CSV) file") from None
+    except csv.Error as exc:
+        raise GalleryMetadataError(f"metadata file {file} is not a readable CSV file: {exc}") from None
+    if not lines or not any(cell.strip() for cell in lines[0]):
+        raise GalleryMetadataError(
+            f"metadata file {file} has no header row: expected the columns path and any of "
+            f"{', '.join(METADATA_COLUMNS[1:])}"
+        )
+    columns = [c.strip() for c in lines[0]]
+    unknown = [c for c in columns if c not in METADATA_COLUMNS]
+    twice = sorted({c for c in columns if columns.count(c) > 1})
+    if unknown or twice or "path" not in columns:
+        problem = (
+            f"unknown columns {unknown}" if unknown else f"columns named twice {twice}" if twice else "no path column"
+        )
+        raise GalleryMetadataError(
+            f"metadata file {file}: {problem}; expected path and any of {', '.join(METADATA_COLUMNS[1:])}"
+        )
+    out: dict[str, dict[str, Any]] = {}
+    first_row: dict[str, int] = {}
+    for number, cells in enumerate(lines[1:], start=2):
+        where = f"metadata file {file} row {number}"
+        if not any(cell.strip() for cell in cells):
+            continue  # a blank line
+        if len(cells) != len(columns):
+            raise GalleryMetadataError(f"{where}: {len(cells)} cells for {len(columns)} columns ({','.join(columns)})")
+        record = dict(zip(columns, cells))
+        name = record.pop("path").strip()
+        if not name:
+            raise GalleryMetadataError(f"{where}: the path is empty")
+        given = Path(name).expanduser()
+        resolved = str((given if given.is_absolute() else base / given).resolve())
+        if resolved not in known:
+            raise GalleryMetadataError(f"{where}: {name} is not an image of {base} (resolved: {resolved})")
+        if resolved in first_row:
+            raise GalleryMetadataError(f"{where}: {name} is the image of row {first_row[resolved]} again")
+        first_row[resolved] = number
+        values: dict[str, Any] = {}
+        for column, cell in record.items():
+            if not cell.strip():
+                continue
+            if column in ("camera", "identity"):
+                values[column] = _int_cell(cell, column, where)
+            elif column == "timestamp":
+                values[column] = parse_time(cell, f"{where}: timestamp")
+            else:
+                values[column] = cell.strip()
+        out[resolved] = values
+    return out
+
+
+def apply_metadata(
+    rows: Sequence[dict[str, Any]], overrides: Optional[dict[str, dict[str, Any]]]
+) -> list[dict[str, Any]]:
+    """``rows`` with each row's values replaced by its ``overrides[path]`` (new dicts; ``rows`` unchanged)."""
+    overrides = overrides or {}
+    return [dict(row, **overrides.get(row["path"], {})) for row in rows]

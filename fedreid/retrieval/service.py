@@ -1,0 +1,959 @@
+"""A search service over a gallery store: a JSON API (FastAPI) and a web page, served by uvicorn.
+
+:func:`create_app` builds the application over a store folder
+(:class:`~fedreid.retrieval.store.GalleryStore`) and a loaded model
+(:func:`fedreid.eval.model_io.load_model`, or an exported file through
+:func:`fedreid.eval.export.load_exported_model`: the service only calls
+:func:`fedreid.eval.image_folders.array_features`, which runs either).
+:func:`add_serve_arguments` / :func:`run_serve` are the command line
+(``tools/eval_reid.py serve``; also ``python -m fedreid.retrieval.service``).
+
+Endpoints (every one needs ``Authorization: Bearer <token>`` except ``GET /``
+and ``GET /web/<asset>``, the page and its script and style sheet; errors are
+``{"error": "..."}`` with a 4xx/5xx status):
+
+``POST /search``
+    ``multipart/form-data`` (or url-encoded without an image): ``image`` (a
+    JPEG/PNG/BMP file) *or* ``item`` (a stored item id, whose stored feature
+    is the query); ``k`` (1..max_k, default 10); optional filters
+    ``cameras`` (comma-separated integers), ``sites`` (comma-separated
+    names), ``since`` / ``until`` (inclusive; a number in the store's
+    timestamp unit, or an ISO 8601 date-time, read as UTC without a zone,
+    giving POSIX seconds). Answers ``{"results": [{"rank", "id", "score",
+    "path", "camera", "site", "timestamp", "identity", "image_url"}], "k",
+    "took_ms", "query"}``: :meth:`GalleryStore.search` of the query's
+    feature, best first, ``path`` the file name only (no server folders).
+``GET /items/{id}`` / ``GET /items/{id}/image``
+    An item's metadata / its image file (404 for an unknown id or a missing file).
+``POST /items``
+    ``image`` plus optional ``camera``, ``site``, ``timestamp``, ``identity``:
+    the upload is written into the service's uploads folder (``--uploads``,
+    claimed with :func:`fedreid.utils.io.claim_output_dir`) under a fresh
+    name and added to the store (201 with the new item). Without an uploads
+    folder, 403.
+``DELETE /items/{id}``
+    Erases the item through :meth:`GalleryStore.remove` (index, vectors,
+    table); a file the service itself saved in its uploads folder is deleted
+    too. Gallery files elsewhere are not the service's to delete.
+``GET /info``
+    Item count, feature size, index factory, model summary, limits.
+
+Security. The token is compared in constant time (:func:`hmac.compare_digest`);
+the server refuses to start without one unless ``insecure_local``, which
+also requires a loopback host (:func:`check_serve_security`). Request bodies
+over the limit get 413 before the body is read (``Content-Length``) or as
+soon as the streamed bytes pass it. Uploads must be JPEG, PNG or BMP (by
+their bytes, not their name) of at most ``max_pixels`` pixels. Stored files
+are served only for image file names and are read by the store's path, never
+by a client-given one. Responses carry ``nosniff``, ``no-referrer``,
+``frame-ancestors 'none'`` and, for the page, a same-origin-only content
+security policy. There is no TLS here: off the loopback interface, put
+the service behind a TLS proxy or pass ``--ssl-certfile/--ssl-keyfile``,
+or the token travels in clear.
+
+Concurrency. Searches run concurrently (worker threads); store updates
+(add, remove) are serialised and exclusive (a readers-writer lock), since an
+update swaps the store folder and its in-memory arrays. Features are computed
+outside the lock. The service owns the store while it runs: do not update
+the store folder from another process meanwhile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hmac
+import io
+import ipaddress
+import logging
+import math
+import os
+import socket
+import threading
+import time
+import uuid
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from importlib import resources
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence
+
+import numpy as np
+
+try:  # the [serve] extra; module level: FastAPI reads the endpoints' annotations from this module's names
+    from fastapi import FastAPI, Request
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse, Response
+    from starlette.concurrency import run_in_threadpool
+    from starlette.datastructures import UploadFile
+    from starlette.exceptions import HTTPException as StarletteHTTPException
+
+    _MISSING_EXTRA: Optional[str] = None
+except ImportError as exc:  # the options and checks still work; serving says what to install
+    _MISSING_EXTRA = str(exc)
+
+from fedreid.errors import FedReIDError
+from fedreid.eval.export import BACKENDS
+
+if TYPE_CHECKING:
+    from fedreid.eval.model_io import LoadedModel
+    from fedreid.retrieval.store import GalleryStore
+
+__all__ = [
+    "DEFAULT_MAX_K",
+    "DEFAULT_MAX_PIXELS",
+    "DEFAULT_MAX_UPLOAD_BYTES",
+    "MIN_TOKEN_LENGTH",
+    "TOKEN_ENV",
+    "ServiceError",
+    "add_serve_arguments",
+    "background_server",
+    "check_serve_security",
+    "create_app",
+    "load_service_model",
+    "main",
+    "run_serve",
+]
+
+#: Largest accepted image upload; the whole request body may be :data:`FORM_OVERHEAD` bytes larger.
+DEFAULT_MAX_UPLOAD_BYTES = 8 * 1024 * 1024
+#: Room for the form's other fields and multipart boundaries on top of the upload limit.
+FORM_OVERHEAD = 64 * 1024
+#: Largest accepted image, in pixels (width x height), checked from the header before decoding.
+DEFAULT_MAX_PIXELS = 24_000_000
+DEFAULT_MAX_K = 100
+DEFAULT_K = 10
+#: Shortest token accepted (a guessable token is no protection).
+MIN_TOKEN_LENGTH = 16
+#: Environment variable read for the token when --token is not given (keeps it out of `ps`).
+TOKEN_ENV = "FEDREID_SERVE_TOKEN"
+UPLOADS_KIND = "uploads"
+TOOL = "tools/eval_reid.py serve"
+#: PIL format name -> file suffix of the uploads accepted (what the index tool reads: jpg/png/bmp).
+UPLOAD_FORMATS = {"JPEG": ".jpg", "PNG": ".png", "BMP": ".bmp"}
+_MEDIA_TYPES = {".jpg": "image/jpeg", ".jpeg": "image/jpeg", ".png": "image/png", ".bmp": "image/bmp"}
+_WEB_ASSETS = {"index.html": "text/html; charset=utf-8", "app.js": "text/javascript; charset=utf-8",
+               "style.css": "text/css; charset=utf-8"}
+_SEARCH_FIELDS = ("image", "item", "k", "cameras", "sites", "since", "until")
+_ITEM_FIELDS = ("image", "camera", "site", "timestamp", "identity")
+_PAGE_CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' blob: data:; "
+             "connect-src 'self'; form-action 'none'; base-uri 'none'; frame-ancestors 'none'")
+_LOG = logging.getLogger("fedreid.retrieval.service")
+
+
+class ServiceError(FedReIDError, ValueError):
+    """The service cannot start as asked (no token, a public host without one, a mismatched model...)."""
+
+
+def _require_serve_extra() -> None:
+    from importlib.util import find_spec
+
+    missing = _MISSING_EXTRA or ", ".join(
+        name for name, modules in (("uvicorn", ("uvicorn",)), ("python-multipart", ("python_multipart", "multipart")))
+        if not any(find_spec(m) for m in modules)
+    )
+    if missing:
+        raise ServiceError(
+            f"the search service needs fastapi, uvicorn and python-multipart (missing: {missing}): "
+            "pip install -e '.[serve]'"
+        )
+
+
+# --------------------------------------------------------------------------
+# Start-up checks
+# --------------------------------------------------------------------------
+
+
+def _is_loopback(host: str) -> bool:
+    if host.strip().lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip().strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def check_serve_security(host: str, token: Optional[str], insecure_local: bool) -> Optional[str]:
+    """The token to require (None: no authentication), or :class:`ServiceError` when the combination is unsafe.
+
+    A token is required unless ``insecure_local``; ``insecure_local`` is
+    only accepted with a loopback ``host`` (127.0.0.0/8, ::1, localhost) and
+    without a token. A token must have at least :data:`MIN_TOKEN_LENGTH`
+    characters, no surrounding blanks and no control characters.
+    """
+    if insecure_local:
+        if token:
+            raise ServiceError("--insecure-local turns authentication off: drop it, or drop --token")
+        if not _is_loopback(host):
+            raise ServiceError(
+                f"--insecure-local serves without authentication and is only allowed on a loopback host "
+                f"(127.0.0.1, ::1 or localhost), not {host!r}; give a --token to serve on {host}"
+            )
+        return None
+    if not token:
+        raise ServiceError(
+            f"no token: give --token (or set {TOKEN_ENV}, or --token-file) so that clients must send "
+            "'Authorization: Bearer <token>' (e.g. python -c 'import secrets; print(secrets.token_urlsafe(32))'), "
+            "or --insecure-local to serve 127.0.0.1 without authentication"
+        )
+    if token != token.strip() or any(ord(c) < 32 or ord(c) == 127 for c in token):
+        raise ServiceError("the token has surrounding blanks or control characters: expected printable characters")
+    if len(token) < MIN_TOKEN_LENGTH:
+        raise ServiceError(
+            f"the token has {len(token)} characters: expected at least {MIN_TOKEN_LENGTH} "
+            "(e.g. python -c 'import secrets; print(secrets.token_urlsafe(32))')"
+        )
+    return token
+
+
+def _check_uploads_location(uploads: Path, store_folder: Path) -> None:
+    up, st = uploads.resolve(), store_folder.resolve()
+    if up == st or st in up.parents or up in st.parents:
+        raise ServiceError(
+            f"uploads folder {uploads} and store folder {store_folder} must not contain one another "
+            "(a store update replaces the whole store folder): choose a separate --uploads folder"
+        )
+
+
+# --------------------------------------------------------------------------
+# Concurrency
+# --------------------------------------------------------------------------
+
+
+class _ReadWriteLock:
+    """Many readers or one writer; a waiting writer holds back new readers (no writer starvation)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._readers = 0
+        self._writer = False
+        self._writers_waiting = 0
+
+    @contextmanager
+    def read(self) -> Iterator[None]:
+        with self._cond:
+            while self._writer or self._writers_waiting:
+                self._cond.wait()
+            self._readers += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._readers -= 1
+                if self._readers == 0:
+                    self._cond.notify_all()
+
+    @contextmanager
+    def write(self) -> Iterator[None]:
+        with self._cond:
+            self._writers_waiting += 1
+            try:
+                while self._writer or self._readers:
+                    self._cond.wait()
+            finally:
+                self._writers_waiting -= 1
+            self._writer = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._writer = False
+                self._cond.notify_all()
+
+
+# --------------------------------------------------------------------------
+# Request errors and field parsing
+# --------------------------------------------------------------------------
+
+
+class _RequestError(Exception):
+    """A client error answered as ``{"error": message}`` with ``status``."""
+
+    def __init__(self, status: int, message: str, headers: Optional[dict[str, str]] = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.headers = status, message, headers
+
+
+def _parse_int(value: str, name: str, low: Optional[int] = None, high: Optional[int] = None) -> int:
+    text = value.strip()
+    try:
+        number = int(text)
+    except ValueError:
+        number = None
+    bounds = (f" from {low} to {high}" if high is not None else f" >= {low}") if low is not None else ""
+    if number is None or (low is not None and number < low) or (high is not None and number > high):
+        raise _RequestError(422, f"{name} must be an integer{bounds}, got {value[:40]!r}")
+    return number
+
+
+def _parse_time(value: str, name: str) -> float:
+    text = value.strip()
+    try:
+        number = float(text)
+    except ValueError:
+        number = None
+    if number is not None:
+        if not math.isfinite(number):
+            raise _RequestError(422, f"{name} must be a finite number or an ISO 8601 date-time, got {value[:40]!r}")
+        return number
+    try:
+        when = datetime.fromisoformat(text[:-1] + "+00:00" if text.endswith(("Z", "z")) else text)
+    except ValueError:
+        raise _RequestError(
+            422, f"{name} must be a number (the store's timestamp unit) or an ISO 8601 date-time such as "
+            f"2024-05-01T08:30 (UTC unless it names a zone), got {value[:40]!r}"
+        ) from None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=timezone.utc)
+    return when.timestamp()
+
+
+def _parse_cameras(value: str) -> Optional[list[int]]:
+    parts = [p.strip() for p in value.split(",") if p.strip()]
+    if not parts:
+        return None
+    try:
+        return [int(p) for p in parts]
+    except ValueError:
+        raise _RequestError(422, f"cameras must be comma-separated integers such as 0,2, got {value[:60]!r}") from None
+
+
+def _parse_sites(value: str) -> Optional[list[str]]:
+    parts = [p.strip() for p in value.split(",") if p.strip()]
+    return parts or None
+
+
+def _parse_identity(value: str) -> Any:
+    text = value.strip()
+    if not text:
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        return text[:200]
+
+
+def _parse_item_id(value: str) -> int:
+    return _parse_int(value, "the item id", low=0, high=2**63 - 1)
+
+
+# --------------------------------------------------------------------------
+# The service's state
+# --------------------------------------------------------------------------
+
+
+@dataclass
+class _Upload:
+    data: bytes
+    name: str
+
+
+class _Service:
+    """What the app holds: the store, the model, the limits and the lock (see the module docstring)."""
+
+    def __init__(self, store: GalleryStore, loaded: LoadedModel, *, device: Any, uploads: Optional[Path], max_upload_bytes: int,
+                 max_pixels: int, max_k: int) -> None:
+        self.store, self.loaded, self.device, self.uploads = store, loaded, device, uploads
+        self.max_upload_bytes, self.max_pixels, self.max_k = max_upload_bytes, max_pixels, max_k
+        self.lock = _ReadWriteLock()
+
+    # -- images and features ------------------------------------------------
+
+    def decode(self, upload: _Upload) -> tuple[np.ndarray, str]:
+        """The upload as an RGB array and its file suffix, or a 400 naming what is wrong with it."""
+        from PIL import Image, UnidentifiedImageError
+
+        from fedreid.eval.errors import EvalInputError
+        from fedreid.eval.image_folders import decode_image_bytes
+
+        what = f"the uploaded file {upload.name!r}" if upload.name else "the uploaded file"
+        if not upload.data:
+            raise _RequestError(400, f"{what} is empty: expected a JPEG, PNG or BMP image")
+        if len(upload.data) > self.max_upload_bytes:
+            raise _RequestError(413, f"{what} has {len(upload.data)} bytes: at most {self.max_upload_bytes} accepted")
+        try:
+            with Image.open(io.BytesIO(upload.data)) as probe:  # the header first: format and size
+                fmt, (width, height) = probe.format, probe.size
+                if fmt not in UPLOAD_FORMATS:
+                    raise _RequestError(400, f"{what} is a {fmt} image: expected a JPEG, PNG or BMP file")
+                if width * height > self.max_pixels:
+                    raise _RequestError(
+                        400, f"{what} is {width}x{height} pixels: at most {self.max_pixels} pixels accepted"
+                    )
+                try:
+                    probe.load()  # a truncated file fails here (OpenCV would decode it half grey)
+                except (OSError, ValueError, SyntaxError):
+                    raise _RequestError(400, f"{what} is a damaged or truncated {fmt} file") from None
+        except Image.DecompressionBombError:
+            raise _RequestError(400, f"{what} declares too many pixels: at most {self.max_pixels} accepted") from None
+        except (UnidentifiedImageError, OSError, ValueError, SyntaxError):
+            raise _RequestError(400, f"{what} is not an image: expected a JPEG, PNG or BMP file") from None
+        try:
+            image = decode_image_bytes(upload.data, what)
+        except EvalInputError as exc:
+            raise _RequestError(400, f"{exc}") from None
+        return image, UPLOAD_FORMATS[fmt]
+
+    def features(self, image: np.ndarray) -> np.ndarray:
+        from fedreid.eval.image_folders import array_features
+
+        return array_features(self.loaded, [image], device=self.device)
+
+    # -- reading ------------------------------------------------------------
+
+    def _item_vector(self, item: int) -> np.ndarray:
+        ids = self.store.ids
+        row = int(np.searchsorted(ids, item))
+        if row >= ids.size or int(ids[row]) != item:
+            raise _RequestError(404, f"no item {item} in the gallery")
+        return np.array(self.store.vectors[row : row + 1], dtype=np.float32)
+
+    def search(self, query: Optional[np.ndarray], item: Optional[int], k: int, filters: dict[str, Any]
+               ) -> tuple[np.ndarray, np.ndarray, list[Optional[dict]]]:
+        with self.lock.read():
+            if query is None:
+                query = self._item_vector(int(item))
+            result = self.store.search(query, k, **filters)
+            rows = self.store.rows(result.ids[0])
+        return result.scores[0], result.ids[0], rows
+
+    def row(self, item: int) -> dict[str, Any]:
+        with self.lock.read():
+            row = self.store.rows([item])[0]
+        if row is None:
+            raise _RequestError(404, f"no item {item} in the gallery")
+        return row
+
+    def image_file(self, item: int) -> tuple[bytes, str]:
+        row = self.row(item)
+        path = Path(row["path"])
+        media = _MEDIA_TYPES.get(path.suffix.lower())
+        if media is None:
+            raise _RequestError(404, f"item {item}'s file {path.name!r} is not a jpg/png/bmp image file")
+        try:
+            return path.read_bytes(), media
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            raise _RequestError(404, f"the image file of item {item} ({path.name}) is missing on the server") from None
+        except PermissionError:
+            raise _RequestError(404, f"the image file of item {item} ({path.name}) cannot be read by the server") from None
+
+    # -- updates ------------------------------------------------------------
+
+    def add(self, upload: _Upload, meta: dict[str, Any]) -> dict[str, Any]:
+        from fedreid.utils.io import atomic_path
+
+        if self.uploads is None:
+            raise _RequestError(403, "adding items is off: the server was started without an uploads folder (--uploads DIR)")
+        image, suffix = self.decode(upload)
+        feature = self.features(image)
+        path = self.uploads / f"{uuid.uuid4().hex}{suffix}"
+        with atomic_path(path) as tmp:
+            tmp.write_bytes(upload.data)
+        try:
+            with self.lock.write():
+                new_id = int(self.store.add(feature, [dict(meta, path=str(path))])[0])
+        except BaseException:
+            path.unlink(missing_ok=True)
+            raise
+        return self.row(new_id)
+
+    def remove(self, item: int) -> dict[str, Any]:
+        with self.lock.write():
+            row = self.store.rows([item])[0]
+            if row is None:
+                raise _RequestError(404, f"no item {item} in the gallery")
+            self.store.remove([item])
+            deleted = False
+            path = Path(row["path"])
+            if self.uploads is not None and path.parent == self.uploads and path.is_file() and not path.is_symlink():
+                path.unlink()
+                deleted = True
+        return {"removed": item, "file_deleted": deleted, "items": int(self.store.ntotal)}
+
+    def info(self) -> dict[str, Any]:
+        cfg = self.loaded.config
+        return {
+            "items": int(self.store.ntotal), "dim": int(self.store.dim), "factory": self.store.factory,
+            "model": {"backbone": cfg.get("backbone"), "height": int(cfg["height"]), "width": int(cfg["width"]),
+                      "backend": cfg.get("backend", "pytorch")},
+            "uploads": self.uploads is not None,
+            "limits": {"max_k": self.max_k, "max_upload_bytes": self.max_upload_bytes, "max_pixels": self.max_pixels},
+        }
+
+
+def _result_item(row: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    """A table row as the API shows it: the file name only, and the image's URL."""
+    return {
+        **extra,
+        "id": int(row["id"]), "path": Path(row["path"]).name, "camera": row["camera"], "site": row["site"],
+        "timestamp": row["timestamp"], "identity": row["identity"], "image_url": f"/items/{int(row['id'])}/image",
+    }
+
+
+# --------------------------------------------------------------------------
+# ASGI guard: authentication, body size, security headers
+# --------------------------------------------------------------------------
+
+
+def _is_public(method: str, path: str) -> bool:
+    return method in ("GET", "HEAD") and (path == "/" or path.startswith("/web/"))
+
+
+class _Guard:
+    """Pure ASGI middleware: bearer-token check, body size limit, security headers on every response."""
+
+    def __init__(self, app: Any, *, token: Optional[str], max_body: int) -> None:
+        self.app, self.token, self.max_body = app, token, max_body
+        self._token_bytes = token.encode() if token else b""
+
+    async def _reply(self, scope: dict, receive: Any, send: Any, status: int, message: str,
+                     headers: Optional[dict[str, str]] = None) -> None:
+        await JSONResponse({"error": message}, status_code=status, headers=headers)(scope, receive, send)
+
+    def _authorised(self, headers: dict[bytes, bytes]) -> bool:
+        if self.token is None:
+            return True
+        value = headers.get(b"authorization", b"")
+        scheme, _, given = value.partition(b" ")
+        # compare_digest on bytes: the time taken does not depend on where the two differ
+        ok = hmac.compare_digest(given.strip(), self._token_bytes)
+        return scheme.lower() == b"bearer" and ok
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        public = _is_public(scope["method"], scope["path"])
+
+        async def send_with_headers(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                headers = list(message.get("headers", []))
+                names = {k.lower() for k, _ in headers}
+                for name, value in ((b"x-content-type-options", b"nosniff"), (b"referrer-policy", b"no-referrer"),
+                                    (b"x-frame-options", b"DENY"),
+                                    (b"cache-control", b"no-cache" if public else b"no-store, private")):
+                    if name not in names:
+                        headers.append((name, value))
+                message = dict(message, headers=headers)
+            await send(message)
+
+        headers = dict(scope.get("headers") or [])
+        if not public and not self._authorised(headers):
+            await self._reply(scope, receive, send_with_headers, 401,
+                              "missing or wrong token: send the header 'Authorization: Bearer <token>'",
+                              {"WWW-Authenticate": "Bearer"})
+            return
+        length = headers.get(b"content-length")
+        if length is not None:
+            try:
+                declared = int(length)
+            except ValueError:
+                await self._reply(scope, receive, send_with_headers, 400, "Content-Length is not a number")
+                return
+            if declared > self.max_body:
+                await self._reply(scope, receive, send_with_headers, 413,
+                                  f"the request body has {declared} bytes: at most {self.max_body} accepted "
+                                  f"(an image of up to {self.max_body - FORM_OVERHEAD} bytes)")
+                return
+        seen = 0
+
+        async def counted_receive() -> dict:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_body:
+                    raise _RequestError(413, f"the request body passed {self.max_body} bytes: at most "
+                                             f"{self.max_body} accepted (an image of up to "
+                                             f"{self.max_body - FORM_OVERHEAD} bytes)")
+            return message
+
+        await self.app(scope, counted_receive, send_with_headers)
+
+
+# --------------------------------------------------------------------------
+# The app
+# --------------------------------------------------------------------------
+
+
+def _web_asset(name: str) -> bytes:
+    return (resources.files("fedreid.retrieval") / "web" / name).read_bytes()
+
+
+def create_app(
+    store_folder: str | Path,
+    loaded: LoadedModel,
+    *,
+    token: Optional[str],
+    insecure_local: bool = False,
+    max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES,
+    max_pixels: int = DEFAULT_MAX_PIXELS,
+    max_k: int = DEFAULT_MAX_K,
+    uploads: Optional[str | Path] = None,
+    device: Any = "cpu",
+    allow_model_mismatch: bool = False,
+    warn: Optional[Callable[[str], None]] = None,
+) -> FastAPI:
+    """The FastAPI application serving the store at ``store_folder`` with the model ``loaded``.
+
+    ``token``: the bearer token every API request must carry (compared in
+    constant time); None is accepted only with ``insecure_local`` (the
+    caller binds a loopback host: :func:`check_serve_security`). The store is
+    opened (:meth:`GalleryStore.open`) and must have been built by
+    ``loaded``'s model (:func:`fedreid.eval.model_io.check_index_model`;
+    ``allow_model_mismatch`` turns the refusal into a ``warn``) and give
+    features of the store's size. ``uploads``: the folder ``POST /items``
+    writes into, claimed with :func:`fedreid.utils.io.claim_output_dir`
+    (new, empty, or an uploads folder of this service; neither inside nor
+    around the store folder); None turns ``POST /items`` off.
+    ``max_upload_bytes``: largest image upload (bodies may be
+    :data:`FORM_OVERHEAD` larger); ``max_pixels``: largest image; ``max_k``:
+    largest ``k``. Raises :class:`ServiceError` (or the store's/model check's
+    errors) before serving anything.
+    """
+    _require_serve_extra()
+    import torch
+
+    from fedreid.eval.errors import EvalInputError
+    from fedreid.eval.model_io import check_index_model
+    from fedreid.retrieval.store import GalleryStore, GalleryStoreError
+    from fedreid.utils.io import claim_output_dir
+
+    if token is None and not insecure_local:
+        raise ServiceError("no token: authentication can only be off with insecure_local (a loopback host)")
+    if token is not None:
+        token = check_serve_security("127.0.0.1", token, False)
+    for name, value in (("max_upload_bytes", max_upload_bytes), ("max_pixels", max_pixels), ("max_k", max_k)):
+        if int(value) < 1:
+            raise ServiceError(f"{name} must be >= 1, got {value}")
+    store = GalleryStore.open(store_folder)
+    problem = check_index_model(store.header, loaded, store.folder, allow_mismatch=allow_model_mismatch)
+    if problem and warn is not None:
+        warn(problem)
+    probe = np.zeros((int(loaded.config["height"]), int(loaded.config["width"]), 3), dtype=np.uint8)
+    from fedreid.eval.image_folders import array_features
+
+    dim = int(array_features(loaded, [probe], device=torch.device(device)).shape[1])  # also warms the model up
+    if dim != store.dim:
+        raise ServiceError(f"model {loaded.source} gives {dim}-d features but store {store.folder} holds {store.dim}-d ones")
+    uploads_dir: Optional[Path] = None
+    if uploads is not None:
+        uploads_dir = Path(os.path.abspath(uploads))
+        _check_uploads_location(uploads_dir, store.folder)
+        claim_output_dir(uploads_dir, UPLOADS_KIND, tool=f"{TOOL} --uploads")
+        uploads_dir = uploads_dir.resolve()
+    service = _Service(store, loaded, device=torch.device(device), uploads=uploads_dir,
+                       max_upload_bytes=int(max_upload_bytes), max_pixels=int(max_pixels), max_k=int(max_k))
+    page = {name: _web_asset(name) for name in _WEB_ASSETS}
+
+    app = FastAPI(title="fedreid gallery search", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.service = service
+
+    def error(status: int, message: str, headers: Optional[dict[str, str]] = None) -> JSONResponse:
+        return JSONResponse({"error": message}, status_code=status, headers=headers)
+
+    @app.exception_handler(_RequestError)
+    async def _on_request_error(request: Request, exc: _RequestError) -> JSONResponse:
+        return error(exc.status, exc.message, exc.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        where = request.url.path[:100]
+        message = {404: f"no endpoint {where}", 405: f"{request.method} is not allowed on {where}"}
+        return error(exc.status_code, message.get(exc.status_code, str(exc.detail)), getattr(exc, "headers", None))
+
+    @app.exception_handler(RequestValidationError)
+    async def _on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return error(422, "; ".join(str(e.get("msg")) for e in exc.errors()) or "invalid request")
+
+    @app.exception_handler(GalleryStoreError)
+    async def _on_store_error(request: Request, exc: GalleryStoreError) -> JSONResponse:
+        return error(409, str(exc).replace(str(service.store.folder), "<store>"))
+
+    @app.exception_handler(EvalInputError)
+    async def _on_input_error(request: Request, exc: EvalInputError) -> JSONResponse:
+        return error(400, str(exc))
+
+    @app.exception_handler(Exception)
+    async def _on_crash(request: Request, exc: Exception) -> JSONResponse:
+        _LOG.exception("internal error on %s %s", request.method, request.url.path)
+        return error(500, f"internal error ({type(exc).__name__}); see the server log")
+
+    async def read_form(request: Request, allowed: Sequence[str]) -> dict[str, Any]:
+        kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if kind not in ("multipart/form-data", "application/x-www-form-urlencoded"):
+            raise _RequestError(415, f"expected a multipart/form-data body (or url-encoded fields), got {kind or 'none'!r}")
+        try:
+            form = await request.form(max_files=1, max_fields=len(allowed) + 4, max_part_size=FORM_OVERHEAD)
+        except StarletteHTTPException as exc:
+            raise _RequestError(400, f"malformed form body: {exc.detail}") from None
+        try:
+            fields: dict[str, Any] = {}
+            for key, value in form.multi_items():
+                if key not in allowed:
+                    raise _RequestError(422, f"unknown field {key[:40]!r}: expected {', '.join(allowed)}")
+                if key in fields:
+                    raise _RequestError(422, f"field {key!r} is given twice: expected it once")
+                if isinstance(value, UploadFile):
+                    if key != "image":
+                        raise _RequestError(422, f"field {key!r} must be a plain value, not a file")
+                    fields[key] = _Upload(await value.read(), Path(value.filename or "").name[:120])
+                elif key == "image":
+                    raise _RequestError(422, "field 'image' must be a file upload (multipart/form-data)")
+                else:
+                    fields[key] = str(value)
+            return fields
+        finally:
+            await form.close()
+
+    def json_response(body: Any, status: int = 200) -> JSONResponse:
+        return JSONResponse(body, status_code=status)
+
+    # -- the page -----------------------------------------------------------
+
+    @app.get("/", include_in_schema=False)
+    async def index_page() -> Response:
+        return Response(page["index.html"], media_type=_WEB_ASSETS["index.html"],
+                        headers={"Content-Security-Policy": _PAGE_CSP})
+
+    @app.get("/web/{name}", include_in_schema=False)
+    async def web_asset(name: str) -> Response:
+        if name not in page or name == "index.html":
+            raise _RequestError(404, f"no web asset {name[:60]!r}")
+        return Response(page[name], media_type=_WEB_ASSETS[name])
+
+    # -- the API ------------------------------------------------------------
+
+    @app.get("/info")
+    async def info() -> JSONResponse:
+        return json_response(service.info())
+
+    @app.post("/search")
+    async def search(request: Request) -> JSONResponse:
+        started = time.perf_counter()
+        fields = await read_form(request, _SEARCH_FIELDS)
+        k = _parse_int(fields["k"], "k", 1, service.max_k) if fields.get("k", "").strip() else DEFAULT_K
+        filters: dict[str, Any] = {}
+        if "cameras" in fields and (cams := _parse_cameras(fields["cameras"])) is not None:
+            filters["cameras"] = cams
+        if "sites" in fields and (sites := _parse_sites(fields["sites"])) is not None:
+            filters["sites"] = sites
+        since = _parse_time(fields["since"], "since") if fields.get("since", "").strip() else None
+        until = _parse_time(fields["until"], "until") if fields.get("until", "").strip() else None
+        if since is not None and until is not None and since > until:
+            raise _RequestError(422, f"since ({fields['since']}) is after until ({fields['until']}): expected since <= until")
+        if since is not None or until is not None:
+            filters["time_window"] = (since, until)
+        has_item = bool(fields.get("item", "").strip())
+        if ("image" in fields) == has_item:
+            raise _RequestError(422, "give either an 'image' file or an 'item' id to search with (exactly one)")
+        if has_item:
+            item: Optional[int] = _parse_item_id(fields["item"])
+            query = None
+            described: dict[str, Any] = {"kind": "item", "item": item}
+        else:
+            upload: _Upload = fields["image"]
+            item = None
+            image, _ = await run_in_threadpool(service.decode, upload)
+            query = await run_in_threadpool(service.features, image)
+            described = {"kind": "image", "name": upload.name}
+        scores, ids, rows = await run_in_threadpool(service.search, query, item, k, filters)
+        results = [
+            _result_item(row, rank=rank + 1, score=float(score))
+            for rank, (score, i, row) in enumerate(zip(scores, ids, rows))
+            if i >= 0 and row is not None
+        ]
+        took = (time.perf_counter() - started) * 1000
+        return json_response({"results": results, "k": k, "query": described, "took_ms": round(took, 2)})
+
+    @app.get("/items/{item_id}")
+    async def get_item(item_id: str) -> JSONResponse:
+        row = await run_in_threadpool(service.row, _parse_item_id(item_id))
+        return json_response(_result_item(row))
+
+    @app.get("/items/{item_id}/image")
+    async def get_item_image(item_id: str) -> Response:
+        data, media = await run_in_threadpool(service.image_file, _parse_item_id(item_id))
+        return Response(data, media_type=media)
+
+    @app.post("/items")
+    async def add_item(request: Request) -> JSONResponse:
+        if service.uploads is None:
+            raise _RequestError(403, "adding items is off: the server was started without an uploads folder (--uploads DIR)")
+        fields = await read_form(request, _ITEM_FIELDS)
+        if "image" not in fields:
+            raise _RequestError(422, "field 'image' (a JPEG, PNG or BMP file) is required")
+        meta: dict[str, Any] = {"camera": None, "site": None, "timestamp": None, "identity": None}
+        if fields.get("camera", "").strip():
+            meta["camera"] = _parse_int(fields["camera"], "camera", -(2**31), 2**31 - 1)
+        if fields.get("site", "").strip():
+            meta["site"] = fields["site"].strip()[:200]
+        if fields.get("timestamp", "").strip():
+            meta["timestamp"] = _parse_time(fields["timestamp"], "timestamp")
+        if "identity" in fields:
+            meta["identity"] = _parse_identity(fields["identity"])
+        row = await run_in_threadpool(service.add, fields["image"], meta)
+        return json_response(_result_item(row), status=201)
+
+    @app.delete("/items/{item_id}")
+    async def delete_item(item_id: str) -> JSONResponse:
+        return json_response(await run_in_threadpool(service.remove, _parse_item_id(item_id)))
+
+    app.add_middleware(_Guard, token=token, max_body=int(max_upload_bytes) + FORM_OVERHEAD)
+    return app
+
+
+# --------------------------------------------------------------------------
+# Running it
+# --------------------------------------------------------------------------
+
+
+@contextmanager
+def background_server(app: FastAPI, host: str = "127.0.0.1", port: int = 0, *, log_level: str = "warning"
+                      ) -> Iterator[str]:
+    """Serve ``app`` with uvicorn in a thread for the block; yields its base URL (``http://host:port``).
+
+    ``port`` 0 picks a free port (the socket is bound before the thread
+    starts, so there is no race). The server is stopped and the thread
+    joined on leaving the block. For tests and benchmarks; :func:`run_serve`
+    is the command line's.
+    """
+    _require_serve_extra()
+    import uvicorn
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    bound = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, server_header=False, timeout_keep_alive=5, ws="none"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True, name="uvicorn")
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started:
+            if not thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the test server on {host}:{bound} did not start")
+            time.sleep(0.02)
+        shown = f"[{host}]" if ":" in host else host
+        yield f"http://{shown}:{bound}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        sock.close()
+
+
+def load_service_model(args: argparse.Namespace, device: Any) -> LoadedModel:
+    """The model named by ``args.model`` for ``args.backend`` (:func:`fedreid.eval.export.load_feature_model`)."""
+    from fedreid.eval.export import load_feature_model
+
+    return load_feature_model(
+        args.model, getattr(args, "backend", "pytorch"), device, client=getattr(args, "client", None)
+    )
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser, *, backend: bool = True) -> None:
+    """The options of ``serve`` (``backend=False`` leaves out ``--backend`` for a caller that adds its own)."""
+    parser.add_argument("--model", required=True, metavar="PATH",
+                        help="the model the store was built with: run folder, model_final.pt, checkpoint.pt, "
+                        "or an exported file with --backend onnx/torchscript")
+    parser.add_argument("--index", required=True, metavar="DIR", help="gallery store folder (written by 'index')")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    parser.add_argument("--token", metavar="T",
+                        help=f"bearer token clients must send (at least {MIN_TOKEN_LENGTH} characters; default: "
+                        f"${TOKEN_ENV}, which keeps it out of the process list)")
+    parser.add_argument("--token-file", metavar="FILE", help="read the token from the first line of FILE")
+    parser.add_argument("--insecure-local", action="store_true",
+                        help="serve without a token; only with --host 127.0.0.1/::1/localhost")
+    parser.add_argument("--uploads", metavar="DIR",
+                        help="folder where POST /items saves uploaded images (new, empty or made by serve; "
+                        "not inside the store folder); without it adding items is off")
+    parser.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:1...")
+    parser.add_argument("--client", metavar="NAME", help="a local-training baseline run: whose model to use")
+    parser.add_argument("--max-upload-mb", type=float, default=DEFAULT_MAX_UPLOAD_BYTES / 2**20, metavar="MB",
+                        help=f"largest image upload in MiB (default {DEFAULT_MAX_UPLOAD_BYTES / 2**20:g})")
+    parser.add_argument("--max-pixels", type=int, default=DEFAULT_MAX_PIXELS, metavar="N",
+                        help=f"largest image in pixels (default {DEFAULT_MAX_PIXELS})")
+    parser.add_argument("--max-k", type=int, default=DEFAULT_MAX_K, metavar="K",
+                        help=f"largest k a search may ask for (default {DEFAULT_MAX_K})")
+    parser.add_argument("--allow-model-mismatch", action="store_true",
+                        help="serve even when --model is not the model the store was built with (prints a WARNING)")
+    parser.add_argument("--ssl-certfile", metavar="FILE", help="serve HTTPS with this certificate (PEM)")
+    parser.add_argument("--ssl-keyfile", metavar="FILE", help="the certificate's private key (PEM)")
+    if backend:
+        parser.add_argument("--backend", choices=BACKENDS, default="pytorch",
+                            help="pytorch (default): --model is a run folder or model file; onnx / torchscript: "
+                            "--model is a file written by 'export' (with its .json sidecar)")
+
+
+def _token_from(args: argparse.Namespace) -> Optional[str]:
+    given = [name for name in ("token", "token_file") if getattr(args, name, None)]
+    if len(given) > 1:
+        raise ServiceError("give the token once: --token or --token-file, not both")
+    if getattr(args, "token_file", None):
+        try:
+            lines = Path(args.token_file).read_text().splitlines()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ServiceError(f"cannot read --token-file {args.token_file}: {exc}") from None
+        return lines[0].strip() if lines else ""
+    return getattr(args, "token", None) or os.environ.get(TOKEN_ENV) or None
+
+
+def run_serve(
+    args: argparse.Namespace, *, load: Optional[Callable[[argparse.Namespace, Any], LoadedModel]] = None
+) -> int:
+    """``serve``: check the security options, load the model and the store, serve until interrupted; 0 on a clean stop.
+
+    ``load(args, device)`` loads the model (default :func:`load_service_model`,
+    the index/query loading of ``--backend``). Every refusal happens before the
+    port is opened: no token without ``--insecure-local``, ``--insecure-local``
+    off the loopback interface, a store built by another model, an uploads
+    folder holding other files.
+    """
+    from fedreid.eval.devices import resolve_device
+
+    token = check_serve_security(args.host, _token_from(args), bool(args.insecure_local))
+    if bool(args.ssl_certfile) != bool(args.ssl_keyfile):
+        raise ServiceError("give both --ssl-certfile and --ssl-keyfile, or neither")
+    if not 0 <= int(args.port) <= 65535:
+        raise ServiceError(f"--port must be from 0 to 65535, got {args.port}")
+    if not args.max_upload_mb > 0:
+        raise ServiceError(f"--max-upload-mb must be > 0, got {args.max_upload_mb}")
+    _require_serve_extra()
+    import uvicorn
+
+    device = resolve_device(args.device)
+    loaded = (load or load_service_model)(args, device)
+    app = create_app(
+        args.index, loaded, token=token, insecure_local=bool(args.insecure_local),
+        max_upload_bytes=int(args.max_upload_mb * 2**20), max_pixels=args.max_pixels, max_k=args.max_k,
+        uploads=args.uploads, device=device, allow_model_mismatch=bool(args.allow_model_mismatch),
+        warn=lambda message: print(f"WARNING: {message}", flush=True),
+    )
+    service = app.state.service
+    scheme = "https" if args.ssl_certfile else "http"
+    if scheme == "http" and not _is_loopback(args.host):
+        print(f"WARNING: serving plain HTTP on {args.host}: the token travels in clear; put a TLS proxy in front "
+              "or pass --ssl-certfile/--ssl-keyfile", flush=True)
+    shown = f"[{args.host}]" if ":" in args.host else args.host
+    print(f"serving {service.store.ntotal} items of {service.store.folder} with {loaded.source} "
+          f"at {scheme}://{shown}:{args.port}/" + (" (no authentication: --insecure-local)" if token is None else ""),
+          flush=True)
+    uvicorn.run(app, host=args.host, port=int(args.port), log_level="info", server_header=False,
+                timeout_keep_alive=5, ws="none", ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile)
+    return 0
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """``python -m fedreid.retrieval.service`` = ``tools/eval_reid.py serve``."""
+    parser = argparse.ArgumentParser(prog="python -m fedreid.retrieval.service",
+                                     description="Serve a gallery store: search API and web page")
+    add_serve_arguments(parser)
+    return run_serve(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    from fedreid.utils.cli import run_main
+
+    run_main(main)

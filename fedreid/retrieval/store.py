@@ -1,0 +1,940 @@
+"""A gallery store: a FAISS index chosen by factory string, stable 64-bit ids, SQLite metadata.
+
+A store is a folder::
+
+    <folder>/index.faiss     faiss.write_index of an ``IndexIDMap2`` over the factory's index
+                             (inner-product metric); the ids are the store's int64 ids
+    <folder>/vectors.npy     the stored float32 features [ntotal, d], row i has id ids[i]
+    <folder>/ids.npy         int64 ids, increasing (exact search for verify/filters, HNSW rebuilds)
+    <folder>/meta.sqlite     table ``gallery(id INTEGER PRIMARY KEY, path TEXT UNIQUE NOT NULL,
+                             camera INTEGER, site TEXT, timestamp REAL, identity)``
+    <folder>/header.json     format ``fedreid-gallery-store``, version 3: factory, dim, ntotal,
+                             next_id, search parameters, the last verify result, ``meta`` (the
+                             caller's: the model fingerprint is ``meta.model_fingerprint``, where
+                             :func:`fedreid.eval.model_io.check_index_model` reads it), and the
+                             size and SHA-256 of every data file
+    <folder>/.fedreid-index.json   the folder's marker (:func:`fedreid.utils.io.claim_output_dir`)
+    <folder>/skipped.csv     optional (:data:`SIDE_FILES`): the index tool's list of unreadable
+                             images; carried over by updates unless the update replaces it
+
+The header holds no wall-clock time: the same inputs give the same files.
+
+Ids are assigned increasing from ``next_id`` and never reused, so an id names one
+gallery item for the store's lifetime; :meth:`GalleryStore.add` and
+:meth:`GalleryStore.remove` change the index in place (``add_with_ids`` /
+``remove_ids``) without retraining. The index is trained once, on the first
+gallery (:meth:`GalleryStore.create`); later additions are encoded with that
+training. HNSW cannot remove ids in FAISS: removal from an HNSW store rebuilds
+the graph from the stored vectors of the remaining items (cost: a full HNSW
+build).
+
+Erasure: :meth:`GalleryStore.remove` deletes the items from the index, the
+stored vectors and the table, and the new database file is rewritten with
+``VACUUM`` (``secure_delete`` on), so no byte of a removed item's path or
+vector remains in the store's files. (Copies outside the store, e.g.
+backups or the file system's free blocks, are not addressed.)
+
+Filters (:meth:`GalleryStore.search` with ``cameras``/``sites``/``time_window``):
+the allowed ids come from one SQL query. When they are at most
+:data:`EXACT_FILTER_MAX`, or the index is HNSW (whose filtered graph search can
+return fewer than k items), the filtered search is exact over the stored vectors of
+those items; otherwise the index is searched with a FAISS ``IDSelectorBatch``
+restricting it to them. Either way, every result satisfies the filter.
+
+Search: unfiltered search of a Flat store is exact with the tie rule of
+:func:`fedreid.eval.retrieval.search` (equal scores: lower id first), so it
+ranks exactly as an ``IndexFlatIP`` over the same vectors does.
+
+Crash safety: every update of the items writes a complete new copy of the
+store into a hidden sibling (``.<name>.tmp-<hex>``) and swaps it in with
+:func:`fedreid.utils.io.replace_dir_atomically`, so a kill leaves the previous
+store or the new one, never a mix; the in-memory store changes only after the
+swap. :meth:`GalleryStore.verify` and :meth:`GalleryStore.tune` change only
+``header.json``, replaced on its own with one ``os.replace`` (its file records
+are unchanged). Leftovers are cleaned up by the next update. One writer at a
+time (no locking).
+
+Loading (:meth:`GalleryStore.open`) reads the header as JSON, checks every
+file's size and SHA-256 against it before parsing any of them, reads the
+NumPy files without pickles, checks the SQLite and faiss file signatures, and
+only then gives ``index.faiss`` to ``faiss.read_index``. Nothing is ever
+unpickled. As for the v2 index, the checksums detect damage and mix-ups, not
+forgery.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import sqlite3
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Optional, Sequence
+
+import faiss
+import numpy as np
+
+from fedreid.errors import FedReIDError
+from fedreid.eval.filecheck import describe_kind, file_kind, sha256_file
+from fedreid.utils.io import (
+    claim_output_dir,
+    is_marker_leftover,
+    marker_path,
+    owns_folder,
+    replace_dir_atomically,
+    swap_leftovers,
+    swap_sibling,
+    write_json_atomic,
+)
+
+__all__ = [
+    "EXACT_FILTER_MAX",
+    "SIDE_FILES",
+    "STORE_FORMAT",
+    "STORE_VERSION",
+    "GalleryStore",
+    "GalleryStoreError",
+    "SearchResult",
+    "check_factory_string",
+    "factory_kind",
+    "is_store_folder",
+]
+
+STORE_FORMAT = "fedreid-gallery-store"
+STORE_VERSION = 3
+INDEX_FILE, VECTORS_FILE, IDS_FILE, DB_FILE, HEADER_FILE = (
+    "index.faiss", "vectors.npy", "ids.npy", "meta.sqlite", "header.json",
+)
+DATA_FILES = (INDEX_FILE, VECTORS_FILE, IDS_FILE, DB_FILE)
+#: Files a store folder may hold besides its own, carried over by updates unless replaced.
+SIDE_FILES = ("skipped.csv",)
+MARKER_KIND = "index"
+TOOL = "tools/eval_reid.py index"
+#: A filtered search over at most this many allowed items is exact over their stored vectors.
+EXACT_FILTER_MAX = 20_000
+DEFAULT_NPROBE = 8
+DEFAULT_EF_SEARCH = 64
+NPROBE_CANDIDATES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 65536)
+EF_SEARCH_CANDIDATES = (16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 2048)
+_IDMAP2_TAG = b"IxM2"
+_SQLITE_MAGIC = b"SQLite format 3\x00"
+_SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
+_HEADER_TEMP = re.compile(r"^\.header\.json\..+\.tmp$")  # left by a kill during a header-only update
+_SCHEMA = (
+    "CREATE TABLE gallery (id INTEGER PRIMARY KEY, path TEXT UNIQUE NOT NULL, camera INTEGER, "
+    "site TEXT, timestamp REAL, identity)"
+)
+_COLUMNS = ("id", "path", "camera", "site", "timestamp", "identity")
+
+
+class GalleryStoreError(FedReIDError, ValueError):
+    """A gallery store cannot be built, read or updated as asked; the message names the folder or file."""
+
+
+@dataclass
+class SearchResult:
+    """Top-k of each query: ``scores`` [Q, k] float32 and ``ids`` [Q, k] int64, best first; -1 pads."""
+
+    scores: np.ndarray
+    ids: np.ndarray
+
+
+# --------------------------------------------------------------------------
+# Index construction
+# --------------------------------------------------------------------------
+
+
+def _index_kind(index: Any) -> str:
+    inner = faiss.downcast_index(index.index) if isinstance(index, faiss.IndexIDMap2) else index
+    if faiss.try_extract_index_ivf(inner) is not None:
+        return "ivf"
+    if isinstance(inner, faiss.IndexHNSW):
+        return "hnsw"
+    return "flat" if isinstance(inner, faiss.IndexFlat) else "other"
+
+
+def _new_index(factory: str, dim: int) -> Any:
+    if not isinstance(factory, str) or not factory.strip():
+        raise GalleryStoreError(f"factory must be a FAISS factory string such as 'IVF1024,PQ64', got {factory!r}")
+    if factory.startswith("IDMap"):
+        raise GalleryStoreError(f"factory {factory!r}: leave out the IDMap prefix, the store adds IDMap2 itself")
+    try:
+        index = faiss.index_factory(int(dim), "IDMap2," + factory, faiss.METRIC_INNER_PRODUCT)
+    except RuntimeError as exc:
+        text = str(exc).strip().splitlines()
+        reason = re.sub(r"^Error in .*? at \S+:\d+: ", "", text[-1]) if text else str(exc)
+        raise GalleryStoreError(f"FAISS cannot build the factory string {factory!r} for dim {dim}: {reason}") from None
+    return index  # already an IndexIDMap2 (a downcast proxy would not own the object)
+
+
+#: A dimension divisible by 1-8, 10, 12, 14, 16, 32, 64 and 128: :func:`check_factory_string` builds at it.
+_PROBE_DIM = 40320
+
+
+def check_factory_string(factory: str) -> None:
+    """Raise :class:`GalleryStoreError` when FAISS cannot parse ``factory`` (tried at a dimension most accept).
+
+    A string that parses may still not fit the features' dimension (e.g. PQ7
+    for 16-d features): :meth:`GalleryStore.create` says so.
+    """
+    try:
+        _new_index(factory, _PROBE_DIM)
+    except GalleryStoreError as exc:
+        text = str(exc).replace(f" for dim {_PROBE_DIM}", "")
+        if "such as" not in text:
+            text += "; expected a FAISS factory string such as Flat, IVF1024,Flat, IVF1024,PQ64 or HNSW32"
+        raise GalleryStoreError(text) from None
+
+
+def factory_kind(factory: str, dim: int) -> str:
+    """``flat``, ``ivf``, ``hnsw`` or ``other``: the kind of index ``factory`` builds (raises for a bad string)."""
+    return _index_kind(_new_index(factory, dim))
+
+
+def _training_need(index: Any) -> tuple[int, str]:
+    """The fewest training vectors the untrained ``index`` can be trained on, and why."""
+    inner = faiss.downcast_index(index.index)
+    need, why = 1, ""
+    ivf = faiss.try_extract_index_ivf(inner)
+    if ivf is not None:
+        need, why = int(ivf.nlist), f"IVF with {ivf.nlist} lists"
+    ivf_d = faiss.downcast_index(ivf) if ivf is not None else inner
+    pq = getattr(ivf_d, "pq", None)
+    if pq is not None and int(pq.ksub) > need:
+        need, why = int(pq.ksub), f"PQ with {pq.ksub} centroids per sub-quantizer"
+    return need, why
+
+
+def _train(index: Any, features: np.ndarray, factory: str, seed: int, clustering_index: Any = None) -> None:
+    if index.is_trained:
+        return
+    need, why = _training_need(index)
+    if features.shape[0] < need:
+        raise GalleryStoreError(
+            f"factory {factory!r} needs at least {need} training vectors ({why}); the gallery has "
+            f"{features.shape[0]}: choose a smaller factory (e.g. fewer IVF lists) or 'Flat'"
+        )
+    inner = faiss.downcast_index(index.index)
+    ivf = faiss.try_extract_index_ivf(inner)
+    if ivf is not None:
+        ivf.cp.seed = int(seed)
+        pq = getattr(faiss.downcast_index(ivf), "pq", None)
+        if pq is not None:
+            pq.cp.seed = int(seed)
+        if clustering_index is not None:
+            ivf.clustering_index = clustering_index
+    try:
+        index.train(features)
+    finally:
+        if ivf is not None:
+            ivf.clustering_index = None  # never written with the index
+
+
+def _set_default_params(kind: str, index: Any) -> dict[str, int]:
+    if kind == "ivf":
+        ivf = faiss.try_extract_index_ivf(faiss.downcast_index(index.index))
+        return {"nprobe": int(min(DEFAULT_NPROBE, ivf.nlist))}
+    if kind == "hnsw":
+        return {"efSearch": DEFAULT_EF_SEARCH}
+    return {}
+
+
+def _search_params(kind: str, search: Mapping[str, int], selector: Any = None) -> Any:
+    if kind == "ivf":
+        params = faiss.SearchParametersIVF(nprobe=int(search["nprobe"]))
+    elif kind == "hnsw":
+        params = faiss.SearchParametersHNSW(efSearch=int(search["efSearch"]))
+    else:
+        params = faiss.SearchParameters()
+    if selector is not None:
+        params.sel = selector
+    return params
+
+
+def _as_features(name: str, x: Any, dim: Optional[int] = None) -> np.ndarray:
+    x = np.ascontiguousarray(np.asarray(x, dtype=np.float32))
+    if x.ndim != 2 or x.shape[0] == 0:
+        raise GalleryStoreError(f"{name} must be a non-empty [N, d] array, got shape {x.shape}")
+    if dim is not None and x.shape[1] != dim:
+        raise GalleryStoreError(f"{name} have {x.shape[1]} columns but the store holds {dim}-d features")
+    if not np.isfinite(x).all():
+        row = int(np.flatnonzero(~np.isfinite(x).all(axis=1))[0])
+        raise GalleryStoreError(f"{name} hold NaN or inf values (row {row})")
+    return x
+
+
+def _normalise_rows(rows: Sequence[Mapping[str, Any]], n: int) -> list[tuple]:
+    if len(rows) != n:
+        raise GalleryStoreError(f"got {n} feature rows but {len(rows)} metadata rows")
+    out, seen = [], set()
+    for i, row in enumerate(rows):
+        path = row.get("path")
+        if not isinstance(path, str) or not path:
+            raise GalleryStoreError(f"metadata row {i} has no path")
+        if path in seen:
+            raise GalleryStoreError(f"path {path} appears twice among the items to add")
+        seen.add(path)
+        unknown = set(row) - set(_COLUMNS[1:])
+        if unknown:
+            raise GalleryStoreError(f"metadata row {i} has unknown fields {sorted(unknown)}")
+        camera, ts = row.get("camera"), row.get("timestamp")
+        out.append((
+            path,
+            None if camera is None else int(camera),
+            None if row.get("site") is None else str(row["site"]),
+            None if ts is None else float(ts),
+            row.get("identity"),
+        ))
+    return out
+
+
+# --------------------------------------------------------------------------
+# The store
+# --------------------------------------------------------------------------
+
+
+class GalleryStore:
+    """An updatable gallery index in a folder (see the module docstring for the files and guarantees)."""
+
+    def __init__(self, folder: Path, header: dict, index: Any, vectors: np.ndarray, ids: np.ndarray):
+        self.folder = folder
+        self.header = header
+        self.index = index
+        self.vectors = vectors
+        self.ids = ids
+
+    # -- properties ---------------------------------------------------------
+
+    @property
+    def factory(self) -> str:
+        return self.header["factory"]
+
+    @property
+    def dim(self) -> int:
+        return int(self.header["dim"])
+
+    @property
+    def ntotal(self) -> int:
+        return int(self.header["ntotal"])
+
+    @property
+    def kind(self) -> str:
+        return self.header["kind"]
+
+    @property
+    def search_params(self) -> dict[str, int]:
+        return dict(self.header["search"])
+
+    @property
+    def model_fingerprint(self) -> Optional[dict[str, Any]]:
+        """The fingerprint of the model the features came from (``header["meta"]["model_fingerprint"]``)."""
+        return (self.header.get("meta") or {}).get("model_fingerprint")
+
+    # -- building -----------------------------------------------------------
+
+    @classmethod
+    def create(
+        cls,
+        folder: str | Path,
+        features: Any,
+        rows: Sequence[Mapping[str, Any]],
+        *,
+        factory: str = "Flat",
+        model_fingerprint: Optional[Mapping[str, Any]] = None,
+        seed: int = 0,
+        meta: Optional[Mapping[str, Any]] = None,
+        side_files: Optional[Mapping[str, Any]] = None,
+        replaces: Sequence[str] = (),
+        clustering_index: Any = None,
+    ) -> "GalleryStore":
+        """Build a store over ``features`` [N, d] (one metadata row per feature) into ``folder``.
+
+        ``folder`` must be new, empty, or a store folder (marked): an existing store
+        is replaced as a whole; ``replaces`` names other files a marked folder
+        may hold that the new store replaces (e.g. an earlier index format's).
+        The index is trained on ``features`` when the factory needs training
+        (IVF/PQ/OPQ; seeded with ``seed``); too few vectors for the factory
+        raises :class:`GalleryStoreError` before anything is written.
+        ``clustering_index``: the index the IVF k-means assigns with (e.g. a
+        GPU ``IndexFlatIP``; default: the CPU quantizer); the stored index is
+        a CPU index either way. ``meta`` goes into the header as is, with
+        ``model_fingerprint`` (when given) as ``meta["model_fingerprint"]``.
+        ``side_files``: {name in :data:`SIDE_FILES`: a function writing the
+        file at the path it is given}.
+        """
+        folder = Path(os.path.abspath(folder))
+        features = _as_features("features", features)
+        values = _normalise_rows(rows, features.shape[0])
+        index = _new_index(factory, features.shape[1])
+        _train(index, features, factory, seed, clustering_index)
+        ids = np.arange(features.shape[0], dtype=np.int64)
+        index.add_with_ids(features, ids)
+        kind = _index_kind(index)
+        meta = dict(meta or {})
+        if model_fingerprint:
+            if meta.get("model_fingerprint") not in (None, dict(model_fingerprint)):
+                raise GalleryStoreError("model_fingerprint and meta['model_fingerprint'] differ: give one fingerprint")
+            meta["model_fingerprint"] = dict(model_fingerprint)
+        header = {
+            "format": STORE_FORMAT, "version": STORE_VERSION, "factory": factory, "kind": kind,
+            "metric": "inner_product", "dim": int(features.shape[1]), "ntotal": int(features.shape[0]),
+            "next_id": int(features.shape[0]), "seed": int(seed), "search": _set_default_params(kind, index),
+            "verify": None, "meta": meta,
+        }
+
+        def fill(conn: sqlite3.Connection) -> None:
+            conn.executemany(
+                "INSERT INTO gallery (id, path, camera, site, timestamp, identity) VALUES (?, ?, ?, ?, ?, ?)",
+                [(int(i), *v) for i, v in zip(ids, values)],
+            )
+
+        store = cls(folder, header, index, features, ids)
+        store._commit(index, features, ids, fill, header, fresh=True, side_files=side_files, replaces=replaces)
+        return store
+
+    @classmethod
+    def open(cls, folder: str | Path) -> "GalleryStore":
+        """Read a store folder after checking every file against its header (see the module docstring)."""
+        folder = Path(os.path.abspath(folder))
+        header = _read_header(folder)
+        for name in DATA_FILES:
+            _check_file(folder, name, header)
+        ids = _read_npy(folder / IDS_FILE, "ids", np.int64, (header["ntotal"],))
+        vectors = _read_npy(folder / VECTORS_FILE, "vectors", np.float32, (header["ntotal"], header["dim"]))
+        if ids.size and (np.any(np.diff(ids) <= 0) or ids[0] < 0 or ids[-1] >= header["next_id"]):
+            raise GalleryStoreError(f"{folder / IDS_FILE}: ids are not increasing ids below next_id")
+        db_ids = _db_ids(folder / DB_FILE)
+        if not np.array_equal(db_ids, ids):
+            raise GalleryStoreError(
+                f"{folder / DB_FILE} lists {db_ids.size} items but {folder / IDS_FILE} {ids.size}, or other ids: "
+                "the store is inconsistent"
+            )
+        index = _read_faiss(folder / INDEX_FILE, header)
+        return cls(folder, header, index, vectors, ids)
+
+    # -- updates ------------------------------------------------------------
+
+    def add(
+        self,
+        features: Any,
+        rows: Sequence[Mapping[str, Any]],
+        *,
+        meta: Optional[Mapping[str, Any]] = None,
+        side_files: Optional[Mapping[str, Any]] = None,
+    ) -> np.ndarray:
+        """Add items (features [n, d] and their metadata rows); returns their new ids.
+
+        The index is not retrained. A path already in the store, or twice in
+        ``rows``, raises :class:`GalleryStoreError` before anything changes.
+        ``meta`` updates the header's ``meta`` (key by key); ``side_files`` as
+        in :meth:`create` (None for a name deletes that file; names not given are kept).
+        """
+        features = _as_features("features", features, self.dim)
+        values = _normalise_rows(rows, features.shape[0])
+        existing = self._lookup_paths([v[0] for v in values])
+        if existing:
+            shown = ", ".join(sorted(existing)[:5])
+            raise GalleryStoreError(f"store {self.folder} already holds {len(existing)} of these paths ({shown})")
+        start = int(self.header["next_id"])
+        new_ids = np.arange(start, start + features.shape[0], dtype=np.int64)
+        index = _copy_index(self.index)
+        index.add_with_ids(features, new_ids)
+        vectors = np.concatenate([self.vectors, features])
+        ids = np.concatenate([self.ids, new_ids])
+        header = dict(self.header, ntotal=int(ids.size), next_id=int(new_ids[-1]) + 1, verify=None)
+        if meta:
+            header["meta"] = dict(self.header.get("meta") or {}, **meta)
+
+        def insert(conn: sqlite3.Connection) -> None:
+            conn.executemany(
+                "INSERT INTO gallery (id, path, camera, site, timestamp, identity) VALUES (?, ?, ?, ?, ?, ?)",
+                [(int(i), *v) for i, v in zip(new_ids, values)],
+            )
+
+        self._commit(index, vectors, ids, insert, header, side_files=side_files)
+        return new_ids
+
+    def remove(self, ids_or_paths: Iterable[int | str]) -> np.ndarray:
+        """Erase items given by id (int) or path (str) from the index, the vectors and the table.
+
+        Unknown ids or paths raise :class:`GalleryStoreError` naming them, and
+        nothing changes. Returns the removed ids (sorted). HNSW stores rebuild
+        the graph from the remaining stored vectors (FAISS cannot remove from HNSW).
+        """
+        wanted = list(ids_or_paths)
+        if not wanted:
+            raise GalleryStoreError("nothing to remove: give ids or paths")
+        paths = [w for w in wanted if isinstance(w, str)]
+        numbers = [int(w) for w in wanted if not isinstance(w, str)]
+        found = self._lookup_paths(paths)
+        held = set(self.ids.tolist()) if numbers else set()
+        unknown = [p for p in paths if p not in found] + [i for i in numbers if i not in held]
+        if unknown:
+            shown = ", ".join(str(u) for u in unknown[:5]) + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else "")
+            raise GalleryStoreError(f"store {self.folder} holds no item {shown} (nothing was removed)")
+        gone = np.unique(np.array(numbers + list(found.values()), dtype=np.int64))
+        keep = ~np.isin(self.ids, gone)
+        vectors, ids = np.ascontiguousarray(self.vectors[keep]), self.ids[keep]
+        if self.kind == "hnsw":
+            index = _new_index(self.factory, self.dim)
+            if ids.size:
+                index.add_with_ids(vectors, ids)
+        else:
+            index = _copy_index(self.index)
+            index.remove_ids(faiss.IDSelectorBatch(gone))
+        header = dict(self.header, ntotal=int(ids.size), verify=None)
+
+        def delete(conn: sqlite3.Connection) -> None:
+            conn.executemany("DELETE FROM gallery WHERE id = ?", [(int(i),) for i in gone])
+
+        self._commit(index, vectors, ids, delete, header)
+        return gone
+
+    # -- queries ------------------------------------------------------------
+
+    def rows(self, ids: Iterable[int]) -> list[Optional[dict[str, Any]]]:
+        """The metadata rows of ``ids`` in that order (None for -1 or an unknown id)."""
+        ids = [int(i) for i in ids]
+        with _connect_ro(self.folder / DB_FILE) as conn:
+            found = {}
+            wanted = sorted({i for i in ids if i >= 0})
+            for chunk in range(0, len(wanted), 500):
+                part = wanted[chunk : chunk + 500]
+                q = f"SELECT {', '.join(_COLUMNS)} FROM gallery WHERE id IN ({','.join('?' * len(part))})"
+                for r in conn.execute(q, part):
+                    found[r[0]] = dict(zip(_COLUMNS, r))
+        return [found.get(i) for i in ids]
+
+    def filtered_ids(
+        self,
+        cameras: Optional[Iterable[int]] = None,
+        sites: Optional[Iterable[str]] = None,
+        time_window: Optional[tuple[Optional[float], Optional[float]]] = None,
+    ) -> Optional[np.ndarray]:
+        """Sorted ids of the items passing the filters (None when no filter is given).
+
+        ``time_window``: ``(since, until)`` in the table's timestamp unit, either
+        end None for open; both ends inclusive; items without a timestamp fail any window.
+        """
+        where, args = [], []
+        if cameras is not None:
+            cams = [int(c) for c in cameras]
+            where.append(f"camera IN ({','.join('?' * len(cams))})" if cams else "0")
+            args += cams
+        if sites is not None:
+            ss = [str(s) for s in sites]
+            where.append(f"site IN ({','.join('?' * len(ss))})" if ss else "0")
+            args += ss
+        if time_window is not None:
+            since, until = time_window
+            if since is not None:
+                where.append("timestamp >= ?")
+                args.append(float(since))
+            if until is not None:
+                where.append("timestamp <= ?")
+                args.append(float(until))
+            if since is None and until is None:
+                where.append("timestamp IS NOT NULL")
+        if not where:
+            return None
+        with _connect_ro(self.folder / DB_FILE) as conn:
+            got = conn.execute(f"SELECT id FROM gallery WHERE {' AND '.join(where)} ORDER BY id", args).fetchall()
+        return np.array([r[0] for r in got], dtype=np.int64)
+
+    def search(
+        self,
+        queries: Any,
+        k: int,
+        *,
+        cameras: Optional[Iterable[int]] = None,
+        sites: Optional[Iterable[str]] = None,
+        time_window: Optional[tuple[Optional[float], Optional[float]]] = None,
+        search_params: Optional[Mapping[str, int]] = None,
+        flat_index: Any = None,
+    ) -> SearchResult:
+        """Top-``k`` ids and scores of each query, optionally filtered (see the module docstring).
+
+        ``search_params`` overrides the stored ``nprobe``/``efSearch`` for this call.
+        ``flat_index``: for a Flat store, an index to run unfiltered searches on
+        instead of :meth:`flat_faiss_index` (e.g. a GPU copy of it; same vectors, same order).
+        """
+        queries = _as_features("queries", queries, self.dim)
+        if int(k) < 1:
+            raise GalleryStoreError(f"k must be >= 1, got {k}")
+        k = int(k)
+        allowed = self.filtered_ids(cameras, sites, time_window)
+        params = dict(self.search_params, **(search_params or {}))
+        if allowed is None:
+            return self._index_search(queries, k, params, flat_index=flat_index)
+        if allowed.size == 0 or self.ntotal == 0:
+            return _empty_result(queries.shape[0], k)
+        if allowed.size <= EXACT_FILTER_MAX or self.kind == "hnsw":
+            rows = np.searchsorted(self.ids, allowed)
+            return _exact_search(queries, self.vectors[rows], allowed, k)
+        return self._index_search(queries, k, params, selector=faiss.IDSelectorBatch(allowed))
+
+    def flat_faiss_index(self) -> Any:
+        """The ``IndexFlatIP`` inside a Flat store's ``IndexIDMap2`` (row i holds id ``ids[i]``)."""
+        if self.kind != "flat":
+            raise GalleryStoreError(f"store {self.folder} holds a {self.kind} index ({self.factory}), not a flat one")
+        return faiss.downcast_index(self.index.index)
+
+    def _index_search(self, queries: np.ndarray, k: int, params: Mapping[str, int], selector: Any = None,
+                      flat_index: Any = None) -> SearchResult:
+        if self.ntotal == 0:
+            return _empty_result(queries.shape[0], k)
+        if self.kind == "flat" and selector is None:
+            from fedreid.eval.retrieval import search
+
+            scores, rows = search(flat_index if flat_index is not None else self.flat_faiss_index(), queries, k)
+            out = _empty_result(queries.shape[0], k)
+            out.scores[:, : rows.shape[1]], out.ids[:, : rows.shape[1]] = scores, self.ids[rows]
+            return out
+        p = _search_params(self.kind, params, selector)
+        scores, ids = self.index.search(queries, k, params=p)
+        return SearchResult(scores=scores, ids=ids)
+
+    def exact_search(self, queries: Any, k: int) -> SearchResult:
+        """Exact top-``k`` over the stored vectors (the reference :meth:`verify` compares with)."""
+        queries = _as_features("queries", queries, self.dim)
+        if self.ntotal == 0:
+            return _empty_result(queries.shape[0], int(k))
+        return _exact_search(queries, self.vectors, self.ids, int(k))
+
+    # -- verification and tuning -------------------------------------------
+
+    def recall(self, sample: int = 200, k: int = 10, seed: int = 0,
+               search_params: Optional[Mapping[str, int]] = None) -> dict[str, Any]:
+        """Recall@k of the index against exact search, on ``sample`` stored vectors drawn with ``seed``.
+
+        recall@k = mean over queries of |approximate top-k ∩ exact top-k| / k
+        (k cut to the store's size). Nothing is saved.
+        """
+        if self.ntotal == 0:
+            raise GalleryStoreError(f"store {self.folder} is empty: nothing to verify")
+        rng = np.random.default_rng(int(seed))
+        n = min(int(sample), self.ntotal)
+        rows = np.sort(rng.choice(self.ntotal, size=n, replace=False))
+        queries = self.vectors[rows]
+        k = min(int(k), self.ntotal)
+        exact = self.exact_search(queries, k).ids
+        params = dict(self.search_params, **(search_params or {}))
+        approx = self._index_search(queries, k, params).ids
+        hits = [len(np.intersect1d(a[a >= 0], e)) for a, e in zip(approx, exact)]
+        return {"recall": float(np.mean(hits) / k), "k": k, "sample": n, "seed": int(seed), "search": params}
+
+    def verify(self, sample: int = 200, k: int = 10, seed: int = 0) -> dict[str, Any]:
+        """:meth:`recall` with the stored search parameters, recorded in the header (an atomic update)."""
+        result = self.recall(sample, k, seed)
+        self._commit_header(dict(self.header, verify=result))
+        return result
+
+    def tune(self, target_recall: float, sample: int = 200, k: int = 10, seed: int = 0) -> dict[str, Any]:
+        """Pick the smallest ``nprobe`` (IVF) or ``efSearch`` (HNSW) whose recall@k reaches ``target_recall``.
+
+        Candidates are :data:`NPROBE_CANDIDATES` (up to the number of lists) or
+        :data:`EF_SEARCH_CANDIDATES`; when none reaches the target the largest is
+        kept and ``reached`` is False. The choice and its recall are saved in the
+        header (``search``, ``verify``, ``tuned``). A flat index is exact: recall 1 with no parameter.
+        """
+        if not 0 < float(target_recall) <= 1:
+            raise GalleryStoreError(f"target recall must be in (0, 1], got {target_recall}")
+        if self.kind == "ivf":
+            nlist = int(faiss.try_extract_index_ivf(faiss.downcast_index(self.index.index)).nlist)
+            name, values = "nprobe", sorted({min(v, nlist) for v in NPROBE_CANDIDATES})
+        elif self.kind == "hnsw":
+            name, values = "efSearch", list(EF_SEARCH_CANDIDATES)
+        else:
+            name, values = None, []
+        tried = []
+        result = self.recall(sample, k, seed)
+        for v in values:
+            result = self.recall(sample, k, seed, search_params={name: v})
+            tried.append({name: v, "recall": result["recall"]})
+            if result["recall"] >= float(target_recall):
+                break
+        reached = result["recall"] >= float(target_recall)
+        tuned = {"target_recall": float(target_recall), "reached": bool(reached), "tried": tried}
+        header = dict(self.header, search=result["search"], verify=result, tuned=tuned)
+        self._commit_header(header)
+        return dict(result, **tuned)
+
+    # -- files --------------------------------------------------------------
+
+    def find_paths(self, paths: Sequence[str]) -> dict[str, int]:
+        """{path: id} of the given paths the store holds (exact, as stored)."""
+        return self._lookup_paths(list(paths))
+
+    def find_file_name(self, name: str) -> list[tuple[int, str]]:
+        """``(id, path)`` of the items whose path ends with the file name ``name`` (sorted by id)."""
+        if not name or "/" in name or os.sep in name:
+            raise GalleryStoreError(f"{name!r} is not a bare file name")
+        with _connect_ro(self.folder / DB_FILE) as conn:
+            got = conn.execute(
+                "SELECT id, path FROM gallery WHERE path = ?1 OR substr(path, -length(?2)) = ?2 ORDER BY id",
+                (name, os.sep + name),
+            ).fetchall()
+        return [(int(i), str(p)) for i, p in got]
+
+    def _lookup_paths(self, paths: Sequence[str]) -> dict[str, int]:
+        if not paths or not (self.folder / DB_FILE).exists():
+            return {}
+        found = {}
+        with _connect_ro(self.folder / DB_FILE) as conn:
+            for chunk in range(0, len(paths), 500):
+                part = list(paths[chunk : chunk + 500])
+                q = f"SELECT path, id FROM gallery WHERE path IN ({','.join('?' * len(part))})"
+                found.update(dict(conn.execute(q, part).fetchall()))
+        return found
+
+    def _commit(self, index: Any, vectors: np.ndarray, ids: np.ndarray, change: Any, header: dict,
+                *, fresh: bool = False, side_files: Optional[Mapping[str, Any]] = None,
+                replaces: Sequence[str] = ()) -> None:
+        """Write the whole new store into a hidden sibling, swap it in, then adopt it in memory.
+
+        Side files: those in ``side_files`` are written by their function (None:
+        left out); the others are copied from the current folder (not on ``fresh``).
+        """
+        folder = self.folder
+        side_files = dict(side_files or {})
+        unknown = sorted(set(side_files) - set(SIDE_FILES))
+        if unknown:
+            raise GalleryStoreError(f"not side files of a store: {unknown} (expected some of {list(SIDE_FILES)})")
+        _check_store_location(folder, fresh=fresh, replaces=replaces)
+        _remove_leftovers(folder)
+        stage = swap_sibling(folder, "tmp")
+        try:
+            claim_output_dir(stage, MARKER_KIND, tool=TOOL)
+            db = stage / DB_FILE
+            if fresh:
+                with _connect_rw(db) as conn:
+                    conn.execute(_SCHEMA)
+            else:
+                shutil.copyfile(folder / DB_FILE, db)
+            with _connect_rw(db) as conn:
+                conn.execute("PRAGMA secure_delete = ON")
+                if change is not None:
+                    change(conn)
+                    conn.commit()
+                    conn.execute("VACUUM")
+            if _db_ids(db).size != ids.size:
+                raise GalleryStoreError(f"internal error: the table would hold {_db_ids(db).size} items, the index {ids.size}")
+            faiss.write_index(index, str(stage / INDEX_FILE))
+            np.save(stage / VECTORS_FILE, np.ascontiguousarray(vectors, dtype=np.float32), allow_pickle=False)
+            np.save(stage / IDS_FILE, np.ascontiguousarray(ids, dtype=np.int64), allow_pickle=False)
+            for name in SIDE_FILES:
+                if name in side_files:
+                    if side_files[name] is not None:
+                        side_files[name](stage / name)
+                elif not fresh and (folder / name).is_file():
+                    shutil.copyfile(folder / name, stage / name)
+            header = dict(header, files={name: _file_record(stage / name) for name in DATA_FILES})
+            write_json_atomic(stage / HEADER_FILE, header)
+            replace_dir_atomically(stage, folder, aside=swap_sibling(folder, "old"))
+        finally:
+            if stage.exists():
+                shutil.rmtree(stage)
+        self.header, self.index, self.vectors, self.ids = header, index, vectors, ids
+
+    def _commit_header(self, header: dict) -> None:
+        """Replace ``header.json`` alone (one ``os.replace``): the data files and their records are unchanged."""
+        folder = self.folder
+        _check_store_location(folder, fresh=False)
+        for p in folder.iterdir():
+            if _HEADER_TEMP.match(p.name) and p.is_file():
+                p.unlink()
+        write_json_atomic(folder / HEADER_FILE, header)
+        self.header = header
+
+
+# --------------------------------------------------------------------------
+# Helpers
+# --------------------------------------------------------------------------
+
+
+def _empty_result(nq: int, k: int) -> SearchResult:
+    return SearchResult(scores=np.full((nq, k), -np.inf, np.float32), ids=np.full((nq, k), -1, np.int64))
+
+
+def _exact_search(queries: np.ndarray, vectors: np.ndarray, ids: np.ndarray, k: int) -> SearchResult:
+    from fedreid.eval.retrieval import block_topk
+
+    kk = min(k, vectors.shape[0])
+    scores, rows = block_topk(queries, vectors, kk)
+    out = _empty_result(queries.shape[0], k)
+    out.scores[:, :kk], out.ids[:, :kk] = scores, ids[rows]
+    return out
+
+
+def _copy_index(index: Any) -> Any:
+    return faiss.deserialize_index(faiss.serialize_index(index))
+
+
+def _file_record(path: Path) -> dict[str, Any]:
+    return {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
+
+
+class _Conn:
+    def __init__(self, conn: sqlite3.Connection):
+        self.conn = conn
+
+    def __enter__(self) -> sqlite3.Connection:
+        return self.conn
+
+    def __exit__(self, *exc: Any) -> None:
+        if exc[0] is None:
+            self.conn.commit()
+        self.conn.close()
+
+
+def _connect_rw(path: Path) -> _Conn:
+    return _Conn(sqlite3.connect(str(path)))
+
+
+def _connect_ro(path: Path) -> _Conn:
+    return _Conn(sqlite3.connect(f"file:{path}?mode=ro", uri=True))
+
+
+def _db_ids(path: Path) -> np.ndarray:
+    with open(path, "rb") as f:
+        head = f.read(len(_SQLITE_MAGIC))
+    if head != _SQLITE_MAGIC:
+        raise GalleryStoreError(f"{path} is not an SQLite database: {describe_kind(file_kind(path))}")
+    try:
+        with _connect_ro(path) as conn:
+            got = conn.execute("SELECT id FROM gallery ORDER BY id").fetchall()
+    except sqlite3.DatabaseError as exc:
+        raise GalleryStoreError(f"{path} is not a gallery store table: {exc}") from None
+    return np.array([r[0] for r in got], dtype=np.int64)
+
+
+def is_store_folder(folder: str | Path) -> bool:
+    """Whether ``folder``'s ``header.json`` is a gallery store header (reads that JSON only; never raises)."""
+    try:
+        header = json.loads((Path(folder) / HEADER_FILE).read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return False
+    return isinstance(header, dict) and header.get("format") == STORE_FORMAT
+
+
+def _own_names() -> set[str]:
+    return {HEADER_FILE, *DATA_FILES, *SIDE_FILES, marker_path(".", MARKER_KIND).name}
+
+
+def _check_store_location(folder: Path, *, fresh: bool, replaces: Sequence[str] = ()) -> None:
+    """Refuse (changing nothing) a folder that is not new/empty/a store, or that holds other files."""
+    if folder.is_symlink() or (folder.exists() and not folder.is_dir()):
+        raise GalleryStoreError(f"{folder} is not a folder {TOOL} made; choose another folder")
+    if not folder.is_dir() or not any(folder.iterdir()):
+        return
+    if not owns_folder(folder, MARKER_KIND):
+        entries = sorted(p.name for p in folder.iterdir())
+        raise GalleryStoreError(
+            f"{folder} holds files {TOOL} did not write ({', '.join(entries[:5])}); choose another folder "
+            "(nothing was changed)"
+        )
+    if fresh is False and not is_store_folder(folder):
+        raise GalleryStoreError(f"{folder} is not a gallery store (no store header.json)")
+    own = _own_names() | (set(replaces) if fresh else set())
+    foreign = sorted(p.name for p in folder.iterdir() if p.name not in own and not _HEADER_TEMP.match(p.name))
+    if foreign:
+        raise GalleryStoreError(
+            f"store folder {folder} also holds files that are not the store's ({', '.join(foreign[:5])}); an "
+            "update replaces the whole folder: move them elsewhere (nothing was changed)"
+        )
+
+
+def _remove_leftovers(folder: Path) -> None:
+    """Clean up hidden siblings a killed update left (moving a whole ``.old-*`` back when the store is gone)."""
+    for p in swap_leftovers(folder.parent, folder.name):
+        if p.is_symlink() or not p.is_dir():
+            continue
+        if p.name.startswith(f".{folder.name}.old-") and owns_folder(p, MARKER_KIND) and not folder.exists():
+            os.replace(p, folder)
+        elif owns_folder(p, MARKER_KIND) or all(is_marker_leftover(q, MARKER_KIND) for q in p.iterdir()):
+            shutil.rmtree(p)
+
+
+def _read_header(folder: Path) -> dict:
+    path = folder / HEADER_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"no gallery store at {folder}: {path} is missing")
+    try:
+        header = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise GalleryStoreError(f"{path} is not a readable JSON header: {exc}") from None
+    if not isinstance(header, dict) or header.get("format") != STORE_FORMAT:
+        raise GalleryStoreError(f"{path} is not a {STORE_FORMAT} header")
+    if header.get("version") != STORE_VERSION:
+        raise GalleryStoreError(f"{path} has version {header.get('version')!r}; this code reads {STORE_VERSION}")
+    bad = [key for key in ("dim", "ntotal", "next_id") if type(header.get(key)) is not int or header[key] < 0]
+    if not isinstance(header.get("factory"), str) or header.get("kind") not in ("flat", "ivf", "hnsw", "other"):
+        bad.append("factory/kind")
+    if not isinstance(header.get("search"), dict):
+        bad.append("search")
+    files = header.get("files")
+    for name in DATA_FILES:
+        rec = files.get(name) if isinstance(files, dict) else None
+        if not isinstance(rec, dict) or type(rec.get("bytes")) is not int or not isinstance(rec.get("sha256"), str) \
+                or not _SHA256_HEX.match(rec["sha256"]):
+            bad.append(f"size and SHA-256 of {name}")
+    if bad or header.get("dim", 0) < 1:
+        raise GalleryStoreError(f"{path} lacks valid {', '.join(bad) or 'dim'}: it is damaged or was not written by fedreid")
+    return header
+
+
+def _check_file(folder: Path, name: str, header: dict) -> None:
+    path = folder / name
+    if not path.is_file():
+        raise FileNotFoundError(f"gallery store file {path} is missing")
+    record = header["files"][name]
+    size = path.stat().st_size
+    if size != record["bytes"]:
+        raise GalleryStoreError(
+            f"{path} has {size} bytes but {folder / HEADER_FILE} says {record['bytes']}: "
+            "the folder mixes two saves or the file is damaged"
+        )
+    if sha256_file(path) != record["sha256"]:
+        raise GalleryStoreError(
+            f"{path} does not match the SHA-256 in {folder / HEADER_FILE}: the file is damaged or was replaced "
+            "after the store was saved"
+        )
+
+
+def _read_npy(path: Path, what: str, dtype: Any, shape: tuple) -> np.ndarray:
+    kind = file_kind(path)
+    if kind != "npy":
+        raise GalleryStoreError(f"{path} is not a NumPy .npy file of {what}: {describe_kind(kind)}")
+    try:
+        arr = np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as exc:
+        text = str(exc).strip()
+        why = (
+            "it holds pickled Python objects, which are never loaded (loading them can run code)"
+            if "pickle" in text.lower() else (text.splitlines()[0] if text else type(exc).__name__)
+        )
+        raise GalleryStoreError(f"{path} is not a readable .npy of {what}: {why}") from None
+    if arr.dtype != np.dtype(dtype) or tuple(arr.shape) != tuple(shape):
+        raise GalleryStoreError(f"{path}: expected {what} of shape {shape} and dtype {np.dtype(dtype)}, got {arr.shape} {arr.dtype}")
+    return arr
+
+
+def _read_faiss(path: Path, header: dict) -> Any:
+    with open(path, "rb") as f:
+        tag = f.read(4)
+    if tag != _IDMAP2_TAG:
+        raise GalleryStoreError(f"{path} is not a faiss IndexIDMap2 as written by the store: it starts with {tag!r}")
+    try:
+        index = faiss.read_index(str(path))
+    except RuntimeError as exc:
+        text = str(exc).strip().splitlines()
+        raise GalleryStoreError(f"{path} is not a readable faiss index: {text[-1] if text else exc}") from None
+    if not isinstance(index, faiss.IndexIDMap2) or index.ntotal != header["ntotal"] or index.d != header["dim"] \
+            or index.metric_type != faiss.METRIC_INNER_PRODUCT or _index_kind(index) != header["kind"]:
+        raise GalleryStoreError(
+            f"{path} holds a {type(index).__name__} of dim {index.d} with {index.ntotal} vectors; "
+            f"{path.parent / HEADER_FILE} says a {header['kind']} index of dim {header['dim']} with {header['ntotal']}"
+        )
+    return index

@@ -1,0 +1,478 @@
+"""Federated search over Flower: the records, a site's handler on a real store, the merge, and a real deployment.
+
+Unit tests run the site handler on small :class:`GalleryStore` folders of
+random unit features (d=16) and the server side over ``FakeGrid`` (Flower's
+own ``Message`` and records, the real ``client_app``, no sockets). The
+deployment test starts a SuperLink and three SuperNodes on 127.0.0.1 with
+TLS and node authentication, searches, kills one site's SuperNode and
+searches again with ``tools/flower_fed.py search``; every process is stopped
+by the deployment's ``with`` block (and the tool's process group by the test).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from flower_fakes import FakeGrid
+from flwr.app import ConfigRecord, Context, Error, Message, RecordDict
+from flwr.common.config import parse_config_args
+from flwr.common.constant import ErrorCode
+from PIL import Image
+
+from fedreid.config import ConfigError
+from fedreid.flower import app as flower_app
+from fedreid.flower.launch import LaunchError, LocalDeployment, TLSFiles, search_run_config_string
+from fedreid.flower.search import (
+    RESULT_FORMAT,
+    SearchSettings,
+    SitePolicy,
+    answer_query,
+    decode_vector,
+    encode_vector,
+    federated_search,
+    fingerprint_problem,
+    format_result,
+    merge_answers,
+    read_feature_file,
+    read_fingerprint_file,
+    serve_search,
+    site_reply,
+)
+from fedreid.flower.search_codec import (
+    HITS_RECORD,
+    REPLY_RECORD,
+    THUMBNAILS_RECORD,
+    Hit,
+    SearchCodecError,
+    SearchFilters,
+    SearchQuery,
+    SiteAnswer,
+    decode_hits,
+    decode_query,
+    encode_hits,
+    encode_query,
+    is_search_query,
+)
+from fedreid.flower.security import make_node_key, make_tls_files
+from fedreid.retrieval.store import GalleryStore
+
+ROOT = Path(__file__).resolve().parents[1]
+TOOL = ROOT / "tools" / "flower_fed.py"
+D = 16
+FP = {"weights_sha256": "ab" * 32, "backbone": "toy", "height": 32, "width": 16, "feature": "embed+flip, l2-normalised"}
+SITES = ("sa", "sb", "sc")
+
+
+def unit_rows(n: int, seed: int) -> np.ndarray:
+    x = np.random.default_rng(seed).standard_normal((n, D)).astype(np.float32)
+    return x / np.linalg.norm(x, axis=1, keepdims=True)
+
+
+def make_store(folder: Path, n: int, seed: int, *, fp_where: str = "meta", images: bool = False,
+               site: str = "x", fingerprint: dict = FP) -> GalleryStore:
+    """A Flat store of ``n`` random unit features; JPEG files (with EXIF) when ``images``."""
+    rows = []
+    for i in range(n):
+        path = folder.parent / f"{folder.name}_images" / f"cam{i % 3}_{i:03d}.jpg"
+        if images:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            exif = Image.Exif()
+            exif[0x010E] = "secret description"  # ImageDescription
+            Image.new("RGB", (48, 96), (10 * i % 255, 80, 160)).save(path, exif=exif)
+        rows.append({"path": str(path), "camera": i % 3, "site": f"{site}-{'north' if i % 2 else 'south'}",
+                     "timestamp": 1000.0 + i, "identity": 500 + i})
+    kwargs = {"meta": {"model_fingerprint": fingerprint}} if fp_where == "meta" else {"model_fingerprint": fingerprint}
+    return GalleryStore.create(folder, unit_rows(n, seed), rows, **kwargs)
+
+
+def exact_answer(store: GalleryStore, site: str, q: np.ndarray, k: int, **filters) -> list[tuple]:
+    """(site, id, score) of the store's own top-k, pads dropped."""
+    res = store.search(q[None], k, **filters)
+    keep = res.ids[0] >= 0
+    return [(site, int(i), float(s)) for i, s in zip(res.ids[0][keep], res.scores[0][keep])]
+
+
+def exact_merge(per_site: list[list[tuple]], k: int) -> list[tuple]:
+    return sorted((t for site in per_site for t in site), key=lambda t: (-t[2], t[0], t[1]))[:k]
+
+
+def triples(hits) -> list[tuple]:
+    return [(h.site, h.id, h.score) if isinstance(h, Hit) else (h["site"], h["id"], h["score"]) for h in hits]
+
+
+@pytest.fixture(scope="module")
+def stores(tmp_path_factory):
+    root = tmp_path_factory.mktemp("stores")
+    return {
+        "sa": make_store(root / "sa", 12, 1, images=True, site="sa"),
+        "sb": make_store(root / "sb", 7, 2, fp_where="top", site="sb"),
+        "sc": make_store(root / "sc", 20, 3, site="sc"),
+    }
+
+
+@pytest.fixture
+def query():
+    return unit_rows(1, 99)[0]
+
+
+# ----------------------------------------------------------------------------- codec
+
+
+def test_codec_round_trips_queries_and_answers_exactly(query):
+    filters = SearchFilters(cameras=[2, 0], sites=["north"], time_window=(1000.5, None))
+    q = SearchQuery(query, 7, filters, FP, thumbnails=True)
+    back = decode_query(encode_query(q))
+    assert back.feature.dtype == np.float32 and np.array_equal(back.feature, query)
+    assert (back.k, back.filters, back.fingerprint, back.thumbnails) == (7, filters, FP, True)
+    assert is_search_query(encode_query(q)) and not is_search_query(RecordDict())
+    assert decode_query(encode_query(SearchQuery(query, 1))).filters == SearchFilters()
+
+    jpeg = b"\xff\xd8\xff\xe0" + b"x" * 50
+    hits = (Hit("sa", 5, 0.75, camera=1, timestamp=12.5, name="a.jpg", row_site="north", thumbnail=jpeg),
+            Hit("sa", 9, np.float32(0.1).item(), name="b.jpg"))
+    answer = decode_hits(encode_hits(SiteAnswer("sa", hits)), k=2)
+    assert answer.ok and answer.hits == hits
+    assert decode_hits(encode_hits(SiteAnswer("sa", hits)), thumbnails=False).hits[0].thumbnail is None
+    refused = decode_hits(encode_hits(SiteAnswer("sa", hits, error="model fingerprint mismatch")))
+    assert refused.error == "model fingerprint mismatch" and refused.hits == ()
+    # Only the file name of a path is ever encoded.
+    assert decode_hits(encode_hits(SiteAnswer("sa", (Hit("sa", 1, 0.5, name="/srv/g/x/c1.jpg"),)))).hits[0].name == "c1.jpg"
+
+
+def test_codec_refusals_name_what_was_expected(query):
+    with pytest.raises(SearchCodecError, match="k: expected an integer in"):
+        SearchQuery(query, 0)
+    with pytest.raises(SearchCodecError, match="finite"):
+        SearchQuery(np.full(D, np.nan, np.float32), 3)
+    with pytest.raises(SearchCodecError, match="one vector"):
+        SearchQuery(np.zeros((2, D), np.float32), 3)
+    with pytest.raises(SearchCodecError, match="filters: unknown key.*camera"):
+        SearchFilters.from_plain({"camera": [1]})
+    with pytest.raises(SearchCodecError, match="since .* is after until"):
+        SearchFilters(time_window=(5, 1))
+    content = encode_query(SearchQuery(query, 3))
+    content["fedreid.search.query"]["version"] = 99
+    with pytest.raises(SearchCodecError, match="expected version 1, got 99"):
+        decode_query(content)
+    good = encode_hits(SiteAnswer("sa", (Hit("sa", 1, 0.5), Hit("sa", 2, 0.25))))
+    with pytest.raises(SearchCodecError, match="at most k=1"):
+        decode_hits(good, k=1)
+    for mutate, message in [
+        (lambda c: c[REPLY_RECORD].__setitem__("rows", json.dumps([{"camera": None, "timestamp": None,
+                                                                      "name": "d/e.jpg", "row_site": None}] * 2)),
+         "file name without folders"),
+        (lambda c: c.__setitem__(THUMBNAILS_RECORD, ConfigRecord({"0": b"GIF89a"})), "expected a JPEG"),
+        (lambda c: c.__setitem__(THUMBNAILS_RECORD, ConfigRecord({"7": b"\xff\xd8\xff"})), "not the index of a hit"),
+        (lambda c: c[REPLY_RECORD].__setitem__("status", "maybe"), "status: expected 'ok' or 'error'"),
+        (lambda c: c.__delitem__(HITS_RECORD), "no 'fedreid.search.hits' record"),
+    ]:
+        bad = encode_hits(SiteAnswer("sa", (Hit("sa", 1, 0.5), Hit("sa", 2, 0.25))))
+        mutate(bad)
+        with pytest.raises(SearchCodecError, match=message):
+            decode_hits(bad)
+
+
+# ----------------------------------------------------------------------------- the site's handler
+
+
+def test_site_handler_on_a_real_store(stores, query, tmp_path):
+    store = stores["sa"]
+    answer = answer_query(store, SearchQuery(query, 5, fingerprint=FP), site="sa")
+    assert answer.ok and triples(answer.hits) == exact_answer(store, "sa", query, 5)
+    assert [h.name for h in answer.hits] == [Path(r["path"]).name for r in store.rows([h.id for h in answer.hits])]
+    assert all(h.thumbnail is None for h in answer.hits)  # thumbnails are off by default
+    # Filters reach the store; every hit passes them.
+    filters = SearchFilters(cameras=[1], time_window=(1003.0, 1010.0))
+    got = answer_query(store, SearchQuery(query, 12, filters, FP), site="sa").hits
+    assert got and all(h.camera == 1 and 1003.0 <= h.timestamp <= 1010.0 for h in got)
+    assert triples(got) == exact_answer(store, "sa", query, 12, cameras=[1], time_window=(1003.0, 1010.0))
+    only_north = answer_query(store, SearchQuery(query, 12, SearchFilters(sites=["sa-north"]), FP), site="sa").hits
+    assert len(only_north) == 6 and {h.row_site for h in only_north} == {"sa-north"}
+    # k larger than the store: every item once, no pads.
+    everything = answer_query(stores["sb"], SearchQuery(query, 50, fingerprint=FP), site="sb").hits
+    assert len(everything) == 7 and len({h.id for h in everything}) == 7
+    # Another model, no fingerprint, another dimension: an error answer, never a ranking.
+    other = dict(FP, weights_sha256="cd" * 32)
+    refused = answer_query(store, SearchQuery(query, 5, fingerprint=other), site="sa")
+    assert not refused.ok and refused.hits == () and "fingerprint mismatch" in refused.error
+    assert "weights_sha256 cdcdcdcdcdcdcdcd (query) vs abababababababab (site)" in refused.error
+    assert "names no model fingerprint" in answer_query(store, SearchQuery(query, 5), site="sa").error
+    assert "16" in answer_query(store, SearchQuery(np.ones(8, np.float32), 5, fingerprint=FP), site="sa").error
+    # The fingerprint is found at either place in the header; none recorded is refused.
+    assert fingerprint_problem({"meta": {"model_fingerprint": FP}}, FP) is None
+    assert fingerprint_problem({"model_fingerprint": FP, "meta": {}}, FP) is None
+    assert "records no model fingerprint" in fingerprint_problem({"model_fingerprint": None, "meta": {}}, FP)
+    assert "two different" in fingerprint_problem({"model_fingerprint": FP, "meta": {"model_fingerprint": other}}, FP)
+
+
+def test_thumbnails_only_where_the_site_allows_and_the_query_asks(stores, query):
+    store = stores["sa"]
+    allowed = SitePolicy(thumbnails=True, thumbnail_size=24)
+    assert all(h.thumbnail is None for h in
+               answer_query(store, SearchQuery(query, 3, fingerprint=FP), site="sa", policy=allowed).hits)
+    assert all(h.thumbnail is None for h in
+               answer_query(store, SearchQuery(query, 3, fingerprint=FP, thumbnails=True), site="sa").hits)
+    hits = answer_query(store, SearchQuery(query, 3, fingerprint=FP, thumbnails=True), site="sa", policy=allowed).hits
+    assert len(hits) == 3 and all(h.thumbnail.startswith(b"\xff\xd8\xff") for h in hits)
+    import io
+
+    with Image.open(io.BytesIO(hits[0].thumbnail)) as thumb:
+        assert max(thumb.size) <= 24 and thumb.format == "JPEG"
+        assert not thumb.getexif()  # the source's EXIF (a description) is not carried over
+    # Through the records too, and a site without images still answers (no thumbnail).
+    reply = site_reply(encode_query(SearchQuery(query, 3, fingerprint=FP, thumbnails=True)), site="sa",
+                       store_folder=store.folder, policy=allowed)
+    assert all(h.thumbnail for h in decode_hits(reply, k=3).hits)
+    reply = site_reply(encode_query(SearchQuery(query, 3, fingerprint=FP, thumbnails=True)), site="sc",
+                       store_folder=stores["sc"].folder, policy=allowed)
+    assert [h.thumbnail for h in decode_hits(reply).hits] == [None] * 3
+
+
+def test_site_reply_refusals_carry_no_local_path(stores, query, tmp_path):
+    content = encode_query(SearchQuery(query, 3, fingerprint=FP))
+    no_store = decode_hits(site_reply(content, site="sa", store_folder=None))
+    assert "no gallery store" in no_store.error
+    broken = tmp_path / "secret_place" / "store"
+    broken.mkdir(parents=True)
+    (broken / "header.json").write_text("{")
+    answer = decode_hits(site_reply(content, site="sa", store_folder=broken))
+    assert "cannot be opened" in answer.error and "secret_place" not in answer.error
+    bad = encode_query(SearchQuery(query, 3, fingerprint=FP))
+    del bad["fedreid.search.feature"]
+    assert "malformed query" in decode_hits(site_reply(bad, site="sa", store_folder=stores["sa"].folder)).error
+    # A normal answer holds no folder of the site either.
+    reply = site_reply(content, site="sa", store_folder=stores["sa"].folder)
+    text = repr({k: dict(v) for k, v in reply.items() if isinstance(v, ConfigRecord)})
+    assert str(stores["sa"].folder.parent) not in text and "cam" in text
+
+
+# ----------------------------------------------------------------------------- the merge
+
+
+def test_merge_orders_by_score_breaks_ties_by_site_and_id_and_cuts_at_k():
+    a = SiteAnswer("b-site", (Hit("b-site", 4, 0.9), Hit("b-site", 2, 0.5), Hit("b-site", 1, 0.5)))
+    b = SiteAnswer("a-site", (Hit("a-site", 7, 0.5), Hit("a-site", 3, 0.95), Hit("a-site", 8, 0.1)))
+    c = SiteAnswer("c-site", error="model fingerprint mismatch")
+    merged = merge_answers([a, c, b], 5)
+    assert triples(merged) == [("a-site", 3, 0.95), ("b-site", 4, 0.9), ("a-site", 7, 0.5), ("b-site", 1, 0.5),
+                               ("b-site", 2, 0.5)]
+    assert merge_answers([b, a], 5) == merged  # the order answers came in does not matter
+    assert len(merge_answers([a, b], 2)) == 2 and merge_answers([c], 3) == []
+
+
+def test_federated_search_over_the_grid_lists_missing_sites(stores, query, tmp_path):
+    make_store(tmp_path / "other", 5, 7, fingerprint=dict(FP, weights_sha256="ee" * 32))
+    nodes = {101: {"client": "sa", "gallery-store": str(stores["sa"].folder), "search-thumbnails": "true"},
+             102: {"client": "sb", "gallery-store": str(stores["sb"].folder)},
+             103: {"client": "sc", "gallery-store": str(stores["sc"].folder)},
+             104: {"client": "sd", "gallery-store": str(tmp_path / "other")},  # another model's features
+             105: {"client": "se"},  # no store
+             106: {"client": "sf", "gallery-store": str(stores["sa"].folder)},  # vanished node
+             107: {"client": "sg", "gallery-store": str(stores["sa"].folder)},  # the SuperLink's error reply
+             108: {"client": "sh", "gallery-store": str(stores["sa"].folder)},  # too many hits
+             109: {"client": "sa", "gallery-store": str(stores["sb"].folder)}}  # a second "sa"
+
+    def tamper(node, msg, reply):
+        if node == 106:
+            return None
+        if node == 107:
+            return Message(Error(ErrorCode.NODE_UNAVAILABLE, "the destination node is offline"), reply_to=msg)
+        if node == 108:
+            hits = tuple(Hit("sh", i, 0.1) for i in range(9))
+            return Message(encode_hits(SiteAnswer("sh", hits)), reply_to=msg)
+        return reply
+
+    k = 8
+    with FakeGrid(flower_app.client_app, nodes, tamper=tamper) as grid:
+        result = federated_search(grid, grid.get_node_ids(), query, k, None, 0.5, fingerprint=FP, thumbnails=True,
+                                  expected_sites=["sa", "sb", "sc", "sz"], poll_seconds=0.05)
+        sent = grid.sent
+    assert all(m.metadata.message_type == "query" and m.metadata.ttl == 0.5 for m in sent)
+    expected = exact_merge([exact_answer(stores[s], s, query, k) for s in SITES], k)
+    assert triples(result.results) == expected
+    assert [(a.site, a.node_id) for a in result.answered] == [("sa", 101), ("sb", 102), ("sc", 103)]
+    assert {h.thumbnail is not None for h in result.results if h.site == "sa"} == {True}
+    assert {h.thumbnail for h in result.results if h.site != "sa"} == {None}
+    missing = {m.node_id: m for m in result.missing}
+    assert missing[104].code == "refused" and "fingerprint mismatch" in missing[104].reason
+    assert missing[105].code == "refused" and "no gallery store" in missing[105].reason
+    assert missing[106].code == "no-reply" and "0.5 s" in missing[106].reason and missing[106].site is None
+    assert missing[107].code == "unavailable" and "offline" in missing[107].reason
+    assert missing[108].code == "malformed" and "at most k=8" in missing[108].reason
+    assert missing[109].code == "duplicate" and missing[109].site == "sa"
+    assert [(m.site, m.code) for m in result.missing if m.node_id is None] == [("sz", "not-answered")]
+    assert "106, 107, 108" in missing[None].reason
+    plain = result.to_plain()
+    assert plain["format"] == RESULT_FORMAT and [r["rank"] for r in plain["results"]] == list(range(1, k + 1))
+    lines = format_result(json.loads(json.dumps(plain)))
+    assert lines[0].startswith(f"federated search: {k} results (k={k}) from 3 sites (sa, sb, sc); 7 missing")
+    assert any(line.startswith("missing: sz: not-answered") for line in lines)
+
+
+def test_search_mode_of_the_server_app(stores, query, tmp_path):
+    text = search_run_config_string(encode_vector(query), k=4, fingerprint=dict(FP, note="it's"),
+                                    filters={"cameras": [0, 2]}, timeout=0.5, expect=["sa", "sb"],
+                                    out=tmp_path / "r.json", join_timeout=0)
+    run_config = {**{"config": "", "overrides": "", "resume": False}, **parse_config_args([text])}
+    settings = SearchSettings.from_run_config(run_config)
+    assert np.array_equal(settings.feature, query) and settings.fingerprint["note"] == "it's"
+    assert (settings.k, settings.filters.cameras, settings.expect) == (4, (0, 2), ("sa", "sb"))
+    # ServerSettings knows the search keys (flwr fuses every key of the app's config into the run config).
+    flower_app.ServerSettings.from_run_config({**run_config, "out": "r"})
+    nodes = {1: {"client": "sa", "gallery-store": str(stores["sa"].folder)}}
+    run_config["search-fingerprint"] = json.dumps(FP)
+    with FakeGrid(flower_app.client_app, nodes) as grid:
+        flower_app.server_main(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(),
+                                             run_config=run_config))
+        doc = json.loads((tmp_path / "r.json").read_text())
+        assert triples(doc["results"]) == exact_answer(stores["sa"], "sa", query, 4, cameras=[0, 2])
+        assert [(m["site"], m["code"]) for m in doc["missing"]] == [("sb", "not-answered")]
+        result = serve_search(grid, dict(run_config, out=str(tmp_path / "elsewhere" / "r.json")))
+        assert len(result.results) == 4 and not (tmp_path / "elsewhere").exists()  # no folder made on this side
+        (tmp_path / "notes.json").write_text("{}")
+        with pytest.raises(ConfigError, match="not a federated search result"):
+            serve_search(grid, dict(run_config, out=str(tmp_path / "notes.json")))
+        with pytest.raises(ConfigError, match="mode='explore'"):
+            flower_app.server_main(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(),
+                                                 run_config=dict(run_config, mode="explore")))
+    with pytest.raises(ConfigError, match="search-vector"):
+        SearchSettings.from_run_config({"mode": "search"})
+    with pytest.raises(ConfigError, match="float32"):
+        decode_vector("AAAAAAA=")
+    with pytest.raises(LaunchError, match="without spaces"):
+        search_run_config_string("AAAA", k=1, expect=["a b"])
+
+
+def test_query_files_and_node_settings(tmp_path, stores):
+    np.save(tmp_path / "q.npy", np.ones((1, D), np.float64))
+    assert read_feature_file(tmp_path / "q.npy").dtype == np.float32
+    np.save(tmp_path / "bad.npy", np.ones((2, D)))
+    with pytest.raises(ConfigError, match=r"shape \[d\] or \[1, d\]"):
+        read_feature_file(tmp_path / "bad.npy")
+    assert read_fingerprint_file(stores["sa"].folder / "header.json") == FP
+    assert read_fingerprint_file(stores["sb"].folder / "header.json") == FP
+    (tmp_path / "fp.json").write_text(json.dumps(FP))
+    assert read_fingerprint_file(tmp_path / "fp.json") == FP
+    (tmp_path / "list.json").write_text("[1]")
+    with pytest.raises(ConfigError, match="model fingerprint"):
+        read_fingerprint_file(tmp_path / "list.json")
+    node = flower_app.NodeSettings.from_node_config({"client": "sa", "gallery-store": "/srv/g",
+                                                     "search-thumbnails": "true", "thumbnail-size": "32"})
+    assert node.gallery_store == Path("/srv/g") and node.search_policy == SitePolicy(True, 32) and node.site == "sa"
+    assert not flower_app.NodeSettings.from_node_config({"client": "sa"}).search_policy.thumbnails
+    with pytest.raises(ConfigError, match="thumbnail-size: expected 16..256"):
+        flower_app.NodeSettings.from_node_config({"client": "sa", "thumbnail-size": "4096"})
+
+
+def test_node_command_passes_the_search_settings(tmp_path, stores):
+    done = subprocess.run([sys.executable, str(TOOL), "node", "--client", "sa", "--superlink", "h:1", "--insecure",
+                           "--gallery-store", "g", "--search-thumbnails", "--print-only"], capture_output=True,
+                          text=True, cwd=tmp_path, timeout=120)
+    assert f"gallery-store='{tmp_path / 'g'}'" in done.stdout and "search-thumbnails='true'" in done.stdout
+    refused = subprocess.run([sys.executable, str(TOOL), "node", "--client", "sa", "--superlink", "h:1", "--insecure",
+                              "--state-dir", "st", "--gallery-store", "nowhere"], capture_output=True, text=True,
+                             cwd=tmp_path, timeout=120)
+    assert refused.returncode == 2 and "nowhere" in refused.stderr and "Traceback" not in refused.stderr
+
+
+def test_image_query_gives_the_evaluation_feature_and_the_model_fingerprint(tmp_path, one_torch_thread):
+    import torch
+
+    from fedreid.config import ModelConfig, to_dict
+    from fedreid.eval.model_io import load_model
+    from fedreid.flower.search import image_query
+    from fedreid.models.reid import create_reid_model, shared_state
+
+    run = tmp_path / "run"
+    run.mkdir()
+    model = create_reid_model("resnet18", 0, bottleneck_dim=16, seed=0)
+    torch.save({"format": "fedreid.model", "model": to_dict(ModelConfig(backbone="resnet18", bottleneck_dim=16,
+                height=32, width=16)), "mode": "fedpav", "round": 1, "state": shared_state(model)},
+               run / "model_final.pt")
+    Image.new("RGB", (16, 32), (200, 30, 60)).save(tmp_path / "q.jpg")
+    feature, fingerprint = image_query(tmp_path / "q.jpg", run)
+    assert feature.dtype == np.float32 and feature.shape == (16,)
+    assert abs(float(np.linalg.norm(feature)) - 1.0) < 1e-5
+    assert fingerprint == load_model(run).fingerprint
+    store = make_store(tmp_path / "st", 6, 4, fingerprint=fingerprint)
+    assert answer_query(store, SearchQuery(feature, 3, fingerprint=fingerprint), site="sa").ok
+
+
+@pytest.mark.parametrize("args, message", [
+    (["search", "--superlink", "h:1", "--feature", "q.npy"], "--ca CA_FILE"),
+    (["search", "--superlink", "h:1", "--insecure", "--feature", "q.npy"], "--feature needs --fingerprint"),
+    (["search", "--superlink", "h:1", "--insecure", "--image", "q.jpg"], "--image needs --model"),
+    (["search", "--superlink", "h:1", "--insecure", "--feature", "q.npy", "--k", "0"], "--k must be in"),
+    (["search", "--superlink", "h:1", "--insecure", "--feature", "q.npy", "--since", "5", "--until", "1"],
+     "since 5.0 is after until 1.0"),
+])
+def test_search_command_refusals_are_one_clear_line(tmp_path, args, message):
+    done = subprocess.run([sys.executable, str(TOOL), *args], capture_output=True, text=True, cwd=tmp_path,
+                          timeout=120)
+    assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr
+
+
+# ----------------------------------------------------------------------------- a real deployment
+
+
+def run_tool(args, timeout):
+    tool = subprocess.Popen([sys.executable, str(TOOL), *map(str, args)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        stdout, stderr = tool.communicate(timeout=timeout)
+    finally:
+        if tool.poll() is None:  # timed out or interrupted: the tool stops its flwr run on SIGTERM
+            tool.terminate()
+            try:
+                tool.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(tool.pid, signal.SIGKILL)
+                tool.wait(timeout=10)
+    return tool.returncode, stdout, stderr
+
+
+def test_search_over_tls_and_node_auth_then_with_a_site_killed(stores, query, tmp_path):
+    make_tls_files(tmp_path / "tls")
+    keys = {s: make_node_key(tmp_path / "keys", s)["private"] for s in SITES}
+    per_node = {s: {"gallery_store": str(stores[s].folder)} for s in SITES}
+    per_node["sa"]["search_thumbnails"] = "true"
+    np.save(tmp_path / "q.npy", query)
+    (tmp_path / "fp.json").write_text(json.dumps(FP))
+    k = 10
+    with LocalDeployment(tmp_path / "dep", SITES, tls=TLSFiles.from_dir(tmp_path / "tls"), node_keys=keys,
+                         per_node=per_node) as dep:
+        text = search_run_config_string(encode_vector(query), k=k, fingerprint=FP, timeout=60, expect=SITES,
+                                        out=tmp_path / "first.json", join_timeout=120)
+        rc = dep.cli.run(text, log=tmp_path / "first.log", timeout=300)
+        first_log = (tmp_path / "first.log").read_text(errors="replace")
+        dep.stop_process("node-sc", signal.SIGKILL)  # the site's SuperNode and its ClientApp, no goodbye
+        rc2, stdout, stderr = run_tool(["search", "--superlink", dep.superlink, "--ca", tmp_path / "tls" / "ca.crt",
+                                        "--feature", tmp_path / "q.npy", "--fingerprint", tmp_path / "fp.json",
+                                        "--k", k, "--timeout", 45, "--join-timeout", 5, "--thumbnails",
+                                        "--expect", "sa", "--expect", "sb", "--expect", "sc",
+                                        "--out", tmp_path / "second.json"], timeout=300)
+    assert rc == 0, first_log[-3000:]
+    first = json.loads((tmp_path / "first.json").read_text())
+    everyone = [exact_answer(stores[s], s, query, k) for s in SITES]
+    assert triples(first["results"]) == exact_merge(everyone, k)
+    assert sorted(a["site"] for a in first["answered"]) == list(SITES) and first["missing"] == []
+    assert "federated search: 10 results (k=10) from 3 sites" in first_log  # the ServerApp's log reaches flwr run
+    # sc's SuperNode is gone: the others' results still come, and sc is reported.
+    assert rc2 == 0, stdout + stderr
+    second = json.loads((tmp_path / "second.json").read_text())
+    assert triples(second["results"]) == exact_merge(everyone[:2], k)
+    sc_node = next(a["node_id"] for a in first["answered"] if a["site"] == "sc")
+    gone = {m["node_id"]: m for m in second["missing"]}
+    assert gone[sc_node]["code"] in ("no-reply", "unavailable"), second["missing"]
+    assert gone[None]["site"] == "sc" and str(sc_node) in gone[None]["reason"]
+    assert {bool(r["thumbnail_jpeg_base64"]) for r in second["results"] if r["site"] == "sa"} == {True}
+    assert {r["thumbnail_jpeg_base64"] for r in second["results"] if r["site"] == "sb"} == {None}
+    assert "from 2 sites (sa, sb)" in stdout and "missing: sc: not-answered" in stdout
+    assert f"missing: unknown site (node {sc_node})" in stdout

@@ -1,0 +1,289 @@
+"""The gallery store (fedreid.retrieval.store): factories, stable ids, erasure, filters, crash safety, checks."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+
+import numpy as np
+import pytest
+
+from fedreid.retrieval import store as store_mod
+from fedreid.retrieval.store import GalleryStore, GalleryStoreError
+
+N, D = 2000, 32
+CAMERAS, SITES = 4, ("north", "south", "east")
+
+
+def clustered(n: int, d: int, seed: int, centers: int = 40) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    c = rng.standard_normal((centers, d)).astype(np.float32)
+    x = c[rng.integers(0, centers, n)] + 0.35 * rng.standard_normal((n, d)).astype(np.float32)
+    return (x / np.linalg.norm(x, axis=1, keepdims=True)).astype(np.float32)
+
+
+def make_rows(n: int, start: int = 0, prefix: str = "img") -> list[dict]:
+    return [
+        {"path": f"/gallery/{prefix}_{start + i:05d}.jpg", "camera": (start + i) % CAMERAS,
+         "site": SITES[(start + i) % len(SITES)], "timestamp": float(1000 + start + i),
+         "identity": (start + i) % 97}
+        for i in range(n)
+    ]
+
+
+@pytest.fixture(scope="module")
+def feats() -> np.ndarray:
+    return clustered(N, D, seed=0)
+
+
+FACTORIES = ["Flat", "IVF16,Flat", "IVF16,PQ8x4", "OPQ8,IVF16,PQ8x4", "HNSW16"]
+
+
+@pytest.mark.parametrize("factory", FACTORIES)
+def test_each_factory_builds_searches_and_reopens(tmp_path, feats, factory):
+    s = GalleryStore.create(tmp_path / "st", feats, make_rows(N), factory=factory, seed=0)
+    assert s.ntotal == N
+    res = s.search(feats[:20], 5)
+    assert res.ids.shape == (20, 5) and (res.ids >= 0).all()
+    if factory in ("Flat", "IVF16,Flat", "HNSW16"):  # un-quantised: each vector finds itself first
+        assert (res.ids[:, 0] == np.arange(20)).mean() >= 0.9
+    again = GalleryStore.open(tmp_path / "st")
+    assert again.factory == factory and again.kind == s.kind
+    np.testing.assert_array_equal(again.search(feats[:20], 5).ids, res.ids)
+    header = json.loads((tmp_path / "st" / "header.json").read_text())
+    assert header["version"] == 3 and header["ntotal"] == N and header["dim"] == D
+
+
+def test_flat_recall_is_one_and_verify_is_recorded(tmp_path, feats):
+    s = GalleryStore.create(tmp_path / "st", feats, make_rows(N), factory="Flat")
+    r = s.verify(sample=100, k=10, seed=3)
+    assert r["recall"] == 1.0
+    assert json.loads((tmp_path / "st" / "header.json").read_text())["verify"]["recall"] == 1.0
+    assert GalleryStore.open(tmp_path / "st").header["verify"] == r
+
+
+@pytest.mark.parametrize("factory", ["IVF16,Flat", "IVF16,PQ8x4"])
+def test_verify_matches_a_recomputation(tmp_path, feats, factory):
+    s = GalleryStore.create(tmp_path / "st", feats, make_rows(N), factory=factory, seed=0)
+    r = s.verify(sample=150, k=10, seed=7)
+    rows = np.sort(np.random.default_rng(7).choice(N, size=150, replace=False))
+    q = feats[rows]
+    exact = np.argsort(-(q @ feats.T), axis=1, kind="stable")[:, :10]  # ids == rows at creation
+    approx = s.search(q, 10).ids
+    mine = np.mean([len(set(a) & set(e)) / 10 for a, e in zip(approx.tolist(), exact.tolist())])
+    assert r["recall"] == pytest.approx(mine)
+    assert 0 < r["recall"] <= 1
+    assert r["search"] == s.search_params
+
+
+@pytest.mark.parametrize("factory,name", [("IVF32,Flat", "nprobe"), ("HNSW8", "efSearch")])
+def test_tune_picks_the_smallest_value_reaching_the_target(tmp_path, feats, factory, name):
+    s = GalleryStore.create(tmp_path / "st", feats, make_rows(N), factory=factory, seed=0)
+    t = s.tune(0.95, sample=100, k=10, seed=1)
+    assert t["reached"] and t["recall"] >= 0.95
+    chosen = s.search_params[name]
+    assert t["tried"][-1][name] == chosen
+    assert all(x["recall"] < 0.95 for x in t["tried"][:-1])
+    assert GalleryStore.open(tmp_path / "st").search_params == {name: chosen}
+
+
+def test_too_few_vectors_for_the_factory_is_refused(tmp_path, feats):
+    with pytest.raises(GalleryStoreError, match="needs at least 64 training vectors.*IVF with 64 lists.*has 50"):
+        GalleryStore.create(tmp_path / "st", feats[:50], make_rows(50), factory="IVF64,Flat")
+    with pytest.raises(GalleryStoreError, match="needs at least 256 training vectors.*PQ"):
+        GalleryStore.create(tmp_path / "st", feats[:100], make_rows(100), factory="IVF4,PQ8")
+    assert not (tmp_path / "st").exists()
+    with pytest.raises(GalleryStoreError, match="factory string"):
+        GalleryStore.create(tmp_path / "st", feats, make_rows(N), factory="NoSuchThing12")
+
+
+@pytest.mark.parametrize("factory", ["Flat", "IVF16,PQ8x4", "HNSW16"])
+def test_add_then_remove_leaves_no_trace_and_ids_are_stable(tmp_path, feats, factory):
+    base, extra = feats[:1500], feats[1500:]
+    s = GalleryStore.create(tmp_path / "st", base, make_rows(1500), factory=factory, seed=0)
+    before = s.search(base[:30], 5).ids
+    new = s.add(extra, make_rows(500, start=1500))
+    np.testing.assert_array_equal(new, np.arange(1500, 2000))
+    secret = "/gallery/img_01700.jpg"
+    assert s.rows([1700])[0]["path"] == secret
+    gone = s.remove([secret, 1701, 3])
+    np.testing.assert_array_equal(gone, [3, 1700, 1701])
+    reopened = GalleryStore.open(tmp_path / "st")
+    for st in (s, reopened):
+        assert st.ntotal == 1997
+        res = st.search(np.concatenate([feats[[1700, 1701, 3]], base[:30]]), 20).ids
+        assert not np.isin(res, gone).any()
+        assert st.rows([1700, 1701, 3]) == [None, None, None]
+        # ids stable: untouched items keep their ids and metadata
+        assert st.rows([4, 1999])[0]["path"] == "/gallery/img_00004.jpg"
+        assert st.rows([1999])[0]["camera"] == 1999 % CAMERAS
+    con = sqlite3.connect(tmp_path / "st" / "meta.sqlite")
+    assert con.execute("SELECT COUNT(*) FROM gallery WHERE id IN (3, 1700, 1701)").fetchone()[0] == 0
+    con.close()
+    for f in (tmp_path / "st").iterdir():
+        data = f.read_bytes()
+        assert secret.encode() not in data and b"img_00003.jpg" not in data, f.name
+    assert not np.isin(reopened.ids, gone).any()
+    if factory == "Flat":
+        keep = ~np.isin(np.arange(30), gone)
+        np.testing.assert_array_equal(reopened.search(base[:30], 1).ids[keep, 0], before[keep, 0])
+    # a removed id is never reused
+    again = s.add(feats[:2] * 0.5 + 0.1, make_rows(2, prefix="new"))
+    assert again.min() >= 2000
+
+
+def test_remove_unknown_or_duplicate_add_changes_nothing(tmp_path, feats):
+    s = GalleryStore.create(tmp_path / "st", feats[:300], make_rows(300))
+    header = (tmp_path / "st" / "header.json").read_bytes()
+    with pytest.raises(GalleryStoreError, match="holds no item /nope.jpg, 99999"):
+        s.remove(["/nope.jpg", 99999, 5])
+    with pytest.raises(GalleryStoreError, match="already holds 1 of these paths"):
+        s.add(feats[300:302], make_rows(2, start=299))
+    assert (tmp_path / "st" / "header.json").read_bytes() == header and s.ntotal == 300
+
+
+@pytest.mark.parametrize("factory", ["Flat", "IVF16,Flat", "HNSW16"])
+def test_filters_by_camera_site_and_time(tmp_path, feats, factory, monkeypatch):
+    s = GalleryStore.create(tmp_path / "st", feats, make_rows(N), factory=factory, seed=0)
+    q = feats[:10]
+    for exact_max in (store_mod.EXACT_FILTER_MAX, 0):  # exact path and the IDSelector path
+        monkeypatch.setattr(store_mod, "EXACT_FILTER_MAX", exact_max)
+        res = s.search(q, 10, cameras=[1, 2])
+        assert (res.ids >= 0).all() and set((res.ids % CAMERAS).ravel()) <= {1, 2}
+        res = s.search(q, 10, sites=["east"])
+        assert (res.ids >= 0).all() and all(r["site"] == "east" for r in s.rows(res.ids.ravel()))
+        res = s.search(q, 10, time_window=(1100.0, 1199.0))
+        assert (res.ids >= 0).all() and ((res.ids >= 100) & (res.ids <= 199)).all()
+        res = s.search(q, 10, cameras=[0], sites=["north"], time_window=(None, 1059.0))
+        allowed = [i for i in range(60) if i % CAMERAS == 0 and i % 3 == 0]  # 0, 12, 24, 36, 48
+        got = res.ids[0][res.ids[0] >= 0].tolist()
+        if exact_max or factory == "Flat":  # exact: all of them; IVF with a selector probes nprobe lists only
+            assert sorted(got) == allowed and (res.ids[:, len(allowed):] == -1).all()
+        else:
+            assert set(got) <= set(allowed)
+    # the exact filtered result equals a brute-force search of the allowed items
+    monkeypatch.setattr(store_mod, "EXACT_FILTER_MAX", 10**9)
+    res = s.search(q, 5, cameras=[3])
+    allowed = np.arange(N)[np.arange(N) % CAMERAS == 3]
+    want = allowed[np.argsort(-(q @ feats[allowed].T), axis=1, kind="stable")[:, :5]]
+    np.testing.assert_array_equal(res.ids, want)
+    assert (s.search(q, 5, cameras=[]).ids == -1).all()
+
+
+def test_a_crash_during_an_update_leaves_the_previous_store(tmp_path, feats, monkeypatch):
+    s = GalleryStore.create(tmp_path / "st", feats[:500], make_rows(500), factory="IVF8,Flat", seed=0)
+    snapshot = {p.name: p.read_bytes() for p in (tmp_path / "st").iterdir()}
+
+    def crash(*a, **k):
+        raise KeyboardInterrupt("killed during the swap")
+
+    monkeypatch.setattr(store_mod, "replace_dir_atomically", crash)
+    with pytest.raises(KeyboardInterrupt):
+        s.add(feats[500:600], make_rows(100, start=500))
+    with pytest.raises(KeyboardInterrupt):
+        s.remove([1, 2])
+    assert {p.name: p.read_bytes() for p in (tmp_path / "st").iterdir()} == snapshot
+    assert s.ntotal == 500 and s.rows([1])[0] is not None  # memory unchanged too
+    monkeypatch.undo()
+    reopened = GalleryStore.open(tmp_path / "st")
+    assert reopened.ntotal == 500
+    np.testing.assert_array_equal(reopened.search(feats[:10], 5).ids, s.search(feats[:10], 5).ids)
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".st.")]  # staging removed
+    reopened.add(feats[500:600], make_rows(100, start=500))  # a later update works
+    assert GalleryStore.open(tmp_path / "st").ntotal == 600
+
+
+def test_a_kill_between_the_renames_is_repaired_by_the_next_update(tmp_path, feats, monkeypatch):
+    import os
+
+    s = GalleryStore.create(tmp_path / "st", feats[:300], make_rows(300))
+    real = os.replace
+    calls = []
+
+    def first_rename_only(src, dst):
+        if str(dst) == str(tmp_path / "st") and str(src).startswith(str(tmp_path / ".st.tmp-")):
+            calls.append(src)
+            raise KeyboardInterrupt("killed between the renames")
+        return real(src, dst)
+
+    monkeypatch.setattr(store_mod.replace_dir_atomically.__globals__["os"], "replace", first_rename_only)
+    with pytest.raises(KeyboardInterrupt):
+        s.add(feats[300:310], make_rows(10, start=300))
+    monkeypatch.undo()
+    assert calls and not (tmp_path / "st").exists()
+    assert [p for p in tmp_path.iterdir() if p.name.startswith(".st.old-")]
+    GalleryStore(tmp_path / "st", s.header, s.index, s.vectors, s.ids).add(
+        feats[300:310], make_rows(10, start=300)
+    )
+    assert GalleryStore.open(tmp_path / "st").ntotal == 310
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".st.")]
+
+
+def test_tampering_is_refused_with_a_clear_error(tmp_path, feats):
+    GalleryStore.create(tmp_path / "st", feats[:300], make_rows(300))
+    folder = tmp_path / "st"
+    header = json.loads((folder / "header.json").read_text())
+
+    h = dict(header, ntotal=299)
+    (folder / "header.json").write_text(json.dumps(h))
+    with pytest.raises(GalleryStoreError, match="ids.npy: expected ids of shape"):
+        GalleryStore.open(folder)
+
+    (folder / "header.json").write_text(json.dumps(dict(header, version=2)))
+    with pytest.raises(GalleryStoreError, match="version 2; this code reads 3"):
+        GalleryStore.open(folder)
+
+    (folder / "header.json").write_text("{not json")
+    with pytest.raises(GalleryStoreError, match="not a readable JSON header"):
+        GalleryStore.open(folder)
+
+    (folder / "header.json").write_text(json.dumps(header))
+    good = (folder / "index.faiss").read_bytes()
+    data = bytearray(good)
+    data[-5] ^= 0xFF
+    (folder / "index.faiss").write_bytes(bytes(data))
+    with pytest.raises(GalleryStoreError, match=r"index\.faiss does not match the SHA-256"):
+        GalleryStore.open(folder)
+    (folder / "index.faiss").write_bytes(good)
+    GalleryStore.open(folder)  # restored: loads again
+
+    # a planted pickle with a matching header is refused before anything parses it
+    import pickle
+
+    (folder / "vectors.npy").write_bytes(pickle.dumps({"x": 1}))
+    rec = {"bytes": (folder / "vectors.npy").stat().st_size, "sha256": store_mod.sha256_file(folder / "vectors.npy")}
+    header["files"]["vectors.npy"] = rec
+    (folder / "header.json").write_text(json.dumps(header))
+    with pytest.raises(GalleryStoreError, match="vectors.npy is not a NumPy .npy file"):
+        GalleryStore.open(folder)
+
+
+def test_foreign_folders_are_refused(tmp_path, feats):
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep")
+    with pytest.raises(GalleryStoreError, match="holds files .* did not write .*notes.txt"):
+        GalleryStore.create(tmp_path / "mine", feats[:50], make_rows(50))
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep"
+    s = GalleryStore.create(tmp_path / "st", feats[:50], make_rows(50), model_fingerprint={"weights_sha256": "ab"})
+    assert GalleryStore.open(tmp_path / "st").header["meta"]["model_fingerprint"] == {"weights_sha256": "ab"}
+    (tmp_path / "st" / "extra.txt").write_text("x")
+    with pytest.raises(GalleryStoreError, match="also holds files .*extra.txt"):
+        s.add(feats[50:51], make_rows(1, start=50))
+
+
+def test_a_planted_index_file_never_reaches_faiss(tmp_path, feats, monkeypatch):
+    import pickle
+
+    GalleryStore.create(tmp_path / "st", feats[:100], make_rows(100))
+    folder = tmp_path / "st"
+    header = json.loads((folder / "header.json").read_text())
+    (folder / "index.faiss").write_bytes(pickle.dumps([1, 2, 3]))
+    header["files"]["index.faiss"] = {
+        "bytes": (folder / "index.faiss").stat().st_size, "sha256": store_mod.sha256_file(folder / "index.faiss"),
+    }
+    (folder / "header.json").write_text(json.dumps(header))
+    seen = []
+    monkeypatch.setattr(store_mod.faiss, "read_index", lambda *a: seen.append(a))
+    with pytest.raises(GalleryStoreError, match="index.faiss is not a faiss IndexIDMap2"):
+        GalleryStore.open(folder)
+    assert seen == []

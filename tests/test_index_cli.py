@@ -1,0 +1,368 @@
+"""tools/eval_reid.py index/query on a gallery store: factories, verify/tune, add, remove, filters, metadata CSV."""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+import os
+import re
+import shutil
+import sqlite3
+from pathlib import Path
+
+import cv2
+import numpy as np
+import pytest
+import torch
+from tool_loader import load_tool
+
+from fedreid.config import ModelConfig, to_dict
+from fedreid.models.reid import create_reid_model, shared_state
+from fedreid.utils.cli import run_main
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+tool = load_tool("eval_reid", "eval_reid_tool_index")
+
+T0 = 1_700_000_000  # the gallery's modification times: T0 + i hours for image i
+N_GALLERY, N_MORE = 31, 5
+LINE = re.compile(
+    r"^\s+(?P<rank>\d+)\s+(?P<score>-?[\d.]+)\s+(?P<path>\S+)\s+id=(?P<id>\d+) cam=(?P<cam>\S+) "
+    r"site=(?P<site>\S+) time=(?P<time>\S+)(?P<mark> [+-])?$"
+)
+
+
+def _model_file(path: Path, seed: int) -> Path:
+    cfg = to_dict(ModelConfig(backbone="test_resnet", bottleneck_dim=16, height=32, width=16))
+    model = create_reid_model("test_resnet", 0, bottleneck_dim=16, seed=seed)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"format": "fedreid.model", "model": cfg, "mode": "fedpav", "round": 1,
+                "state": shared_state(model)}, path)
+    return path
+
+
+def _images(folder: Path, names: list[str], rng: np.random.Generator, t_start: int) -> list[Path]:
+    out = []
+    for k, name in enumerate(names):
+        path = folder / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        assert cv2.imwrite(str(path), rng.integers(0, 256, (32, 16, 3), dtype=np.uint8))
+        os.utime(path, (t_start + 3600 * k, t_start + 3600 * k))
+        out.append(path)
+    return out
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """A run (tiny test_resnet), a 31-image Market-style gallery (one name twice, in sub/), 5 more images."""
+    root = tmp_path_factory.mktemp("indexcli")
+    rng = np.random.default_rng(0)
+    names = [f"{i // 3 + 1:04d}_c{i % 3 + 1}s1_{i:06d}_01.png" for i in range(N_GALLERY - 1)] + ["sub/twin.png"]
+    gallery = _images(root / "gallery", names, rng, T0)
+    _images(root / "gallery", ["twin.png"], rng, T0 - 3600)  # a second twin.png, top level: 32 images in all
+    more = _images(root / "more", [f"{50 + i:04d}_c{i % 2 + 1}s2_{i:06d}_01.png" for i in range(N_MORE)], rng,
+                   T0 + 100 * 3600)
+    run = root / "run"
+    _model_file(run / "model_final.pt", seed=0)
+    store = root / "store"
+    assert tool.main(_index(run, store, "--gallery", root / "gallery", "--site", "north")) == 0
+    return {"root": root, "run": run, "gallery": root / "gallery", "images": gallery, "more": more,
+            "store": store}
+
+
+def _index(run, folder, *extra) -> list[str]:
+    model = ["--model", str(run)] if run is not None else []
+    return ["index", *model, "--index", str(folder), "--device", "cpu", *[str(x) for x in extra]]
+
+
+def _query(world, folder, images, *extra, top_k=5) -> list[str]:
+    return ["query", "--model", str(world["run"]), "--index", str(folder), "--images", str(images),
+            "--device", "cpu", "--top-k", str(top_k), *extra]
+
+
+def _cli_error(argv, capsys) -> str:
+    with pytest.raises(SystemExit) as exc:
+        run_main(lambda: tool.main(argv))
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err and "Traceback" not in err
+    return err
+
+
+def _matches(out: str) -> dict[str, list[dict]]:
+    """query's printed results: {query path: [match fields]}."""
+    results: dict[str, list[dict]] = {}
+    current = None
+    for line in out.splitlines():
+        if not line.startswith(" "):
+            current = results.setdefault(line, [])
+            continue
+        m = LINE.match(line)
+        if m:
+            current.append(m.groupdict())
+    return results
+
+
+def _snapshot(folder: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
+
+
+def _copy_store(world, tmp_path) -> Path:
+    folder = tmp_path / "store"
+    shutil.copytree(world["store"], folder)
+    return folder
+
+
+def _table(folder: Path) -> list[tuple]:
+    con = sqlite3.connect(folder / "meta.sqlite")
+    try:
+        return con.execute("SELECT id, path, camera, site, timestamp, identity FROM gallery ORDER BY id").fetchall()
+    finally:
+        con.close()
+
+
+# --------------------------------------------------------------------------
+# Building: Flat is exact; other factories are verified and tuned
+# --------------------------------------------------------------------------
+
+
+def test_flat_store_ranks_as_exact_search(world, capsys):
+    from fedreid.eval import pipeline as pl
+    from fedreid.eval.retrieval import build_index, search
+    from fedreid.retrieval import GalleryStore
+
+    store = GalleryStore.open(world["store"])
+    loaded = pl.load_model(world["run"])
+    assert store.factory == "Flat" and store.ntotal == N_GALLERY + 1
+    assert pl.check_index_model(store.header, loaded, store.folder) is None  # the fingerprint where it is read
+    assert store.header["meta"]["model_fingerprint"] == loaded.fingerprint
+
+    paths = pl.list_images(world["gallery"])
+    fs = pl.image_features(loaded, paths)
+    scores, rows = search(build_index(fs.features, use_gpu=False), fs.features, 6)
+    want = [[str(paths[r].resolve()) for r in row] for row in rows]
+    results = pl.query_index(loaded, world["store"], world["gallery"], top_k=6)
+    assert [[m["path"] for m in r.matches] for r in results] == want
+    np.testing.assert_allclose([[m["score"] for m in r.matches] for r in results], scores, atol=1e-6)
+
+    capsys.readouterr()
+    assert tool.main(_query(world, world["store"], world["images"][4], top_k=6)) == 0
+    printed = _matches(capsys.readouterr().out)[str(world["images"][4])]
+    assert [Path(m["path"]).resolve() for m in printed] == [Path(p) for p in want[4]]
+    first = printed[0]
+    assert first["rank"] == "1" and first["mark"] == " +" and first["id"] == "4"  # ids in gallery order
+    assert (first["cam"], first["site"], first["time"]) == ("2", "north", "2023-11-15T02:13:20Z")
+
+
+def test_ivf_factory_verify_and_tune_print_and_store_recall(world, tmp_path, capsys):
+    folder = tmp_path / "ivf"
+    argv = _index(world["run"], folder, "--gallery", world["gallery"], "--factory", "IVF4,Flat", "--verify",
+                  "--verify-sample", "20", "--verify-k", "5", "--seed", "1")
+    assert tool.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "store: IVF4,Flat (nprobe=4), 32 items" in out
+    recall = float(re.search(r"verify: recall@5 ([\d.]+) against exact search \(nprobe=4; 20 sampled items, "
+                             r"seed 1\)", out).group(1))
+    header = json.loads((folder / "header.json").read_text())
+    assert header["kind"] == "ivf" and header["verify"]["recall"] == pytest.approx(recall, abs=5e-5)
+    assert header["verify"]["sample"] == 20 and header["verify"]["k"] == 5 and header["verify"]["seed"] == 1
+
+    assert tool.main(_index(None, folder, "--target-recall", "0.9", "--verify-sample", "20")) == 0  # no model
+    out = capsys.readouterr().out
+    m = re.search(r"tuned: nprobe=(\d+): recall@10 ([\d.]+) against exact search \(target 0.9, reached", out)
+    assert m and float(m.group(2)) >= 0.9
+    header = json.loads((folder / "header.json").read_text())
+    assert header["search"] == {"nprobe": int(m.group(1))} and header["tuned"]["target_recall"] == 0.9
+    assert header["verify"]["recall"] == pytest.approx(float(m.group(2)), abs=5e-5)
+
+    err = _cli_error(_index(world["run"], tmp_path / "big", "--gallery", world["gallery"], "--factory",
+                            "IVF64,Flat"), capsys)
+    assert "needs at least 64 training vectors" in err and "has 32" in err
+    assert not (tmp_path / "big" / "header.json").exists()
+    err = _cli_error(_index(world["run"], tmp_path / "typo", "--gallery", world["gallery"], "--factory",
+                            "IVF4,Flatt"), capsys)
+    assert "'IVF4,Flatt'" in err and "could not parse" in err and "such as Flat" in err
+    assert not (tmp_path / "typo").exists()  # refused before any work
+    err = _cli_error(_index(None, folder, "--target-recall", "1.5"), capsys)
+    assert "--target-recall must be in (0, 1]" in err
+
+
+# --------------------------------------------------------------------------
+# Updates: add, remove
+# --------------------------------------------------------------------------
+
+
+def test_add_then_query_finds_the_new_images(world, tmp_path, capsys):
+    folder = _copy_store(world, tmp_path)
+    assert tool.main(_index(world["run"], folder, "--add", world["root"] / "more", "--site", "south")) == 0
+    out = capsys.readouterr().out
+    assert f"added {N_MORE} images of {world['root'] / 'more'} to {folder}: ids 32-36 (37 items)" in out
+    query = world["more"][2]
+    assert tool.main(_query(world, folder, query, top_k=3)) == 0
+    first = _matches(capsys.readouterr().out)[str(query)][0]
+    assert Path(first["path"]).resolve() == query.resolve() and first["id"] == "34" and first["site"] == "south"
+
+    before = _snapshot(folder)
+    err = _cli_error(_index(world["run"], folder, "--add", world["root"] / "more"), capsys)
+    assert f"already holds {N_MORE} of the images" in err and str(world["more"][0].resolve()) in err
+    assert "nothing was changed" in err and _snapshot(folder) == before
+
+    # an unreadable image with --skip-bad-images: listed in the store's skipped.csv
+    extra = tmp_path / "extra"
+    _images(extra, ["0077_c1s1_000001_01.png"], np.random.default_rng(5), T0)
+    (extra / "0078_c1s1_000002_01.jpg").write_text("not an image")
+    assert tool.main(_index(world["run"], folder, "--add", extra, "--skip-bad-images")) == 0
+    assert "skipped 1 unreadable images" in capsys.readouterr().out
+    with open(folder / "skipped.csv", newline="") as f:
+        assert [r[0] for r in csv.reader(f)] == ["path", str(extra / "0078_c1s1_000002_01.jpg")]
+    assert json.loads((folder / "header.json").read_text())["meta"]["skipped"] == 1
+    assert tool.main(_index(None, folder, "--remove", "0")) == 0  # later updates keep the list
+    assert (folder / "skipped.csv").is_file()
+    capsys.readouterr()
+
+
+def test_add_with_another_model_is_refused(world, tmp_path, capsys):
+    folder = _copy_store(world, tmp_path)
+    other = _model_file(tmp_path / "other" / "model_final.pt", seed=7)
+    before = _snapshot(folder)
+    err = _cli_error(_index(other, folder, "--add", world["root"] / "more"), capsys)
+    assert "was built with another model" in err and "weights_sha256" in err and str(other) in err
+    assert _snapshot(folder) == before
+
+
+def test_remove_by_id_path_and_name_leaves_no_trace(world, tmp_path, capsys, monkeypatch):
+    from fedreid.retrieval import GalleryStore
+
+    folder = _copy_store(world, tmp_path)
+    store = GalleryStore.open(folder)
+    rows = {r[0]: r[1] for r in _table(folder)}
+    by_id, by_path, by_name = 5, 9, 12
+    relative = 20  # given as a path relative to the working folder
+    gone = [by_id, by_path, by_name, relative]
+    vectors = {i: store.vectors[np.searchsorted(store.ids, i)].copy() for i in gone}
+    monkeypatch.chdir(world["root"])
+    argv = _index(None, folder, "--remove", str(by_id), rows[by_path], Path(rows[by_name]).name,
+                  f"gallery/{Path(rows[relative]).name}")
+    assert tool.main(argv) == 0
+    assert capsys.readouterr().out.startswith(f"removed 4 items from {folder}: ids 5, 9, 12, 20 (28 items left)")
+
+    store = GalleryStore.open(folder)
+    assert store.ntotal == 28 and not np.isin(store.ids, gone).any()
+    assert not {r[0] for r in _table(folder)} & set(gone)
+    for f in folder.iterdir():  # no byte of a removed item's path or vector stays in any file
+        data = f.read_bytes()
+        for i in gone:
+            assert Path(rows[i]).name.encode() not in data and vectors[i].tobytes() not in data, (f.name, i)
+    assert tool.main(_query(world, folder, world["gallery"], top_k=30)) == 0
+    printed = {m["id"] for ms in _matches(capsys.readouterr().out).values() for m in ms}
+    assert len(printed) == 28 and not printed & {str(i) for i in gone}
+
+    before = _snapshot(folder)
+    err = _cli_error(_index(None, folder, "--remove", "9999", "7", "nothere.png"), capsys)
+    assert "holds no item 9999, nothere.png" in err and "nothing was removed" in err
+    err = _cli_error(_index(None, folder, "--remove", "twin.png"), capsys)
+    assert "twin.png names 2 items" in err and "sub/twin.png" in err
+    err = _cli_error(_index(world["run"], folder, "--remove", "7"), capsys)
+    assert "--model does not apply to --remove" in err
+    assert _snapshot(folder) == before
+
+
+def test_an_index_of_the_earlier_format_is_not_updated(world, tmp_path, capsys):
+    from fedreid.eval.retrieval import build_index, save_index
+
+    old = tmp_path / "old"
+    save_index(old, build_index(np.eye(3, dtype=np.float32), use_gpu=False), ids=[1, 2, 3], cameras=[0, 0, 0],
+               paths=["a", "b", "c"])
+    for argv in (_index(None, old, "--remove", "1"), _index(world["run"], old, "--add", world["root"] / "more"),
+                 _query(world, old, world["more"][0])):
+        err = _cli_error(argv, capsys)
+        assert "built by an earlier version" in err and "rebuild with index" in err
+
+
+# --------------------------------------------------------------------------
+# Filters
+# --------------------------------------------------------------------------
+
+
+def test_filters_by_camera_site_and_time(world, tmp_path, capsys):
+    folder = _copy_store(world, tmp_path)
+    assert tool.main(_index(world["run"], folder, "--add", world["root"] / "more", "--site", "south")) == 0
+    queries = world["root"] / "more"
+    capsys.readouterr()
+
+    def run(*filters) -> list[dict]:
+        assert tool.main(_query(world, folder, queries, *filters, top_k=40)) == 0
+        found = _matches(capsys.readouterr().out)
+        assert len(found) == N_MORE
+        return [m for ms in found.values() for m in ms]
+
+    assert {m["cam"] for m in run("--cameras", "1")} == {"1"}
+    got = run("--cameras", "2,3")
+    assert {m["cam"] for m in got} == {"2", "3"} and len(got) == N_MORE * (10 + 10 + 2)  # every item passing
+    got = run("--sites", "south")
+    assert {m["site"] for m in got} == {"south"} and {int(m["id"]) for m in got} == set(range(32, 37))
+    # a window of hours 3..6 of the gallery (ISO, offset) and the same as seconds since the epoch
+    iso = run("--since", "2023-11-15T03:13:20+02:00", "--until", "2023-11-15T04:13:20Z")
+    seconds = run("--since", str(T0 + 3 * 3600), "--until", str(T0 + 6 * 3600))
+    assert sorted({int(m["id"]) for m in iso}) == [3, 4, 5, 6] and iso == seconds
+    got = run("--cameras", "1", "--sites", "north", "--until", str(T0 + 9 * 3600))
+    assert sorted({int(m["id"]) for m in got}) == [0, 3, 6, 9]
+    assert tool.main(_query(world, folder, world["more"][0], "--sites", "nowhere")) == 0
+    assert "(no item passes the filters)" in capsys.readouterr().out
+
+    assert "--cameras expects camera numbers" in _cli_error(_query(world, folder, queries, "--cameras", "a"), capsys)
+    err = _cli_error(_query(world, folder, queries, "--since", "yesterday"), capsys)
+    assert "--since 'yesterday' is not a time" in err
+    err = _cli_error(_query(world, folder, queries, "--since", "2024-01-02", "--until", "2024-01-01"), capsys)
+    assert "is after --until" in err
+
+
+# --------------------------------------------------------------------------
+# Metadata CSV
+# --------------------------------------------------------------------------
+
+
+def test_metadata_csv_overrides_the_defaults(world, tmp_path, capsys):
+    images = world["images"]
+    table = tmp_path / "meta.csv"
+    table.write_text(
+        "path,camera,site,timestamp,identity\n"
+        f"{images[0].name},7,,2024-05-01T08:00:00+02:00,\n"  # relative to the gallery; empty cells keep defaults
+        f"{images[1]},,east,1714550400,42\n"
+        "sub/twin.png,3,,,5\n"
+    )
+    folder = tmp_path / "store"
+    assert tool.main(_index(world["run"], folder, "--gallery", world["gallery"], "--metadata", table,
+                            "--site", "north")) == 0
+    rows = {Path(r[1]).relative_to(world["gallery"].resolve()).as_posix(): r[2:] for r in _table(folder)}
+    assert rows[images[0].name] == (7, "north", 1714543200.0, 1)
+    assert rows[images[1].name] == (2, "east", 1714550400.0, 42)
+    assert rows["sub/twin.png"] == (3, "north", float(T0 + 30 * 3600), 5)
+    assert rows["twin.png"] == (None, "north", float(T0 - 3600), None)  # no Market name: no camera, identity
+    assert rows[images[2].name] == (3, "north", float(T0 + 2 * 3600), 1)
+    capsys.readouterr()
+    assert tool.main(_query(world, folder, images[1], "--sites", "east")) == 0
+    assert [m["id"] for m in _matches(capsys.readouterr().out)[str(images[1])]] == ["1"]
+
+
+@pytest.mark.parametrize("content, words", [
+    ("path,colour\nx.png,red\n", "unknown columns ['colour']"),
+    ("camera,site\n1,a\n", "no path column"),
+    ("path,camera,camera\nx,1,2\n", "columns named twice ['camera']"),
+    ("path,camera\n{0},1\n{1},x\n", "row 3: camera 'x' is not an integer"),
+    ("path,identity\n{0},1.5\n", "row 2: identity '1.5' is not an integer"),
+    ("path,timestamp\n{0},next week\n", "row 2: timestamp 'next week' is not a time"),
+    ("path,site\n{0},a\nelsewhere/nope.png,b\n", "row 3: elsewhere/nope.png is not an image of"),
+    ("path,site\n{0},a\n{0},b\n", "row 3: {0} is the image of row 2 again"),
+    ("path,site\n{0},a,b\n", "row 2: 3 cells for 2 columns"),
+    ("", "has no header row"),
+])
+def test_bad_metadata_csv_is_an_error_naming_the_file_and_row(world, tmp_path, capsys, content, words):
+    names = [p.name for p in world["images"][:2]]
+    table = tmp_path / "meta.csv"
+    table.write_text(content.format(*names))
+    err = _cli_error(_index(world["run"], tmp_path / "store", "--gallery", world["gallery"], "--metadata", table),
+                     capsys)
+    assert f"metadata file {table}" in err and words.format(*names) in err
+    assert not (tmp_path / "store").exists()  # refused before the folder is made or any image is read

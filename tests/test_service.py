@@ -1,0 +1,578 @@
+"""The search service (fedreid.retrieval.service): auth, search by upload and by item, filters, add/delete, limits."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import shutil
+import threading
+from pathlib import Path
+
+import cv2
+import numpy as np
+import pytest
+import torch
+from fastapi.testclient import TestClient
+
+from fedreid.config import ModelConfig, to_dict
+from fedreid.data.datasets import read_image
+from fedreid.eval.errors import EvalInputError
+from fedreid.eval.image_folders import array_features, decode_image_bytes, image_features
+from fedreid.eval.model_io import ModelMismatchError, load_model
+from fedreid.models.reid import create_reid_model, shared_state
+from fedreid.retrieval import service as svc
+from fedreid.retrieval.store import GalleryStore
+from fedreid.utils.io import OutputDirError
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+HEIGHT, WIDTH = 64, 32
+TOKEN = "test-token-0123456789abcdef"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+SITES = ("north", "south", "east")
+T0 = 1_714_550_400.0  # 2024-05-01T08:00:00Z
+
+
+def person_image(identity: int, camera: int, shot: int, height: int = HEIGHT, width: int = WIDTH) -> np.ndarray:
+    """A person-like RGB picture: identity-coloured top and bottom, camera-tinted background, a little noise."""
+    rng = np.random.default_rng(1000 * identity + 10 * camera + shot)
+    ident = np.random.default_rng(identity)
+    top, bottom = ident.integers(20, 235, 3), ident.integers(20, 235, 3)
+    background = np.array([90, 100, 110]) + 40 * np.array([camera % 2, (camera // 2) % 2, camera % 3 == 2])
+    img = np.empty((height, width, 3), dtype=np.float64)
+    img[:] = background
+    x0, x1 = width // 4 + shot % 2, 3 * width // 4 + shot % 2
+    img[height // 8 : height // 2, x0:x1] = top
+    img[height // 2 : 7 * height // 8, x0:x1] = bottom
+    img[height // 16 : height // 8, x0 + 2 : x1 - 2] = (220, 180, 150)  # a head
+    img += rng.normal(0, 6, img.shape)
+    return np.clip(img, 0, 255).astype(np.uint8)
+
+
+def write_png(path: Path, rgb: np.ndarray) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if not cv2.imwrite(str(path), cv2.cvtColor(rgb, cv2.COLOR_RGB2BGR)):
+        raise OSError(f"cv2 could not write {path}")
+    return path
+
+
+def save_tiny_model(run: Path, seed: int = 0) -> Path:
+    run.mkdir(parents=True, exist_ok=True)
+    model = create_reid_model("resnet18", 0, bottleneck_dim=32, seed=seed)
+    cfg = ModelConfig(backbone="resnet18", bottleneck_dim=32, height=HEIGHT, width=WIDTH)
+    torch.save({"format": "fedreid.model", "model": to_dict(cfg), "mode": "fedpav", "round": 1,
+                "state": shared_state(model)}, run / "model_final.pt")
+    return run
+
+
+def build_store(folder: Path, loaded, paths: list[Path], rows: list[dict]):
+    feats = image_features(loaded, paths, batch_size=32)
+    fp = loaded.fingerprint
+    return GalleryStore.create(folder, feats.features, rows, factory="Flat", model_fingerprint=fp,
+                               meta={"model_fingerprint": fp, "model": str(loaded.source)})
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """A tiny resnet18 run, a 24-image gallery (8 identities x 3 cameras) and a Flat store built from it."""
+    root = tmp_path_factory.mktemp("service")
+    loaded = load_model(save_tiny_model(root / "run"), "cpu")
+    paths, rows = [], []
+    for identity in range(8):
+        for camera in range(3):
+            p = write_png(root / "gallery" / f"{identity:04d}_c{camera + 1}_{len(paths):03d}.png",
+                          person_image(identity, camera, 0))
+            paths.append(p)
+            rows.append({"path": str(p), "camera": camera, "site": SITES[identity % 3],
+                         "timestamp": T0 + 600 * len(rows), "identity": identity})
+    build_store(root / "store", loaded, paths, rows)
+    return {"root": root, "loaded": loaded, "paths": paths, "rows": rows, "store": root / "store"}
+
+
+@pytest.fixture
+def store_copy(world, tmp_path):
+    """A private copy of the store (for tests that change it)."""
+    dst = tmp_path / "store"
+    shutil.copytree(world["store"], dst)
+    return dst
+
+
+def client_for(world, folder=None, **kwargs) -> TestClient:
+    kwargs.setdefault("token", TOKEN)
+    app = svc.create_app(folder or world["store"], world["loaded"], **kwargs)
+    return TestClient(app)
+
+
+@pytest.fixture(scope="module")
+def client(world):
+    with client_for(world) as c:
+        yield c
+
+
+def png_bytes(rgb: np.ndarray) -> bytes:
+    ok, buf = cv2.imencode(".png", cv2.cvtColor(rgb, cv2.COLOR_RGB2BGR))
+    assert ok
+    return buf.tobytes()
+
+
+# --------------------------------------------------------------------------
+# Shared preprocessing
+# --------------------------------------------------------------------------
+
+
+def test_in_memory_features_equal_file_features(world):
+    path = world["paths"][5]
+    from_file = image_features(world["loaded"], [path]).features
+    decoded = decode_image_bytes(path.read_bytes())
+    np.testing.assert_array_equal(decoded, read_image(path))
+    np.testing.assert_allclose(array_features(world["loaded"], [decoded]), from_file, atol=1e-6)
+    from PIL import Image
+
+    pil = Image.open(path)  # PNG: PIL and OpenCV decode the same pixels
+    np.testing.assert_allclose(array_features(world["loaded"], [pil]), from_file, atol=1e-6)
+    with pytest.raises(EvalInputError, match="empty"):
+        decode_image_bytes(b"")
+    with pytest.raises(EvalInputError, match="cannot be decoded"):
+        decode_image_bytes(b"not an image at all")
+
+
+# --------------------------------------------------------------------------
+# Authentication and the page
+# --------------------------------------------------------------------------
+
+
+def test_every_api_endpoint_needs_the_token(client):
+    calls = [("get", "/info"), ("post", "/search"), ("get", "/items/0"), ("get", "/items/0/image"),
+             ("post", "/items"), ("delete", "/items/0")]
+    for method, path in calls:
+        for headers in ({}, {"Authorization": "Bearer wrong-token-0123456789"}, {"Authorization": TOKEN},
+                        {"Authorization": f"Basic {TOKEN}"}):
+            r = getattr(client, method)(path, headers=headers)
+            assert r.status_code == 401, (method, path, headers)
+            assert "token" in r.json()["error"] and r.headers["www-authenticate"] == "Bearer"
+    assert client.get("/info", headers=AUTH).status_code == 200
+    # unknown endpoints are not revealed without the token either
+    assert client.get("/docs").status_code == 401
+    assert client.get("/openapi.json", headers=AUTH).status_code == 404
+
+
+def test_page_and_assets_are_public(client):
+    page = client.get("/")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert "script-src 'self'" in page.headers["content-security-policy"]
+    assert page.headers["x-content-type-options"] == "nosniff"
+    assert 'id="token"' in page.text and 'type="file"' in page.text
+    assert client.get("/web/app.js").headers["content-type"].startswith("text/javascript")
+    assert client.get("/web/style.css").status_code == 200
+    missing = client.get("/web/../service.py")
+    assert missing.status_code in (401, 404) and "error" in missing.json()
+    assert client.get("/web/nothing.js").json() == {"error": "no web asset 'nothing.js'"}
+
+
+# --------------------------------------------------------------------------
+# Search
+# --------------------------------------------------------------------------
+
+
+def test_search_by_upload_matches_the_store(world, client):
+    path = world["paths"][7]
+    r = client.post("/search", headers=AUTH, files={"image": (path.name, path.read_bytes(), "image/png")},
+                    data={"k": "5"})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["k"] == 5 and body["took_ms"] >= 0 and body["query"] == {"kind": "image", "name": path.name}
+    feature = image_features(world["loaded"], [path]).features
+    expected = GalleryStore.open(world["store"]).search(feature, 5)
+    assert [x["id"] for x in body["results"]] == expected.ids[0].tolist()
+    np.testing.assert_allclose([x["score"] for x in body["results"]], expected.scores[0], atol=1e-5)
+    assert [x["rank"] for x in body["results"]] == [1, 2, 3, 4, 5]
+    top = body["results"][0]
+    assert top["id"] == 7 and top["score"] == pytest.approx(1.0, abs=1e-5)
+    row = world["rows"][7]
+    assert top["path"] == path.name and "/" not in top["path"]  # the file name, no server folders
+    assert (top["camera"], top["site"], top["timestamp"], top["identity"]) == (
+        row["camera"], row["site"], row["timestamp"], row["identity"])
+    assert top["image_url"] == "/items/7/image"
+
+
+def test_search_by_item_uses_the_stored_feature(world, client):
+    store = GalleryStore.open(world["store"])
+    r = client.post("/search", headers=AUTH, data={"item": "10", "k": "4"})
+    assert r.status_code == 200, r.text
+    expected = store.search(store.vectors[10:11], 4)
+    assert [x["id"] for x in r.json()["results"]] == expected.ids[0].tolist()
+    assert r.json()["results"][0]["id"] == 10 and r.json()["query"] == {"kind": "item", "item": 10}
+    assert client.post("/search", headers=AUTH, data={"item": "999"}).status_code == 404
+    # default k, and k larger than the gallery gives every item once
+    assert len(client.post("/search", headers=AUTH, data={"item": "0"}).json()["results"]) == svc.DEFAULT_K
+    everything = client.post("/search", headers=AUTH, data={"item": "0", "k": "100"}).json()["results"]
+    assert sorted(x["id"] for x in everything) == list(range(24))
+
+
+def test_filters_match_the_store(world, client):
+    store = GalleryStore.open(world["store"])
+    query = store.vectors[3:4]
+    cases = [
+        ({"cameras": "1"}, {"cameras": [1]}),
+        ({"cameras": "0, 2"}, {"cameras": [0, 2]}),
+        ({"sites": "north,east"}, {"sites": ["north", "east"]}),
+        ({"since": str(T0 + 600 * 5), "until": str(T0 + 600 * 12)}, {"time_window": (T0 + 3000, T0 + 7200)}),
+        ({"since": "2024-05-01T09:00", "until": "2024-05-01T10:00:00Z"}, {"time_window": (T0 + 3600, T0 + 7200)}),
+        ({"until": "2024-05-01 08:30+00:00"}, {"time_window": (None, T0 + 1800)}),
+        ({"cameras": "2", "sites": "south", "since": str(T0)}, {"cameras": [2], "sites": ["south"],
+                                                                "time_window": (T0, None)}),
+        ({"cameras": "", "sites": " "}, {}),  # empty filters are no filters
+    ]
+    for form, kwargs in cases:
+        r = client.post("/search", headers=AUTH, data={"item": "3", "k": "24", **form})
+        assert r.status_code == 200, (form, r.text)
+        got = r.json()["results"]
+        expected = store.search(query, 24, **kwargs)
+        assert [x["id"] for x in got] == [i for i in expected.ids[0].tolist() if i >= 0], form
+        assert got, form
+        rows = {row["id"]: row for row in (dict(r, id=i) for i, r in enumerate(world["rows"]))}
+        for x in got:
+            row = rows[x["id"]]
+            assert "cameras" not in kwargs or row["camera"] in kwargs["cameras"]
+            assert "sites" not in kwargs or row["site"] in kwargs["sites"]
+    none = client.post("/search", headers=AUTH, data={"item": "3", "cameras": "7"})
+    assert none.status_code == 200 and none.json()["results"] == []
+
+
+@pytest.mark.parametrize("form,status,words", [
+    ({"item": "1", "k": "0"}, 422, "k must be an integer from 1 to 100"),
+    ({"item": "1", "k": "abc"}, 422, "k must be an integer"),
+    ({"item": "1", "k": "101"}, 422, "from 1 to 100"),
+    ({"item": "1", "k": "2.5"}, 422, "k must be an integer"),
+    ({"item": "1", "cameras": "front"}, 422, "cameras must be comma-separated integers"),
+    ({"item": "1", "since": "yesterday"}, 422, "ISO 8601"),
+    ({"item": "1", "since": "nan"}, 422, "finite"),
+    ({"item": "1", "since": "20", "until": "10"}, 422, "since <= until"),
+    ({"item": "x"}, 422, "item id must be an integer"),
+    ({"item": "-1"}, 422, "item id must be an integer"),
+    ({"k": "3"}, 422, "either an 'image' file or an 'item' id"),
+    ({"item": "1", "camera": "1"}, 422, "unknown field 'camera'"),
+])
+def test_bad_search_fields_are_clear_json_errors(client, form, status, words):
+    r = client.post("/search", headers=AUTH, data=form)
+    assert r.status_code == status, r.text
+    assert words in r.json()["error"]
+
+
+def test_bad_uploads_are_clear_json_errors(world, client):
+    from PIL import Image
+
+    gif = io.BytesIO()
+    Image.new("RGB", (16, 32), (10, 200, 30)).save(gif, format="GIF")
+    png = world["paths"][0].read_bytes()
+    jpeg = cv2.imencode(".jpg", cv2.imread(str(world["paths"][0])))[1].tobytes()
+    cases = [
+        ({"image": ("cut.jpg", jpeg[: len(jpeg) * 2 // 3], "image/jpeg")}, {}, 400, "damaged or truncated JPEG"),
+        ({"image": ("notes.txt", b"hello, not an image", "text/plain")}, {}, 400, "is not an image"),
+        ({"image": ("empty.png", b"", "image/png")}, {}, 400, "is empty"),
+        ({"image": ("cut.png", png[: len(png) // 3], "image/png")}, {}, 400, "damaged or truncated PNG"),
+        ({"image": ("anim.gif", gif.getvalue(), "image/gif")}, {}, 400, "is a GIF image: expected a JPEG, PNG or BMP"),
+        ({"image": ("q.png", png, "image/png")}, {"item": "2"}, 422, "exactly one"),
+        ({"image": ("q.png", png, "image/png")}, {"k": "0"}, 422, "k must be"),
+    ]
+    for files, data, status, words in cases:
+        r = client.post("/search", headers=AUTH, files=files, data=data)
+        assert r.status_code == status, (files["image"][0], r.text)
+        assert words in r.json()["error"], r.json()
+    r = client.post("/search", headers=AUTH, data={"image": "a string, not a file"})
+    assert r.status_code == 422 and "file upload" in r.json()["error"]
+    r = client.post("/search", headers={**AUTH, "content-type": "application/json"}, content=b'{"item": 1}')
+    assert r.status_code == 415 and "multipart/form-data" in r.json()["error"]
+
+
+def test_image_pixel_limit(world):
+    big = np.full((400, 300, 3), 128, np.uint8)
+    with client_for(world, max_pixels=100_000) as c:
+        r = c.post("/search", headers=AUTH, files={"image": ("big.png", png_bytes(big), "image/png")})
+        assert r.status_code == 400 and "400x300" not in r.json()["error"] and "300x400 pixels" in r.json()["error"]
+
+
+def test_oversized_bodies_get_413_before_being_read(world):
+    with client_for(world, max_upload_bytes=20_000) as c:
+        blob = np.random.default_rng(0).integers(0, 255, (200, 200, 3), dtype=np.uint8)
+        data = png_bytes(blob)
+        assert len(data) > 20_000 + svc.FORM_OVERHEAD
+        r = c.post("/search", headers=AUTH, files={"image": ("big.png", data, "image/png")})
+        assert r.status_code == 413 and "at most" in r.json()["error"]
+
+        def chunks():  # no Content-Length: the streamed bytes are counted
+            for _ in range(40):
+                yield b"x" * 4096
+
+        r = c.post("/search", headers={**AUTH, "content-type": "multipart/form-data; boundary=zz"}, content=chunks())
+        assert r.status_code == 413 and "passed" in r.json()["error"]
+        # an upload under the limit but over max_upload_bytes once the form overhead is allowed for
+        mid = np.random.default_rng(1).integers(0, 255, (90, 90, 3), dtype=np.uint8)
+        data = png_bytes(mid)
+        assert 20_000 < len(data) < 20_000 + svc.FORM_OVERHEAD - 1000
+        r = c.post("/search", headers=AUTH, files={"image": ("mid.png", data, "image/png")})
+        assert r.status_code == 413 and "at most 20000" in r.json()["error"]
+        # the unauthenticated are refused before any size check
+        assert c.post("/search", files={"image": ("big.png", data, "image/png")}).status_code == 401
+
+
+# --------------------------------------------------------------------------
+# Items: metadata, images, add, delete
+# --------------------------------------------------------------------------
+
+
+def test_item_metadata_and_image(world, client):
+    r = client.get("/items/4", headers=AUTH)
+    assert r.status_code == 200
+    row = world["rows"][4]
+    assert r.json() == {"id": 4, "path": Path(row["path"]).name, "camera": row["camera"], "site": row["site"],
+                        "timestamp": row["timestamp"], "identity": row["identity"], "image_url": "/items/4/image"}
+    img = client.get("/items/4/image", headers=AUTH)
+    assert img.status_code == 200 and img.headers["content-type"] == "image/png"
+    assert img.content == world["paths"][4].read_bytes()
+    for path in ("/items/77", "/items/77/image"):
+        r = client.get(path, headers=AUTH)
+        assert r.status_code == 404 and r.json() == {"error": "no item 77 in the gallery"}
+    assert client.get("/items/abc", headers=AUTH).status_code == 422
+
+
+def test_missing_image_file_is_a_404(world, tmp_path):
+    gallery = tmp_path / "g"
+    paths = [write_png(gallery / f"{i}.png", person_image(i, 0, 1)) for i in range(3)]
+    rows = [{"path": str(p), "camera": 0} for p in paths]
+    build_store(tmp_path / "st", world["loaded"], paths, rows)
+    paths[1].unlink()
+    with client_for(world, tmp_path / "st") as c:
+        r = c.get("/items/1/image", headers=AUTH)
+        assert r.status_code == 404 and "missing on the server" in r.json()["error"]
+        assert str(gallery) not in r.json()["error"]
+        assert c.get("/items/0/image", headers=AUTH).status_code == 200
+
+
+def test_add_search_and_delete_an_item(world, store_copy, tmp_path):
+    uploads = tmp_path / "uploads"
+    new = person_image(20, 1, 0)
+    with client_for(world, store_copy, uploads=uploads) as c:
+        r = c.post("/items", headers=AUTH, files={"image": ("new person.png", png_bytes(new), "image/png")},
+                   data={"camera": "1", "site": "west", "timestamp": "2024-05-02T12:00:00Z", "identity": "20"})
+        assert r.status_code == 201, r.text
+        item = r.json()
+        assert item["id"] == 24 and item["camera"] == 1 and item["site"] == "west" and item["identity"] == 20
+        assert item["timestamp"] == T0 + 86400 + 4 * 3600
+        saved = sorted(p for p in uploads.iterdir() if not p.name.startswith("."))
+        assert len(saved) == 1 and saved[0].name == item["path"] and saved[0].read_bytes() == png_bytes(new)
+        assert c.get("/info", headers=AUTH).json()["items"] == 25
+
+        found = c.post("/search", headers=AUTH, files={"image": ("q.png", png_bytes(new), "image/png")},
+                       data={"k": "3"}).json()["results"]
+        assert found[0]["id"] == 24 and found[0]["score"] == pytest.approx(1.0, abs=1e-5)
+        assert c.get("/items/24/image", headers=AUTH).content == png_bytes(new)
+
+        gone = c.delete("/items/24", headers=AUTH)
+        assert gone.status_code == 200 and gone.json() == {"removed": 24, "file_deleted": True, "items": 24}
+        assert not saved[0].exists()
+        again = c.post("/search", headers=AUTH, files={"image": ("q.png", png_bytes(new), "image/png")},
+                       data={"k": "24"}).json()["results"]
+        assert 24 not in [x["id"] for x in again] and len(again) == 24
+        assert c.get("/items/24", headers=AUTH).status_code == 404
+        assert c.delete("/items/24", headers=AUTH).status_code == 404
+
+        # a gallery item: erased from the store, its file (not the service's) left alone
+        r = c.delete("/items/5", headers=AUTH)
+        assert r.json() == {"removed": 5, "file_deleted": False, "items": 23}
+        assert world["paths"][5].is_file()
+        assert 5 not in [x["id"] for x in c.post("/search", headers=AUTH, data={"item": "6", "k": "30"}).json()["results"]]
+    reopened = GalleryStore.open(store_copy)
+    assert reopened.rows([5, 24]) == [None, None] and reopened.ntotal == 23
+
+
+def test_add_needs_an_uploads_folder_and_a_good_image(world, store_copy, tmp_path):
+    with client_for(world, store_copy) as c:
+        r = c.post("/items", headers=AUTH, files={"image": ("a.png", png_bytes(person_image(1, 1, 1)), "image/png")})
+        assert r.status_code == 403 and "--uploads" in r.json()["error"]
+    uploads = tmp_path / "up"
+    with client_for(world, store_copy, uploads=uploads) as c:
+        for files, data, words in [
+            ({"image": ("a.txt", b"text", "text/plain")}, {}, "not an image"),
+            ({"image": ("a.png", png_bytes(person_image(1, 1, 1)), "image/png")}, {"camera": "left"}, "camera must be"),
+            ({"image": ("a.png", png_bytes(person_image(1, 1, 1)), "image/png")}, {"path": "/etc/x"}, "unknown field"),
+        ]:
+            r = c.post("/items", headers=AUTH, files=files, data=data)
+            assert r.status_code in (400, 422) and words in r.json()["error"]
+        assert c.post("/items", headers=AUTH, data={"camera": "1"}).status_code == 422
+        assert c.get("/info", headers=AUTH).json()["items"] == 24
+    assert [p for p in uploads.iterdir() if not p.name.startswith(".fedreid")] == []
+
+
+def test_uploads_folder_must_be_the_services_own(world, store_copy, tmp_path):
+    with pytest.raises(svc.ServiceError, match="must not contain one another"):
+        client_for(world, store_copy, uploads=store_copy / "up")
+    foreign = tmp_path / "mine"
+    foreign.mkdir()
+    (foreign / "holiday.jpg").write_bytes(b"x")
+    with pytest.raises(OutputDirError, match="holiday.jpg"):
+        client_for(world, store_copy, uploads=foreign)
+    assert sorted(p.name for p in foreign.iterdir()) == ["holiday.jpg"]
+
+
+def test_searches_run_while_items_are_added_and_removed(world, store_copy, tmp_path):
+    errors: list[str] = []
+    with client_for(world, store_copy, uploads=tmp_path / "up") as c:
+        def searcher(seed: int) -> None:
+            for i in range(6):
+                r = c.post("/search", headers=AUTH, data={"item": str((seed + i) % 20), "k": "5"})
+                if r.status_code != 200 or len(r.json()["results"]) != 5:
+                    errors.append(r.text)
+
+        def writer() -> None:
+            for i in range(3):
+                r = c.post("/items", headers=AUTH,
+                           files={"image": ("n.png", png_bytes(person_image(30 + i, 0, 0)), "image/png")})
+                if r.status_code != 201:
+                    errors.append(r.text)
+                    continue
+                if c.delete(f"/items/{r.json()['id']}", headers=AUTH).status_code != 200:
+                    errors.append("delete failed")
+
+        threads = [threading.Thread(target=searcher, args=(s,)) for s in range(4)] + [threading.Thread(target=writer)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert errors == []
+        assert c.get("/info", headers=AUTH).json()["items"] == 24
+
+
+# --------------------------------------------------------------------------
+# Starting
+# --------------------------------------------------------------------------
+
+
+def test_start_is_refused_without_a_token_unless_insecure_local(world):
+    with pytest.raises(svc.ServiceError, match="no token"):
+        svc.create_app(world["store"], world["loaded"], token=None)
+    with pytest.raises(svc.ServiceError, match="at least 16"):
+        svc.create_app(world["store"], world["loaded"], token="short")
+    assert svc.check_serve_security("127.0.0.1", None, True) is None
+    assert svc.check_serve_security("localhost", None, True) is None
+    assert svc.check_serve_security("::1", None, True) is None
+    assert svc.check_serve_security("0.0.0.0", TOKEN, False) == TOKEN
+    for host in ("0.0.0.0", "192.168.1.5", "example.org", "::"):
+        with pytest.raises(svc.ServiceError, match="loopback"):
+            svc.check_serve_security(host, None, True)
+    with pytest.raises(svc.ServiceError, match="no token"):
+        svc.check_serve_security("127.0.0.1", None, False)
+    with pytest.raises(svc.ServiceError, match="drop it"):
+        svc.check_serve_security("127.0.0.1", TOKEN, True)
+    with pytest.raises(svc.ServiceError, match="blanks"):
+        svc.check_serve_security("127.0.0.1", f" {TOKEN}", False)
+    # insecure-local: no authentication at all
+    with client_for(world, token=None, insecure_local=True) as c:
+        assert c.post("/search", data={"item": "1", "k": "2"}).status_code == 200
+
+
+def _serve_args(world, **over) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    svc.add_serve_arguments(parser)
+    args = parser.parse_args(["--model", str(world["root"] / "run"), "--index", str(world["store"])])
+    for key, value in over.items():
+        setattr(args, key, value)
+    return args
+
+
+def test_run_serve_refuses_before_loading_anything(world, monkeypatch, tmp_path):
+    monkeypatch.delenv(svc.TOKEN_ENV, raising=False)
+
+    def no_load(args, device):
+        raise AssertionError("the model must not be loaded before the security checks")
+
+    with pytest.raises(svc.ServiceError, match="no token"):
+        svc.run_serve(_serve_args(world), load=no_load)
+    with pytest.raises(svc.ServiceError, match="loopback"):
+        svc.run_serve(_serve_args(world, host="0.0.0.0", insecure_local=True), load=no_load)
+    with pytest.raises(svc.ServiceError, match="at least 16"):
+        svc.run_serve(_serve_args(world, token="abc"), load=no_load)
+    monkeypatch.setenv(svc.TOKEN_ENV, "abc")  # the environment's token is checked the same way
+    with pytest.raises(svc.ServiceError, match="at least 16"):
+        svc.run_serve(_serve_args(world), load=no_load)
+    token_file = tmp_path / "token"
+    token_file.write_text("tiny\n")
+    with pytest.raises(svc.ServiceError, match="at least 16"):
+        svc.run_serve(_serve_args(world, token_file=str(token_file)), load=no_load)
+    with pytest.raises(svc.ServiceError, match="not both"):
+        svc.run_serve(_serve_args(world, token=TOKEN, token_file=str(token_file)), load=no_load)
+
+
+def test_a_store_of_another_model_is_refused(world, tmp_path):
+    other = load_model(save_tiny_model(tmp_path / "other", seed=1), "cpu")
+    with pytest.raises(ModelMismatchError, match="weights_sha256"):
+        svc.create_app(world["store"], other, token=TOKEN)
+    warnings: list[str] = []
+    app = svc.create_app(world["store"], other, token=TOKEN, allow_model_mismatch=True, warn=warnings.append)
+    assert app.state.service.store.ntotal == 24 and "another model" in warnings[0]
+
+
+def test_exported_onnx_model_serves_the_same_way(world, tmp_path):
+    pytest.importorskip("onnxruntime")
+    from fedreid.eval.export import export_model, load_exported_model
+
+    onnx = load_exported_model(export_model(world["loaded"], tmp_path / "m.onnx", "onnx", (HEIGHT, WIDTH)))
+    paths = world["paths"][:9]
+    build_store(tmp_path / "st", onnx, paths, world["rows"][:9])
+    with TestClient(svc.create_app(tmp_path / "st", onnx, token=TOKEN)) as c:
+        r = c.post("/search", headers=AUTH, files={"image": ("q.png", paths[4].read_bytes(), "image/png")},
+                   data={"k": "3"})
+        assert r.status_code == 200 and r.json()["results"][0]["id"] == 4
+        assert c.get("/info", headers=AUTH).json()["model"]["backend"] == "onnx"
+    with pytest.raises(ModelMismatchError):  # the PyTorch model is not the exported file's fingerprint
+        svc.create_app(tmp_path / "st", world["loaded"], token=TOKEN)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_eval_reid_serve_runs_the_service_in_its_own_process(world, tmp_path):
+    """``tools/eval_reid.py serve`` as a user starts it: a token file, a real port, a search over HTTP."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN + "\n")
+    port = _free_port()
+    tool = Path(__file__).resolve().parents[1] / "tools" / "eval_reid.py"
+    env = {k: v for k, v in os.environ.items() if k != svc.TOKEN_ENV}
+    proc = subprocess.Popen(
+        [sys.executable, str(tool), "serve", "--model", str(world["root"] / "run"), "--index", str(world["store"]),
+         "--port", str(port), "--token-file", str(token_file), "--device", "cpu"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+    )
+    try:
+        base, info = f"http://127.0.0.1:{port}", None
+        deadline = time.monotonic() + 120
+        while info is None and time.monotonic() < deadline:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                info = httpx.get(f"{base}/info", headers=AUTH, timeout=5)
+            except httpx.TransportError:
+                time.sleep(0.5)
+        assert info is not None and info.status_code == 200 and info.json()["items"] == 24
+        assert httpx.get(f"{base}/info", timeout=5).status_code == 401
+        found = httpx.post(f"{base}/search", data={"item": "5", "k": "3"}, headers=AUTH, timeout=30).json()
+        assert [r["rank"] for r in found["results"]] == [1, 2, 3] and found["results"][0]["id"] == 5
+    finally:
+        proc.terminate()
+        try:
+            out, _ = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, _ = proc.communicate()
+    assert f"at http://127.0.0.1:{port}/" in out
