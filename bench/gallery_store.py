@@ -1,13 +1,14 @@
 """Build time, size, recall@10 and query speed of the gallery store's FAISS factories.
 
 Synthetic clustered features (unit vectors around ``--clusters`` random centres,
-Gaussian noise of norm ``--noise``, L2-normalised), a gallery of ``--n`` and ``--queries`` held-out
+Gaussian noise of norm ``--noise`` in a random ``--intrinsic``-d subspace, L2-normalised), a gallery of ``--n`` and ``--queries`` held-out
 queries from the same distribution. For each factory, a
 :class:`fedreid.retrieval.GalleryStore` is created in a temporary folder and:
 
 * build    - seconds of ``GalleryStore.create`` (training, adding, writing the
              whole store: index, vectors, SQLite table, header with checksums);
-* index MB - size of ``index.faiss`` on disk (the store also keeps the raw
+* index MB - size of ``index.faiss`` on disk (``--refine`` re-scores PQ candidates
+             from ``vectors.npy``, which is not counted) (the store also keeps the raw
              vectors, ``vectors.npy``, for exact verification and HNSW rebuilds);
 * recall   - recall@10 against exact search on ``--sample`` stored vectors
              (``GalleryStore.recall``), at the default parameters and after
@@ -55,17 +56,26 @@ def split_factories(text: str) -> list[str]:
     return parts
 
 
-def clustered(n: int, d: int, clusters: int, noise: float, rng: np.random.Generator,
-              centres: np.ndarray | None = None):
+def clustered(n: int, d: int, clusters: int, noise: float, intrinsic: int, rng: np.random.Generator,
+              centres: np.ndarray | None = None, basis: np.ndarray | None = None):
+    """Unit features: a random unit centre plus noise of norm about ``noise`` in a random ``intrinsic``-d subspace.
+
+    Embeddings of a trained network vary along few directions (low intrinsic
+    dimension); isotropic noise in all ``d`` dimensions would make every pair in a
+    cluster about equally far apart, so the top-10 order would be noise that no
+    compressed index can keep. ``intrinsic=d`` gives that isotropic case.
+    """
     if centres is None:
         centres = rng.standard_normal((clusters, d)).astype(np.float32)
         centres /= np.linalg.norm(centres, axis=1, keepdims=True)
+        basis = np.linalg.qr(rng.standard_normal((d, intrinsic)))[0].T.astype(np.float32)  # orthonormal rows
     out = np.empty((n, d), np.float32)
     for s in range(0, n, 100_000):
         m = min(100_000, n - s)
-        x = centres[rng.integers(0, clusters, m)] + (noise / np.sqrt(d)) * rng.standard_normal((m, d)).astype(np.float32)
+        latent = (noise / np.sqrt(intrinsic)) * rng.standard_normal((m, intrinsic)).astype(np.float32)
+        x = centres[rng.integers(0, clusters, m)] + latent @ basis
         out[s : s + m] = x / np.linalg.norm(x, axis=1, keepdims=True)
-    return out, centres
+    return out, centres, basis
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -75,20 +85,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--clusters", type=int, default=2000)
     p.add_argument("--noise", type=float, default=1.0,
                    help="norm of the Gaussian noise around a unit centre (clusters overlap more as it grows)")
+    p.add_argument("--intrinsic", type=int, default=32,
+                   help="dimension of the subspace the noise lies in (--dim: isotropic noise)")
     p.add_argument("--queries", type=int, default=1000)
     p.add_argument("--sample", type=int, default=500, help="verification queries (stored vectors)")
     p.add_argument("--target", type=float, default=0.95, help="recall@10 that tune() aims for")
     p.add_argument("--factories", default=DEFAULT_FACTORIES)
+    p.add_argument("--refine", type=int, default=1, metavar="R",
+                   help="PQ factories: re-score the top R*10 exactly from the stored vectors (GalleryStore refine)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
 
     rng = np.random.default_rng(args.seed)
-    gallery, centres = clustered(args.n, args.dim, args.clusters, args.noise, rng)
-    queries, _ = clustered(args.queries, args.dim, args.clusters, args.noise, rng, centres)
+    gallery, centres, basis = clustered(args.n, args.dim, args.clusters, args.noise, args.intrinsic, rng)
+    queries, _, _ = clustered(args.queries, args.dim, args.clusters, args.noise, args.intrinsic, rng, centres, basis)
     rows = [{"path": f"g/{i:08d}.jpg", "camera": i % 8, "site": f"s{i % 3}", "timestamp": float(i)}
             for i in range(args.n)]
     threads = faiss.omp_get_max_threads()
-    print(f"gallery {args.n} x {args.dim}, {args.clusters} clusters (noise {args.noise}), {args.queries} queries, "
+    print(f"gallery {args.n} x {args.dim}, {args.clusters} clusters (noise {args.noise} in {args.intrinsic} dims), {args.queries} queries, "
           f"faiss {faiss.__version__}, {os.cpu_count()} CPUs, {threads} faiss threads")
     header = (f"{'factory':<22} {'build s':>8} {'index MB':>9} {'recall@10':>10} {'tuned':>16} "
               f"{'recall@10':>10} {'held-out':>9} {'q/s 1t':>9} {'q/s batch':>10} {'x exact':>12}")
@@ -99,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory() as tmp:
             folder = Path(tmp) / "store"
             t0 = time.perf_counter()
-            store = GalleryStore.create(folder, gallery, rows, factory=factory, seed=args.seed)
+            refine = args.refine if "PQ" in factory else 1
+            store = GalleryStore.create(folder, gallery, rows, factory=factory, seed=args.seed, refine=refine)
             build = time.perf_counter() - t0
             size_mb = (folder / "index.faiss").stat().st_size / 2**20
             default = store.recall(args.sample, 10, args.seed)["recall"]

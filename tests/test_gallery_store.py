@@ -287,3 +287,21 @@ def test_a_planted_index_file_never_reaches_faiss(tmp_path, feats, monkeypatch):
     with pytest.raises(GalleryStoreError, match="index.faiss is not a faiss IndexIDMap2"):
         GalleryStore.open(folder)
     assert seen == []
+
+
+def test_refine_orders_pq_candidates_by_their_exact_scores(tmp_path, feats):
+    plain = GalleryStore.create(tmp_path / "pq", feats, make_rows(N), factory="IVF16,PQ4x4", seed=0)
+    refineed = GalleryStore.create(tmp_path / "rr", feats, make_rows(N), factory="IVF16,PQ4x4", seed=0, refine=20)
+    assert refineed.search_params["refine"] == 20 and "refine" not in plain.search_params
+    queries = feats[:50]
+    got = refineed.search(queries, 10)
+    for q, ids, scores in zip(queries, got.ids, got.scores):  # scores are the exact inner products, best first
+        rows = np.searchsorted(refineed.ids, ids)
+        np.testing.assert_allclose(scores, refineed.vectors[rows] @ q, rtol=1e-5, atol=1e-6)
+        assert np.all(np.diff(scores) <= 0)
+    coarse = plain.recall(sample=200, k=10, seed=1)["recall"]
+    fine = refineed.recall(sample=200, k=10, seed=1)["recall"]
+    assert fine > coarse and fine >= 0.9
+    assert GalleryStore.open(tmp_path / "rr").search_params["refine"] == 20
+    with pytest.raises(GalleryStoreError, match="refine"):
+        GalleryStore.create(tmp_path / "bad", feats, make_rows(N), factory="Flat", refine=0)

@@ -188,6 +188,19 @@ def test_ivf_factory_verify_and_tune_print_and_store_recall(world, tmp_path, cap
     assert "--target-recall must be in (0, 1]" in err
 
 
+def test_refine_is_stored_and_applies_to_queries(world, tmp_path, capsys):
+    folder = tmp_path / "pq"
+    argv = _index(world["run"], folder, "--gallery", world["gallery"], "--factory", "IVF2,PQ4x2", "--refine", "8")
+    assert tool.main(argv) == 0
+    assert "store: IVF2,PQ4x2 (nprobe=2, refine=8), 32 items" in capsys.readouterr().out
+    assert json.loads((folder / "header.json").read_text())["search"] == {"nprobe": 2, "refine": 8}
+    assert tool.main(_query(world, folder, world["gallery"] / sorted(os.listdir(world["gallery"]))[0])) == 0
+    scores = [m["score"] for ms in _matches(capsys.readouterr().out).values() for m in ms]
+    assert float(scores[0]) == pytest.approx(1.0, abs=1e-4)  # exact re-scoring: the image itself, at its exact score
+    err = _cli_error(_index(None, folder, "--remove", "1", "--refine", "4"), capsys)
+    assert "--refine R (R >= 1) applies to --gallery" in err
+
+
 # --------------------------------------------------------------------------
 # Updates: add, remove
 # --------------------------------------------------------------------------

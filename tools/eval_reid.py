@@ -176,6 +176,11 @@ def build_parser() -> argparse.ArgumentParser:
         "HNSW32",
     )
     ix.add_argument(
+        "--refine", type=int, metavar="R",
+        help="with --gallery: searches re-score the index's top R*k exactly from the stored vectors "
+        "(for PQ factories, whose codes lose the order of close neighbours; default 1: off)",
+    )
+    ix.add_argument(
         "--seed", type=int, default=0, metavar="N", help="seed of the index training and of --verify's sample (0)"
     )
     ix.add_argument("--site", metavar="NAME", help="the site of the images of --gallery/--add (default: none)")
@@ -458,6 +463,8 @@ def _check_index_arguments(args: argparse.Namespace) -> str:
         raise pl.EvalInputError(f"--model does not apply to {what} (no image is read)")
     if args.factory is not None and action != "build":
         raise pl.EvalInputError("--factory applies to --gallery: a store keeps the factory it was built with")
+    if args.refine is not None and (action != "build" or args.refine < 1):
+        raise pl.EvalInputError("--refine R (R >= 1) applies to --gallery: a store keeps the search it was built with")
     for flag, value in (("--site", args.site), ("--metadata", args.metadata)):
         if value is not None and action not in ("build", "add"):
             raise pl.EvalInputError(f"{flag} applies to the images of --gallery or --add")
@@ -508,7 +515,7 @@ def cmd_index(args: argparse.Namespace) -> int:
     if action == "build":
         store, n = pl.build_gallery_store(
             loaded, args.gallery, args.index, faiss_gpu=faiss_gpu, factory=args.factory or "Flat", seed=args.seed,
-            **common,
+            refine=args.refine or 1, **common,
         )
         print(f"indexed {n} images of {args.gallery} into {args.index}")
     else:

@@ -334,6 +334,35 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return _finish(out, rounds, rc, log)
 
 
+def _time_arg(text: str) -> float:
+    from fedreid.retrieval.gallery_rows import GalleryMetadataError, parse_time
+
+    try:
+        return parse_time(text, "--since/--until")
+    except GalleryMetadataError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+SEARCH_HELP = """Federated search: the query's feature goes to every site's SuperNode as a Flower
+query message (the training deployment's TLS and node authentication); each site
+searches its own gallery store (node --gallery-store) and answers with its top k
+(ids, scores, cameras, times, file names; small thumbnails only where the site
+runs with --search-thumbnails). The merged list is ranked by score. Gallery
+images never leave a site. A site that does not answer within --timeout is
+listed as missing; the search still returns the others' results.
+
+Examples:
+  # on each site, the SuperNode with its store (beside the usual node flags)
+  python tools/flower_fed.py node ... --gallery-store /data/site_a/store --search-thumbnails
+  # on the SuperLink's host: a query image, the sites' model, two sites expected
+  python tools/flower_fed.py search --superlink 127.0.0.1:9093 --ca certs/ca.crt \\
+      --image query.jpg --model runs/fedpav --k 20 --expect site_a --expect site_b --out result.json
+  # a precomputed feature and the fingerprint of the model that made it
+  python tools/flower_fed.py search --superlink 127.0.0.1:9093 --ca certs/ca.crt \\
+      --feature q.npy --fingerprint store/header.json --camera 1 --since 2024-05-01
+"""
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -406,7 +435,10 @@ def build_parser() -> argparse.ArgumentParser:
     run_arguments(p)
     p.set_defaults(func=cmd_run)
 
-    p = sub.add_parser("search", help="federated search: every site searches its own gallery store, one merged list")
+    p = sub.add_parser(
+        "search", help="federated search: every site searches its own gallery store, one merged list",
+        description=SEARCH_HELP, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--superlink", required=True, metavar="HOST:PORT", help="the SuperLink's address")
     security(p)
     q = p.add_mutually_exclusive_group(required=True)
@@ -419,8 +451,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--k", type=int, default=10, help="length of the merged list; each site sends at most k (10)")
     p.add_argument("--camera", type=int, action="append", help="only these cameras (repeat)")
     p.add_argument("--site", action="append", help="only items whose store site column is this (repeat)")
-    p.add_argument("--since", type=float, help="only items with timestamp >= SINCE")
-    p.add_argument("--until", type=float, help="only items with timestamp <= UNTIL")
+    p.add_argument("--since", type=_time_arg, help="only items with timestamp >= SINCE (seconds or ISO date/time, UTC)")
+    p.add_argument("--until", type=_time_arg, help="only items with timestamp <= UNTIL (seconds or ISO date/time, UTC)")
     p.add_argument("--timeout", type=float, default=30.0, help="seconds the sites have to answer (30)")
     p.add_argument("--join-timeout", type=float, default=30.0,
                    help="seconds to wait for the --expect sites' nodes (else one node) to be connected (30)")

@@ -115,6 +115,7 @@ def build_gallery_store(
     seed: int = 0,
     site: Optional[str] = None,
     metadata: Optional[str | Path] = None,
+    refine: int = 1,
 ) -> tuple[GalleryStore, int]:
     """Build a gallery store of every image under ``gallery`` in ``index_dir``; returns ``(store, images indexed)``.
 
@@ -130,7 +131,7 @@ def build_gallery_store(
     with ``site``, overridden by the CSV ``metadata`` (read, and its errors
     raised, before any image is). ``factory``/``seed``: the FAISS index and
     its training (:meth:`GalleryStore.create`; a string FAISS cannot parse
-    is refused before any work). The header's ``meta`` records
+    is refused before any work); ``refine``: as there. The header's ``meta`` records
     the model (``model``, ``round``, ``model_fingerprint``), the ``gallery``
     and the number ``skipped``. ``skipped``: as in :func:`image_features`;
     when given, the images left out are listed in ``index_dir/skipped.csv``.
@@ -168,7 +169,7 @@ def build_gallery_store(
     store = GalleryStore.create(
         index_dir, fs.features, [rows[str(p)] for p in fs.paths], factory=factory, seed=seed,
         model_fingerprint=loaded.fingerprint, meta=meta, side_files={SKIPPED_FILE: _skipped_writer(left_out)},
-        replaces=("meta.npz",), clustering_index=clustering,
+        replaces=("meta.npz",), clustering_index=clustering, refine=refine,
     )
     return store, len(fs.paths)
 

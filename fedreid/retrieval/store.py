@@ -34,6 +34,11 @@ stored vectors and the table, and the new database file is rewritten with
 vector remains in the store's files. (Copies outside the store, e.g.
 backups or the file system's free blocks, are not addressed.)
 
+Refinement: a store created with ``refine=R`` (a search parameter, like
+``nprobe``) asks the index for ``R * k`` candidates and orders them by their
+exact inner product with the stored vectors; a PQ index then keeps its small
+size and speed without the ranking errors of its codes.
+
 Filters (:meth:`GalleryStore.search` with ``cameras``/``sites``/``time_window``):
 the allowed ids come from one SQL query. When they are at most
 :data:`EXACT_FILTER_MAX`, or the index is HNSW (whose filtered graph search can
@@ -241,6 +246,12 @@ def _set_default_params(kind: str, index: Any) -> dict[str, int]:
     return {}
 
 
+def _with_refine(params: dict[str, int], refine: int) -> dict[str, int]:
+    if int(refine) < 1:
+        raise GalleryStoreError(f"refine must be >= 1 (1: off), got {refine}")
+    return dict(params, refine=int(refine)) if int(refine) > 1 else params
+
+
 def _search_params(kind: str, search: Mapping[str, int], selector: Any = None) -> Any:
     if kind == "ivf":
         params = faiss.SearchParametersIVF(nprobe=int(search["nprobe"]))
@@ -348,6 +359,7 @@ class GalleryStore:
         side_files: Optional[Mapping[str, Any]] = None,
         replaces: Sequence[str] = (),
         clustering_index: Any = None,
+        refine: int = 1,
     ) -> "GalleryStore":
         """Build a store over ``features`` [N, d] (one metadata row per feature) into ``folder``.
 
@@ -362,8 +374,12 @@ class GalleryStore:
         a CPU index either way. ``meta`` goes into the header as is, with
         ``model_fingerprint`` (when given) as ``meta["model_fingerprint"]``.
         ``side_files``: {name in :data:`SIDE_FILES`: a function writing the
-        file at the path it is given}.
+        file at the path it is given}. ``refine`` R > 1: searches take the
+        index's top ``R * k`` and re-score them exactly from the stored vectors
+        (search parameter ``refine``; for compressed factories such as PQ,
+        whose codes alone lose the order of close neighbours).
         """
+        _with_refine({}, refine)
         folder = Path(os.path.abspath(folder))
         features = _as_features("features", features)
         values = _normalise_rows(rows, features.shape[0])
@@ -380,7 +396,7 @@ class GalleryStore:
         header = {
             "format": STORE_FORMAT, "version": STORE_VERSION, "factory": factory, "kind": kind,
             "metric": "inner_product", "dim": int(features.shape[1]), "ntotal": int(features.shape[0]),
-            "next_id": int(features.shape[0]), "seed": int(seed), "search": _set_default_params(kind, index),
+            "next_id": int(features.shape[0]), "seed": int(seed), "search": _with_refine(_set_default_params(kind, index), refine),
             "verify": None, "meta": meta,
         }
 
@@ -593,8 +609,24 @@ class GalleryStore:
             out.scores[:, : rows.shape[1]], out.ids[:, : rows.shape[1]] = scores, self.ids[rows]
             return out
         p = _search_params(self.kind, params, selector)
-        scores, ids = self.index.search(queries, k, params=p)
-        return SearchResult(scores=scores, ids=ids)
+        refine = int(params.get("refine", 1) or 1)
+        if refine <= 1:
+            scores, ids = self.index.search(queries, k, params=p)
+            return SearchResult(scores=scores, ids=ids)
+        _, candidates = self.index.search(queries, min(k * refine, self.ntotal), params=p)
+        return self._rescore(queries, candidates, k)
+
+    def _rescore(self, queries: np.ndarray, candidates: np.ndarray, k: int) -> SearchResult:
+        """Exact inner products of ``candidates`` (ids, -1 pads) from the stored vectors; the best ``k`` of each row."""
+        out = _empty_result(queries.shape[0], k)
+        for qi, (query, cand) in enumerate(zip(queries, candidates)):
+            cand = cand[cand >= 0]
+            if cand.size == 0:
+                continue
+            scores = self.vectors[np.searchsorted(self.ids, cand)] @ query
+            best = np.lexsort((cand, -scores))[:k]  # higher score first, then the smaller id
+            out.scores[qi, : best.size], out.ids[qi, : best.size] = scores[best], cand[best]
+        return out
 
     def exact_search(self, queries: Any, k: int) -> SearchResult:
         """Exact top-``k`` over the stored vectors (the reference :meth:`verify` compares with)."""
