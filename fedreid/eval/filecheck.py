@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-__all__ = ["FILE_KINDS", "describe_kind", "file_kind", "sha256_file"]
+__all__ = ["FILE_KINDS", "check_recorded_file", "describe_kind", "file_kind", "sha256_file"]
 
 #: What :func:`file_kind` can answer.
 FILE_KINDS = ("empty", "zip", "npy", "pickle", "text", "binary")
@@ -71,3 +71,25 @@ def sha256_file(path: str | Path, chunk_bytes: int = 1 << 20) -> str:
         for chunk in iter(lambda: f.read(chunk_bytes), b""):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def check_recorded_file(
+    path: Path, record: dict, header_path: Path, error: type[Exception], *, what: str, fix: str
+) -> Path:
+    """``path`` after its size and SHA-256 matched ``record`` (``{"bytes", "sha256"}`` from ``header_path``).
+
+    Checked before the file is parsed. A missing file raises
+    :class:`FileNotFoundError` (``what`` names it, e.g. "saved index file");
+    a different size or digest raises ``error`` naming both files, ending with ``fix``.
+    """
+    if not path.is_file():
+        raise FileNotFoundError(f"{what} {path} is missing")
+    size = path.stat().st_size
+    if size != record["bytes"]:
+        raise error(
+            f"{path} has {size} bytes but {header_path} says {record['bytes']}: "
+            "the folder mixes two saves or the file is damaged"
+        )
+    if sha256_file(path) != record["sha256"]:
+        raise error(f"{path} does not match the SHA-256 in {header_path}: the file is damaged or was replaced {fix}")
+    return path

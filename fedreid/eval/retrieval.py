@@ -40,7 +40,7 @@ import faiss
 import numpy as np
 
 from fedreid.errors import FedReIDError
-from fedreid.eval.filecheck import describe_kind, file_kind, sha256_file
+from fedreid.eval.filecheck import check_recorded_file, describe_kind, file_kind, sha256_file
 from fedreid.eval.metrics import (
     DEFAULT_BLOCK_BYTES,
     EvalDataError,
@@ -343,22 +343,10 @@ def _read_header(folder: Path) -> dict:
 
 def _check_file(folder: Path, name: str, header: dict) -> Path:
     """``folder/name`` after its size and SHA-256 matched the header's record (checked before any parsing)."""
-    path = folder / name
-    if not path.is_file():
-        raise FileNotFoundError(f"saved index file {path} is missing")
-    record = header["files"][name]
-    size = path.stat().st_size
-    if size != record["bytes"]:
-        raise IndexFileError(
-            f"{path} has {size} bytes but {folder / HEADER_FILE} says {record['bytes']}: "
-            "the folder mixes two saves or the file is damaged"
-        )
-    if sha256_file(path) != record["sha256"]:
-        raise IndexFileError(
-            f"{path} does not match the SHA-256 in {folder / HEADER_FILE}: "
-            "the file is damaged or was replaced after the index was saved; build the index again"
-        )
-    return path
+    return check_recorded_file(
+        folder / name, header["files"][name], folder / HEADER_FILE, IndexFileError,
+        what="saved index file", fix="after the index was saved; build the index again",
+    )
 
 
 def _flat_ip_layout_problem(path: Path, header: dict) -> str | None:

@@ -82,7 +82,7 @@ import faiss
 import numpy as np
 
 from fedreid.errors import FedReIDError
-from fedreid.eval.filecheck import describe_kind, file_kind, sha256_file
+from fedreid.eval.filecheck import check_recorded_file, describe_kind, file_kind, sha256_file
 from fedreid.utils.io import (
     claim_output_dir,
     is_marker_leftover,
@@ -918,21 +918,10 @@ def _read_header(folder: Path) -> dict:
 
 
 def _check_file(folder: Path, name: str, header: dict) -> None:
-    path = folder / name
-    if not path.is_file():
-        raise FileNotFoundError(f"gallery store file {path} is missing")
-    record = header["files"][name]
-    size = path.stat().st_size
-    if size != record["bytes"]:
-        raise GalleryStoreError(
-            f"{path} has {size} bytes but {folder / HEADER_FILE} says {record['bytes']}: "
-            "the folder mixes two saves or the file is damaged"
-        )
-    if sha256_file(path) != record["sha256"]:
-        raise GalleryStoreError(
-            f"{path} does not match the SHA-256 in {folder / HEADER_FILE}: the file is damaged or was replaced "
-            "after the store was saved"
-        )
+    check_recorded_file(
+        folder / name, header["files"][name], folder / HEADER_FILE, GalleryStoreError,
+        what="gallery store file", fix="after the store was saved",
+    )
 
 
 def _read_npy(path: Path, what: str, dtype: Any, shape: tuple) -> np.ndarray:
