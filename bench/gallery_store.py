@@ -60,10 +60,11 @@ def clustered(n: int, d: int, clusters: int, noise: float, intrinsic: int, rng: 
               centres: np.ndarray | None = None, basis: np.ndarray | None = None):
     """Unit features: a random unit centre plus noise of norm about ``noise`` in a random ``intrinsic``-d subspace.
 
-    Embeddings of a trained network vary along few directions (low intrinsic
-    dimension); isotropic noise in all ``d`` dimensions would make every pair in a
-    cluster about equally far apart, so the top-10 order would be noise that no
-    compressed index can keep. ``intrinsic=d`` gives that isotropic case.
+    ``intrinsic=d`` is isotropic noise: every pair in a cluster is then about
+    equally far apart, so the top-10 order rests on small differences that
+    compressed codes lose (the hard case for PQ without refinement). A smaller
+    ``intrinsic`` makes the features vary along few directions, shared by all
+    clusters.
     """
     if centres is None:
         centres = rng.standard_normal((clusters, d)).astype(np.float32)
@@ -85,8 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--clusters", type=int, default=2000)
     p.add_argument("--noise", type=float, default=1.0,
                    help="norm of the Gaussian noise around a unit centre (clusters overlap more as it grows)")
-    p.add_argument("--intrinsic", type=int, default=32,
-                   help="dimension of the subspace the noise lies in (--dim: isotropic noise)")
+    p.add_argument("--intrinsic", type=int, default=512,
+                   help="dimension of the subspace the noise lies in (default 512 = --dim: isotropic noise)")
     p.add_argument("--queries", type=int, default=1000)
     p.add_argument("--sample", type=int, default=500, help="verification queries (stored vectors)")
     p.add_argument("--target", type=float, default=0.95, help="recall@10 that tune() aims for")
