@@ -7,6 +7,8 @@
 * :mod:`fedreid.flower.security`: test CA and certificates, SuperNode keys;
 * :mod:`fedreid.flower.launch`: starting SuperLink, SuperNodes and runs
   (``tools/flower_fed.py``);
+* :mod:`fedreid.flower.search` / :mod:`fedreid.flower.search_codec`: federated
+  search, each site answering from its own gallery store (query messages);
 * ``project/pyproject.toml``: the Flower app that ``flwr run`` submits.
 """
 
