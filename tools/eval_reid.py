@@ -620,7 +620,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    return run_serve(args, load=_load_for_features)
+    return run_serve(args)
 
 
 def main(argv: list[str] | None = None) -> int:
