@@ -305,3 +305,68 @@ def test_refine_orders_pq_candidates_by_their_exact_scores(tmp_path, feats):
     assert GalleryStore.open(tmp_path / "rr").search_params["refine"] == 20
     with pytest.raises(GalleryStoreError, match="refine"):
         GalleryStore.create(tmp_path / "bad", feats, make_rows(N), factory="Flat", refine=0)
+
+
+def test_refine_over_every_item_ranks_exactly_with_the_tie_rule(tmp_path, feats):
+    twins = np.concatenate([feats[:300], feats[:300]])  # item i and i + 300 tie on every query
+    s = GalleryStore.create(tmp_path / "st", twins, make_rows(600), factory="IVF16,PQ4x4", seed=0, refine=60)
+    got = s.search(feats[:40], 10, search_params={"nprobe": 16})  # 600 candidates: every item
+    exact = s.exact_search(feats[:40], 10)
+    np.testing.assert_array_equal(got.ids, exact.ids)
+    np.testing.assert_allclose(got.scores, exact.scores, rtol=1e-5, atol=1e-6)
+    assert (got.ids[:, 0] == np.arange(40)).all() and (got.ids[:, 1] == np.arange(40) + 300).all()
+
+
+def test_refine_with_fewer_candidates_than_k_pads_with_minus_one(tmp_path, feats):
+    s = GalleryStore.create(tmp_path / "st", feats[:3], make_rows(3), factory="HNSW8", refine=4)
+    got = s.search(feats[:2], 5)
+    assert (got.ids[:, 3:] == -1).all() and np.isneginf(got.scores[:, 3:]).all()
+    assert sorted(got.ids[0, :3].tolist()) == [0, 1, 2]
+
+
+def test_an_opened_store_maps_its_vectors_instead_of_reading_them(tmp_path, feats):
+    GalleryStore.create(tmp_path / "st", feats, make_rows(N), factory="Flat")
+    s = GalleryStore.open(tmp_path / "st")
+    assert isinstance(s.vectors, np.memmap) and not s.vectors.flags.writeable
+    s.add(feats[5:10], make_rows(5, start=N))
+    assert isinstance(s.vectors, np.memmap) and s.vectors.shape == (N + 5, D)
+
+
+def test_an_update_from_a_stale_store_object_is_refused(tmp_path, feats):
+    GalleryStore.create(tmp_path / "st", feats[:100], make_rows(100), factory="Flat")
+    first, second = GalleryStore.open(tmp_path / "st"), GalleryStore.open(tmp_path / "st")
+    first.add(feats[100:105], make_rows(5, start=100))
+    for update in (lambda: second.add(feats[105:110], make_rows(5, start=105)),
+                   lambda: second.remove([0]),
+                   lambda: second.verify(sample=10)):
+        with pytest.raises(GalleryStoreError, match="changed on disk since it was opened"):
+            update()
+    again = GalleryStore.open(tmp_path / "st")
+    assert again.ntotal == 105 and again.rows([0])[0] is not None
+    again.add(feats[105:110], make_rows(5, start=105))
+    assert GalleryStore.open(tmp_path / "st").ntotal == 110
+
+
+def test_an_update_waits_for_another_processs_lock_then_gives_up(tmp_path, feats, monkeypatch):
+    import subprocess
+    import sys
+
+    GalleryStore.create(tmp_path / "st", feats[:100], make_rows(100), factory="Flat")
+    holder = subprocess.Popen(
+        [sys.executable, "-c",
+         "import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDONLY); fcntl.flock(fd, fcntl.LOCK_EX); "
+         "print('held', flush=True); time.sleep(60)", str(tmp_path)],
+        stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        monkeypatch.setattr(store_mod, "LOCK_TIMEOUT_S", 0.3)
+        s = GalleryStore.open(tmp_path / "st")
+        with pytest.raises(GalleryStoreError, match="another process is updating a store in"):
+            s.add(feats[100:101], make_rows(1, start=100))
+        assert GalleryStore.open(tmp_path / "st").ntotal == 100
+    finally:
+        holder.kill()
+        holder.wait()
+    s.add(feats[100:101], make_rows(1, start=100))  # the lock died with its process
+    assert GalleryStore.open(tmp_path / "st").ntotal == 101

@@ -404,6 +404,28 @@ def test_add_needs_an_uploads_folder_and_a_good_image(world, store_copy, tmp_pat
     assert [p for p in uploads.iterdir() if not p.name.startswith(".fedreid")] == []
 
 
+def test_an_update_by_another_process_is_picked_up_or_refused(world, store_copy, tmp_path):
+    new = person_image(30, 2, 0)
+    query = {"image": ("q.png", png_bytes(new), "image/png")}
+    with client_for(world, store_copy) as c:
+        assert c.get("/info", headers=AUTH).json()["items"] == 24
+        outside = GalleryStore.open(store_copy)  # as `index --add` / `--remove` in another process would
+        extra = write_png(tmp_path / "extra" / "0030_c3_900.png", new)
+        feats = image_features(world["loaded"], [extra], batch_size=1).features
+        outside.add(feats, [{"path": str(extra), "camera": 2, "site": "west"}])
+        outside.remove([3])
+        assert c.get("/info", headers=AUTH).json()["items"] == 24
+        found = c.post("/search", headers=AUTH, files=query, data={"k": "30"}).json()["results"]
+        assert found[0]["id"] == 24 and found[0]["path"] == extra.name and 3 not in [x["id"] for x in found]
+        assert c.get("/items/3", headers=AUTH).status_code == 404
+        assert c.delete("/items/24", headers=AUTH).json()["items"] == 23  # the service writes the reopened store
+
+        other = load_model(save_tiny_model(tmp_path / "other", seed=1), "cpu")
+        build_store(store_copy, other, world["paths"], world["rows"])  # rebuilt from another model
+        r = c.post("/search", headers=AUTH, files=query, data={"k": "3"})
+        assert r.status_code == 503 and "another model" in r.json()["error"]
+
+
 def test_uploads_folder_must_be_the_services_own(world, store_copy, tmp_path):
     with pytest.raises(svc.ServiceError, match="must not contain one another"):
         client_for(world, store_copy, uploads=store_copy / "up")

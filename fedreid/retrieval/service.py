@@ -54,8 +54,10 @@ or the token travels in clear.
 Concurrency. Searches run concurrently (worker threads); store updates
 (add, remove) are serialised and exclusive (a readers-writer lock), since an
 update swaps the store folder and its in-memory arrays. Features are computed
-outside the lock. The service owns the store while it runs: do not update
-the store folder from another process meanwhile.
+outside the lock. Another process may update the store meanwhile (e.g.
+``index --add``; the store's own update lock keeps writers apart): each
+request first checks ``header.json`` and, when the folder was replaced,
+reopens the store (503 if it no longer fits the served model).
 """
 
 from __future__ import annotations
@@ -352,10 +354,48 @@ class _Service:
     """What the app holds: the store, the model, the limits and the lock (see the module docstring)."""
 
     def __init__(self, store: GalleryStore, loaded: LoadedModel, *, device: Any, uploads: Optional[Path], max_upload_bytes: int,
-                 max_pixels: int, max_k: int) -> None:
+                 max_pixels: int, max_k: int, allow_model_mismatch: bool = False,
+                 warn: Optional[Callable[[str], None]] = None) -> None:
         self.store, self.loaded, self.device, self.uploads = store, loaded, device, uploads
         self.max_upload_bytes, self.max_pixels, self.max_k = max_upload_bytes, max_pixels, max_k
+        self.allow_model_mismatch, self.warn = allow_model_mismatch, warn
         self.lock = _ReadWriteLock()
+        self.stamp = _header_stamp(store.folder)
+
+    # -- the store on disk --------------------------------------------------
+
+    def refresh(self) -> None:
+        """Reopen the store when another process (e.g. ``index --add``) has replaced its folder since.
+
+        The check is one ``stat`` of ``header.json`` (every store update
+        writes a new one). The reopened store must still belong to the
+        served model, or requests get 503 until the service is restarted.
+        """
+        if _header_stamp(self.store.folder) in (self.stamp, None):  # None: between an update's two renames
+            return
+        from fedreid.eval.model_io import check_index_model
+        from fedreid.retrieval.store import GalleryStore
+
+        with self.lock.write():
+            stamp = _header_stamp(self.store.folder)
+            if stamp in (self.stamp, None):
+                return
+            try:
+                store = GalleryStore.open(self.store.folder)
+                problem = check_index_model(store.header, self.loaded, store.folder,
+                                            allow_mismatch=self.allow_model_mismatch)
+            except (OSError, ValueError, FedReIDError) as exc:
+                raise _RequestError(
+                    503, f"the gallery store was changed on disk and cannot be served now: {exc}"
+                ) from None
+            if store.dim != self.store.dim:
+                raise _RequestError(
+                    503, f"the gallery store was rebuilt with {store.dim}-d features; the served model gives "
+                    f"{self.store.dim}-d ones: restart the service with the store's model"
+                )
+            if problem and self.warn is not None:
+                self.warn(problem)
+            self.store, self.stamp = store, stamp
 
     # -- images and features ------------------------------------------------
 
@@ -410,6 +450,7 @@ class _Service:
 
     def search(self, query: Optional[np.ndarray], item: Optional[int], k: int, filters: dict[str, Any]
                ) -> tuple[np.ndarray, np.ndarray, list[Optional[dict]]]:
+        self.refresh()
         with self.lock.read():
             if query is None:
                 query = self._item_vector(int(item))
@@ -418,6 +459,7 @@ class _Service:
         return result.scores[0], result.ids[0], rows
 
     def row(self, item: int) -> dict[str, Any]:
+        self.refresh()
         with self.lock.read():
             row = self.store.rows([item])[0]
         if row is None:
@@ -450,19 +492,23 @@ class _Service:
         with atomic_path(path) as tmp:
             tmp.write_bytes(upload.data)
         try:
+            self.refresh()
             with self.lock.write():
                 new_id = int(self.store.add(feature, [dict(meta, path=str(path))])[0])
+                self.stamp = _header_stamp(self.store.folder)
         except BaseException:
             path.unlink(missing_ok=True)
             raise
         return self.row(new_id)
 
     def remove(self, item: int) -> dict[str, Any]:
+        self.refresh()
         with self.lock.write():
             row = self.store.rows([item])[0]
             if row is None:
                 raise _RequestError(404, f"no item {item} in the gallery")
             self.store.remove([item])
+            self.stamp = _header_stamp(self.store.folder)
             deleted = False
             path = Path(row["path"])
             if self.uploads is not None and path.parent == self.uploads and path.is_file() and not path.is_symlink():
@@ -471,6 +517,7 @@ class _Service:
         return {"removed": item, "file_deleted": deleted, "items": int(self.store.ntotal)}
 
     def info(self) -> dict[str, Any]:
+        self.refresh()
         cfg = self.loaded.config
         return {
             "items": int(self.store.ntotal), "dim": int(self.store.dim), "factory": self.store.factory,
@@ -479,6 +526,15 @@ class _Service:
             "uploads": self.uploads is not None,
             "limits": {"max_k": self.max_k, "max_upload_bytes": self.max_upload_bytes, "max_pixels": self.max_pixels},
         }
+
+
+def _header_stamp(folder: Path) -> Optional[tuple[int, int, int]]:
+    """(inode, mtime ns, size) of the store's ``header.json``; None while it is missing (mid-swap)."""
+    try:
+        st = os.stat(Path(folder) / "header.json")
+    except OSError:
+        return None
+    return st.st_ino, st.st_mtime_ns, st.st_size
 
 
 def _result_item(row: dict[str, Any], **extra: Any) -> dict[str, Any]:
@@ -643,7 +699,8 @@ def create_app(
         claim_output_dir(uploads_dir, UPLOADS_KIND, tool=f"{TOOL} --uploads")
         uploads_dir = uploads_dir.resolve()
     service = _Service(store, loaded, device=torch.device(device), uploads=uploads_dir,
-                       max_upload_bytes=int(max_upload_bytes), max_pixels=int(max_pixels), max_k=int(max_k))
+                       max_upload_bytes=int(max_upload_bytes), max_pixels=int(max_pixels), max_k=int(max_k),
+                       allow_model_mismatch=allow_model_mismatch, warn=warn)
     page = {name: _web_asset(name) for name in _WEB_ASSETS}
 
     app = FastAPI(title="fedreid gallery search", docs_url=None, redoc_url=None, openapi_url=None)

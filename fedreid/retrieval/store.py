@@ -56,8 +56,15 @@ store into a hidden sibling (``.<name>.tmp-<hex>``) and swaps it in with
 store or the new one, never a mix; the in-memory store changes only after the
 swap. :meth:`GalleryStore.verify` and :meth:`GalleryStore.tune` change only
 ``header.json``, replaced on its own with one ``os.replace`` (its file records
-are unchanged). Leftovers are cleaned up by the next update. One writer at a
-time (no locking).
+are unchanged). Leftovers are cleaned up by the next update.
+
+Writers: an update holds an exclusive ``flock`` on the store's parent folder
+(:data:`LOCK_TIMEOUT_S` to wait for another), and refuses to go on when the
+header on disk is no longer the one this object read or wrote (another
+process updated the store since): no update is lost to a stale copy.
+
+Memory: an opened store maps ``vectors.npy`` read-only (``mmap``) rather than
+reading it into RAM; refinement and filtered search read the rows they need.
 
 Loading (:meth:`GalleryStore.open`) reads the header as JSON, checks every
 file's size and SHA-256 against it before parsing any of them, reads the
@@ -69,14 +76,17 @@ forgery.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import re
 import shutil
 import sqlite3
+import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Optional, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Optional, Sequence
 
 import faiss
 import numpy as np
@@ -119,6 +129,8 @@ MARKER_KIND = "index"
 TOOL = "tools/eval_reid.py index"
 #: A filtered search over at most this many allowed items is exact over their stored vectors.
 EXACT_FILTER_MAX = 20_000
+#: Seconds an update waits for another process's update of a store in the same folder.
+LOCK_TIMEOUT_S = 60.0
 DEFAULT_NPROBE = 8
 DEFAULT_EF_SEARCH = 64
 NPROBE_CANDIDATES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 65536)
@@ -418,7 +430,7 @@ class GalleryStore:
         for name in DATA_FILES:
             _check_file(folder, name, header)
         ids = _read_npy(folder / IDS_FILE, "ids", np.int64, (header["ntotal"],))
-        vectors = _read_npy(folder / VECTORS_FILE, "vectors", np.float32, (header["ntotal"], header["dim"]))
+        vectors = _read_npy(folder / VECTORS_FILE, "vectors", np.float32, (header["ntotal"], header["dim"]), mmap=True)
         if ids.size and (np.any(np.diff(ids) <= 0) or ids[0] < 0 or ids[-1] >= header["next_id"]):
             raise GalleryStoreError(f"{folder / IDS_FILE}: ids are not increasing ids below next_id")
         db_ids = _db_ids(folder / DB_FILE)
@@ -617,15 +629,27 @@ class GalleryStore:
         return self._rescore(queries, candidates, k)
 
     def _rescore(self, queries: np.ndarray, candidates: np.ndarray, k: int) -> SearchResult:
-        """Exact inner products of ``candidates`` (ids, -1 pads) from the stored vectors; the best ``k`` of each row."""
+        """Exact inner products of ``candidates`` (ids, -1 pads) from the stored vectors; the best ``k`` of each row.
+
+        Equal scores: the smaller id first; pads rank last. Queries are done
+        in blocks so the gathered candidate vectors stay under about 64 MB.
+        """
         out = _empty_result(queries.shape[0], k)
-        for qi, (query, cand) in enumerate(zip(queries, candidates)):
-            cand = cand[cand >= 0]
-            if cand.size == 0:
-                continue
-            scores = self.vectors[np.searchsorted(self.ids, cand)] @ query
-            best = np.lexsort((cand, -scores))[:k]  # higher score first, then the smaller id
-            out.scores[qi, : best.size], out.ids[qi, : best.size] = scores[best], cand[best]
+        nq, nc = candidates.shape
+        kk = min(k, nc)
+        block = max(1, (64 << 20) // max(1, nc * self.dim * 4))
+        for s in range(0, nq, block):
+            cand = candidates[s : s + block]
+            valid = cand >= 0
+            rows = np.searchsorted(self.ids, np.where(valid, cand, self.ids[0] if self.ids.size else 0))
+            gathered = np.asarray(self.vectors[rows.ravel()], dtype=np.float32).reshape(*cand.shape, self.dim)
+            scores = np.einsum("qcd,qd->qc", gathered, queries[s : s + block])
+            scores[~valid] = -np.inf
+            order = np.lexsort((np.where(valid, cand, np.iinfo(np.int64).max), -scores), axis=-1)[:, :kk]
+            out.scores[s : s + block, :kk] = np.take_along_axis(scores, order, axis=1)
+            out.ids[s : s + block, :kk] = np.where(
+                np.isfinite(out.scores[s : s + block, :kk]), np.take_along_axis(cand, order, axis=1), -1
+            )
         return out
 
     def exact_search(self, queries: Any, k: int) -> SearchResult:
@@ -734,8 +758,16 @@ class GalleryStore:
         unknown = sorted(set(side_files) - set(SIDE_FILES))
         if unknown:
             raise GalleryStoreError(f"not side files of a store: {unknown} (expected some of {list(SIDE_FILES)})")
-        _check_store_location(folder, fresh=fresh, replaces=replaces)
-        _remove_leftovers(folder)
+        with _writer_lock(folder):
+            _check_store_location(folder, fresh=fresh, replaces=replaces)
+            _remove_leftovers(folder)
+            if not fresh:
+                self._check_unchanged_on_disk()
+            self._write_and_swap(index, vectors, ids, change, header, fresh=fresh, side_files=side_files)
+
+    def _write_and_swap(self, index: Any, vectors: np.ndarray, ids: np.ndarray, change: Any, header: dict,
+                        *, fresh: bool, side_files: dict[str, Any]) -> None:
+        folder = self.folder
         stage = swap_sibling(folder, "tmp")
         try:
             claim_output_dir(stage, MARKER_KIND, tool=TOOL)
@@ -768,16 +800,31 @@ class GalleryStore:
         finally:
             if stage.exists():
                 shutil.rmtree(stage)
-        self.header, self.index, self.vectors, self.ids = header, index, vectors, ids
+        mapped = _read_npy(folder / VECTORS_FILE, "vectors", np.float32, vectors.shape, mmap=True)
+        self.header, self.index, self.vectors, self.ids = header, index, mapped, ids
+
+    def _check_unchanged_on_disk(self) -> None:
+        """Refuse to update from a store object whose folder another process has changed since."""
+        try:
+            on_disk = json.loads((self.folder / HEADER_FILE).read_text())
+        except (OSError, ValueError):
+            on_disk = None
+        if on_disk != json.loads(json.dumps(self.header)):
+            raise GalleryStoreError(
+                f"store {self.folder} changed on disk since it was opened (another process updated it): "
+                "open it again and repeat the update (nothing was changed)"
+            )
 
     def _commit_header(self, header: dict) -> None:
         """Replace ``header.json`` alone (one ``os.replace``): the data files and their records are unchanged."""
         folder = self.folder
-        _check_store_location(folder, fresh=False)
-        for p in folder.iterdir():
-            if _HEADER_TEMP.match(p.name) and p.is_file():
-                p.unlink()
-        write_json_atomic(folder / HEADER_FILE, header)
+        with _writer_lock(folder):
+            _check_store_location(folder, fresh=False)
+            self._check_unchanged_on_disk()
+            for p in folder.iterdir():
+                if _HEADER_TEMP.match(p.name) and p.is_file():
+                    p.unlink()
+            write_json_atomic(folder / HEADER_FILE, header)
         self.header = header
 
 
@@ -798,6 +845,39 @@ def _exact_search(queries: np.ndarray, vectors: np.ndarray, ids: np.ndarray, k: 
     out = _empty_result(queries.shape[0], k)
     out.scores[:, :kk], out.ids[:, :kk] = scores, ids[rows]
     return out
+
+
+@contextlib.contextmanager
+def _writer_lock(folder: Path, timeout: Optional[float] = None) -> Iterator[None]:
+    """Hold the update lock of the store at ``folder``: an exclusive ``flock`` on its parent folder.
+
+    The lock is on the parent because an update replaces the store folder
+    itself; it leaves no file behind and is released when the process dies.
+    Waits up to ``timeout`` seconds (default :data:`LOCK_TIMEOUT_S`) for
+    another writer, then raises :class:`GalleryStoreError`.
+    """
+    parent = folder.parent
+    parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(parent, os.O_RDONLY)
+    try:
+        deadline = time.monotonic() + (LOCK_TIMEOUT_S if timeout is None else timeout)
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise GalleryStoreError(
+                        f"another process is updating a store in {parent} (it holds the update lock); "
+                        f"try again when it has finished (nothing was changed in {folder})"
+                    ) from None
+                time.sleep(0.05)
+        try:
+            yield
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
 
 
 def _copy_index(index: Any) -> Any:
@@ -924,17 +1004,18 @@ def _check_file(folder: Path, name: str, header: dict) -> None:
     )
 
 
-def _read_npy(path: Path, what: str, dtype: Any, shape: tuple) -> np.ndarray:
+def _read_npy(path: Path, what: str, dtype: Any, shape: tuple, mmap: bool = False) -> np.ndarray:
+    """The array in ``path`` (never unpickled); ``mmap``: a read-only memory map instead of a copy in RAM."""
     kind = file_kind(path)
     if kind != "npy":
         raise GalleryStoreError(f"{path} is not a NumPy .npy file of {what}: {describe_kind(kind)}")
     try:
-        arr = np.load(path, allow_pickle=False)
+        arr = np.load(path, allow_pickle=False, mmap_mode="r" if mmap else None)
     except (OSError, ValueError) as exc:
         text = str(exc).strip()
         why = (
             "it holds pickled Python objects, which are never loaded (loading them can run code)"
-            if "pickle" in text.lower() else (text.splitlines()[0] if text else type(exc).__name__)
+            if "pickle" in text.lower() or "python objects" in text.lower() else (text.splitlines()[0] if text else type(exc).__name__)
         )
         raise GalleryStoreError(f"{path} is not a readable .npy of {what}: {why}") from None
     if arr.dtype != np.dtype(dtype) or tuple(arr.shape) != tuple(shape):
