@@ -35,15 +35,16 @@ Examples:
   # the model's retrieval feature as an ONNX (or TorchScript) file, plus its sidecar fedpav.onnx.json
   python tools/eval_reid.py export --model runs/fedpav --format onnx --out fedpav.onnx
   python tools/eval_reid.py export --model runs/fedpav --format torchscript --out fedpav.ts --height 256 --width 128
-  # index and query with the exported file (ONNX Runtime on the CPU); the index records the
-  # backend and the file's SHA-256, so its queries use the same file
+  # index and query with the exported file (ONNX Runtime on the CPU, no PyTorch needed); the index
+  # records the backend and the file's SHA-256, so its queries use the same file
   python tools/eval_reid.py index --backend onnx --model fedpav.onnx --gallery photos/gallery --index idx_onnx
   python tools/eval_reid.py query --backend onnx --model fedpav.onnx --index idx_onnx --images photos/query
 
 --model is a run folder (its model_final.pt, else its checkpoint.pt), a
 model_final.pt or a checkpoint.pt. Features are the flip-averaged,
-L2-normalised embeddings; the device is CUDA when available. On CUDA the
-extraction uses float16 autocast (--amp) and channels-last tensors and
+L2-normalised embeddings; the device is CUDA when available (with --backend
+onnx it is the CPU, and PyTorch is not needed). On CUDA the extraction uses
+float16 autocast (--amp) and channels-last tensors and
 weights (--channels-last) unless --no-amp / --no-channels-last; on the CPU
 they are off, and asking for them there is an error. --faiss-gpu on puts
 FAISS work on the GPU (an error when faiss has no GPU support or sees no
@@ -342,7 +343,8 @@ Examples:
 def _add_backend_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--backend", choices=BACKENDS, default="pytorch",
-        help="pytorch (default): --model is a run folder or model file; onnx (ONNX Runtime, CPU) / torchscript: "
+        help="pytorch (default): --model is a run folder or model file; onnx (ONNX Runtime, CPU, no PyTorch "
+        "needed; --device auto or cpu) / torchscript: "
         "--model is a file written by 'export' (with its .json sidecar). The index records the backend and "
         "the exported file's SHA-256: query with the same backend and file",
     )
@@ -505,7 +507,7 @@ def cmd_index(args: argparse.Namespace) -> int:
     if action == "check":
         _print_check(pl.open_gallery_store(args.index), args)
         return 0
-    device = pl.resolve_device(args.device)
+    device = pl.resolve_backend_device(args.device, args.backend)
     speed = _speedups(args, device)
     faiss_gpu = pl.resolve_faiss_gpu(args.faiss_gpu, device)
     loaded = _load_for_features(args, device)
@@ -574,7 +576,7 @@ def cmd_query(args: argparse.Namespace) -> int:
     if args.top_k < 1:
         raise pl.EvalInputError(f"--top-k must be >= 1, got {args.top_k}")
     filters = _query_filters(args)
-    device = pl.resolve_device(args.device)
+    device = pl.resolve_backend_device(args.device, args.backend)
     speed = _speedups(args, device)
     faiss_gpu = pl.resolve_faiss_gpu(args.faiss_gpu, device)
     loaded = _load_for_features(args, device)

@@ -9,9 +9,10 @@ Items are dicts (the default collate stacks them into a batch dict)::
      "camid": int   0-based camera,
      "index": int   position in the record list}
 
-Images are decoded with OpenCV (``cv2.imdecode`` of the file's bytes, which
-also handles non-ASCII paths, then BGR -> RGB). A file that is missing or
-cannot be decoded raises :class:`ImageReadError` naming it.
+Images are decoded by :func:`fedreid.data.images.read_image` (OpenCV,
+``cv2.imdecode`` of the file's bytes, then BGR -> RGB; re-exported here with
+:class:`ImageReadError`): a file that is missing or cannot be decoded raises
+:class:`ImageReadError` naming it.
 
 Determinism: :func:`make_loader` shuffles with ``torch.Generator().
 manual_seed(seed)`` and, unless told not to, reseeds the dataset's transform
@@ -25,7 +26,6 @@ workers differ, but the augmentations are not the ones of ``num_workers=0``.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import cv2
@@ -33,29 +33,13 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, get_worker_info
 
+from fedreid.data.images import ImageReadError, read_image
 from fedreid.data.prepared import Record
-from fedreid.errors import FedReIDError
 
 if TYPE_CHECKING:  # pragma: no cover
     from fedreid.data.scenarios import ClientSplit
 
 __all__ = ["ImageReadError", "ReIDImageDataset", "make_loader", "read_image", "seed_worker"]
-
-
-class ImageReadError(FedReIDError, OSError):
-    """An image file is missing or cannot be decoded; the message names it."""
-
-
-def read_image(path: str | Path) -> np.ndarray:
-    """The image at ``path`` as an RGB uint8 ``[H, W, 3]`` array (grey images become RGB)."""
-    try:
-        data = np.fromfile(str(path), dtype=np.uint8)
-    except OSError as exc:
-        raise ImageReadError(f"cannot read image {path}: {exc}") from exc
-    image = cv2.imdecode(data, cv2.IMREAD_COLOR) if data.size else None
-    if image is None:
-        raise ImageReadError(f"cannot decode image {path} (empty, corrupt or not an image)")
-    return cv2.cvtColor(image, cv2.COLOR_BGR2RGB)
 
 
 class ReIDImageDataset(Dataset):

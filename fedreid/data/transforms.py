@@ -1,5 +1,11 @@
 """Image pipelines (albumentations + OpenCV): RGB uint8 HWC array -> float32 CHW tensor.
 
+The test pipeline (:func:`build_test_transform`) is ``Resize(H, W, bicubic)``
++ ``Normalize(ImageNet mean/std)`` + CHW; :func:`build_test_array_transform`
+runs the same steps and gives a float32 numpy array instead of a tensor,
+without torch (exported models run on numpy). Torch is imported (through
+``albumentations.pytorch``) only when a tensor pipeline is built.
+
 The training pipeline is the FedReID reference's (``data_utils.py``)::
 
     [ColorJitter(b=c=s=color_jitter, hue=0)]   optional, first, as in the reference
@@ -37,21 +43,24 @@ reseeds per (round, client, epoch), and
 from __future__ import annotations
 
 import random
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import albumentations as A
 import cv2
 import numpy as np
-import torch
-from albumentations.pytorch import ToTensorV2
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "CLASSIFICATION_AUGMENTS",
     "IMAGENET_MEAN",
     "IMAGENET_STD",
     "ArrayAugment",
+    "ArrayImageTransform",
     "ImageTransform",
     "build_classification_augment",
+    "build_test_array_transform",
     "build_test_transform",
     "build_train_transform",
 ]
@@ -88,11 +97,28 @@ class ImageTransform:
                 else type(image).__name__
             )
             raise ValueError(f"expected an RGB uint8 image of shape [H, W, 3], got a {desc}")
-        return self.compose(image=image)["image"].contiguous()
+        return self._output(self.compose(image=image)["image"])
+
+    def _output(self, image: torch.Tensor) -> torch.Tensor:
+        return image.contiguous()
 
     def __repr__(self) -> str:
         steps = ", ".join(type(t).__name__ for t in self.compose.transforms)
-        return f"ImageTransform([{steps}], seed={self.seed})"
+        return f"{type(self).__name__}([{steps}], seed={self.seed})"
+
+
+class ArrayImageTransform(ImageTransform):
+    """An :class:`ImageTransform` giving a float32 numpy ``[3, H, W]`` instead of a tensor (no torch needed).
+
+    Its steps end with an HWC float32 array, whose channels are moved first
+    as ``ToTensorV2`` does: the values equal those of the tensor pipeline.
+    """
+
+    def __call__(self, image: np.ndarray) -> np.ndarray:
+        return super().__call__(image)
+
+    def _output(self, image: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(image.transpose(2, 0, 1))
 
 
 def build_train_transform(
@@ -137,6 +163,8 @@ def build_train_transform(
     steps.append(A.Normalize(mean=tuple(mean), std=tuple(std), max_pixel_value=255.0))
     if random_erasing > 0:
         steps.append(A.Erasing(scale=(0.02, 0.4), ratio=(0.3, 1 / 0.3), fill=0, p=random_erasing))
+    from albumentations.pytorch import ToTensorV2
+
     steps.append(ToTensorV2())
     return ImageTransform(A.Compose(steps), seed=seed)
 
@@ -149,14 +177,34 @@ def build_test_transform(
     std: Sequence[float] = IMAGENET_STD,
     interpolation: int = cv2.INTER_CUBIC,
 ) -> ImageTransform:
-    """Resize + ImageNet normalisation (deterministic)."""
+    """Resize + ImageNet normalisation (deterministic): :func:`build_test_array_transform`'s steps, as a tensor."""
+    from albumentations.pytorch import ToTensorV2
+
+    steps = [*_test_steps(height, width, mean, std, interpolation), ToTensorV2()]
+    return ImageTransform(A.Compose(steps), seed=0)
+
+
+def build_test_array_transform(
+    height: int = 256,
+    width: int = 128,
+    *,
+    mean: Sequence[float] = IMAGENET_MEAN,
+    std: Sequence[float] = IMAGENET_STD,
+    interpolation: int = cv2.INTER_CUBIC,
+) -> ArrayImageTransform:
+    """The test pipeline without torch: float32 numpy ``[3, H, W]`` equal to :func:`build_test_transform`'s tensor."""
+    return ArrayImageTransform(A.Compose(_test_steps(height, width, mean, std, interpolation)), seed=0)
+
+
+def _test_steps(
+    height: int, width: int, mean: Sequence[float], std: Sequence[float], interpolation: int
+) -> list:
+    """Resize to ``height x width`` (``interpolation``) + normalisation by ``mean``/``std``, HWC float32 out."""
     _check_size(height, width)
-    steps = [
+    return [
         A.Resize(height, width, interpolation=interpolation),
         A.Normalize(mean=tuple(mean), std=tuple(std), max_pixel_value=255.0),
-        ToTensorV2(),
     ]
-    return ImageTransform(A.Compose(steps), seed=0)
 
 
 def _seed_compose(compose: A.Compose, seed: Optional[int]) -> np.random.Generator:

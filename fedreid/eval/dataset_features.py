@@ -16,15 +16,17 @@ from __future__ import annotations
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import numpy as np
-import torch
 
 from fedreid.eval.errors import EvalInputError
 from fedreid.eval.features import FeatureSet, check_features, load_features, save_features
 from fedreid.eval.filecheck import file_kind
 from fedreid.eval.model_io import LoadedModel, model_features
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "DatasetFeatures",
@@ -111,9 +113,7 @@ def dataset_features(
             raise PreparedDatasetError(f"dataset {name!r} at {ds.root} has no {split} images")
         loader = _split_loader(records, int(loaded.config["height"]), int(loaded.config["width"]), batch_size)
         sets[split] = FeatureSet(
-            features=model_features(
-                loaded, loader, torch.device(device), amp=amp, channels_last=channels_last
-            ).features,
+            features=model_features(loaded, loader, device, amp=amp, channels_last=channels_last).features,
             pids=np.array([r.pid for r in records], dtype=np.int64),
             camids=np.array([r.camid for r in records], dtype=np.int64),
             paths=[str(r.path) for r in records],

@@ -3,24 +3,36 @@
 The ``resolve_*`` functions turn ``tools/eval_reid.py``'s ``--device``,
 ``--amp`` / ``--channels-last`` and ``--faiss-gpu`` options into decisions,
 refusing what cannot apply (:class:`~fedreid.eval.errors.EvalInputError`)
-instead of running silently slower.
+instead of running silently slower. The ``onnx`` backend runs on the CPU
+without torch (:func:`resolve_backend_device`); the other functions take a
+``torch.device`` or a device string such as ``"cpu"``, and only
+:func:`resolve_device` imports torch.
 """
 
 from __future__ import annotations
 
-from typing import Optional
-
-import torch
+from typing import TYPE_CHECKING, Any, Optional
 
 from fedreid.eval.errors import EvalInputError
 
-__all__ = ["FAISS_GPU_MODES", "resolve_device", "resolve_speedups", "resolve_faiss_gpu"]
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["FAISS_GPU_MODES", "resolve_backend_device", "resolve_device", "resolve_speedups", "resolve_faiss_gpu"]
 
 FAISS_GPU_MODES = ("auto", "on", "off")
 
 
 def resolve_device(device: str = "auto") -> torch.device:
-    """``auto``: CUDA when available, else CPU."""
+    """``auto``: CUDA when available, else CPU. Raises :class:`EvalInputError` when torch cannot be imported."""
+    try:
+        import torch
+    except ImportError as exc:
+        raise EvalInputError(
+            f"PyTorch cannot be imported ({exc}); it runs PyTorch models and TorchScript files. Without it, "
+            "index, query and serve run an ONNX file with --backend onnx (written by 'tools/eval_reid.py export "
+            "--format onnx' where PyTorch is installed)"
+        ) from None
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -29,8 +41,34 @@ def resolve_device(device: str = "auto") -> torch.device:
         raise EvalInputError(f"--device {device!r} is not a device: expected auto, cpu, cuda or cuda:N") from None
 
 
+def resolve_backend_device(device: str, backend: str) -> Any:
+    """The device of feature extraction with ``backend`` (``pytorch``, ``torchscript``, ``onnx``).
+
+    ``onnx``: the string ``"cpu"`` (ONNX Runtime runs the exported file on
+    the CPU, and no torch is imported); ``device`` must be ``auto`` or
+    ``cpu``, anything else is an :class:`EvalInputError`. Other backends:
+    :func:`resolve_device`.
+    """
+    if backend != "onnx":
+        return resolve_device(device)
+    if device not in ("auto", "cpu"):
+        raise EvalInputError(
+            f"--device {device}: --backend onnx runs the exported file on the CPU (ONNX Runtime); "
+            "give --device cpu or leave --device out (--faiss-gpu on still puts FAISS on a GPU)"
+        )
+    return "cpu"
+
+
+def _device_parts(device: str | torch.device) -> tuple[str, Optional[int]]:
+    """``(type, index)`` of a ``torch.device`` or a device string (``"cpu"``, ``"cuda"``, ``"cuda:1"``)."""
+    if isinstance(device, str):
+        kind, _, index = device.partition(":")
+        return kind, int(index) if index.isdigit() else None
+    return device.type, device.index
+
+
 def resolve_speedups(
-    device: torch.device, amp: Optional[bool] = None, channels_last: Optional[bool] = None
+    device: str | torch.device, amp: Optional[bool] = None, channels_last: Optional[bool] = None
 ) -> tuple[bool, bool]:
     """``(amp, channels_last)`` for extraction on ``device``; None means on for CUDA, off elsewhere.
 
@@ -38,7 +76,7 @@ def resolve_speedups(
     ignores them elsewhere), so asking for one explicitly on another device
     is an error rather than a silently slower run.
     """
-    on_cuda = device.type == "cuda"
+    on_cuda = _device_parts(device)[0] == "cuda"
     asked = [flag for flag, value in (("--amp", amp), ("--channels-last", channels_last)) if value]
     if asked and not on_cuda:
         raise EvalInputError(
@@ -48,7 +86,7 @@ def resolve_speedups(
     return (on_cuda if amp is None else bool(amp)), (on_cuda if channels_last is None else bool(channels_last))
 
 
-def resolve_faiss_gpu(mode: str, device: torch.device) -> bool:
+def resolve_faiss_gpu(mode: str, device: str | torch.device) -> bool:
     """Whether the FAISS index goes to a GPU: ``auto`` / ``on`` / ``off``.
 
     ``auto``: when faiss has GPU support, sees a GPU and the tool's device is
@@ -64,8 +102,9 @@ def resolve_faiss_gpu(mode: str, device: torch.device) -> bool:
     if mode == "on":
         retrieval.require_faiss_gpu()
         return True
-    return device.type == "cuda" and retrieval.faiss_gpu_available()
+    return _device_parts(device)[0] == "cuda" and retrieval.faiss_gpu_available()
 
 
-def _faiss_gpu_id(device: torch.device) -> int:
-    return (device.index or 0) if device.type == "cuda" else 0
+def _faiss_gpu_id(device: str | torch.device) -> int:
+    kind, index = _device_parts(device)
+    return (index or 0) if kind == "cuda" else 0

@@ -25,10 +25,18 @@ existing file is replaced only when it is itself an export of this module
 (its sidecar matches it); anything else at the path is refused and left
 untouched.
 
-This module itself imports neither torch nor onnxruntime at import time, and
-:class:`OnnxExtractor` needs only numpy and onnxruntime; but the
-``fedreid.eval`` package imports torch today (through ``metrics``), and torch
-is a dependency of the package, so a PyTorch-free install is not there yet.
+Exporting needs torch; running an ONNX file does not. This module imports
+neither torch nor onnxruntime at import time, :class:`OnnxExtractor` needs
+only numpy and onnxruntime, and :func:`load_exported_model` gives a
+:class:`~fedreid.eval.model_io.LoadedModel` whose ``extractor`` computes the
+features (no torch module around it). So ``tools/eval_reid.py index``,
+``query`` and ``serve`` with ``--backend onnx`` (and
+:func:`fedreid.retrieval.service.create_app` with such a model) run where
+``import torch`` fails; the ``pytorch`` and ``torchscript`` backends, the
+``evaluate`` and ``export`` commands need torch. ``setup.py`` still lists
+torch, torchvision and timm as requirements, so such a machine installs
+fedreid with ``pip install --no-deps`` and its other requirements (plus
+onnxruntime, and the ``serve`` extra to serve) by hand.
 """
 
 from __future__ import annotations
@@ -36,13 +44,16 @@ from __future__ import annotations
 import json
 import warnings
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 import numpy as np
 
 from fedreid.eval.errors import EvalInputError
 from fedreid.eval.filecheck import sha256_file
 from fedreid.utils.io import atomic_path, write_json_atomic
+
+if TYPE_CHECKING:
+    from fedreid.eval.model_io import LoadedModel
 
 __all__ = [
     "EXPORT_FORMAT",
@@ -334,34 +345,29 @@ def load_extractor(path: str | Path, **kwargs: Any) -> OnnxExtractor | TorchScri
     return (OnnxExtractor if backend == "onnx" else TorchScriptExtractor)(path, **kwargs)
 
 
-def load_exported_model(path: str | Path, **kwargs: Any) -> Any:
+def load_exported_model(path: str | Path, **kwargs: Any) -> LoadedModel:
     """An exported file as a :class:`~fedreid.eval.model_io.LoadedModel` for ``index`` / ``query``.
 
     Its ``fingerprint`` is the one recorded at export plus ``backend`` (``onnx`` /
     ``torchscript``) and ``export_sha256`` (the file's SHA-256), so an index
     built with it is only queried with the same file (another model, or the
     PyTorch model itself, differs and is refused as any other model is, unless
-    --allow-model-mismatch). ``model_features`` runs the file on the CPU.
+    --allow-model-mismatch). Its ``model`` is None and its ``extractor`` (:func:`load_extractor`)
+    computes the features: ``model_features`` runs the file on the CPU, an ONNX
+    file without torch.
     """
-    import torch
-    from torch import nn
-
     from fedreid.eval.model_io import LoadedModel
 
     extractor = load_extractor(path, **kwargs)
-
-    class ExtractorModule(nn.Module):
-        def forward(self, images: torch.Tensor) -> torch.Tensor:
-            return torch.from_numpy(extractor(images))
-
     fp = dict(extractor.fingerprint, backend=extractor.backend, export_sha256=extractor.file_sha256)
     config = {"backbone": fp.get("backbone"), "height": extractor.height, "width": extractor.width,
               "backend": extractor.backend}
-    return LoadedModel(model=ExtractorModule(), config=config, source=Path(path), fingerprint=fp,
-                       extractor=extractor)
+    return LoadedModel(model=None, config=config, source=Path(path), fingerprint=fp, extractor=extractor)
 
 
-def load_feature_model(path: str | Path, backend: str, device: Any = "cpu", *, client: Optional[str] = None) -> Any:
+def load_feature_model(
+    path: str | Path, backend: str, device: Any = "cpu", *, client: Optional[str] = None
+) -> LoadedModel:
     """The :class:`~fedreid.eval.model_io.LoadedModel` that computes features for ``backend``.
 
     ``pytorch``: ``path`` is a run folder, ``model_final.pt`` or ``checkpoint.pt``

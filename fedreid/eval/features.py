@@ -15,6 +15,12 @@ expects; ``pids``/``camids`` are int tensors, arrays or lists of length B;
 Convention (FedReID, Zhuang et al., ACM MM 2020; layumi's test.py): the
 feature of an image is ``model(x) + model(flip_lr(x))``, then L2-normalised,
 so retrieval by inner product is retrieval by cosine similarity.
+
+:func:`extract_features` runs a PyTorch model; :func:`collect_features` runs
+any function of a batch of images (an exported file's extractor,
+:mod:`fedreid.eval.export`) over the same loader contract, and then
+``images`` may be numpy arrays. This module imports torch only inside the
+functions that run a PyTorch model.
 """
 
 from __future__ import annotations
@@ -24,15 +30,17 @@ import warnings
 import zipfile
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import Any, Iterable, Iterator, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, NamedTuple, Sequence
 
 import numpy as np
-import torch
-from torch import nn
 
 from fedreid.eval.filecheck import describe_kind, file_kind
 from fedreid.eval.metrics import EvalDataError
 from fedreid.utils.io import atomic_path
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
 
 __all__ = [
     "FEATURE_KEYS",
@@ -40,6 +48,7 @@ __all__ = [
     "FeatureSet",
     "channels_last_model",
     "check_features",
+    "collect_features",
     "extract_features",
     "load_features",
     "save_features",
@@ -76,16 +85,22 @@ def _batch_fields(batch: Any) -> dict[str, Any]:
 
 
 def _flip_lr(images: torch.Tensor) -> torch.Tensor:
+    import torch
+
     return torch.flip(images, dims=[3])
 
 
 def _as_row_features(output: Any) -> torch.Tensor:
+    import torch
+
     if not isinstance(output, torch.Tensor):
         raise TypeError(f"the model must return a tensor of features, got {type(output).__name__}")
     return output.reshape(output.shape[0], -1).float()  # [B, d, 1, 1] pooled maps become [B, d]
 
 
 def _model_device(model: nn.Module) -> torch.device:
+    import torch
+
     for tensor in model.parameters():
         return tensor.device
     for tensor in model.buffers():
@@ -105,6 +120,8 @@ def channels_last_model(model: nn.Module) -> Iterator[nn.Module]:
     the model (the training loop's evaluation) see it unchanged; values are
     never touched, only strides.
     """
+    import torch
+
     def four_d() -> dict[str, torch.Tensor]:
         # By name: Module.to() keeps Parameter objects but replaces buffer tensors.
         named = (*model.named_parameters(), *model.named_buffers())
@@ -121,9 +138,52 @@ def channels_last_model(model: nn.Module) -> Iterator[nn.Module]:
 
 
 def _ids(values: Any) -> np.ndarray:
-    if isinstance(values, torch.Tensor):
+    if hasattr(values, "detach"):  # a torch tensor
         values = values.detach().cpu().numpy()
     return np.asarray(values).astype(np.int64).reshape(-1)
+
+
+def collect_features(loader: Iterable[Any], run: Callable[[Any], Any]) -> FeatureSet:
+    """Features of ``loader``'s batches (see the module docstring) by ``run``, with the ids and paths they carry.
+
+    ``run`` maps one batch's ``images`` to its features ``[B, d]`` (or
+    ``[B, d, 1, 1]``; an array or anything ``np.asarray`` reads), e.g. an
+    exported file's extractor; rows are kept as float32 ``[B, d]``. No torch is
+    needed unless the loader or ``run`` use it. Raises
+    :class:`~fedreid.eval.metrics.EvalDataError` when the loader yields no
+    batches, when batches differ in their fields, or when a field's length is
+    not the number of images.
+    """
+    collected: dict[str, list] = {}
+    present: tuple[str, ...] | None = None
+    for batch in loader:
+        fields = _batch_fields(batch)
+        if present is None:
+            present = tuple(fields)
+        elif tuple(fields) != present:
+            raise EvalDataError(f"batches differ in their fields: first had {present}, a later one {tuple(fields)}")
+        feats = np.asarray(run(fields["images"]), dtype=np.float32)
+        collected.setdefault("features", []).append(feats.reshape(feats.shape[0], -1))
+        for name in ("pids", "camids"):
+            if name in fields:
+                collected.setdefault(name, []).append(_ids(fields[name]))
+        if "paths" in fields:
+            collected.setdefault("paths", []).extend(str(p) for p in fields["paths"])
+
+    if "features" not in collected:
+        raise EvalDataError("the loader yielded no batches")
+    features = np.concatenate(collected["features"])
+    out = FeatureSet(
+        features=features,
+        pids=np.concatenate(collected["pids"]) if "pids" in collected else None,
+        camids=np.concatenate(collected["camids"]) if "camids" in collected else None,
+        paths=collected.get("paths"),
+    )
+    for name in ("pids", "camids", "paths"):
+        value = getattr(out, name)
+        if value is not None and len(value) != features.shape[0]:
+            raise EvalDataError(f"the loader gave {len(value)} {name} for {features.shape[0]} images")
+    return out
 
 
 def extract_features(
@@ -152,8 +212,12 @@ def extract_features(
     duration of the call, the model's weights (:func:`channels_last_model`).
 
     Returns a :class:`FeatureSet` (a named tuple ``features, pids, camids,
-    paths``); fields the loader did not provide are None.
+    paths``); fields the loader did not provide are None. Errors of the
+    loader contract: as :func:`collect_features`.
     """
+    import torch
+    from torch import nn
+
     device = torch.device(device) if device is not None else _model_device(model)
     on_cuda = device.type == "cuda"
     if (amp or channels_last) and not on_cuda:
@@ -163,57 +227,30 @@ def extract_features(
         )
     use_amp, use_channels_last = amp and on_cuda, channels_last and on_cuda
 
+    def run(images: torch.Tensor) -> np.ndarray:
+        images = images.to(device, non_blocking=True)
+        if use_channels_last:
+            images = images.contiguous(memory_format=torch.channels_last)
+        feats = _as_row_features(model(images))
+        if flip:
+            feats = feats + _as_row_features(model(_flip_lr(images)))
+        if normalize:
+            feats = nn.functional.normalize(feats, p=2, dim=1)
+        return feats.cpu().numpy()
+
     modes = {module: module.training for module in model.modules()}
     model.eval()
-    collected: dict[str, list] = {}
-    present: tuple[str, ...] | None = None
     try:
         with ExitStack() as stack:
             stack.enter_context(torch.no_grad())
             stack.enter_context(torch.autocast("cuda", dtype=torch.float16, enabled=use_amp))
             if use_channels_last:
                 stack.enter_context(channels_last_model(model))
-            for batch in loader:
-                fields = _batch_fields(batch)
-                if present is None:
-                    present = tuple(fields)
-                elif tuple(fields) != present:
-                    raise EvalDataError(
-                        f"batches differ in their fields: first had {present}, a later one {tuple(fields)}"
-                    )
-                images = fields["images"].to(device, non_blocking=True)
-                if use_channels_last:
-                    images = images.contiguous(memory_format=torch.channels_last)
-                feats = _as_row_features(model(images))
-                if flip:
-                    feats = feats + _as_row_features(model(_flip_lr(images)))
-                if normalize:
-                    feats = nn.functional.normalize(feats, p=2, dim=1)
-                collected.setdefault("features", []).append(feats.cpu().numpy())
-                for name in ("pids", "camids"):
-                    if name in fields:
-                        collected.setdefault(name, []).append(_ids(fields[name]))
-                if "paths" in fields:
-                    collected.setdefault("paths", []).extend(str(p) for p in fields["paths"])
+            return collect_features(loader, run)
     finally:
         # Per module, not model.train(flag): that would overwrite mixed modes.
         for module, training in modes.items():
             module.training = training
-
-    if "features" not in collected:
-        raise EvalDataError("the loader yielded no batches")
-    features = np.concatenate(collected["features"])
-    out = FeatureSet(
-        features=features,
-        pids=np.concatenate(collected["pids"]) if "pids" in collected else None,
-        camids=np.concatenate(collected["camids"]) if "camids" in collected else None,
-        paths=collected.get("paths"),
-    )
-    for name in ("pids", "camids", "paths"):
-        value = getattr(out, name)
-        if value is not None and len(value) != features.shape[0]:
-            raise EvalDataError(f"the loader gave {len(value)} {name} for {features.shape[0]} images")
-    return out
 
 
 class DegenerateFeaturesError(EvalDataError):

@@ -19,6 +19,9 @@ images abort with an error naming the image unless the caller collects them
 Queries (:func:`query_index`) check the store's recorded model fingerprint
 first. An index folder of the earlier format (``fedreid-faiss-index``, of
 :mod:`fedreid.eval.retrieval`) is not read: the error asks to rebuild it.
+This module does not import torch: with an exported ONNX model
+(:func:`fedreid.eval.export.load_exported_model`) stores are built, updated
+and searched without PyTorch.
 """
 
 from __future__ import annotations
@@ -30,10 +33,9 @@ import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import numpy as np
-import torch
 
 from fedreid.eval.devices import _faiss_gpu_id
 from fedreid.eval.errors import EvalInputError
@@ -42,6 +44,9 @@ from fedreid.eval.model_io import LoadedModel, check_index_model
 from fedreid.retrieval.gallery_rows import apply_metadata, image_rows, read_metadata_csv
 from fedreid.retrieval.store import GalleryStore, check_factory_string
 from fedreid.utils.io import swap_leftovers
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "add_to_gallery_store",
@@ -86,7 +91,7 @@ def _skipped_writer(entries: Sequence[SkippedImage]) -> Optional[Callable[[Path]
     return (lambda path: write_skipped_csv(path, entries)) if entries else None
 
 
-def _clustering_index(factory: str, dim: int, faiss_gpu: bool, device: torch.device) -> Any:
+def _clustering_index(factory: str, dim: int, faiss_gpu: bool, device: str | torch.device) -> Any:
     """A GPU ``IndexFlatIP`` for the k-means of an IVF factory's training when ``faiss_gpu``; else None."""
     if not faiss_gpu:
         return None
@@ -141,7 +146,6 @@ def build_gallery_store(
     from fedreid.eval.retrieval import is_index_folder
     from fedreid.utils.io import claim_output_dir
 
-    device = torch.device(device)
     gallery, index_dir = Path(gallery), Path(index_dir)
     check_factory_string(factory)
     paths = list_images(gallery, "gallery")
@@ -244,7 +248,6 @@ def add_to_gallery_store(
     ``skipped.csv`` then lists the images this and earlier builds/adds left
     out that are not in the store.
     """
-    device = torch.device(device)
     folder, images = Path(index_dir), Path(images)
     store = open_gallery_store(folder)
     check_index_model(store.header, loaded, folder)
@@ -434,7 +437,6 @@ def query_index(
 
     from fedreid.eval import retrieval
 
-    device = torch.device(device)
     store = open_gallery_store(index_dir)
     mismatch = check_index_model(store.header, loaded, index_dir, allow_mismatch=allow_model_mismatch)
     if mismatch is not None:

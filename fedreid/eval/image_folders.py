@@ -6,9 +6,14 @@ them (``skipped``), in which case it is left out and listed
 
 Images already in memory (an upload's bytes, a PIL image, an RGB array) get
 the same preprocessing and features as image files: :func:`decode_image_bytes`
-decodes as :func:`fedreid.data.datasets.read_image` does, and
+decodes as :func:`fedreid.data.images.read_image` does, and
 :func:`array_features` feeds the arrays through the same test transform and
 :func:`~fedreid.eval.model_io.model_features` as :func:`image_features`.
+
+A PyTorch model gets tensor batches (:func:`fedreid.data.transforms.build_test_transform`);
+an exported model (``loaded.extractor``) gets the same values as numpy
+batches (:func:`~fedreid.data.transforms.build_test_array_transform`), so
+an ONNX file's features need no torch.
 """
 
 from __future__ import annotations
@@ -18,15 +23,17 @@ import io
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence
 
 import numpy as np
-import torch
 
 from fedreid.eval.errors import EvalInputError
 from fedreid.eval.features import FeatureSet, check_features
 from fedreid.eval.metrics import EvalDataError
 from fedreid.eval.model_io import LoadedModel, model_features
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "IMAGE_EXTENSIONS",
@@ -86,6 +93,8 @@ def _skip_reason(exc: BaseException) -> str:
 
 def _collate(batch: Sequence[tuple[Any, int, int, str]]) -> dict[str, Any]:
     """``(tensor, pid, camid, path)`` items as one batch of the loader contract."""
+    import torch
+
     images, pids, camids, names = zip(*batch)
     return {
         "images": torch.stack(images),
@@ -95,18 +104,38 @@ def _collate(batch: Sequence[tuple[Any, int, int, str]]) -> dict[str, Any]:
     }
 
 
+def _collate_arrays(batch: Sequence[tuple[np.ndarray, int, int, str]]) -> dict[str, Any]:
+    """``(array, pid, camid, path)`` items as one batch of the loader contract, in numpy (no torch)."""
+    images, pids, camids, names = zip(*batch)
+    return {
+        "images": np.stack(images),
+        "pids": np.array(pids, dtype=np.int64),
+        "camids": np.array(camids, dtype=np.int64),
+        "paths": list(names),
+    }
+
+
+def _preprocessing(loaded: LoadedModel) -> tuple[Callable[[np.ndarray], Any], Callable[[Sequence], dict[str, Any]]]:
+    """``(transform, collate)`` of ``loaded``'s input: numpy for an exported file, tensors for a PyTorch model."""
+    from fedreid.data import transforms
+
+    height, width = int(loaded.config["height"]), int(loaded.config["width"])
+    if loaded.extractor is not None:
+        return transforms.build_test_array_transform(height, width), _collate_arrays
+    return transforms.build_test_transform(height, width), _collate
+
+
 def _image_batches(
-    paths: Sequence[Path], height: int, width: int, batch_size: int, skipped: Optional[list[SkippedImage]]
+    loaded: LoadedModel, paths: Sequence[Path], batch_size: int, skipped: Optional[list[SkippedImage]]
 ) -> Iterator[dict[str, Any]]:
-    """Batches in the loader contract of :func:`~fedreid.eval.features.extract_features`, in ``paths`` order.
+    """Batches of ``loaded``'s input in the loader contract of :mod:`fedreid.eval.features`, in ``paths`` order.
 
     An unreadable image is appended to ``skipped`` and left out, or, when
     ``skipped`` is None, an :class:`EvalInputError` naming it.
     """
-    from fedreid.data.datasets import ImageReadError, read_image
-    from fedreid.data.transforms import build_test_transform
+    from fedreid.data.images import ImageReadError, read_image
 
-    transform = build_test_transform(height, width)
+    transform, collate = _preprocessing(loaded)
     batch: list[tuple[Any, int, int, str]] = []
     for path in paths:
         try:
@@ -121,10 +150,10 @@ def _image_batches(
         pid, camid = parse_market_name(path)
         batch.append((transform(image), pid, camid, str(path)))
         if len(batch) == batch_size:
-            yield _collate(batch)
+            yield collate(batch)
             batch = []
     if batch:
-        yield _collate(batch)
+        yield collate(batch)
 
 
 def image_features(
@@ -152,11 +181,9 @@ def image_features(
     if int(batch_size) < 1:
         raise EvalInputError(f"--batch-size must be >= 1, got {batch_size}")
     first_skip = len(skipped) if skipped is not None else 0
-    batches = _image_batches(
-        paths, int(loaded.config["height"]), int(loaded.config["width"]), int(batch_size), skipped
-    )
+    batches = _image_batches(loaded, paths, int(batch_size), skipped)
     try:
-        fs = model_features(loaded, batches, torch.device(device), amp=amp, channels_last=channels_last)
+        fs = model_features(loaded, batches, device, amp=amp, channels_last=channels_last)
     except EvalDataError:
         if skipped is not None and len(skipped) - first_skip == len(paths):
             raise EvalInputError(
@@ -171,7 +198,7 @@ def image_features(
 def decode_image_bytes(data: bytes, what: str = "image") -> np.ndarray:
     """An encoded image (JPEG/PNG/BMP/... bytes) as an RGB uint8 ``[H, W, 3]`` array, decoded as files are.
 
-    The same decoder and flags as :func:`fedreid.data.datasets.read_image`
+    The same decoder and flags as :func:`fedreid.data.images.read_image`
     (OpenCV, colour, EXIF orientation applied, grey becomes RGB), so the
     bytes of a gallery file give the very pixels its path gives. Empty or
     undecodable bytes raise :class:`EvalInputError` naming ``what``.
@@ -218,21 +245,19 @@ def array_features(
     exactly (PIL's JPEG decoder may differ from OpenCV's by a few levels).
     Safe to call from several threads at once (each call builds its own transform).
     """
-    from fedreid.data.transforms import build_test_transform
-
     if int(batch_size) < 1:
         raise EvalInputError(f"batch_size must be >= 1, got {batch_size}")
     if len(images) == 0:
         raise EvalInputError("no images to compute features of")
     arrays = [_rgb_array(image, i) for i, image in enumerate(images)]
-    transform = build_test_transform(int(loaded.config["height"]), int(loaded.config["width"]))
+    transform, collate = _preprocessing(loaded)
 
     def batches() -> Iterator[dict[str, Any]]:
         for start in range(0, len(arrays), int(batch_size)):
             part = arrays[start : start + int(batch_size)]
-            yield _collate([(transform(a), -1, -1, f"<image {start + j}>") for j, a in enumerate(part)])
+            yield collate([(transform(a), -1, -1, f"<image {start + j}>") for j, a in enumerate(part)])
 
-    return model_features(loaded, batches(), torch.device(device)).features
+    return model_features(loaded, batches(), device).features
 
 
 def write_skipped_csv(path: str | Path, skipped: Sequence[SkippedImage]) -> Path:

@@ -13,7 +13,11 @@ queries check (:func:`check_index_model`).
 
 :func:`model_features` runs a loaded model over a loader: the flip-averaged,
 L2-normalised embeddings of :class:`fedreid.fl.evaluation.EmbedModule`
-through :func:`fedreid.eval.features.extract_features`.
+through :func:`fedreid.eval.features.extract_features`, or for an exported
+file (:func:`fedreid.eval.export.load_exported_model`) the file's own
+feature. Torch is imported only where a PyTorch model file is read, hashed
+or run: :class:`LoadedModel`, :func:`check_index_model` and the features of
+an ONNX file need no torch.
 """
 
 from __future__ import annotations
@@ -22,16 +26,17 @@ import hashlib
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Optional
 
 import numpy as np
-import torch
-from torch import nn
 
 from fedreid.eval.errors import EvalInputError
-from fedreid.eval.features import FeatureSet, extract_features
+from fedreid.eval.features import FeatureSet, collect_features, extract_features
 from fedreid.eval.filecheck import describe_kind, file_kind
-from fedreid.fl.evaluation import EmbedModule
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
 
 __all__ = [
     "MODEL_FORMAT",
@@ -62,14 +67,14 @@ class ModelMismatchError(EvalInputError):
 class LoadedModel:
     """A model ready for feature extraction, and where it came from."""
 
-    model: nn.Module
+    model: Optional[nn.Module]  # None for an exported file: ``extractor`` computes the features
     config: dict[str, Any]  # the model config (backbone, height, width, ...)
     source: Path
     round: Optional[int] = None
     #: :func:`model_fingerprint` of the loaded weights and config (empty when built by hand).
     fingerprint: dict[str, Any] = field(default_factory=dict)
-    #: An exported-file runner (:func:`fedreid.eval.export.load_exported_model`); then ``model`` is its
-    #: module wrapper and :func:`model_features` takes the features from it as they are.
+    #: An exported-file runner (:func:`fedreid.eval.export.load_exported_model`): a function of images
+    #: [B, 3, H, W] (numpy or torch) to features [B, d]; :func:`model_features` takes them as they are.
     extractor: Any = None
 
 
@@ -109,6 +114,8 @@ def _read_model_file(path: Path) -> Any:
     """
     import pickle
     import warnings
+
+    import torch
 
     try:
         kind = file_kind(path)
@@ -219,6 +226,8 @@ def model_fingerprint(model: nn.Module, config: Mapping[str, Any]) -> dict[str, 
     the defaults of :func:`load_model` where missing) and :data:`FEATURE_KIND`.
     Two models give comparable features only when every field is equal.
     """
+    import torch
+
     digest = hashlib.sha256()
     for name, tensor in sorted(model.state_dict().items()):
         t = tensor.detach().to("cpu").contiguous()
@@ -278,17 +287,25 @@ def check_index_model(
 
 
 def model_features(
-    loaded: LoadedModel, loader: Iterable[Any], device: torch.device, *, amp: bool = False, channels_last: bool = False
+    loaded: LoadedModel,
+    loader: Iterable[Any],
+    device: str | torch.device,
+    *,
+    amp: bool = False,
+    channels_last: bool = False,
 ) -> FeatureSet:
     """Features of ``loader``'s images by ``loaded``: ``embed`` of image + flipped image, L2-normalised, float32.
 
     For an exported model (``loaded.extractor`` set) the exported file computes
-    the flip-averaged, normalised feature itself; it runs on the CPU, ``amp``
-    and ``channels_last`` do not apply.
+    the flip-averaged, normalised feature itself (:func:`~fedreid.eval.features.collect_features`:
+    no torch needed, the batches' images may be numpy arrays); it runs on the
+    CPU, ``device``, ``amp`` and ``channels_last`` do not apply.
     """
     if loaded.extractor is not None:
-        out = extract_features(loaded.model, loader, flip=False, normalize=False, device="cpu")
+        out = collect_features(loader, loaded.extractor)
         return out._replace(features=np.ascontiguousarray(out.features, dtype=np.float32))
+    from fedreid.fl.evaluation import EmbedModule
+
     out = extract_features(
         EmbedModule(loaded.model), loader, flip=True, normalize=True, device=device, amp=amp,
         channels_last=channels_last,

@@ -15,6 +15,11 @@ every name is re-exported here (``from fedreid.eval import pipeline as pl``):
 * :mod:`fedreid.eval.folder_index`: a gallery store (:mod:`fedreid.retrieval`) of an image folder:
   build, add, remove, and queries of it.
 
+Importing this module imports no torch (the modules above import it where a
+PyTorch model or TorchScript file is read or run), so ``tools/eval_reid.py``
+indexes, queries and serves with an ONNX file (``--backend onnx``) where
+PyTorch is not installed.
+
 Features come from :func:`fedreid.eval.features.extract_features`, search
 from :mod:`fedreid.eval.retrieval`, pictures from :mod:`fedreid.eval.visualize`.
 How the pieces fit: ``docs/evaluation.md``; what the tool guarantees about
@@ -37,7 +42,13 @@ from fedreid.eval.dataset_features import (
     resolve_datasets,
     save_dataset_features,
 )
-from fedreid.eval.devices import FAISS_GPU_MODES, resolve_device, resolve_faiss_gpu, resolve_speedups
+from fedreid.eval.devices import (
+    FAISS_GPU_MODES,
+    resolve_backend_device,
+    resolve_device,
+    resolve_faiss_gpu,
+    resolve_speedups,
+)
 from fedreid.eval.errors import EvalInputError
 from fedreid.eval.features import extract_features
 from fedreid.eval.folder_index import (
@@ -96,6 +107,7 @@ __all__ = [
     "CUHK03_REPEATS",
     "FAISS_GPU_MODES",
     "resolve_device",
+    "resolve_backend_device",
     "resolve_speedups",
     "resolve_faiss_gpu",
     "query_scores",

@@ -4,7 +4,8 @@
 (:class:`~fedreid.retrieval.store.GalleryStore`) and a loaded model
 (:func:`fedreid.eval.model_io.load_model`, or an exported file through
 :func:`fedreid.eval.export.load_exported_model`: the service only calls
-:func:`fedreid.eval.image_folders.array_features`, which runs either).
+:func:`fedreid.eval.image_folders.array_features`, which runs either; an
+ONNX file without torch).
 :func:`add_serve_arguments` / :func:`run_serve` are the command line
 (``tools/eval_reid.py serve``; also ``python -m fedreid.retrieval.service``).
 
@@ -665,11 +666,11 @@ def create_app(
     ``max_upload_bytes``: largest image upload (bodies may be
     :data:`FORM_OVERHEAD` larger); ``max_pixels``: largest image; ``max_k``:
     largest ``k``. Raises :class:`ServiceError` (or the store's/model check's
-    errors) before serving anything.
+    errors) before serving anything. ``device``: where a PyTorch model runs;
+    an exported model (``loaded.extractor``) runs on the CPU, and an ONNX
+    file without torch.
     """
     _require_serve_extra()
-    import torch
-
     from fedreid.eval.errors import EvalInputError
     from fedreid.eval.model_io import check_index_model
     from fedreid.retrieval.store import GalleryStore, GalleryStoreError
@@ -686,10 +687,14 @@ def create_app(
     problem = check_index_model(store.header, loaded, store.folder, allow_mismatch=allow_model_mismatch)
     if problem and warn is not None:
         warn(problem)
+    if loaded.extractor is None:
+        import torch
+
+        device = torch.device(device)
     probe = np.zeros((int(loaded.config["height"]), int(loaded.config["width"]), 3), dtype=np.uint8)
     from fedreid.eval.image_folders import array_features
 
-    dim = int(array_features(loaded, [probe], device=torch.device(device)).shape[1])  # also warms the model up
+    dim = int(array_features(loaded, [probe], device=device).shape[1])  # also warms the model up
     if dim != store.dim:
         raise ServiceError(f"model {loaded.source} gives {dim}-d features but store {store.folder} holds {store.dim}-d ones")
     uploads_dir: Optional[Path] = None
@@ -698,7 +703,7 @@ def create_app(
         _check_uploads_location(uploads_dir, store.folder)
         claim_output_dir(uploads_dir, UPLOADS_KIND, tool=f"{TOOL} --uploads")
         uploads_dir = uploads_dir.resolve()
-    service = _Service(store, loaded, device=torch.device(device), uploads=uploads_dir,
+    service = _Service(store, loaded, device=device, uploads=uploads_dir,
                        max_upload_bytes=int(max_upload_bytes), max_pixels=int(max_pixels), max_k=int(max_k),
                        allow_model_mismatch=allow_model_mismatch, warn=warn)
     page = {name: _web_asset(name) for name in _WEB_ASSETS}
@@ -968,7 +973,7 @@ def run_serve(
     off the loopback interface, a store built by another model, an uploads
     folder holding other files.
     """
-    from fedreid.eval.devices import resolve_device
+    from fedreid.eval.devices import resolve_backend_device
 
     token = check_serve_security(args.host, _token_from(args), bool(args.insecure_local))
     if bool(args.ssl_certfile) != bool(args.ssl_keyfile):
@@ -980,7 +985,7 @@ def run_serve(
     _require_serve_extra()
     import uvicorn
 
-    device = resolve_device(args.device)
+    device = resolve_backend_device(args.device, getattr(args, "backend", "pytorch"))
     loaded = (load or load_service_model)(args, device)
     app = create_app(
         args.index, loaded, token=token, insecure_local=bool(args.insecure_local),
