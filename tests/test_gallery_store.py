@@ -370,3 +370,13 @@ def test_an_update_waits_for_another_processs_lock_then_gives_up(tmp_path, feats
         holder.wait()
     s.add(feats[100:101], make_rows(1, start=100))  # the lock died with its process
     assert GalleryStore.open(tmp_path / "st").ntotal == 101
+
+
+def test_a_filtered_search_of_a_stale_object_uses_only_the_items_it_holds(tmp_path, feats):
+    GalleryStore.create(tmp_path / "st", feats[:100], make_rows(100), factory="Flat")
+    stale = GalleryStore.open(tmp_path / "st")
+    GalleryStore.open(tmp_path / "st").add(feats[100:150], make_rows(50, start=100))  # another process's update
+    got = stale.search(feats[120:121], 5, cameras=range(CAMERAS))
+    assert (got.ids[0] >= 0).all() and (got.ids[0] < 100).all()
+    rows = np.searchsorted(stale.ids, got.ids[0])
+    np.testing.assert_allclose(got.scores[0], stale.vectors[rows] @ feats[120], rtol=1e-5, atol=1e-6)

@@ -599,8 +599,12 @@ class GalleryStore:
         if allowed.size == 0 or self.ntotal == 0:
             return _empty_result(queries.shape[0], k)
         if allowed.size <= EXACT_FILTER_MAX or self.kind == "hnsw":
-            rows = np.searchsorted(self.ids, allowed)
-            return _exact_search(queries, self.vectors[rows], allowed, k)
+            # Only ids this object holds: the table on disk may be a newer store's (another process's update).
+            rows = np.minimum(np.searchsorted(self.ids, allowed), max(self.ids.size - 1, 0))
+            held = self.ids[rows] == allowed
+            if not held.any():
+                return _empty_result(queries.shape[0], k)
+            return _exact_search(queries, self.vectors[rows[held]], allowed[held], k)
         return self._index_search(queries, k, params, selector=faiss.IDSelectorBatch(allowed))
 
     def flat_faiss_index(self) -> Any:
