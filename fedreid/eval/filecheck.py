@@ -5,15 +5,18 @@ is a text file, not a PyTorch model" instead of relaying a parser's cryptic
 error, and can send only files of the right kind to readers that must not see
 anything else (a pickle to nobody but ``torch.load(weights_only=True)``, a
 non-faiss file never to ``faiss.read_index``). :func:`sha256_file` streams a
-file through SHA-256 for the checksums an index header records.
+file through SHA-256 for the checksums an index header records;
+:func:`read_format_header` reads such a header.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
+from typing import Any
 
-__all__ = ["FILE_KINDS", "check_recorded_file", "describe_kind", "file_kind", "sha256_file"]
+__all__ = ["FILE_KINDS", "check_recorded_file", "describe_kind", "file_kind", "read_format_header", "sha256_file"]
 
 #: What :func:`file_kind` can answer.
 FILE_KINDS = ("empty", "zip", "npy", "pickle", "text", "binary")
@@ -93,3 +96,20 @@ def check_recorded_file(
     if sha256_file(path) != record["sha256"]:
         raise error(f"{path} does not match the SHA-256 in {header_path}: the file is damaged or was replaced {fix}")
     return path
+
+
+def read_format_header(path: Path, fmt: str, error: type[Exception], missing: str) -> dict[str, Any]:
+    """The JSON object at ``path`` whose ``format`` is ``fmt`` (its other fields are the caller's to check).
+
+    A missing file raises ``FileNotFoundError(missing)``; unreadable JSON or
+    another format raises ``error`` naming ``path``.
+    """
+    if not path.is_file():
+        raise FileNotFoundError(missing)
+    try:
+        header = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise error(f"{path} is not a readable JSON header: {exc}") from None
+    if not isinstance(header, dict) or header.get("format") != fmt:
+        raise error(f"{path} is not a {fmt} header")
+    return header

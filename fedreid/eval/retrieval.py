@@ -40,7 +40,7 @@ import faiss
 import numpy as np
 
 from fedreid.errors import FedReIDError
-from fedreid.eval.filecheck import check_recorded_file, describe_kind, file_kind, sha256_file
+from fedreid.eval.filecheck import check_recorded_file, describe_kind, file_kind, read_format_header, sha256_file
 from fedreid.eval.metrics import (
     DEFAULT_BLOCK_BYTES,
     EvalDataError,
@@ -312,14 +312,7 @@ def is_index_folder(folder: str | Path, *, extra_files: Sequence[str] = ()) -> b
 
 def _read_header(folder: Path) -> dict:
     path = folder / HEADER_FILE
-    if not path.is_file():
-        raise FileNotFoundError(f"no saved index at {folder}: {path} is missing")
-    try:
-        header = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise IndexFileError(f"{path} is not a readable JSON header: {exc}") from None
-    if not isinstance(header, dict) or header.get("format") != INDEX_FORMAT:
-        raise IndexFileError(f"{path} is not a {INDEX_FORMAT} header")
+    header = read_format_header(path, INDEX_FORMAT, IndexFileError, f"no saved index at {folder}: {path} is missing")
     version = header.get("version")
     if version in KNOWN_INDEX_VERSIONS and version < INDEX_VERSION:
         raise IndexFileError(

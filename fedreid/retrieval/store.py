@@ -92,7 +92,7 @@ import faiss
 import numpy as np
 
 from fedreid.errors import FedReIDError
-from fedreid.eval.filecheck import check_recorded_file, describe_kind, file_kind, sha256_file
+from fedreid.eval.filecheck import check_recorded_file, describe_kind, file_kind, read_format_header, sha256_file
 from fedreid.utils.io import (
     claim_output_dir,
     is_marker_leftover,
@@ -975,14 +975,7 @@ def _remove_leftovers(folder: Path) -> None:
 
 def _read_header(folder: Path) -> dict:
     path = folder / HEADER_FILE
-    if not path.is_file():
-        raise FileNotFoundError(f"no gallery store at {folder}: {path} is missing")
-    try:
-        header = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise GalleryStoreError(f"{path} is not a readable JSON header: {exc}") from None
-    if not isinstance(header, dict) or header.get("format") != STORE_FORMAT:
-        raise GalleryStoreError(f"{path} is not a {STORE_FORMAT} header")
+    header = read_format_header(path, STORE_FORMAT, GalleryStoreError, f"no gallery store at {folder}: {path} is missing")
     if header.get("version") != STORE_VERSION:
         raise GalleryStoreError(f"{path} has version {header.get('version')!r}; this code reads {STORE_VERSION}")
     bad = [key for key in ("dim", "ntotal", "next_id") if type(header.get(key)) is not int or header[key] < 0]
