@@ -91,24 +91,11 @@ def _skip_reason(exc: BaseException) -> str:
     return "cannot decode the image (empty, corrupt or not an image)"
 
 
-def _collate(batch: Sequence[tuple[Any, int, int, str]]) -> dict[str, Any]:
-    """``(tensor, pid, camid, path)`` items as one batch of the loader contract."""
-    import torch
-
+def _collate(batch: Sequence[tuple[Any, int, int, str]], stack: Callable[[Sequence[Any]], Any]) -> dict[str, Any]:
+    """``(image, pid, camid, path)`` items as one batch of the loader contract; ``stack`` joins the images."""
     images, pids, camids, names = zip(*batch)
     return {
-        "images": torch.stack(images),
-        "pids": torch.tensor(pids, dtype=torch.int64),
-        "camids": torch.tensor(camids, dtype=torch.int64),
-        "paths": list(names),
-    }
-
-
-def _collate_arrays(batch: Sequence[tuple[np.ndarray, int, int, str]]) -> dict[str, Any]:
-    """``(array, pid, camid, path)`` items as one batch of the loader contract, in numpy (no torch)."""
-    images, pids, camids, names = zip(*batch)
-    return {
-        "images": np.stack(images),
+        "images": stack(images),
         "pids": np.array(pids, dtype=np.int64),
         "camids": np.array(camids, dtype=np.int64),
         "paths": list(names),
@@ -121,8 +108,10 @@ def _preprocessing(loaded: LoadedModel) -> tuple[Callable[[np.ndarray], Any], Ca
 
     height, width = int(loaded.config["height"]), int(loaded.config["width"])
     if loaded.extractor is not None:
-        return transforms.build_test_array_transform(height, width), _collate_arrays
-    return transforms.build_test_transform(height, width), _collate
+        return transforms.build_test_array_transform(height, width), lambda batch: _collate(batch, np.stack)
+    import torch
+
+    return transforms.build_test_transform(height, width), lambda batch: _collate(batch, torch.stack)
 
 
 def _image_batches(
