@@ -21,11 +21,10 @@ import numpy as np
 import pytest
 import torch
 from fl_helpers import write_prepared
-from tool_loader import load_tool
+from tool_loader import cli_error, load_tool
 
 from fedreid.config import ModelConfig, to_dict
 from fedreid.models.reid import create_reid_model, shared_state
-from fedreid.utils.cli import run_main
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -70,12 +69,7 @@ def world(tmp_path_factory):
 
 
 def _cli_error(argv, capsys) -> str:
-    with pytest.raises(SystemExit) as exc:
-        run_main(lambda: tool.main(argv))
-    assert exc.value.code == 2
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("error: ") and "\n" not in err and "Traceback" not in err
-    return err
+    return cli_error(tool, argv, capsys)
 
 
 def _snapshot(folder: Path) -> dict[str, str]:

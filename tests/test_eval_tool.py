@@ -11,12 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 from fl_helpers import write_prepared
-from tool_loader import load_tool
+from tool_loader import cli_error, load_tool
 
 from fedreid.config import ConfigError, ModelConfig, dump_config, load_config, to_dict
 from fedreid.data.prepared import PreparedDatasetError
 from fedreid.models.reid import create_reid_model, shared_state
-from fedreid.utils.cli import run_main
 
 tool = load_tool("eval_reid", "eval_reid_tool")
 
@@ -157,12 +156,7 @@ def test_checkpoint_format_loads(world, tmp_path):
 
 
 def _cli_error(argv, capsys) -> str:
-    with pytest.raises(SystemExit) as exc:
-        run_main(lambda: tool.main(argv))
-    assert exc.value.code == 2
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("error: ") and "\n" not in err and "Traceback" not in err
-    return err
+    return cli_error(tool, argv, capsys)
 
 
 def test_bad_inputs_give_one_line(world, tmp_path, capsys):

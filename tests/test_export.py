@@ -9,9 +9,9 @@ import cv2
 import numpy as np
 import pytest
 import torch
-from tool_loader import load_tool
+from tiny_runs import save_tiny_run
+from tool_loader import cli_error, load_tool
 
-from fedreid.config import ModelConfig, to_dict
 from fedreid.eval.export import (
     ExportError,
     OnnxExtractor,
@@ -22,8 +22,7 @@ from fedreid.eval.export import (
     sidecar_path,
 )
 from fedreid.eval.model_io import load_model, model_features
-from fedreid.models.reid import create_reid_model, shared_state
-from fedreid.utils.cli import run_main
+from fedreid.models.reid import create_reid_model
 
 tool = load_tool("eval_reid", "eval_reid_tool")
 
@@ -49,12 +48,7 @@ FORMATS = [pytest.param("onnx", marks=needs_ort), "torchscript"]
 def world(tmp_path_factory):
     """A run folder (resnet18, 64x32, bottleneck 32) and seven PNG person-like pictures, loaded as a batch."""
     root = tmp_path_factory.mktemp("export")
-    run = root / "run"
-    run.mkdir()
-    model = create_reid_model("resnet18", 0, bottleneck_dim=32, seed=0)
-    cfg = ModelConfig(backbone="resnet18", bottleneck_dim=32, height=HEIGHT, width=WIDTH)
-    torch.save({"format": "fedreid.model", "model": to_dict(cfg), "mode": "fedpav", "round": 1,
-                "state": shared_state(model)}, run / "model_final.pt")
+    run = save_tiny_run(root / "run", HEIGHT, WIDTH)
     rng = np.random.default_rng(0)
     paths = []
     for k in range(7):  # different sizes than the model input: the test transform resizes
@@ -123,12 +117,7 @@ def test_export_restores_training_flags(tmp_path):
 
 
 def _cli_error(argv, capsys) -> str:
-    with pytest.raises(SystemExit) as exc:
-        run_main(lambda: tool.main(argv))
-    assert exc.value.code == 2
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("error: ") and "\n" not in err and "Traceback" not in err
-    return err
+    return cli_error(tool, argv, capsys)
 
 
 def test_help_shows_export_examples(capsys):

@@ -15,11 +15,10 @@ import cv2
 import numpy as np
 import pytest
 import torch
-from tool_loader import load_tool
+from tool_loader import cli_error, load_tool
 
 from fedreid.config import ModelConfig, to_dict
 from fedreid.models.reid import create_reid_model, shared_state
-from fedreid.utils.cli import run_main
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -82,12 +81,7 @@ def _query(world, folder, images, *extra, top_k=5) -> list[str]:
 
 
 def _cli_error(argv, capsys) -> str:
-    with pytest.raises(SystemExit) as exc:
-        run_main(lambda: tool.main(argv))
-    assert exc.value.code == 2
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("error: ") and "\n" not in err and "Traceback" not in err
-    return err
+    return cli_error(tool, argv, capsys)
 
 
 def _matches(out: str) -> dict[str, list[dict]]:

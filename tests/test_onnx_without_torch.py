@@ -22,14 +22,13 @@ import cv2
 import numpy as np
 import pytest
 import torch
+from tiny_runs import save_tiny_run
 from tool_loader import load_tool
 
-from fedreid.config import ModelConfig, to_dict
 from fedreid.data.datasets import read_image
 from fedreid.data.transforms import build_test_transform
 from fedreid.eval.export import export_model, load_exported_model
 from fedreid.eval.model_io import load_model
-from fedreid.models.reid import create_reid_model, shared_state
 from fedreid.retrieval.store import GalleryStore
 
 pytest.importorskip("onnxruntime")
@@ -113,12 +112,7 @@ def write_pictures(folder: Path, names: list[str], first_seed: int) -> list[Path
 def world(tmp_path_factory):
     """A tiny resnet18 run exported to ONNX, a gallery (8 images and a corrupt one), more images, queries."""
     root = tmp_path_factory.mktemp("no_torch")
-    run = root / "run"
-    run.mkdir()
-    model = create_reid_model("resnet18", 0, bottleneck_dim=32, seed=0)
-    cfg = ModelConfig(backbone="resnet18", bottleneck_dim=32, height=HEIGHT, width=WIDTH)
-    torch.save({"format": "fedreid.model", "model": to_dict(cfg), "mode": "fedpav", "round": 1,
-                "state": shared_state(model)}, run / "model_final.pt")
+    run = save_tiny_run(root / "run", HEIGHT, WIDTH)
     onnx = export_model(load_model(run), root / "m.onnx", "onnx", (HEIGHT, WIDTH))
     gallery = write_pictures(root / "gallery", [f"{pid:04d}_c{cam}_{k:03d}.png" for k, (pid, cam) in enumerate(
         (pid, cam) for pid in range(1, 5) for cam in (1, 2))], 0)

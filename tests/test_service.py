@@ -11,15 +11,13 @@ from pathlib import Path
 import cv2
 import numpy as np
 import pytest
-import torch
 from fastapi.testclient import TestClient
+from tiny_runs import save_tiny_run
 
-from fedreid.config import ModelConfig, to_dict
 from fedreid.data.datasets import read_image
 from fedreid.eval.errors import EvalInputError
 from fedreid.eval.image_folders import array_features, decode_image_bytes, image_features
 from fedreid.eval.model_io import ModelMismatchError, load_model
-from fedreid.models.reid import create_reid_model, shared_state
 from fedreid.retrieval import service as svc
 from fedreid.retrieval.store import GalleryStore
 from fedreid.utils.io import OutputDirError
@@ -57,12 +55,7 @@ def write_png(path: Path, rgb: np.ndarray) -> Path:
 
 
 def save_tiny_model(run: Path, seed: int = 0) -> Path:
-    run.mkdir(parents=True, exist_ok=True)
-    model = create_reid_model("resnet18", 0, bottleneck_dim=32, seed=seed)
-    cfg = ModelConfig(backbone="resnet18", bottleneck_dim=32, height=HEIGHT, width=WIDTH)
-    torch.save({"format": "fedreid.model", "model": to_dict(cfg), "mode": "fedpav", "round": 1,
-                "state": shared_state(model)}, run / "model_final.pt")
-    return run
+    return save_tiny_run(run, HEIGHT, WIDTH, seed=seed)
 
 
 def build_store(folder: Path, loaded, paths: list[Path], rows: list[dict]):

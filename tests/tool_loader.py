@@ -17,3 +17,17 @@ def load_tool(name: str, module_name: str) -> ModuleType:
     sys.modules.setdefault(spec.name, module)
     spec.loader.exec_module(module)
     return module
+
+
+def cli_error(tool: ModuleType, argv: list, capsys) -> str:
+    """The one-line ``error: ...`` a tool's ``main(argv)`` ends with (exit code 2, no traceback)."""
+    import pytest
+
+    from fedreid.utils.cli import run_main
+
+    with pytest.raises(SystemExit) as exc:
+        run_main(lambda: tool.main(argv))
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err and "Traceback" not in err
+    return err
