@@ -12,6 +12,7 @@ from collections import OrderedDict
 
 import pytest
 import torch
+from tolerances import F32_TOL
 from torch import nn
 
 from fedreid.config import ConfigError, load_config
@@ -155,11 +156,11 @@ def test_server_generator_loss_is_the_hand_computed_weighted_ce():
     # sample 0 (y=0): 3/4 CE([0,0,0], 0) + 1/4 CE([ln2,0,0], 0) = 3/4 ln 3 + 1/4 ln 2
     # sample 1 (y=1): 0 * ln 3 + 1 * CE([ln2,0,0], 1) = ln 4
     expected = 0.5 * (0.75 * LN3 + 0.25 * LN2 + math.log(4.0))
-    assert cls.item() == pytest.approx(expected, rel=1e-6) and total.item() == pytest.approx(expected, rel=1e-6)
+    assert cls.item() == pytest.approx(expected, rel=F32_TOL) and total.item() == pytest.approx(expected, rel=F32_TOL)
     assert dis.item() == 0.0
     z, samples = torch.randn(2, 4), torch.randn(2, 3)
     total, cls, dis = fedgen_generator_loss(logits, y, weights[:, y], z, samples, 2.0)
-    assert dis.item() > 0 and total.item() == pytest.approx(cls.item() + 2.0 * dis.item(), rel=1e-6)
+    assert dis.item() > 0 and total.item() == pytest.approx(cls.item() + 2.0 * dis.item(), rel=F32_TOL)
     # p^(y): the participants' counts, or uniform over the labels some participant holds
     assert torch.allclose(generator_label_probs(counts), torch.tensor([4.0, 2.0, 2.0], dtype=torch.float64) / 8)
     held = generator_label_probs(torch.tensor([[1.0, 0.0, 5.0]]), "uniform")
@@ -199,8 +200,8 @@ def test_client_regulariser_equals_the_formula():
     total, ce, kl = fedgen_regularizer(head, logits, own, fake, gen_labels, alpha=2.0, beta=0.5)
     ce_hand = (LN2 + math.log(4.0) + math.log(4.0)) / 3
     kl_hand = 0.5 * math.log(1.5) + 2 * 0.25 * math.log(0.75)  # KL([1/2,1/4,1/4] || uniform)
-    assert ce.item() == pytest.approx(ce_hand, rel=1e-6) and kl.item() == pytest.approx(kl_hand, rel=1e-6)
-    assert total.item() == pytest.approx(2.0 * (3 / 2) * ce_hand + 0.5 * kl_hand, rel=1e-6)  # alpha * B^/B * CE
+    assert ce.item() == pytest.approx(ce_hand, rel=F32_TOL) and kl.item() == pytest.approx(kl_hand, rel=F32_TOL)
+    assert total.item() == pytest.approx(2.0 * (3 / 2) * ce_hand + 0.5 * kl_hand, rel=F32_TOL)  # alpha * B^/B * CE
     total.backward()
     assert fake.grad is None  # nothing reaches the generator's features
     assert logits.grad is not None and head.weight.grad is not None and head.weight.grad.abs().sum() > 0
@@ -256,7 +257,7 @@ def test_generator_travels_to_clients_and_regularises_their_heads():
         fake = gen(sample_noise(5, gen.z_dim, rng), fake_y)
     reg, _, _ = fedgen_regularizer(client.classifier, logits, own, fake, fake_y, alpha=1.0, beta=0.25)
     ce = torch.nn.functional.cross_entropy(logits, labels)
-    assert loss.item() == pytest.approx((ce + reg).item(), rel=1e-6)
+    assert loss.item() == pytest.approx((ce + reg).item(), rel=F32_TOL)
     loss.backward()
     assert client.classifier.weight.grad.abs().sum() > 0 and client.body[0].weight.grad.abs().sum() > 0
     assert objective.end_round(client) == {} and objective._generator is None
@@ -296,18 +297,19 @@ def test_fedgen_hook_state_round_trip_is_bit_exact():
 
 
 def test_feddf_loss_is_the_hand_computed_kl():
-    teachers = torch.tensor([[[2 * LN3, 0.0]], [[0.0, 0.0]]])  # K=2, B=1, C=2
-    student = torch.zeros(1, 2, requires_grad=True)
+    # float64 throughout: the check pins the formula, not float32 rounding
+    teachers = torch.tensor([[[2 * LN3, 0.0]], [[0.0, 0.0]]], dtype=torch.float64)  # K=2, B=1, C=2
+    student = torch.zeros(1, 2, dtype=torch.float64, requires_grad=True)
     # avg logits [ln 3, 0] -> p = [3/4, 1/4]; student q = [1/2, 1/2]
     hand = 0.75 * math.log(1.5) + 0.25 * math.log(0.5)
-    assert feddf_loss(student, teachers).item() == pytest.approx(hand, rel=1e-6)
+    assert feddf_loss(student, teachers).item() == pytest.approx(hand, rel=1e-12)
     # mean of the per-teacher KLs: KL([9/10, 1/10] || uniform) / 2 + 0
     per_teacher = (0.9 * math.log(1.8) + 0.1 * math.log(0.2)) / 2
-    assert feddf_loss(student, teachers, target="avg_losses").item() == pytest.approx(per_teacher, rel=1e-6)
+    assert feddf_loss(student, teachers, target="avg_losses").item() == pytest.approx(per_teacher, rel=1e-12)
     # T = 2: p = sigma([ln 3 / 2, 0]) = [sqrt3, 1] / (sqrt3 + 1), times T^2
     p = math.sqrt(3) / (math.sqrt(3) + 1)
     hot = 4 * (p * math.log(2 * p) + (1 - p) * math.log(2 * (1 - p)))
-    assert feddf_loss(student, teachers, temperature=2.0).item() == pytest.approx(hot, rel=1e-6)
+    assert feddf_loss(student, teachers, temperature=2.0).item() == pytest.approx(hot, rel=1e-12)
     feddf_loss(student, teachers.requires_grad_()).backward()
     assert teachers.grad is None and student.grad is not None
 

@@ -15,6 +15,7 @@ from collections import OrderedDict
 import pytest
 import torch
 import torch.nn.functional as F
+from tolerances import F32_TOL
 from torch import nn
 
 from fedreid.config import ConfigError, load_config
@@ -99,15 +100,15 @@ def test_fedrs_loss_is_the_restricted_cross_entropy_by_hand():
     # scaled logits: (1, 1, 0, -0.5) and (0.5, 0.5, 2, 1.5)
     ce1 = -1.0 + LN(E(1.0) + E(1.0) + E(0.0) + E(-0.5))
     ce2 = -2.0 + LN(E(0.5) + E(0.5) + E(2.0) + E(1.5))
-    assert loss.item() == pytest.approx((ce1 + ce2) / 2, abs=1e-6)
-    assert obj.last_terms["ce"].item() == pytest.approx((ce1 + ce2) / 2, abs=1e-6)
+    assert loss.item() == pytest.approx((ce1 + ce2) / 2, abs=F32_TOL)
+    assert obj.last_terms["ce"].item() == pytest.approx((ce1 + ce2) / 2, abs=F32_TOL)
     # d loss / d z_c = s_c (p_c - 1[y = c]) / B, p = softmax of the scaled logits
     loss.backward()
     rows = [(1.0, 1.0, 0.0, -0.5), (0.5, 0.5, 2.0, 1.5)]
     for i, (row, y) in enumerate(zip(rows, (0, 2))):
         z = sum(E(v) for v in row)
         expected = [s * (E(v) / z - (c == y)) / 2 for c, (s, v) in enumerate(zip((1, 0.5, 1, 0.5), row))]
-        assert logits.grad[i].tolist() == pytest.approx(expected, abs=1e-6)
+        assert logits.grad[i].tolist() == pytest.approx(expected, abs=F32_TOL)
 
 
 def test_fedrs_alpha_one_or_all_classes_present_is_plain_cross_entropy():
@@ -233,8 +234,8 @@ def test_fedcurv_penalty_is_the_sum_over_the_other_clients_and_its_gradient():
     ce = LN(1 + E(1.0)) - 1.0
     others = [FISHERS["j1"], FISHERS["j2"]]
     # e.g. a[0]: 1.0 * (1 - 0)^2 + 0.25 * (1 - 2)^2 = 1.25; the own (F, theta) is left out
-    assert obj.last_terms["fedcurv"].item() == pytest.approx(direct_penalty(theta, others, lam), rel=1e-6)
-    assert loss.item() == pytest.approx(ce + direct_penalty(theta, others, lam), rel=1e-6)
+    assert obj.last_terms["fedcurv"].item() == pytest.approx(direct_penalty(theta, others, lam), rel=F32_TOL)
+    assert loss.item() == pytest.approx(ce + direct_penalty(theta, others, lam), rel=F32_TOL)
     loss.backward()
     # d/d theta: 2 lam sum_j F_j (theta - theta_j)
     for name, p in model.named_parameters():
@@ -254,12 +255,12 @@ def test_fedcurv_penalty_function_and_a_client_without_own_contribution():
     theta = {n: p.detach().clone() for n, p in model.named_parameters()}
     c = contribution_sums([contribution(*FISHERS["j1"])])
     value = fedcurv_penalty(dict(model.named_parameters()), c[U_KEY], c[V_KEY], c[W_KEY], 2.0)
-    assert value.item() == pytest.approx(direct_penalty(theta, [FISHERS["j1"]], 2.0), rel=1e-6)
+    assert value.item() == pytest.approx(direct_penalty(theta, [FISHERS["j1"]], 2.0), rel=F32_TOL)
     # a first-time client subtracts nothing: it is penalised towards every contributor
     obj = FedCurv(lam=1.0)
     obj.begin_round(model, shared(model), payload=c)
     obj.loss(model, torch.zeros(1, 1), torch.tensor([0]), torch.zeros(1, 2, requires_grad=True))
-    assert obj.last_terms["fedcurv"].item() == pytest.approx(direct_penalty(theta, [FISHERS["j1"]], 1.0), rel=1e-6)
+    assert obj.last_terms["fedcurv"].item() == pytest.approx(direct_penalty(theta, [FISHERS["j1"]], 1.0), rel=F32_TOL)
 
 
 def test_fedcurv_first_round_is_cross_entropy_and_only_shared_parameters_are_penalised():
@@ -279,7 +280,7 @@ def test_fedcurv_first_round_is_cross_entropy_and_only_shared_parameters_are_pen
     assert model.b.grad is None
     fisher, theta_j = FISHERS["j1"]
     # a = (1, -2, 0.5), F = (1, 0, 2), theta_j = (0, -1, 1): 1 * 1 + 0 + 2 * 0.25 = 1.5
-    assert obj.last_terms["fedcurv"].item() == pytest.approx(1.5, rel=1e-6)
+    assert obj.last_terms["fedcurv"].item() == pytest.approx(1.5, rel=F32_TOL)
 
 
 # ---------------------------------------------------------------------------

@@ -240,3 +240,29 @@ def test_workers_get_distinct_reproducible_augmentations(tmp_path):
     a, b = run(), run()
     assert all(torch.equal(x, y) for x, y in zip(a, b))
     assert not torch.equal(a[0], a[1])  # worker 0 and worker 1 differ
+
+
+def test_importing_the_transforms_never_asks_the_network_for_albumentations_updates():
+    # A fresh interpreter without NO_ALBUMENTATIONS_UPDATE whose sockets fail loudly and are
+    # recorded: importing the library's transforms must not try to connect or print a warning.
+    import os
+    import subprocess
+    import sys
+
+    probe = (
+        "import socket, sys\n"
+        "tried = []\n"
+        "def refuse(self, *a, **k):\n"
+        "    tried.append(a)\n"
+        "    raise OSError('network is off in this test')\n"
+        "socket.socket.connect = refuse\n"
+        "socket.create_connection = lambda *a, **k: refuse(None, *a)\n"
+        "import fedreid.data.transforms\n"
+        "print('connects', len(tried))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "NO_ALBUMENTATIONS_UPDATE"}
+    done = subprocess.run([sys.executable, "-W", "default", "-c", probe], capture_output=True, text=True,
+                          env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "connects 0"
+    assert "update" not in done.stderr.lower(), done.stderr

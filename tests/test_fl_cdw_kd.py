@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+from tolerances import F32_TOL
 from torch import nn
 
 from fedreid.config import TrainConfig
@@ -36,8 +37,8 @@ def test_cdw_hand_example():
     trained = Lin([[1, 0], [1, 1]])  # new logits = (x1, x1 + x2)
     # x=(1,0): cos((1,0),(1,1)) = 1/sqrt2 ; x=(0,1): cos((0,1),(0,1)) = 1
     expected = ((1 - 1 / math.sqrt(2)) + 0.0) / 2
-    assert cdw_distance(start, trained, images) == pytest.approx(expected, abs=1e-6)
-    assert cdw_distance(start, start, images) == pytest.approx(0.0, abs=1e-6)
+    assert cdw_distance(start, trained, images) == pytest.approx(expected, abs=F32_TOL)
+    assert cdw_distance(start, start, images) == pytest.approx(0.0, abs=F32_TOL)
     assert cdw_logits_distance(torch.tensor([[1.0, 0.0]]), torch.tensor([[0.0, 3.0]])) == pytest.approx(1.0)
 
 

@@ -13,6 +13,7 @@ from collections import OrderedDict
 import pytest
 import torch
 import torch.nn.functional as F
+from tolerances import F32_TOL
 from torch import nn
 
 from fedreid.fl.local.base import (
@@ -104,10 +105,10 @@ def test_kl_direction_is_teacher_to_student_like_kl_div():
     # KL(q||p) = 0.9 ln(1.8) + 0.1 ln(0.2) = 0.529008 - 0.160944 = 0.368064 (the other direction differs)
     kl_qp = 0.9 * LN(1.8) + 0.1 * LN(0.2)
     ours = kl_teacher_student(p, q.log())
-    assert ours.item() == pytest.approx(kl_pq, abs=1e-6)
+    assert ours.item() == pytest.approx(kl_pq, abs=F32_TOL)
     assert ours.item() != pytest.approx(kl_qp, abs=1e-3)
     # F.kl_div(input=log student, target=teacher) is KL(teacher || student)
-    assert F.kl_div(q.log(), p, reduction="batchmean").item() == pytest.approx(kl_pq, abs=1e-6)
+    assert F.kl_div(q.log(), p, reduction="batchmean").item() == pytest.approx(kl_pq, abs=F32_TOL)
     g = torch.Generator().manual_seed(0)
     pt = torch.softmax(torch.randn(5, 7, generator=g), 1)
     lq = torch.log_softmax(torch.randn(5, 7, generator=g), 1)
@@ -122,7 +123,7 @@ def test_masked_softmax_removes_entries_from_the_normaliser():
     torch.testing.assert_close(p, torch.tensor([[0.0, 0.4, 0.6], [0.0, 0.0, 0.0]]))
     lp = masked_log_softmax(x, keep)
     assert lp[0, 0].item() == float("-inf")
-    assert lp[0, 1].item() == pytest.approx(LN(0.4), abs=1e-6)
+    assert lp[0, 1].item() == pytest.approx(LN(0.4), abs=F32_TOL)
 
 
 def test_representation_uses_features_then_embed():
@@ -152,7 +153,7 @@ def test_fedavg_is_mean_cross_entropy():
     # sample 1: softmax(0, 0, 0) = 1/3 each, label 0 -> ln 3; mean = (ln 2 + ln 3) / 2 = ln(6)/2
     logits = const_logits([[0.0, LN(2.0), LN(3.0)], [0.0, 0.0, 0.0]])
     loss = obj.loss(m, torch.zeros(2, 2), torch.tensor([2, 0]), logits)
-    assert loss.item() == pytest.approx(LN(6.0) / 2, abs=1e-6)
+    assert loss.item() == pytest.approx(LN(6.0) / 2, abs=F32_TOL)
     assert obj.end_round(m) == {}
 
 
@@ -171,7 +172,7 @@ def test_fedprox_value_and_gradient_is_mu_times_difference():
     logits = const_logits([[0.0, 0.0, 0.0]])
     loss = obj.loss(m, torch.zeros(1, 2), torch.tensor([1]), logits)
     # CE = ln 3; prox = mu/2 * ||W - W_g||^2 = 0.25 * 0.5^2 = 0.0625
-    assert loss.item() == pytest.approx(LN(3.0) + 0.0625, abs=1e-6)
+    assert loss.item() == pytest.approx(LN(3.0) + 0.0625, abs=F32_TOL)
     assert obj.last_terms["prox"].item() == pytest.approx(0.0625)
     loss.backward()
     # d prox / dW = mu (W - W_g) = 0.5 * [[0, 0], [0, 0.5]]
@@ -208,8 +209,8 @@ def test_scaffold_corrects_gradients_and_updates_control_option_ii():
     meta = obj.end_round(m)
     # c_i+ = c_i - c + (x - y)/(K eta) = 0.1 - 0.3 + (1 - 0.89)/(2 * 0.1) = -0.2 + 0.55 = 0.35
     # (= the mean raw gradient (0.5 + 0.2)/2, as option II intends); Delta c = 0.35 - 0.1 = 0.25
-    assert obj.c_i["a"].item() == pytest.approx(0.35, abs=1e-6)
-    assert meta[DELTA_C_KEY]["a"].item() == pytest.approx(0.25, abs=1e-6)
+    assert obj.c_i["a"].item() == pytest.approx(0.35, abs=F32_TOL)
+    assert meta[DELTA_C_KEY]["a"].item() == pytest.approx(0.25, abs=F32_TOL)
     assert set(meta[DELTA_C_KEY]) == {"a"}
     assert obj.steps == 2
 
@@ -296,9 +297,9 @@ def test_scaffold_gradient_mean_is_the_true_gradient_under_momentum(nesterov):
         obj.end_round(m)
         return obj.c_i["a"].item()
 
-    assert run("gradient_mean", 0.0) == pytest.approx(0.5, abs=1e-6)
+    assert run("gradient_mean", 0.0) == pytest.approx(0.5, abs=F32_TOL)
     assert run("displacement", 0.0) == pytest.approx(0.5, abs=1e-5)
-    assert run("gradient_mean", 0.9) == pytest.approx(0.5, abs=1e-6)
+    assert run("gradient_mean", 0.9) == pytest.approx(0.5, abs=F32_TOL)
     # the literal displacement formula: sum of momentum-amplified steps / (K eta); 4.105 (heavy ball), 4.194 (Nesterov)
     assert run("displacement", 0.9) == pytest.approx(4.194 if nesterov else 4.105, abs=2e-3)
 
@@ -348,7 +349,7 @@ def test_feddyn_loss_gradient_and_state_update():
     # linear = -<g, W> = -0.5 * 1 = -0.5; quadratic = alpha/2 ||W - W_g||^2 = 0.05 * 1 = 0.05
     assert obj.last_terms["linear"].item() == pytest.approx(-0.5)
     assert obj.last_terms["quadratic"].item() == pytest.approx(0.05)
-    assert loss.item() == pytest.approx(LN(3.0) - 0.45, abs=1e-6)
+    assert loss.item() == pytest.approx(LN(3.0) - 0.45, abs=F32_TOL)
     loss.backward()
     # d/dW = -g + alpha (W - W_g) = [[-0.5, 0], [0, 0.1]]
     torch.testing.assert_close(m.body.weight.grad, torch.tensor([[-0.5, 0.0], [0.0, 0.1]]))
@@ -404,10 +405,10 @@ def test_moon_contrastive_loss_by_hand():
     #   -log(e^1.2 / (e^1.2 + e^0)) = log(1 + e^-1.2) = 0.263282
     # sample 1: cos = 1 and 0 -> log(1 + e^-2) = 0.126928
     expected = (LN(1 + math.exp(-1.2)) + LN(1 + math.exp(-2.0))) / 2
-    assert moon_contrastive_loss(z, zg, [zp], 0.5).item() == pytest.approx(expected, abs=1e-6)
+    assert moon_contrastive_loss(z, zg, [zp], 0.5).item() == pytest.approx(expected, abs=F32_TOL)
     # two negatives (the official model_buffer_size = 2): log(1 + 2 e^-2) for sample 1 with both negatives cos 0
     two = moon_contrastive_loss(z[1:], zg[1:], [zp[1:], zp[1:]], 0.5)
-    assert two.item() == pytest.approx(LN(1 + 2 * math.exp(-2.0)), abs=1e-6)
+    assert two.item() == pytest.approx(LN(1 + 2 * math.exp(-2.0)), abs=F32_TOL)
 
 
 def test_moon_objective_rounds():
@@ -419,7 +420,7 @@ def test_moon_objective_rounds():
     feats = representation(model, x)
     loss = obj.loss(model, x, torch.tensor([0]), const_logits([[0.0, 0.0, 0.0]]), feats)
     # no previous model yet: the global model stands in -> l_con = -log(e^2/(e^2+e^2)) = log 2, zero gradient
-    assert obj.last_terms["contrastive"].item() == pytest.approx(LN(2.0), abs=1e-6)
+    assert obj.last_terms["contrastive"].item() == pytest.approx(LN(2.0), abs=F32_TOL)
     assert loss.item() == pytest.approx(LN(3.0) + 5 * LN(2.0), abs=1e-5)
     loss.backward()
     assert model.body.weight.grad.abs().max().item() < 1e-6
@@ -433,11 +434,11 @@ def test_moon_objective_rounds():
     obj.begin_round(model, dict(model.state_dict()), round_index=1)
     loss = obj.loss(model, x, torch.tensor([0]), const_logits([[0.0, 0.0, 0.0]]), representation(model, x))
     # z = zg = [2, 0] (cos 1), z_prev = [0, 2] (cos 0): l_con = log(1 + e^-2) = 0.126928
-    assert obj.last_terms["contrastive"].item() == pytest.approx(LN(1 + math.exp(-2.0)), abs=1e-6)
+    assert obj.last_terms["contrastive"].item() == pytest.approx(LN(1 + math.exp(-2.0)), abs=F32_TOL)
     assert loss.item() == pytest.approx(LN(3.0) + 5 * LN(1 + math.exp(-2.0)), abs=1e-5)
     # features computed inside when not passed: same value
     again = obj.loss(model, x, torch.tensor([0]), const_logits([[0.0, 0.0, 0.0]]))
-    assert again.item() == pytest.approx(loss.item(), abs=1e-6)
+    assert again.item() == pytest.approx(loss.item(), abs=F32_TOL)
 
 
 # ---------------------------------------------------------------------------
@@ -462,14 +463,14 @@ def test_ntd_loss_by_hand():
     # not-true (classes 1, 2): student q = [2, 3]/5, teacher p = [1, 3]/4
     # KL(p||q) = 0.25 ln(0.25/0.4) + 0.75 ln(0.75/0.6) = -0.117501 + 0.167358 = 0.049857
     kl = 0.25 * LN(0.25 / 0.4) + 0.75 * LN(0.75 / 0.6)
-    assert ntd_loss(logits, teacher, labels).item() == pytest.approx(kl, abs=1e-6)
+    assert ntd_loss(logits, teacher, labels).item() == pytest.approx(kl, abs=F32_TOL)
     # tau = 2: q ∝ [sqrt2, sqrt3], p ∝ [1, sqrt3]
     s2, s3 = math.sqrt(2), math.sqrt(3)
     q = [s2 / (s2 + s3), s3 / (s2 + s3)]
     p = [1 / (1 + s3), s3 / (1 + s3)]
     kl2 = sum(pi * LN(pi / qi) for pi, qi in zip(p, q))
-    assert ntd_loss(logits, teacher, labels, 2.0).item() == pytest.approx(kl2, abs=1e-6)
-    assert ntd_loss(logits, teacher, labels, 2.0, tau_sq=True).item() == pytest.approx(4 * kl2, abs=1e-6)
+    assert ntd_loss(logits, teacher, labels, 2.0).item() == pytest.approx(kl2, abs=F32_TOL)
+    assert ntd_loss(logits, teacher, labels, 2.0, tau_sq=True).item() == pytest.approx(4 * kl2, abs=F32_TOL)
     g = torch.Generator().manual_seed(1)
     zs, zt, y = torch.randn(6, 5, generator=g), torch.randn(6, 5, generator=g), torch.randint(0, 5, (6,), generator=g)
     torch.testing.assert_close(ntd_loss(zs, zt, y, 1.5), _official_ntd(zs, zt, y, 1.5))
@@ -487,7 +488,7 @@ def test_fedntd_teacher_is_the_frozen_received_model():
     logits = model(x)
     loss = obj.loss(model, x, y, logits)
     expected = F.cross_entropy(logits, y) + ntd_loss(logits, teacher_logits, y)
-    assert loss.item() == pytest.approx(expected.item(), abs=1e-6)
+    assert loss.item() == pytest.approx(expected.item(), abs=F32_TOL)
     obj.end_round(model)
 
 
@@ -520,7 +521,7 @@ def test_lmd_masks_teacher_majority_and_true_student_true_only():
     k0 = LN(3.0)
     k1 = 0.25 * LN(0.75) + 0.75 * LN(27 / 16)
     loss = lmd_loss(student, teacher, labels, majority)
-    assert loss.item() == pytest.approx((k0 + k1) / 2, abs=1e-6)
+    assert loss.item() == pytest.approx((k0 + k1) / 2, abs=F32_TOL)
     # the official -1000 masking gives the same number here
     official = lmd_loss(student, teacher, labels, majority, mask="official")
     assert official.item() == pytest.approx((k0 + k1) / 2, abs=1e-5)
@@ -582,7 +583,7 @@ def test_lmd_tf_loss_by_hand_and_official_collapse():
     majority = majority_labels([10, 5, 1, 0])
     logits = torch.tensor([[0.0, LN(2.0), LN(3.0), LN(4.0)]])
     # label 2: target on {3}; student over {0, 1, 3} = [1, 2, 4]/7 -> KL = -ln(4/7) = ln(7/4) = 0.559616
-    assert lmd_tf_loss(logits, torch.tensor([2]), majority).item() == pytest.approx(LN(7 / 4), abs=1e-6)
+    assert lmd_tf_loss(logits, torch.tensor([2]), majority).item() == pytest.approx(LN(7 / 4), abs=F32_TOL)
     # official target with B >= C: every admissible entry is negative, which the old kl_div zeroed:
     # the KD term is exactly 0 (FedLMD-Tf trains as FedAvg), and finite
     g = torch.Generator().manual_seed(4)
@@ -613,7 +614,7 @@ def test_lmd_switch_round_and_teacher_construction():
             expected = F.cross_entropy(logits, y) + lmd_loss(logits, model(x).detach(), y, majority)
         else:
             expected = F.cross_entropy(logits, y) + lmd_tf_loss(logits, y, majority)
-        assert loss.item() == pytest.approx(expected.item(), abs=1e-6)
+        assert loss.item() == pytest.approx(expected.item(), abs=F32_TOL)
         obj.end_round(model)
 
 
