@@ -212,6 +212,19 @@ class TrainConfig:
     lr_round_decay: float = 1.0
     #: DataLoader workers per client.
     workers: int = 0
+    #: Keep a client's loader workers alive across its epochs and rounds (with
+    #: ``workers > 0``); every epoch is reseeded as a fresh loader would be, so the
+    #: order and the augmentations do not depend on it.
+    persistent_workers: bool = True
+    #: Arithmetic of local training, CDW, KD and the server's generators:
+    #: ``auto`` (bf16 autocast on a CUDA card that supports it, fp32 elsewhere),
+    #: ``fp32``, ``bf16`` (autocast; also on the CPU), ``fp16`` (autocast + GradScaler,
+    #: CUDA only). Parameters, optimizer state, aggregation and checkpoints stay fp32.
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    #: Channels-last memory layout for conv nets on CUDA (ignored on the CPU).
+    channels_last: bool = True
+    #: TF32 tensor cores for fp32 matmuls and convolutions on CUDA (fp32 precision only).
+    tf32: bool = False
     #: Probability of random erasing of a training image (0: off).
     random_erasing: float = 0.0
     #: Strength of colour jitter on training images (0: off).
@@ -389,10 +402,16 @@ class RunConfig:
     deterministic: bool = True
     #: Also write TensorBoard scalars when ``tensorboard`` is installed.
     tensorboard: bool = True
+    #: Clients of a round trained at once (simulation): each in its own worker
+    #: process with its own work model (and CUDA context); every update equals
+    #: its sequential one. 1: one client after another in this process.
+    concurrent_clients: int = 1
 
     def validate(self, prefix: str) -> None:
         if not self.out_dir:
             raise ConfigError(f"{prefix}.out_dir: expected a folder path")
+        if self.concurrent_clients < 1:
+            raise ConfigError(f"{prefix}.concurrent_clients: expected a value >= 1, got {self.concurrent_clients}")
 
 
 @dataclass

@@ -91,7 +91,7 @@ RUN_KIND = "run"
 PARTITION_PICTURE = "partition.png"
 
 #: Config keys that may differ when a run is resumed.
-RESUMABLE_CHANGES = ("fl.rounds", "run.", "eval.batch_size", "train.workers")
+RESUMABLE_CHANGES = ("fl.rounds", "run.", "eval.batch_size", "train.workers", "train.persistent_workers")
 
 
 #: Runs one round on clients in other processes: ``record = remote_round(server)``.
