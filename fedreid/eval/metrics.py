@@ -30,10 +30,17 @@ down to those (usually a few percent) and only they are sorted. Exact score
 ties between a match and a negative are detected and recounted with the index
 rule. bench/eval_speed.py measures this against a bare matmul and a
 full-sort implementation.
+
+On a GPU the same rules run in torch (:mod:`fedreid.eval.ranking_torch`,
+``evaluate(..., backend="torch")``, the default for CUDA features): a stable
+descending sort of each score row, removed items at ``-inf``, blocks sized
+from the free device memory, and only per-query results copied back.
+bench/gpu_eval.py measures it against a bare block matmul + full sort.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
@@ -51,6 +58,7 @@ except ImportError:  # pragma: no cover - the project depends on torch
 
 __all__ = [
     "AP_MODES",
+    "BACKENDS",
     "DEFAULT_BLOCK_BYTES",
     "EvalDataError",
     "JUNK_PID",
@@ -69,6 +77,8 @@ __all__ = [
 JUNK_PID = -1
 #: ``"standard"``: torchreid/fast-reid AP; ``"official"``: Market-1501 MATLAB/layumi AP.
 AP_MODES = ("standard", "official")
+#: :func:`evaluate` backends: ``"auto"`` is torch for CUDA features, numpy otherwise.
+BACKENDS = ("auto", "numpy", "torch")
 #: Default bound on one block of scores (float32 queries x gallery).
 DEFAULT_BLOCK_BYTES = 64 * 2**20
 _FINITE_CHECK_ELEMENTS = 1 << 22  # elements per chunk of the NaN/inf check
@@ -232,6 +242,16 @@ def _check_ap(ap: str) -> str:
     return ap
 
 
+def _check_backend(backend: str) -> str:
+    if backend not in BACKENDS:
+        raise EvalDataError(
+            f"unknown backend={backend!r}: expected one of {', '.join(map(repr, BACKENDS))}"
+        )
+    if backend == "torch" and torch is None:  # pragma: no cover - the project depends on torch
+        raise EvalDataError("backend='torch' needs torch, which is not installed")
+    return backend
+
+
 def _prepare_ids(n_q: int, n_g: int, q_pids, g_pids, q_camids, g_camids):
     ids = {
         "q_pids": _as_ids("q_pids", q_pids),
@@ -321,6 +341,27 @@ def _score_blocks(qf: Any, gf: Any, block_rows: int) -> Iterator[tuple[int, np.n
         b = min(rows, n_q - start)
         np.matmul(qf[start : start + b], gt, out=buffer[:b])
         yield start, buffer[:b]
+
+
+def _torch_block_rows(
+    device: Any, n_gallery: int, block_size: int | None, max_block_bytes: int | None
+) -> int:
+    """Query rows per block of the torch backend (see :func:`evaluate`)."""
+    from fedreid.eval import ranking_torch
+
+    if block_size is not None:
+        return _block_rows(n_gallery, block_size, DEFAULT_BLOCK_BYTES)
+    if max_block_bytes is not None:
+        rows = ranking_torch.rows_within(n_gallery, max_block_bytes)
+        if rows < 1:
+            raise EvalDataError(
+                f"max_block_bytes={max_block_bytes} cannot hold one query row of {n_gallery} scores "
+                f"on the torch backend ({ranking_torch.BYTES_PER_SCORE} bytes a score while ranking)"
+            )
+        return rows
+    budget = ranking_torch.device_budget(device)
+    # At least one row: if even that does not fit the device, its allocator's error says so.
+    return max(1, ranking_torch.rows_within(n_gallery, DEFAULT_BLOCK_BYTES if budget is None else budget))
 
 
 def _given_score_blocks(scores: np.ndarray, rows: int) -> Iterator[tuple[int, np.ndarray]]:
@@ -526,6 +567,25 @@ def _default_workers() -> int:
 # --------------------------------------------------------------------------
 
 
+def _ap_terms(i: Any, r: Any, ap: str) -> Any:
+    """Per-match AP terms; a query's AP is their mean over its matches.
+
+    ``i``: 1-based position of each match among its query's matches, ``r``:
+    its rank; float64 numpy arrays or torch tensors alike (the numpy and the
+    torch backends share this formula).
+    """
+    precision = i / r
+    if ap == "standard":
+        # torchreid/fast-reid: mean over matches of the precision at each match.
+        return precision
+    # Market-1501 MATLAB code / layumi compute_mAP: trapezoid between the
+    # precision just before the match (1.0 at rank 1) and at the match. At
+    # r == 1 (so i == 1) the quotient reads 0 / 1 and the added bool gives 1.0;
+    # elsewhere the bool adds an exact 0.
+    before = (i - 1) / (r - 1).clip(min=1) + (r == 1)
+    return (before + precision) / 2
+
+
 def _per_query_metrics(ranks: np.ndarray, good_ptr: np.ndarray, ap: str) -> dict[str, np.ndarray]:
     """Per-query first-match rank, AP and INP (0 where a query has no match)."""
     n_q = good_ptr.size - 1
@@ -533,17 +593,7 @@ def _per_query_metrics(ranks: np.ndarray, good_ptr: np.ndarray, ap: str) -> dict
     owner = np.repeat(np.arange(n_q), n_good)
     # i: 1-based position of each match among its query's matches.
     i = (np.arange(ranks.size) - good_ptr[:-1][owner] + 1).astype(np.float64)
-    r = ranks.astype(np.float64)
-    precision = i / r
-    if ap == "standard":
-        # torchreid/fast-reid: mean over matches of the precision at each match.
-        terms = precision
-    else:
-        # Market-1501 MATLAB code / layumi compute_mAP: trapezoid between the
-        # precision just before the match (1.0 at rank 1) and at the match.
-        before = np.ones_like(r)
-        np.divide(i - 1, r - 1, out=before, where=r > 1)
-        terms = (before + precision) / 2
+    terms = _ap_terms(i, ranks.astype(np.float64), ap)
     has = n_good > 0
     ap_q = np.zeros(n_q)
     ap_q[has] = np.bincount(owner, weights=terms, minlength=n_q)[has] / n_good[has]
@@ -611,16 +661,18 @@ def evaluate(
     ranks: Sequence[int] = (1, 5, 10),
     minp: bool = False,
     block_size: int | None = None,
-    max_block_bytes: int = DEFAULT_BLOCK_BYTES,
+    max_block_bytes: int | None = None,
     return_per_query: bool = False,
     num_threads: int | None = None,
+    backend: str = "auto",
 ) -> dict[str, Any]:
     """Exact CMC and mAP of a query set against a gallery (see the module docstring).
 
     ``qf``/``gf``: features (numpy or torch, cast to float32), compared by inner
     product, so pass L2-normalised features for cosine similarity. Torch
-    tensors on a GPU are scored there; CPU tensors and numpy arrays go through
-    the same numpy path, so they give identical results.
+    tensors on a GPU are scored and ranked there (``backend``); CPU tensors
+    and numpy arrays go through the same numpy path, so they give identical
+    results.
 
     Returns a dict with ``rank{k}`` for every k in ``ranks`` and ``mAP`` (and
     ``mINP`` when ``minp``), all fractions in [0, 1], plus the counts and the
@@ -648,9 +700,23 @@ def evaluate(
     A Survey and Outlook", TPAMI 2021): INP = #matches / rank of the hardest
     match, averaged like AP.
 
-    ``block_size`` (queries per block) or ``max_block_bytes`` bounds memory;
-    ``num_threads`` threads (default: the usable CPUs, at most 8) share the
-    per-query counting. Results do not depend on either.
+    ``backend``: ``"numpy"`` ranks on the host (torch features on a GPU are
+    scored there and each score block is copied back); ``"torch"`` scores,
+    ranks and computes first-match ranks, AP and INP on the features' device
+    (:mod:`fedreid.eval.ranking_torch`; numpy inputs run on the CPU), and
+    only per-query numbers come back; ``"auto"`` (default) is ``"torch"`` for
+    CUDA features and ``"numpy"`` otherwise. Both follow the same rules,
+    ties included; their results agree to float64 rounding of the AP sums.
+
+    ``block_size`` (queries per block) or ``max_block_bytes`` bounds memory:
+    with ``"numpy"`` the bytes of one float32 score block (default
+    :data:`DEFAULT_BLOCK_BYTES`), with ``"torch"`` the working set of one
+    block (:data:`~fedreid.eval.ranking_torch.BYTES_PER_SCORE` per score;
+    default: a share of the free memory on CUDA, :data:`DEFAULT_BLOCK_BYTES`
+    elsewhere). ``num_threads`` threads (default: the usable CPUs, at most 8)
+    share the numpy backend's per-query counting (the torch backend uses
+    torch's own threads and reports ``torch.get_num_threads()``). Results do
+    not depend on either.
     ``return_per_query`` adds ``"per_query"``: arrays ``first_match_rank``
     (0 = no match), ``ap``, ``inp``, ``num_matches`` and ``valid`` (the query
     has a true match), one entry per query, computed in the same block pass
@@ -659,21 +725,40 @@ def evaluate(
 
     Raises :class:`EvalDataError` (a ``ValueError``) for empty sets,
     mismatched lengths, NaN/inf features, differing feature dims, an unknown
-    ``ap``, or no query with a match.
+    ``ap`` or ``backend``, or no query with a match.
     """
     ap = _check_ap(ap)
+    backend = _check_backend(backend)
     ranks_t = _check_ranks(ranks)
     qf, gf = _prepare_features(qf, gf)
     q_pids, g_pids, q_camids, g_camids = _prepare_ids(
         qf.shape[0], gf.shape[0], q_pids, g_pids, q_camids, g_camids
     )
-    rows = min(qf.shape[0], _block_rows(gf.shape[0], block_size, max_block_bytes))
-    index = _build_match_index(q_pids, g_pids, q_camids, g_camids)
     workers = _check_threads(num_threads)
-    match_ranks = _match_ranks(_score_blocks(qf, gf, rows), index, workers=workers)
-    per_query = _per_query_metrics(match_ranks, index.good_ptr, ap)
+    if backend == "auto":
+        backend = "torch" if _is_torch(qf) else "numpy"  # torch features here live on a GPU
+    if backend == "torch":
+        from fedreid.eval import ranking_torch
+
+        qf, gf = ranking_torch.as_device_features(qf, gf)
+        rows = min(qf.shape[0], _torch_block_rows(qf.device, gf.shape[0], block_size, max_block_bytes))
+        index = _build_match_index(q_pids, g_pids, q_camids, g_camids)
+        terms = functools.partial(_ap_terms, ap=ap)
+        per_query = ranking_torch.per_query_metrics(qf, gf, index, rows, terms)
+        workers = torch.get_num_threads()
+    else:
+        budget = DEFAULT_BLOCK_BYTES if max_block_bytes is None else max_block_bytes
+        rows = min(qf.shape[0], _block_rows(gf.shape[0], block_size, budget))
+        index = _build_match_index(q_pids, g_pids, q_camids, g_camids)
+        match_ranks = _match_ranks(_score_blocks(qf, gf, rows), index, workers=workers)
+        per_query = _per_query_metrics(match_ranks, index.good_ptr, ap)
     result = _summarise(per_query, ap=ap, ranks=ranks_t, minp=minp)
-    result.update(block_size=rows, num_threads=workers, device=str(qf.device) if _is_torch(qf) else "cpu")
+    result.update(
+        block_size=rows,
+        num_threads=workers,
+        device=str(qf.device) if _is_torch(qf) else "cpu",
+        backend=backend,
+    )
     if return_per_query:
         result["per_query"] = per_query
     return result

@@ -120,12 +120,19 @@ class Evaluator:
         return self._sets[name]
 
     def features(self, model: nn.Module, loader) -> Tensor:
+        """Flip-averaged, L2-normalised features of ``loader``'s images, float32 [N, D].
+
+        On the evaluator's CUDA device the tensor stays there, so
+        :func:`~fedreid.eval.metrics.evaluate` ranks on the GPU and copies no
+        scores back; elsewhere it is a CPU tensor (the numpy ranking path).
+        """
         from fedreid.eval.features import extract_features
 
         out = extract_features(
             EmbedModule(model), FeatureBatches(loader), flip=self.flip, normalize=True, device=self.device
         )
-        return torch.from_numpy(np.ascontiguousarray(out.features))
+        features = torch.from_numpy(np.ascontiguousarray(out.features))
+        return features.to(self.device) if self.device.type == "cuda" else features
 
     def evaluate_dataset(self, model: nn.Module, name: str) -> dict[str, Any]:
         from fedreid.eval.metrics import evaluate
