@@ -70,8 +70,9 @@ def test_k_beyond_the_gallery_is_cut_to_its_size():
     assert block_topk(unit_rows(rng, 2), gallery, 50)[1].shape == (2, 5)
 
 
-def test_faiss_full_ranking_gives_the_same_cmc_as_evaluate():
-    """CMC from FAISS's complete ranking, filtered by the metrics rule, equals evaluate()."""
+@pytest.mark.parametrize("backend", ["numpy", "torch"])
+def test_faiss_full_ranking_gives_the_same_cmc_as_evaluate(backend):
+    """CMC from FAISS's complete ranking, filtered by the metrics rule, equals evaluate() on either backend."""
     rng = np.random.default_rng(2)
     centres = unit_rows(rng, 12)
     q_pids, g_pids = np.repeat(np.arange(12), 2), np.repeat(np.arange(12), 6)
@@ -86,7 +87,8 @@ def test_faiss_full_ranking_gives_the_same_cmc_as_evaluate():
         if matches.any():
             first.append(np.flatnonzero(matches)[0] + 1)
     first = np.array(first)
-    r = evaluate(qf, gf, q_pids, g_pids, q_cams, g_cams, ranks=(1, 3, 5))
+    r = evaluate(qf, gf, q_pids, g_pids, q_cams, g_cams, ranks=(1, 3, 5), backend=backend)
+    assert r["backend"] == backend
     for k in (1, 3, 5):
         assert r[f"rank{k}"] == pytest.approx(np.mean(first <= k), abs=1e-12)
 
