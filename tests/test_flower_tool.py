@@ -63,3 +63,53 @@ def test_commands_it_would_run(tmp_path):
 def test_refusals_are_one_clear_line(tmp_path, args, message):
     done = tool(*args, cwd=tmp_path)
     assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # typer, imported by flwr's CLI parsers
+def test_client_resources_reach_the_simulation_backend(tmp_path, monkeypatch, capsys):
+    """--client-gpus/--client-cpus -> LocalDeployment -> `flwr run --federation-config` -> Ray's backend config.
+
+    Nothing starts: the deployment is replaced once the tool has built it, and
+    Flower's own parsers turn the command's text into the backend config.
+    """
+    import types
+
+    from fl_helpers import tiny_config, write_world
+    from flwr.common.config import parse_config_args
+    from flwr.simulation.app import _run_simulation_settings
+    from flwr.supercore.utils import simulation_config_from_json
+    from tool_loader import cli_error, load_tool
+
+    from fedreid.config import dump_config
+    from fedreid.flower import launch
+
+    class Started(Exception):
+        pass
+
+    seen = {}
+
+    class Recording(launch.LocalDeployment):
+        def start(self):
+            seen["deployment"] = self
+            raise Started()
+
+    monkeypatch.setitem(sys.modules, "ray", types.ModuleType("ray"))  # Ray itself is not needed to build it
+    monkeypatch.setattr(launch, "LocalDeployment", Recording)
+    (tmp_path / "run.yaml").write_text(dump_config(tiny_config(write_world(tmp_path / "prepared"))))
+    flower_fed = load_tool("flower_fed", "flower_fed_tool")
+    with pytest.raises(Started):
+        flower_fed.main(["simulate", "--config", str(tmp_path / "run.yaml"), "--out", str(tmp_path / "run"),
+                         "--client-gpus", "0.25", "--client-cpus", "3"])
+    args = seen["deployment"].cli.run_args("config='x'")
+    federation = args[args.index("--federation-config") + 1]
+    flat = {k.replace("-", "_"): v for k, v in parse_config_args([federation]).items()}
+    supernodes, backend, backend_config, _, _ = _run_simulation_settings(simulation_config_from_json(flat))
+    assert supernodes == 2 and backend == "ray"
+    assert backend_config["client_resources"] == {"num_cpus": 3, "num_gpus": 0.25}
+    without = launch.LocalDeployment(tmp_path / "w", ["a"], simulation=True).cli.run_args("x")
+    assert without[without.index("--federation-config") + 1] == "num-supernodes=1"  # Flower's defaults
+    for option, value, message in (("--client-gpus", "-1", "a share of a GPU >= 0"),
+                                   ("--client-cpus", "0", "a whole number of CPUs >= 1")):
+        err = cli_error(flower_fed, ["simulate", "--config", "c.yaml", "--out", str(tmp_path / "r2"), option, value],
+                        capsys)
+        assert message in err and not (tmp_path / "r2").exists()  # refused before anything is made

@@ -23,8 +23,10 @@ Across machines (replace HOST; TLS files from `certs`, node keys from `node-key`
 
 On one host (SuperLink and a SuperNode per client on 127.0.0.1, stopped at the end):
   python tools/flower_fed.py local --config configs/fedreid/synthetic_fedpav.yaml --out runs/flower_local
-On Flower's simulation engine (Ray, the [flower-sim] extra):
-  python tools/flower_fed.py simulate --config configs/fedreid/synthetic_fedpav.yaml --out runs/flower_sim
+On Flower's simulation engine (Ray, the [flower-sim] extra); --client-gpus 0.25 trains four
+clients at once per GPU, on every GPU of the machine or of a Ray cluster (docs/flower.md):
+  python tools/flower_fed.py simulate --config configs/fedreid/synthetic_fedpav.yaml --out runs/flower_sim \\
+      --client-gpus 0.25 --client-cpus 2
 
 Federated search (each site's SuperNode gets --gallery-store, its own gallery store
 folder; --search-thumbnails lets its answers carry small thumbnails):
@@ -320,15 +322,17 @@ def cmd_local(args: argparse.Namespace) -> int:
 
 def cmd_simulate(args: argparse.Namespace) -> int:
     from fedreid.fl.federation import build_federation
-    from fedreid.flower.launch import LocalDeployment
+    from fedreid.flower.launch import LocalDeployment, simulation_federation_config
 
+    simulation_federation_config(1, client_cpus=args.client_cpus, client_gpus=args.client_gpus)  # refused here
     out, text, rounds = _run_config(args)
     work = _claim_local_folders(args, out)
     cfg = load_config(out / "config.yaml" if args.resume else args.config, args.overrides)
     clients = build_federation(cfg).server.client_names
     print(f"Flower simulation engine: {len(clients)} virtual SuperNodes ({', '.join(clients)}); "
           f"node state in {work / 'fedreid_state'}", flush=True)
-    with LocalDeployment(work, clients, simulation=True) as dep:
+    with LocalDeployment(work, clients, simulation=True, client_cpus=args.client_cpus,
+                         client_gpus=args.client_gpus) as dep:
         log = work / "flwr_run.log"
         rc = dep.cli.run(text, log=log)
     return _finish(out, rounds, rc, log)
@@ -472,6 +476,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("simulate", help="the same apps on Flower's simulation engine (Ray), one command")
     run_arguments(p)
+    p.add_argument("--client-gpus", type=float, metavar="F",
+                   help="share of a GPU Ray reserves per client (0.25: four clients train on one GPU at once; "
+                        "several GPUs or a Ray cluster take more); default Flower's, 0")
+    p.add_argument("--client-cpus", type=int, metavar="C",
+                   help="CPUs Ray reserves per client (a whole number >= 1); default Flower's, 2")
     p.add_argument("--workdir", help="Flower's files, node state, the log (default <out>_flower next to --out)")
     p.set_defaults(func=cmd_simulate)
     return parser

@@ -48,9 +48,16 @@ Everything but ``time`` is bit-identical between an uninterrupted run and a
 run killed at any point and resumed (CPU, ``run.deterministic``, the same
 torch thread count, torch version and machine).
 
+``run.concurrent_clients: N`` > 1 trains N of a round's clients at once in
+worker processes (:class:`fedreid.fl.concurrent.ClientPool`, started once per
+run); the client objects here keep every client's state, and the records
+and checkpoints equal the sequential run's (bit for bit on the CPU; issue
+22). ``N = 1`` trains them one after another in this process.
+
 ``callbacks``: callables ``cb(event, info)`` with events ``round_start``
-(``{"round"}``, 0-based), ``client_end`` (``{"round", "client", "update"}``)
-and ``round_end`` (``{"round", "record"}``, after the checkpoint is written).
+(``{"round"}``, 0-based), ``client_end`` (``{"round", "client", "update"}``;
+in completion order with concurrent clients) and ``round_end``
+(``{"round", "record"}``, after the checkpoint is written).
 An exception raised by a callback stops the run (the checkpoint of the last
 complete round stays).
 """
@@ -69,6 +76,7 @@ from fedreid.config import Config, ConfigError, dump_config, from_dict, to_dict
 from fedreid.data.prepared import PreparedDataset
 from fedreid.errors import FedReIDError
 from fedreid.fl.client import Client, ClientError, records_fingerprint
+from fedreid.fl.concurrent import ClientPool, ClientResult
 from fedreid.fl.federation import Federation, build_federation, check_model_name, public_dataset_name
 from fedreid.fl.server import Server
 from fedreid.fl.update import to_plain
@@ -165,7 +173,10 @@ def run_simulation(
     ``run_dir`` must be a folder the run may write into (:func:`claim_run_dir`;
     ``tool`` names the writer in a refusal). A resume refuses data changed
     since the checkpoint (:class:`DataChangedError`) and warns when the torch
-    thread count or version differs from the checkpoint's.
+    thread count or version differs from the checkpoint's. With
+    ``run.concurrent_clients`` > 1 (and no ``remote_round``) the clients
+    train in worker processes, stopped on every exit path; the caller's main
+    script then needs the ``if __name__ == "__main__":`` guard (spawn).
     """
     run_dir = Path(run_dir)
     if cfg is None and (not resume or latest_checkpoint(run_dir) is None):
@@ -331,7 +342,11 @@ def _run(cfg: Config, run_dir: Path, ckpt, *, progress: bool, callbacks, dataset
 
     round_bar = tqdm(total=cfg.fl.rounds, initial=server.round, desc="rounds", unit="round",
                      disable=not progress, dynamic_ncols=True)
+    pool: Optional[ClientPool] = None
     try:
+        processes = min(cfg.run.concurrent_clients, cfg.fl.clients_per_round or len(clients))
+        if remote_round is None and processes > 1 and server.round < cfg.fl.rounds:
+            pool = _client_pool(fed, processes)
         while server.round < cfg.fl.rounds:
             round_index = server.round
             emit("round_start", {"round": round_index})
@@ -344,15 +359,18 @@ def _run(cfg: Config, run_dir: Path, ckpt, *, progress: bool, callbacks, dataset
                 client = clients[k]
                 client_bar.set_postfix_str(client.name)
                 update = client.fit(fed.work_model, payload, instructions)
-                wants_local = cfg.fl.mode == "local" or cfg.eval.local_models
-                if instructions.get("evaluate") and wants_local and fed.evaluator is not None:
-                    if client.split.dataset in fed.evaluator.datasets:
-                        local_eval[client.name] = to_plain(fed.evaluator(fed.work_model, [client.split.dataset]))
+                if _evaluates_locally(fed, client, instructions):
+                    local_eval[client.name] = to_plain(fed.evaluator(fed.work_model, [client.split.dataset]))
                 client_bar.update(1)
                 emit("client_end", {"round": round_index, "client": client.name, "update": update})
                 return update
 
-            record = server.run_round(fit) if remote_round is None else remote_round(server)
+            if remote_round is not None:
+                record = remote_round(server)
+            elif pool is None:
+                record = server.run_round(fit)
+            else:
+                record = _concurrent_round(fed, server, pool, round_index, local_eval, client_bar, emit)
             client_bar.close()
             if local_eval and cfg.fl.mode == "local":
                 # The baseline's own result: every client's model on its own data,
@@ -369,9 +387,60 @@ def _run(cfg: Config, run_dir: Path, ckpt, *, progress: bool, callbacks, dataset
             emit("round_end", {"round": round_index, "record": record})
         _save_final_model(run_dir, cfg, server)
     finally:
+        if pool is not None:
+            pool.close()
         round_bar.close()
         logger.close()
     return history
+
+
+def _evaluates_locally(fed: Federation, client: Client, instructions: Mapping[str, Any]) -> bool:
+    """Whether ``client``'s trained model is evaluated on its own data this round (local mode, eval.local_models)."""
+    cfg = fed.cfg
+    wants_local = cfg.fl.mode == "local" or cfg.eval.local_models
+    return bool(instructions.get("evaluate") and wants_local and fed.evaluator is not None
+                and client.split.dataset in fed.evaluator.datasets)
+
+
+def _client_pool(fed: Federation, processes: int) -> ClientPool:
+    """The started worker pool of ``run.concurrent_clients`` (:mod:`fedreid.fl.concurrent`)."""
+    cfg = fed.cfg
+    wants_local = (cfg.fl.mode == "local" or cfg.eval.local_models) and fed.evaluator is not None
+    pool = ClientPool(cfg, fed.clients, fed.work_model, processes=processes, device=fed.device,
+                      evaluator=fed.evaluator if wants_local else None)
+    pool.start()
+    # The workers train on their own copies; this one would only hold device memory.
+    fed.work_model.to("cpu")
+    return pool
+
+
+def _concurrent_round(fed: Federation, server: Server, pool: ClientPool, round_index: int,
+                      local_eval: dict[str, Any], client_bar: tqdm, emit: Callback) -> dict[str, Any]:
+    """:meth:`Server.run_round` with the clients trained in ``pool``; the same record (issue 22).
+
+    Progress and ``client_end`` follow completion order; the updates reach
+    :meth:`Server.finish_round` and the local evaluations the record in the
+    round's order, so the record does not depend on which client finished first.
+    """
+    clients = fed.clients
+    plan = server.begin_round()
+    evaluated: dict[int, Any] = {}
+
+    def finished(result: ClientResult) -> None:
+        name = clients[result.index].name
+        if result.local_eval is not None:
+            evaluated[result.index] = result.local_eval
+        client_bar.set_postfix_str(name)
+        client_bar.update(1)
+        emit("client_end", {"round": round_index, "client": name, "update": result.update})
+
+    updates = pool.fit_round(plan.ids, server.payload_for, plan.instructions,
+                             evaluate=lambda k: _evaluates_locally(fed, clients[k], plan.instructions),
+                             on_result=finished)
+    for k in plan.ids:
+        if k in evaluated:
+            local_eval[clients[k].name] = evaluated[k]
+    return server.finish_round(plan, updates)
 
 
 def resume(

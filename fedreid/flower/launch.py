@@ -11,7 +11,9 @@ and nothing is fetched at run time.
 * :class:`FlowerCli`: ``flwr run`` / ``flwr supernode register`` against one
   SuperLink, with its own ``FLWR_HOME`` (the user's ``~/.flwr`` is untouched);
 * :class:`LocalDeployment`: SuperLink and one SuperNode per client on
-  127.0.0.1, stopped by their own PIDs.
+  127.0.0.1, stopped by their own PIDs; or, with ``simulation``, the
+  SuperLink running Flower's simulation engine (Ray), the clients' CPU and
+  GPU shares set by :func:`simulation_federation_config`.
 
 Nothing is left running when the tool that started these processes goes
 away: each process starts in its own process group, which is what gets
@@ -271,18 +273,44 @@ def search_run_config_string(vector: str, *, k: int, fingerprint: Optional[Mappi
             f" search-thumbnails={'true' if thumbnails else 'false'}")
 
 
+def simulation_federation_config(num_supernodes: int, *, client_cpus: Optional[int] = None,
+                                 client_gpus: Optional[float] = None) -> dict[str, int | float]:
+    """The simulation engine's settings for ``flwr run --federation-config`` (Flower's ``SimulationConfig``).
+
+    ``num_supernodes`` virtual SuperNodes (one per client); ``client_cpus`` /
+    ``client_gpus``: the resources Ray reserves for each ClientApp
+    (``backend_config["client_resources"]`` ``num_cpus`` / ``num_gpus``;
+    a fraction such as 0.25 puts four clients on one GPU at once). Unset,
+    Flower's defaults apply (2 CPUs, no GPU). Raises :class:`LaunchError`
+    on a value Flower would refuse (CPUs: a whole number >= 1; GPUs >= 0).
+    """
+    out: dict[str, int | float] = {"num-supernodes": int(num_supernodes)}
+    if client_cpus is not None:
+        if isinstance(client_cpus, bool) or int(client_cpus) != client_cpus or client_cpus < 1:
+            raise LaunchError(f"--client-cpus {client_cpus}: Flower reserves a whole number of CPUs >= 1 per client")
+        out["client-resources-num-cpus"] = int(client_cpus)
+    if client_gpus is not None:
+        if not client_gpus >= 0:  # NaN too
+            raise LaunchError(f"--client-gpus {client_gpus}: expected a share of a GPU >= 0 (e.g. 0.25)")
+        out["client-resources-num-gpus"] = float(client_gpus)
+    return out
+
+
 class FlowerCli:
-    """The ``flwr`` command against one SuperLink, with a private FLWR_HOME holding its connection."""
+    """The ``flwr`` command against one SuperLink, with a private FLWR_HOME holding its connection.
+
+    ``federation_config``: settings of a SuperLink in simulation mode
+    (:func:`simulation_federation_config`), sent with every ``flwr run``.
+    """
 
     def __init__(self, superlink: str, *, root_cert: Optional[Path] = None, home: Optional[Path] = None,
-                 options: Optional[Mapping[str, int]] = None) -> None:
+                 federation_config: Optional[Mapping[str, int | float]] = None) -> None:
         self.superlink = superlink
+        self.federation_config = dict(federation_config or {})
         self.home = Path(home) if home is not None else Path(tempfile.mkdtemp(prefix="fedreid-flwr-"))
         self.home.mkdir(parents=True, exist_ok=True)
         lines = ["[superlink]", 'default = "fedreid"', "", "[superlink.fedreid]", f'address = "{superlink}"']
         lines.append("insecure = true" if root_cert is None else f'root-certificates = "{Path(root_cert).resolve()}"')
-        if options:  # e.g. num-supernodes for a SuperLink in simulation mode
-            lines += ["", "[superlink.fedreid.options]", *(f"{k} = {int(v)}" for k, v in options.items())]
         (self.home / "config.toml").write_text("\n".join(lines) + "\n")
 
     def _run(self, args: Sequence[str], *, timeout: Optional[float], log: Optional[Path] = None,
@@ -309,12 +337,17 @@ class FlowerCli:
         if done.returncode != 0:
             raise LaunchError(f"flwr supernode register {public_key} failed: {done.stdout.decode(errors='replace')}")
 
+    def run_args(self, run_config: str) -> list[str]:
+        """The arguments of :meth:`run`'s ``flwr`` command."""
+        args = ["run", str(PROJECT_DIR), "fedreid", "--run-config", run_config, "--stream"]
+        if self.federation_config:
+            args += ["--federation-config", " ".join(f"{k}={v}" for k, v in self.federation_config.items())]
+        return args
+
     def run(self, run_config: str, *, log: Optional[Path] = None, timeout: Optional[float] = None,
             cwd: Optional[Path] = None) -> int:
         """``flwr run`` the fedreid app and stream its logs until it ends; returns flwr's exit code."""
-        done = self._run(["run", str(PROJECT_DIR), "fedreid", "--run-config", run_config, "--stream"],
-                         timeout=timeout, log=log, cwd=cwd)
-        return done.returncode
+        return self._run(self.run_args(run_config), timeout=timeout, log=log, cwd=cwd).returncode
 
 
 def free_port() -> int:
@@ -356,6 +389,9 @@ class LocalDeployment:
     start_timeout: float = 120.0
     #: Flower's simulation engine (Ray) instead of SuperNode processes: one virtual node per client.
     simulation: bool = False
+    #: Simulation engine only: CPUs and GPU share Ray reserves per ClientApp (:func:`simulation_federation_config`).
+    client_cpus: Optional[int] = None
+    client_gpus: Optional[float] = None
     #: Each process gets SIGTERM when the thread that started it ends (:func:`die_with_parent`, Linux).
     die_with_parent: bool = True
 
@@ -365,14 +401,18 @@ class LocalDeployment:
         self.procs: dict[str, subprocess.Popen] = {}
         if self.simulation and (self.tls or self.node_keys):
             raise LaunchError("Flower's simulation engine runs in one process: no TLS or node keys")
+        if not self.simulation and (self.client_cpus is not None or self.client_gpus is not None):
+            raise LaunchError("client CPUs and GPUs are resources of Flower's simulation engine (simulation=True)")
+        federation = None
         if self.simulation:
+            federation = simulation_federation_config(len(self.clients), client_cpus=self.client_cpus,
+                                                      client_gpus=self.client_gpus)
             try:
                 import ray  # noqa: F401
             except ImportError:
                 raise LaunchError("Flower's simulation engine needs Ray: pip install -e .[flower-sim]") from None
         self.cli = FlowerCli(f"127.0.0.1:{self.port}", root_cert=self.tls.ca if self.tls else None,
-                             home=self.workdir / "flwr_home",
-                             options={"num-supernodes": len(self.clients)} if self.simulation else None)
+                             home=self.workdir / "flwr_home", federation_config=federation)
 
     @property
     def superlink(self) -> str:
@@ -448,4 +488,4 @@ class LocalDeployment:
 
 __all__ = ["LaunchError", "TLSFiles", "FlowerCli", "LocalDeployment", "Terminated", "die_with_parent", "flower_env",
            "free_port", "node_config_string", "popen_group", "run_config_string", "search_run_config_string",
-           "stop_group", "stop_on_signals", "superlink_command", "supernode_command"]
+           "simulation_federation_config", "stop_group", "stop_on_signals", "superlink_command", "supernode_command"]

@@ -1,0 +1,424 @@
+"""Clients of a round trained at once, in worker processes (``run.concurrent_clients``).
+
+:class:`ClientPool` keeps ``N`` worker processes for a whole run (spawned
+once; each imports torch once). Each worker gets, once, a pickled copy of
+the federation's client objects, a work model and, when local models are
+evaluated, the evaluator; on CUDA each has its own CUDA context. Per task the
+main process sends the client's index, its persistent state
+(:meth:`fedreid.fl.client.Client.state_dict`), the round's payload and
+instructions; the worker loads the state into its copy of the client, runs
+``client.fit(work_model, payload, instructions)`` (and, when asked, the
+client's local-model evaluation on the trained work model) and sends back the
+:class:`~fedreid.fl.update.Update`, the client's new state and the
+evaluation. The main process loads that state into its own client object,
+which stays the owner of client state (checkpoints are written from it).
+
+Guarantee (issue 22): every update equals the one the same client computes
+when the clients train one after another in one process -- bit for bit on
+the CPU -- because a client's round depends only on (run seed, round, client
+index), its state and the payload (:mod:`fedreid.fl.client`), and each worker
+mirrors the parent's numeric settings: torch thread count, deterministic
+mode, float32 matmul precision and TF32 flags. Processes, not threads:
+clients fork torch's *global* RNG (dropout draws from it), which threads
+would interleave. :meth:`ClientPool.fit_round` returns the updates in the
+round's order whatever order they finished in.
+
+Failures: an exception in a client's fit is raised in the main process as the
+same type with the same message (prefixed with the client's name when the
+message does not name it), with the worker's traceback as its cause. A worker
+that dies (killed, segfault) raises :class:`WorkerDiedError` naming the
+client. Workers ignore SIGINT (the main process decides) and are shut down by
+:meth:`ClientPool.close` on every exit path; an idle worker whose parent
+vanished exits when its pipe closes.
+
+GPU memory: on CUDA each worker caps its allocator at ``0.95 / N`` of the
+card (:func:`torch.cuda.set_per_process_memory_fraction`), reports the peak
+memory allocated during each client's fit as ``metadata["gpu_peak_bytes"]``
+(so the round record's ``client_metrics`` show it) and empties its cache
+after each task, so the main process has the memory for aggregation, server
+hooks and evaluation while the workers wait. On the CPU nothing is added.
+
+Messages cross the pipes as :func:`torch.save` bytes (not the
+multiprocessing pickler, which would move tensors through shared memory or
+CUDA IPC handles that the sender must keep alive); a CUDA tensor arrives on
+the same device index it left.
+"""
+
+from __future__ import annotations
+
+import io
+import multiprocessing
+import os
+import pickle
+import signal
+import sys
+import traceback
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from fedreid.config import Config
+from fedreid.errors import FedReIDError
+from fedreid.fl.update import Update, to_plain
+from fedreid.utils.seeding import deterministic_mode
+
+#: Metadata key of a client's peak GPU memory during its fit (bytes; CUDA only).
+GPU_PEAK_BYTES = "gpu_peak_bytes"
+#: Share of the card the workers' allocators may take together.
+GPU_MEMORY_SHARE = 0.95
+#: Seconds an idle worker gets to exit after being told to stop.
+STOP_GRACE_S = 10.0
+
+
+class WorkerDiedError(FedReIDError, RuntimeError):
+    """A worker process ended without answering; the message names the client it was training."""
+
+
+class ConcurrentClientError(FedReIDError, RuntimeError):
+    """A client failed in a worker with an exception that could not be rebuilt in the main process."""
+
+
+class RemoteTraceback(Exception):
+    """The traceback of an exception raised in a worker (the cause of the re-raised exception)."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__(text)
+        self.text = text
+
+    def __str__(self) -> str:
+        return self.text
+
+
+@dataclass
+class ClientResult:
+    """What one client's task returned: its update and its local-model evaluation (or None)."""
+
+    index: int
+    update: Update
+    local_eval: Optional[dict[str, Any]]
+
+
+#: ``on_result(result)``: called in the main process as each client finishes (completion order).
+ResultFn = Callable[[ClientResult], None]
+
+
+def _dumps(obj: Any) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def _loads(data: bytes) -> Any:
+    # Bytes from our own worker or parent over a private pipe, never a file: full unpickling is intended.
+    return torch.load(io.BytesIO(data), weights_only=False)
+
+
+def _numeric_settings(cfg: Config) -> dict[str, Any]:
+    """The parent's global settings a client's numbers depend on, for the workers to adopt."""
+    return {
+        "threads": int(torch.get_num_threads()),
+        "deterministic": bool(cfg.run.deterministic),
+        "matmul_precision": torch.get_float32_matmul_precision(),
+        "cuda_matmul_tf32": bool(torch.backends.cuda.matmul.allow_tf32),
+        "cudnn_tf32": bool(torch.backends.cudnn.allow_tf32),
+    }
+
+
+class ClientPool:
+    """``processes`` persistent workers training the clients of ``clients`` (see the module docstring).
+
+    ``clients``: the main process's client objects (they keep the state);
+    ``work_model``: a model of the federation's layout (copied once into each
+    worker); ``evaluator``: called as ``evaluator(model, [dataset])`` for the
+    local-model evaluation, or None when the run has none. Use as a context
+    manager, or call :meth:`start` and, on every exit path, :meth:`close`.
+    """
+
+    def __init__(self, cfg: Config, clients: Sequence[Any], work_model: nn.Module, *, processes: int,
+                 evaluator: Optional[Callable[..., Mapping[str, Any]]] = None,
+                 device: Optional[torch.device] = None) -> None:
+        if processes < 1:
+            raise ValueError(f"a client pool needs at least one process, got {processes}")
+        self.cfg = cfg
+        self.clients = list(clients)
+        self.work_model = work_model
+        self.evaluator = evaluator
+        self.processes = processes
+        self.device = torch.device(device) if device is not None else next(
+            (p.device for p in work_model.parameters()), torch.device("cpu"))
+        self._workers: list[tuple[multiprocessing.process.BaseProcess, Connection]] = []
+        self._busy: set[int] = set()  # workers holding a task
+
+    # ------------------------------------------------------------- lifecycle
+
+    def __enter__(self) -> "ClientPool":
+        self.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def start(self) -> None:
+        """Spawn the workers, hand each its copy of the clients and model, and wait until all are ready."""
+        ctx = multiprocessing.get_context("spawn")
+        init = _dumps({
+            "clients": self.clients,
+            "work_model": self.work_model,
+            "evaluator": self.evaluator,
+            "settings": _numeric_settings(self.cfg),
+            "memory_fraction": GPU_MEMORY_SHARE / self.processes if self.device.type == "cuda" else None,
+            "device": str(self.device),
+        })
+        try:
+            for i in range(self.processes):
+                parent, child = ctx.Pipe(duplex=True)
+                # daemon=False: a daemonic process may not start DataLoader workers (train.workers > 0).
+                proc = ctx.Process(target=_worker_main, args=(child, i), name=f"fedreid-client-worker-{i}",
+                                   daemon=False)
+                proc.start()
+                child.close()
+                self._workers.append((proc, parent))
+            for i, (proc, conn) in enumerate(self._workers):
+                self._send(i, [init], what="its start-up copy of the clients")
+            for i in range(len(self._workers)):
+                kind, body = self._receive(i, what="starting up")
+                if kind != "ready":
+                    raise self._rebuild(body, None, i)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Stop every worker (idle ones are asked, busy ones terminated); idempotent."""
+        workers, busy = self._workers, self._busy
+        self._workers, self._busy = [], set()
+        for w, (proc, conn) in enumerate(workers):
+            if w in busy:  # mid-task after a failure elsewhere: its result is not wanted
+                proc.terminate()
+            elif proc.is_alive():
+                try:
+                    conn.send_bytes(_dumps(None))
+                except OSError:
+                    pass
+        for proc, conn in workers:
+            proc.join(STOP_GRACE_S)
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(STOP_GRACE_S)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+            conn.close()
+
+    # ----------------------------------------------------------------- round
+
+    def fit_round(
+        self,
+        ids: Sequence[int],
+        payload_for: Callable[[int], Mapping[str, Tensor]],
+        instructions: Mapping[str, Any],
+        *,
+        evaluate: Callable[[int], bool] = lambda k: False,
+        on_result: Optional[ResultFn] = None,
+    ) -> list[Update]:
+        """Train the clients ``ids`` (indices into ``clients``), at most ``processes`` at once.
+
+        Each gets ``payload_for(k)`` and a copy of ``instructions``, as in
+        :meth:`fedreid.fl.server.Server.run_round`; ``evaluate(k)``: also
+        evaluate client ``k``'s trained model (``evaluator(model,
+        [client.split.dataset])``). As each finishes, its new state is loaded
+        into ``clients[k]`` and ``on_result`` is called. Returns the updates
+        in the order of ``ids``. The first failure is raised (see the module
+        docstring); clients still training then are abandoned with the pool
+        (close it).
+        """
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"a round trains each client once, got indices {list(ids)}")
+        if not self._workers:
+            raise RuntimeError("the client pool is not started")
+        pending = list(ids)
+        idle = list(range(len(self._workers)))
+        busy: dict[int, int] = {}  # worker -> client index
+        done: dict[int, Update] = {}
+        shared: dict[int, tuple[Mapping[str, Tensor], bytes]] = {}  # id(payload) -> (payload, its bytes)
+        while pending or busy:
+            while pending and idle:
+                w, k = idle.pop(0), pending.pop(0)
+                payload = payload_for(k)
+                if id(payload) not in shared:  # a federated round sends every client the same bytes
+                    shared[id(payload)] = (payload, _dumps({"payload": payload, "instructions": dict(instructions)}))
+                task = _dumps({"index": k, "state": self.clients[k].state_dict(), "evaluate": bool(evaluate(k))})
+                busy[w] = k
+                self._busy.add(w)
+                self._send(w, [shared[id(payload)][1], task], what=f"client {self._name(k)!r}")
+            by_handle: dict[Any, int] = {}
+            for w in busy:
+                proc, conn = self._workers[w]
+                by_handle[conn] = w
+                by_handle[proc.sentinel] = w
+            for w in dict.fromkeys(by_handle[h] for h in wait(list(by_handle))):
+                k = busy.pop(w)
+                kind, body = self._receive(w, what=f"training client {self._name(k)!r}")
+                self._busy.discard(w)
+                if kind != "done":
+                    raise self._rebuild(body, k, w)
+                update = body["update"]
+                if update.client != self._name(k):
+                    raise ValueError(f"update from {update.client!r} returned for client {self._name(k)!r}")
+                self.clients[k].load_state_dict(body["state"])
+                done[k] = update
+                idle.append(w)
+                if on_result is not None:
+                    on_result(ClientResult(k, update, body["local_eval"]))
+        return [done[k] for k in ids]
+
+    # ------------------------------------------------------------- internals
+
+    def _name(self, k: int) -> str:
+        return str(self.clients[k].name)
+
+    def _died(self, w: int, what: str) -> WorkerDiedError:
+        proc, _ = self._workers[w]
+        proc.join(1.0)
+        code = proc.exitcode
+        if code is not None and code < 0:
+            try:
+                how = f"killed by {signal.Signals(-code).name}"
+            except ValueError:
+                how = f"killed by signal {-code}"
+        else:
+            how = f"exit code {code}"
+        return WorkerDiedError(f"client worker process {w} (pid {proc.pid}) died while {what} ({how}); "
+                               f"run.concurrent_clients={self.processes}")
+
+    def _send(self, w: int, parts: Sequence[bytes], *, what: str) -> None:
+        _, conn = self._workers[w]
+        try:
+            for part in parts:
+                conn.send_bytes(part)
+        except OSError:  # BrokenPipeError, ConnectionResetError: the worker is gone
+            raise self._died(w, f"receiving {what}") from None
+
+    def _receive(self, w: int, *, what: str) -> tuple[str, Any]:
+        _, conn = self._workers[w]
+        try:
+            return _loads(conn.recv_bytes())
+        except (EOFError, OSError):
+            raise self._died(w, what) from None
+
+    def _rebuild(self, body: Mapping[str, Any], k: Optional[int], w: int) -> BaseException:
+        """The worker's exception, as the same type and message, naming the client, caused by its traceback."""
+        name = self._name(k) if k is not None else None
+        exc: Optional[BaseException] = None
+        if body.get("pickled") is not None:
+            try:
+                exc = pickle.loads(body["pickled"])
+            except Exception:  # a type whose arguments do not round-trip; described below instead
+                exc = None
+        if not isinstance(exc, BaseException):
+            who = f"client {name!r}" if name else f"client worker process {w}"
+            exc = ConcurrentClientError(f"{who}: {body['type']}: {body['message']}")
+        elif name and exc.args and isinstance(exc.args[0], str) and repr(name) not in exc.args[0]:
+            # fedreid's own messages name a client as client 'x'; others get that prefix.
+            exc.args = (f"client {name!r}: {exc.args[0]}",) + tuple(exc.args[1:])
+        where = f"client {name!r}" if name else "start-up"
+        exc.add_note(f"raised in client worker process {w} ({where}; run.concurrent_clients={self.processes})")
+        exc.__cause__ = RemoteTraceback(body.get("traceback", ""))
+        return exc
+
+
+# ------------------------------------------------------------------ worker side
+
+
+def _error_body(exc: BaseException) -> dict[str, Any]:
+    try:
+        pickled: Optional[bytes] = pickle.dumps(exc)
+        pickle.loads(pickled)  # a type that pickles but cannot be rebuilt fails here, not in the parent
+    except Exception:
+        pickled = None
+    return {"type": f"{type(exc).__module__}.{type(exc).__qualname__}", "message": str(exc),
+            "traceback": "".join(traceback.format_exception(exc)), "pickled": pickled}
+
+
+def _adopt_settings(settings: Mapping[str, Any]) -> None:
+    torch.set_num_threads(int(settings["threads"]))
+    torch.set_float32_matmul_precision(settings["matmul_precision"])
+    torch.backends.cuda.matmul.allow_tf32 = bool(settings["cuda_matmul_tf32"])
+    torch.backends.cudnn.allow_tf32 = bool(settings["cudnn_tf32"])
+
+
+def _worker_main(conn: Connection, index: int) -> None:
+    """A worker's life: start-up copy, then tasks until told to stop or the parent's pipe closes."""
+    # Ctrl-C reaches the whole process group; the parent decides and stops the workers.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        try:
+            init = _loads(conn.recv_bytes())
+            if init is None:
+                return
+            _adopt_settings(init["settings"])
+            device = torch.device(init["device"])
+            if device.type == "cuda":
+                if device.index is None:
+                    device = torch.device("cuda", torch.cuda.current_device())
+                torch.cuda.set_per_process_memory_fraction(init["memory_fraction"], device)
+        except Exception as exc:
+            conn.send_bytes(_dumps(("error", _error_body(exc))))
+            return
+        with deterministic_mode(init["settings"]["deterministic"]):
+            conn.send_bytes(_dumps(("ready", None)))
+            _serve(conn, init["clients"], init["work_model"], init["evaluator"], device)
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        return  # the parent is gone or closed the pipe
+    finally:
+        conn.close()
+        _exit_now()
+
+
+def _exit_now() -> None:
+    """End the worker without the interpreter's teardown (seconds with torch loaded; nothing to save)."""
+    for child in multiprocessing.active_children():  # loader workers: what multiprocessing's exit hook does
+        if child.daemon:
+            child.terminate()
+        child.join()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _serve(conn: Connection, clients: Sequence[Any], model: nn.Module, evaluator: Any,
+           device: torch.device) -> None:
+    while True:
+        first = _loads(conn.recv_bytes())
+        if first is None:
+            return
+        task = _loads(conn.recv_bytes())
+        try:
+            reply: tuple[str, Any] = ("done", _fit(clients[task["index"]], model, evaluator, device, first, task))
+        except Exception as exc:
+            reply = ("error", _error_body(exc))
+        conn.send_bytes(_dumps(reply))
+
+
+def _fit(client: Any, model: nn.Module, evaluator: Any, device: torch.device, shared: Mapping[str, Any],
+         task: Mapping[str, Any]) -> dict[str, Any]:
+    client.load_state_dict(task["state"])
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    try:
+        update = client.fit(model, shared["payload"], dict(shared["instructions"]))
+        if cuda:
+            update.metadata[GPU_PEAK_BYTES] = int(torch.cuda.max_memory_allocated(device))
+        local = to_plain(evaluator(model, [client.split.dataset])) if task["evaluate"] else None
+        return {"update": update, "state": client.state_dict(), "local_eval": local}
+    finally:
+        if cuda:  # the main process aggregates and evaluates while this worker waits
+            torch.cuda.empty_cache()
+
+
+__all__ = ["GPU_PEAK_BYTES", "ClientPool", "ClientResult", "ConcurrentClientError", "RemoteTraceback",
+           "WorkerDiedError"]

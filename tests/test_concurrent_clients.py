@@ -1,0 +1,148 @@
+"""run.concurrent_clients: clients trained in worker processes equal the sequential run bit for bit (CPU).
+
+Each N=2 run spawns two workers (a few seconds of torch import each), so the
+runs here are few and tiny: 2 rounds of the two-client ReID world, one of
+partitioned digits with SCAFFOLD (client state that crosses the pipes), a
+resume, and the failure paths on one worker with stand-in clients.
+"""
+
+import multiprocessing
+import os
+import signal
+
+import pytest
+import torch
+from fl_helpers import strip_time, tiny_config, write_world
+
+from fedreid.config import load_config
+from fedreid.fl.client import ClientError
+from fedreid.fl.concurrent import ClientPool, WorkerDiedError
+from fedreid.fl.simulation import resume, run_simulation
+from fedreid.fl.update import Update
+from fedreid.utils.checkpoint import load_checkpoint
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+#: CDW, KD in round 2 and the local-model evaluation: every metadata and record path.
+REID = ["fl.rounds=2", "fl.cdw=true", "fl.kd=true", "fl.kd_every=2", "eval.local_models=true"]
+DIGITS = [
+    "task=classification", "fl.aggregation=fedavg", "model.backbone=cnn_lmd", "classification.num_clients=3",
+    "classification.alpha=0.5", "classification.train_subset=300", "train.batch_size=32", "train.drop_last=false",
+    "train.local_epochs=1", "fl.rounds=2", "eval.every=1", "run.device=cpu", "run.tensorboard=false",
+]
+
+
+class Kill(RuntimeError):
+    pass
+
+
+def workers_left() -> list:
+    return [p for p in multiprocessing.active_children() if p.name.startswith("fedreid-client-worker")]
+
+
+def assert_same(dir_a, hist_a, dir_b, hist_b):
+    """Every tensor of the final global state and client state equal, records equal but for ``time``."""
+    assert strip_time(hist_a) == strip_time(hist_b)
+    a, b = load_checkpoint(dir_a / "checkpoint.pt"), load_checkpoint(dir_b / "checkpoint.pt")
+    ga, gb = a["server"]["global_state"], b["server"]["global_state"]
+    assert ga.keys() == gb.keys() and all(torch.equal(ga[k], gb[k]) for k in ga)
+    assert a["clients"].keys() == b["clients"].keys()
+    for name, sa in a["clients"].items():
+        sb = b["clients"][name]
+        assert sa["rounds_trained"] == sb["rounds_trained"]
+        for part in ("head", "bn_state"):
+            assert (sa[part] is None) == (sb[part] is None)
+            if sa[part] is not None:
+                assert all(torch.equal(sa[part][k], sb[part][k]) for k in sa[part])
+        oa, ob = sa["objective"], sb["objective"]
+        assert oa.keys() == ob.keys()
+        for key in oa:
+            assert oa[key].keys() == ob[key].keys() and all(torch.equal(oa[key][n], ob[key][n]) for n in oa[key])
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    return write_world(tmp_path_factory.mktemp("prepared"))
+
+
+def test_reid_clients_trained_concurrently_killed_and_resumed_equal_the_sequential_run(world, tmp_path):
+    """Round 1 with two workers, a kill while round 2 trains, round 2 resumed with two workers: as N=1."""
+    one = run_simulation(tiny_config(world, REID), tmp_path / "n1", progress=False)
+    seen = []
+    run_dir = tmp_path / "n2"
+    # Three asked for, two clients a round: two workers.
+    cfg = tiny_config(world, REID + ["run.concurrent_clients=3"])
+
+    def killer(event, info):
+        seen.append((event, info))
+        if event == "client_end" and info["round"] == 1:  # the other client may still be training
+            raise Kill()
+
+    with pytest.raises(Kill):
+        run_simulation(cfg, run_dir, progress=False, callbacks=[killer])
+    assert workers_left() == []
+    assert load_checkpoint(run_dir / "checkpoint.pt")["round"] == 1
+    hist = resume(run_dir, cfg=cfg, progress=False, callbacks=[lambda event, info: seen.append((event, info))])
+    assert_same(tmp_path / "n1", one, run_dir, hist)
+    assert workers_left() == []
+    assert set(hist[1]["local_eval"]) == {"dsa", "dsb"} and "kd" in hist[1]
+    assert "gpu_peak_bytes" not in hist[0]["client_metrics"]["dsa"]  # CUDA only
+    ends = [(info["round"], info["client"]) for event, info in seen if event == "client_end"]
+    assert sorted(ends[:2]) == [(0, "dsa"), (0, "dsb")] and sorted(ends[-2:]) == [(1, "dsa"), (1, "dsb")]
+
+
+def test_classification_with_client_state_is_bit_identical(tmp_path):
+    cfg = load_config(None, DIGITS + ["train.objective=scaffold"])
+    one = run_simulation(cfg, tmp_path / "n1", progress=False)
+    two = run_simulation(load_config(None, DIGITS + ["train.objective=scaffold", "run.concurrent_clients=2"]),
+                         tmp_path / "n2", progress=False)
+    assert_same(tmp_path / "n1", one, tmp_path / "n2", two)
+    c_i = load_checkpoint(tmp_path / "n2" / "checkpoint.pt")["clients"]["client000"]["objective"]["c_i"]
+    assert c_i and any(bool(v.abs().sum()) for v in c_i.values())  # the control variate crossed back
+
+
+class FakeSplit:
+    dataset = "none"
+
+
+class FakeClient:
+    """A picklable stand-in for a client: ``fit`` fails as ``how`` says, the main process's copy keeps a count."""
+
+    def __init__(self, name: str, how: str) -> None:
+        self.name, self.how, self.split, self.calls = name, how, FakeSplit(), 0
+
+    def state_dict(self) -> dict:
+        return {"calls": self.calls}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.calls = state["calls"]
+
+    def fit(self, model, payload, instructions):
+        if self.how == "diverge":
+            raise FloatingPointError("local training diverged (loss nan) at epoch 0, step 3; lower train.lr")
+        if self.how == "client-error":
+            raise ClientError(f"client {self.name!r} has no identities")
+        if self.how == "die":
+            os.kill(os.getpid(), signal.SIGKILL)
+        self.calls += 1
+        return Update(self.name, {"w": payload["w"] + 1}, 3, {"train_loss": 0.5})
+
+
+def test_failing_and_dying_clients_are_reported_naming_the_client():
+    clients = [FakeClient("ok", "train"), FakeClient("nan", "diverge"), FakeClient("bad", "client-error"),
+               FakeClient("gone", "die")]
+    payload = {"w": torch.zeros(2)}
+    with ClientPool(load_config(None, ["run.device=cpu"]), clients, torch.nn.Linear(1, 1), processes=1) as pool:
+        updates = pool.fit_round([0], lambda k: payload, {"round": 0})
+        assert torch.equal(updates[0].state["w"], torch.ones(2)) and clients[0].calls == 1  # state came back
+        # The same type and message, prefixed with the client's name; the worker's traceback as the cause.
+        with pytest.raises(FloatingPointError, match=r"^client 'nan': local training diverged \(loss nan\)") as info:
+            pool.fit_round([1], lambda k: payload, {"round": 0})
+        assert any("client worker process 0" in note for note in info.value.__notes__)
+        assert "Traceback" in str(info.value.__cause__) and ", in fit\n" in str(info.value.__cause__)
+        with pytest.raises(ClientError) as info:
+            pool.fit_round([2], lambda k: payload, {"round": 0})
+        assert str(info.value) == "client 'bad' has no identities"  # it names the client already
+        with pytest.raises(WorkerDiedError, match=r"died while training client 'gone' \(killed by SIGKILL\)"):
+            pool.fit_round([3], lambda k: payload, {"round": 0})
+    assert workers_left() == []
