@@ -275,6 +275,29 @@ def test_remove_by_id_path_and_name_leaves_no_trace(world, tmp_path, capsys, mon
     assert _snapshot(folder) == before
 
 
+def test_after_a_removal_an_ivf_store_answers_each_image_with_its_own_id(world, tmp_path, capsys):
+    folder = tmp_path / "ivf"
+    assert tool.main(_index(world["run"], folder, "--gallery", world["gallery"], "--factory", "IVF4,Flat",
+                            "--verify")) == 0
+    recall = json.loads((folder / "header.json").read_text())["verify"]["recall"]
+    ids_before = {Path(p).resolve(): i for i, p, *_ in _table(folder)}
+    capsys.readouterr()
+    assert tool.main(_index(None, folder, "--remove", "5", "--verify")) == 0
+    out = capsys.readouterr().out
+    assert f"verify: recall@10 {recall:.4f} against exact search (nprobe=4" in out  # unchanged (0.24 when ids shifted)
+    assert tool.main(_query(world, folder, world["gallery"], top_k=100_000_000)) == 0  # k is cut to the 31 items
+    printed = _matches(capsys.readouterr().out)
+    assert len(printed) == N_GALLERY + 1
+    for query, matches in printed.items():
+        assert len(matches) == N_GALLERY
+        first = matches[0]
+        if ids_before[Path(query).resolve()] == 5:
+            assert first["id"] != "5"
+            continue
+        assert Path(first["path"]).resolve() == Path(query).resolve(), query
+        assert first["id"] == str(ids_before[Path(query).resolve()]) and float(first["score"]) == pytest.approx(1, abs=1e-4)
+
+
 def test_an_index_of_the_earlier_format_is_not_updated(world, tmp_path, capsys):
     from fedreid.eval.retrieval import build_index, save_index
 

@@ -458,11 +458,12 @@ def query_index(
         fs.features, top_k, cameras=cameras, sites=sites, time_window=time_window, flat_index=flat_index
     )
     rows = store.rows(found.ids.ravel())
+    width = found.ids.shape[1]  # top_k cut to the store's item count
     out = []
     for qi, path in enumerate(fs.paths):
         q_pid = int(fs.pids[qi])
         matches = []
-        for rank, (score, row) in enumerate(zip(found.scores[qi], rows[qi * top_k : (qi + 1) * top_k]), start=1):
+        for rank, (score, row) in enumerate(zip(found.scores[qi], rows[qi * width : (qi + 1) * width]), start=1):
             if row is None:  # -1: fewer items than top_k pass the filters
                 break
             identity, camera = row["identity"], row["camera"]

@@ -24,9 +24,21 @@ gallery item for the store's lifetime; :meth:`GalleryStore.add` and
 :meth:`GalleryStore.remove` change the index in place (``add_with_ids`` /
 ``remove_ids``) without retraining. The index is trained once, on the first
 gallery (:meth:`GalleryStore.create`); later additions are encoded with that
-training. HNSW cannot remove ids in FAISS: removal from an HNSW store rebuilds
-the graph from the stored vectors of the remaining items (cost: a full HNSW
-build).
+training. After a removal every remaining item keeps its id in the index, for
+every kind: an IVF's inverted lists hold ``IndexIDMap2`` positions, which
+``remove_ids`` shifts, so they are renumbered (O(items), about 0.01 s at 100k);
+HNSW cannot remove ids in FAISS, so removal rebuilds the graph from the stored
+vectors of the remaining items (cost: a full HNSW build). :meth:`GalleryStore.open`
+checks that the index maps each item to its id and, where an earlier version's
+removal shifted them, searches an index rebuilt in memory from the stored vectors.
+
+Index kinds (:data:`SUPPORTED_FACTORIES`): Flat; IVF with Flat, PQ (also fast-scan)
+or SQ codes; HNSW over Flat or SQ; PQ; SQ; each optionally behind a pre-transform
+(OPQ, PCA, ...). A factory string building anything else (NSG, a plain fast-scan
+PQ, ``RFlat`` refinement, HNSW over PQ, which FAISS builds with the L2 metric) is
+refused when the store is built, before any training. ``header.json``'s search
+parameters (``nprobe``, ``efSearch``, ``refine``: integers >= 1, the kind's own
+keys only) are checked when the store opens.
 
 Erasure: :meth:`GalleryStore.remove` deletes the items from the index, the
 stored vectors and the table, and the new database file is rewritten with
@@ -46,7 +58,8 @@ return fewer than k items), the filtered search is exact over the stored vectors
 those items; otherwise the index is searched with a FAISS ``IDSelectorBatch``
 restricting it to them. Either way, every result satisfies the filter.
 
-Search: unfiltered search of a Flat store is exact with the tie rule of
+Search: ``k`` is cut to the number of items (a result has at most that many
+columns, whatever k is asked). Unfiltered search of a Flat store is exact with the tie rule of
 :func:`fedreid.eval.retrieval.search` (equal scores: lower id first), so it
 ranks exactly as an ``IndexFlatIP`` over the same vectors does.
 
@@ -84,6 +97,8 @@ import re
 import shutil
 import sqlite3
 import time
+import urllib.parse
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping, Optional, Sequence
@@ -108,6 +123,7 @@ __all__ = [
     "EXACT_FILTER_MAX",
     "SIDE_FILES",
     "STORE_FORMAT",
+    "SUPPORTED_FACTORIES",
     "STORE_VERSION",
     "GalleryStore",
     "GalleryStoreError",
@@ -152,7 +168,11 @@ class GalleryStoreError(FedReIDError, ValueError):
 
 @dataclass
 class SearchResult:
-    """Top-k of each query: ``scores`` [Q, k] float32 and ``ids`` [Q, k] int64, best first; -1 pads."""
+    """Top-k of each query: ``scores`` [Q, k] float32 and ``ids`` [Q, k] int64, best first; -1 pads.
+
+    ``k`` is the asked k cut to the store's item count (so a huge k costs no
+    more than k = the number of items); a filter may leave fewer: -1 pads.
+    """
 
     scores: np.ndarray
     ids: np.ndarray
@@ -163,13 +183,59 @@ class SearchResult:
 # --------------------------------------------------------------------------
 
 
+#: The index classes a store accepts (below any pre-transform such as OPQ or PCA), by kind: each searches with
+#: the store's parameters and filters, and removes items keeping every other item's id. Exact classes: a
+#: subclass (e.g. IndexIVFPQR of "IVF,PQ+R") searches or removes differently. (HNSW,PQ is left out: FAISS
+#: builds it with the L2 metric whatever the metric asked for.)
+_SUPPORTED_CLASSES = {
+    "flat": ("IndexFlat", "IndexFlatIP"),
+    "ivf": ("IndexIVFFlat", "IndexIVFPQ", "IndexIVFScalarQuantizer", "IndexIVFPQFastScan"),
+    "hnsw": ("IndexHNSWFlat", "IndexHNSWSQ"),
+    "other": ("IndexPQ", "IndexScalarQuantizer"),
+}
+#: The factory strings of :data:`_SUPPORTED_CLASSES`, for error messages.
+SUPPORTED_FACTORIES = (
+    "Flat; IVF<lists>[_HNSW<M>],Flat|PQ<m>[x<bits>][fs]|SQ<bits>; HNSW<M>[,Flat|SQ<bits>]; PQ<m>; SQ<bits>; "
+    "each optionally after OPQ<m>[_<d>], PCA[R]<d>, RR<d> or L2norm (e.g. Flat, IVF1024,PQ64, OPQ64,IVF1024,PQ64, "
+    "HNSW32)"
+)
+
+
+def _innermost(index: Any) -> Any:
+    """The index below the store's ``IndexIDMap2`` and any ``IndexPreTransform`` (downcast)."""
+    inner = faiss.downcast_index(index.index) if isinstance(index, faiss.IndexIDMap2) else faiss.downcast_index(index)
+    while isinstance(inner, faiss.IndexPreTransform):
+        inner = faiss.downcast_index(inner.index)
+    return inner
+
+
 def _index_kind(index: Any) -> str:
-    inner = faiss.downcast_index(index.index) if isinstance(index, faiss.IndexIDMap2) else index
-    if faiss.try_extract_index_ivf(inner) is not None:
-        return "ivf"
-    if isinstance(inner, faiss.IndexHNSW):
-        return "hnsw"
-    return "flat" if isinstance(inner, faiss.IndexFlat) else "other"
+    inner = _innermost(index)
+    name = type(inner).__name__
+    for kind, names in _SUPPORTED_CLASSES.items():
+        if name in names:
+            return kind
+    return "unsupported"
+
+
+def _check_supported(index: Any, factory: str) -> str:
+    """The kind of ``index`` (the store's IndexIDMap2 over ``factory``); raises for a class the store cannot run."""
+    kind = _index_kind(index)
+    if kind != "unsupported" and _innermost(index).metric_type != faiss.METRIC_INNER_PRODUCT:
+        kind = "unsupported"
+    if kind == "unsupported":
+        name = type(_innermost(index)).__name__
+        hint = " (for exact re-scoring use the store's refine, e.g. index --refine 4)" if "Refine" in name else ""
+        raise GalleryStoreError(
+            f"factory {factory!r} builds a faiss {name}, which a gallery store cannot search or update{hint}; "
+            f"supported: {SUPPORTED_FACTORIES}"
+        )
+    return kind
+
+
+def _accepts_search_parameters(index: Any) -> bool:
+    """Whether the store's index takes ``SearchParameters`` (with a selector): a plain PQ takes none."""
+    return not isinstance(_innermost(index), faiss.IndexPQ)
 
 
 def _new_index(factory: str, dim: int) -> Any:
@@ -183,6 +249,7 @@ def _new_index(factory: str, dim: int) -> Any:
         text = str(exc).strip().splitlines()
         reason = re.sub(r"^Error in .*? at \S+:\d+: ", "", text[-1]) if text else str(exc)
         raise GalleryStoreError(f"FAISS cannot build the factory string {factory!r} for dim {dim}: {reason}") from None
+    _check_supported(index, factory)
     return index  # already an IndexIDMap2 (a downcast proxy would not own the object)
 
 
@@ -200,7 +267,7 @@ def check_factory_string(factory: str) -> None:
         _new_index(factory, _PROBE_DIM)
     except GalleryStoreError as exc:
         text = str(exc).replace(f" for dim {_PROBE_DIM}", "")
-        if "such as" not in text:
+        if "such as" not in text and "supported:" not in text:
             text += "; expected a FAISS factory string such as Flat, IVF1024,Flat, IVF1024,PQ64 or HNSW32"
         raise GalleryStoreError(text) from None
 
@@ -244,6 +311,12 @@ def _train(index: Any, features: np.ndarray, factory: str, seed: int, clustering
             ivf.clustering_index = clustering_index
     try:
         index.train(features)
+    except RuntimeError as exc:  # a need _training_need does not foresee (e.g. OPQ's own 256-centroid PQ)
+        text = str(exc).strip().splitlines()
+        reason = re.sub(r"^Error in .*? at \S+:\d+: ", "", text[-1]) if text else type(exc).__name__
+        raise GalleryStoreError(
+            f"factory {factory!r} cannot be trained on the gallery's {features.shape[0]} vectors: {reason}"
+        ) from None
     finally:
         if ivf is not None:
             ivf.clustering_index = None  # never written with the index
@@ -256,6 +329,35 @@ def _set_default_params(kind: str, index: Any) -> dict[str, int]:
     if kind == "hnsw":
         return {"efSearch": DEFAULT_EF_SEARCH}
     return {}
+
+
+#: The search parameters each kind of store takes (``refine``: any kind).
+_SEARCH_KEYS = {"flat": (), "ivf": ("nprobe",), "hnsw": ("efSearch",), "other": ()}
+
+
+def _check_search_params(kind: str, params: Any, where: str, *, complete: bool = True) -> dict[str, int]:
+    """``params`` as the search parameters of a ``kind`` store, or :class:`GalleryStoreError` naming ``where``.
+
+    Each value must be an integer >= 1 (not a bool); keys are the kind's own
+    (``nprobe`` for IVF, ``efSearch`` for HNSW) and ``refine``. ``complete``:
+    the kind's own key must be there (a header's ``search``; an override may
+    give any subset).
+    """
+    if not isinstance(params, Mapping):
+        raise GalleryStoreError(f"{where}: search parameters must be an object such as {{\"nprobe\": 8}}, got {params!r:.60}")
+    own = _SEARCH_KEYS.get(kind, ())
+    allowed = (*own, "refine")
+    for key, value in params.items():
+        if key not in allowed:
+            raise GalleryStoreError(
+                f"{where}: search parameter {key!r} does not apply to a {kind} index (expected {', '.join(allowed)})"
+            )
+        if type(value) is not int or value < 1:
+            raise GalleryStoreError(f"{where}: search parameter {key} must be an integer >= 1, got {value!r:.40}")
+    missing = [key for key in own if key not in params] if complete else []
+    if missing:
+        raise GalleryStoreError(f"{where}: search parameter {missing[0]} is missing (an integer >= 1)")
+    return dict(params)
 
 
 def _with_refine(params: dict[str, int], refine: int) -> dict[str, int]:
@@ -440,6 +542,14 @@ class GalleryStore:
                 "the store is inconsistent"
             )
         index = _read_faiss(folder / INDEX_FILE, header)
+        if not np.array_equal(faiss.vector_to_array(index.id_map), ids) or not _inner_ids_match_positions(index):
+            # An IVF store whose removal shifted its ids (fixed since): its vectors and ids are right, its index not.
+            warnings.warn(
+                f"{folder / INDEX_FILE} maps its items to the wrong ids (a removal by an earlier version shifted "
+                f"them): searching an index rebuilt in memory from {VECTORS_FILE}; the next update of the store "
+                "saves it", UserWarning, stacklevel=2,
+            )
+            index = _rebuilt_index(index, np.asarray(vectors), ids)
         return cls(folder, header, index, vectors, ids)
 
     # -- updates ------------------------------------------------------------
@@ -505,13 +615,7 @@ class GalleryStore:
         gone = np.unique(np.array(numbers + list(found.values()), dtype=np.int64))
         keep = ~np.isin(self.ids, gone)
         vectors, ids = np.ascontiguousarray(self.vectors[keep]), self.ids[keep]
-        if self.kind == "hnsw":
-            index = _new_index(self.factory, self.dim)
-            if ids.size:
-                index.add_with_ids(vectors, ids)
-        else:
-            index = _copy_index(self.index)
-            index.remove_ids(faiss.IDSelectorBatch(gone))
+        index = _index_without(self.index, self.kind, gone, vectors, ids)
         header = dict(self.header, ntotal=int(ids.size), verify=None)
 
         def delete(conn: sqlite3.Connection) -> None:
@@ -589,16 +693,15 @@ class GalleryStore:
         instead of :meth:`flat_faiss_index` (e.g. a GPU copy of it; same vectors, same order).
         """
         queries = _as_features("queries", queries, self.dim)
-        if int(k) < 1:
-            raise GalleryStoreError(f"k must be >= 1, got {k}")
-        k = int(k)
+        k = _capped_k(k, self.ntotal)
         allowed = self.filtered_ids(cameras, sites, time_window)
-        params = dict(self.search_params, **(search_params or {}))
+        params = dict(self.search_params, **_check_search_params(self.kind, search_params or {}, "search_params",
+                                                                   complete=False))
         if allowed is None:
             return self._index_search(queries, k, params, flat_index=flat_index)
         if allowed.size == 0 or self.ntotal == 0:
             return _empty_result(queries.shape[0], k)
-        if allowed.size <= EXACT_FILTER_MAX or self.kind == "hnsw":
+        if allowed.size <= EXACT_FILTER_MAX or self.kind == "hnsw" or not _accepts_search_parameters(self.index):
             # Only ids this object holds: the table on disk may be a newer store's (another process's update).
             rows = np.minimum(np.searchsorted(self.ids, allowed), max(self.ids.size - 1, 0))
             held = self.ids[rows] == allowed
@@ -624,7 +727,7 @@ class GalleryStore:
             out = _empty_result(queries.shape[0], k)
             out.scores[:, : rows.shape[1]], out.ids[:, : rows.shape[1]] = scores, self.ids[rows]
             return out
-        p = _search_params(self.kind, params, selector)
+        p = _search_params(self.kind, params, selector) if _accepts_search_parameters(self.index) else None
         refine = int(params.get("refine", 1) or 1)
         if refine <= 1:
             scores, ids = self.index.search(queries, k, params=p)
@@ -659,9 +762,10 @@ class GalleryStore:
     def exact_search(self, queries: Any, k: int) -> SearchResult:
         """Exact top-``k`` over the stored vectors (the reference :meth:`verify` compares with)."""
         queries = _as_features("queries", queries, self.dim)
-        if self.ntotal == 0:
-            return _empty_result(queries.shape[0], int(k))
-        return _exact_search(queries, self.vectors, self.ids, int(k))
+        k = _capped_k(k, self.ntotal)
+        if k == 0:
+            return _empty_result(queries.shape[0], 0)
+        return _exact_search(queries, self.vectors, self.ids, k)
 
     # -- verification and tuning -------------------------------------------
 
@@ -680,7 +784,8 @@ class GalleryStore:
         queries = self.vectors[rows]
         k = min(int(k), self.ntotal)
         exact = self.exact_search(queries, k).ids
-        params = dict(self.search_params, **(search_params or {}))
+        params = dict(self.search_params, **_check_search_params(self.kind, search_params or {}, "search_params",
+                                                                   complete=False))
         approx = self._index_search(queries, k, params).ids
         hits = [len(np.intersect1d(a[a >= 0], e)) for a, e in zip(approx, exact)]
         return {"recall": float(np.mean(hits) / k), "k": k, "sample": n, "seed": int(seed), "search": params}
@@ -837,6 +942,13 @@ class GalleryStore:
 # --------------------------------------------------------------------------
 
 
+def _capped_k(k: Any, ntotal: int) -> int:
+    """``k`` (an integer >= 1, else :class:`GalleryStoreError`) cut to ``ntotal``: no result has more columns."""
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or int(k) < 1:
+        raise GalleryStoreError(f"k must be an integer >= 1, got {k!r:.40}")
+    return min(int(k), int(ntotal))
+
+
 def _empty_result(nq: int, k: int) -> SearchResult:
     return SearchResult(scores=np.full((nq, k), -np.inf, np.float32), ids=np.full((nq, k), -1, np.int64))
 
@@ -888,6 +1000,95 @@ def _copy_index(index: Any) -> Any:
     return faiss.deserialize_index(faiss.serialize_index(index))
 
 
+def _rebuilt_index(index: Any, vectors: np.ndarray, ids: np.ndarray) -> Any:
+    """A copy of ``index`` emptied (its training kept) and filled with ``vectors`` under ``ids``."""
+    fresh = _copy_index(index)
+    fresh.reset()
+    if ids.size:
+        fresh.add_with_ids(np.ascontiguousarray(vectors, dtype=np.float32), ids)
+    return fresh
+
+
+def _inner_ivf(index: Any) -> Any:
+    """The IVF inside an ``IndexIDMap2`` (through any pre-transform such as OPQ), or None."""
+    return faiss.try_extract_index_ivf(faiss.downcast_index(index.index))
+
+
+def _inner_ids_match_positions(index: Any) -> bool:
+    """Whether an IVF's inner ids are exactly 0..ntotal-1, the positions of ``IndexIDMap2.id_map`` (True: no IVF).
+
+    ``IndexIDMap2`` translates an inner id ``j`` to ``id_map[j]``; a flat or
+    HNSW index numbers its rows by position itself, an IVF stores the inner id
+    it was given in its inverted lists, so only an IVF can fall out of step.
+    """
+    ivf = _inner_ivf(index)
+    if ivf is None:
+        return True
+    n = int(index.ntotal)
+    if int(ivf.ntotal) != n:
+        return False
+    seen = np.zeros(n, dtype=bool)
+    lists = ivf.invlists
+    for list_no in range(int(ivf.nlist)):
+        size = int(lists.list_size(list_no))
+        if not size:
+            continue
+        pointer = lists.get_ids(list_no)
+        try:
+            inner = faiss.rev_swig_ptr(pointer, size)
+            if inner.min() < 0 or inner.max() >= n or seen[inner].any():
+                return False
+            seen[inner] = True
+        finally:
+            lists.release_ids(list_no, pointer)
+    return bool(seen.all())
+
+
+def _renumber_inner_ids(ivf: Any, kept: np.ndarray) -> None:
+    """Rewrite the inner ids of ``ivf``'s inverted lists from old to new ``IndexIDMap2`` positions.
+
+    ``IndexIDMap2.remove_ids`` compacts ``id_map`` (position ``j`` moves to
+    ``j - (removed positions before j)``) but an IVF keeps the inner ids it
+    stored; ``kept`` [old ntotal] marks the old positions that remain. The ids
+    are rewritten in place (a writable view of each list's id array): O(items).
+    """
+    new_position = np.cumsum(kept, dtype=np.int64) - 1
+    lists = ivf.invlists
+    for list_no in range(int(ivf.nlist)):
+        size = int(lists.list_size(list_no))
+        if not size:
+            continue
+        pointer = lists.get_ids(list_no)
+        try:
+            inner = faiss.rev_swig_ptr(pointer, size)
+            inner[:] = new_position[inner]
+        finally:
+            lists.release_ids(list_no, pointer)
+
+
+def _index_without(index: Any, kind: str, gone: np.ndarray, vectors: np.ndarray, ids: np.ndarray) -> Any:
+    """A copy of the store's ``index`` without the ids ``gone``; ``vectors``/``ids``: the items that remain.
+
+    Every remaining item keeps its id: HNSW (no removal in FAISS) is rebuilt
+    from the remaining stored vectors; an IVF's inner ids are renumbered after
+    ``remove_ids`` (see :func:`_renumber_inner_ids`); flat and flat-code indexes
+    compact their rows as ``IndexIDMap2`` does. Should the result still not map
+    its inner ids one to one (an inverted-list kind this code does not know),
+    it is rebuilt from the stored vectors instead.
+    """
+    if kind == "hnsw":
+        return _rebuilt_index(index, vectors, ids)
+    fresh = _copy_index(index)
+    kept = ~np.isin(faiss.vector_to_array(fresh.id_map), gone)
+    fresh.remove_ids(faiss.IDSelectorBatch(gone))
+    ivf = _inner_ivf(fresh)
+    if ivf is not None:
+        _renumber_inner_ids(ivf, kept)
+    if not _inner_ids_match_positions(fresh) or not np.array_equal(faiss.vector_to_array(fresh.id_map), ids):
+        return _rebuilt_index(index, vectors, ids)
+    return fresh
+
+
 def _file_record(path: Path) -> dict[str, Any]:
     return {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
 
@@ -910,7 +1111,8 @@ def _connect_rw(path: Path) -> _Conn:
 
 
 def _connect_ro(path: Path) -> _Conn:
-    return _Conn(sqlite3.connect(f"file:{path}?mode=ro", uri=True))
+    # A URI: '#', '?' and '%' in a folder name would end or escape its path part, so the path is quoted.
+    return _Conn(sqlite3.connect(f"file:{urllib.parse.quote(str(path))}?mode=ro", uri=True))
 
 
 def _db_ids(path: Path) -> np.ndarray:
@@ -981,8 +1183,6 @@ def _read_header(folder: Path) -> dict:
     bad = [key for key in ("dim", "ntotal", "next_id") if type(header.get(key)) is not int or header[key] < 0]
     if not isinstance(header.get("factory"), str) or header.get("kind") not in ("flat", "ivf", "hnsw", "other"):
         bad.append("factory/kind")
-    if not isinstance(header.get("search"), dict):
-        bad.append("search")
     files = header.get("files")
     for name in DATA_FILES:
         rec = files.get(name) if isinstance(files, dict) else None
@@ -991,6 +1191,7 @@ def _read_header(folder: Path) -> dict:
             bad.append(f"size and SHA-256 of {name}")
     if bad or header.get("dim", 0) < 1:
         raise GalleryStoreError(f"{path} lacks valid {', '.join(bad) or 'dim'}: it is damaged or was not written by fedreid")
+    _check_search_params(header["kind"], header.get("search"), f"{path} field search")
     return header
 
 

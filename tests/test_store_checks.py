@@ -1,0 +1,147 @@
+"""Gallery store checks at the door: supported index kinds, the header's search parameters, k, folder names."""
+
+from __future__ import annotations
+
+import json
+import tracemalloc
+
+import numpy as np
+import pytest
+
+from fedreid.retrieval.store import GalleryStore, GalleryStoreError, check_factory_string
+
+N, D = 84, 16
+
+
+def unit_rows(n: int, d: int, seed: int = 0) -> np.ndarray:
+    x = np.random.default_rng(seed).standard_normal((n, d)).astype(np.float32)
+    return x / np.linalg.norm(x, axis=1, keepdims=True)
+
+
+def rows(n: int) -> list[dict]:
+    return [{"path": f"/gallery/img_{i:05d}.jpg", "camera": i % 3, "site": "north", "timestamp": 1000.0 + i}
+            for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def feats() -> np.ndarray:
+    return unit_rows(N, D)
+
+
+# --------------------------------------------------------------------------
+# Factory strings that would build a store that cannot search
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("factory", ["NSG32", "PQ8x4fs", "Flat,RFlat", "IVF4,Flat,RFlat", "HNSW8,PQ4"])
+def test_a_factory_the_store_cannot_search_is_refused_at_build_time(tmp_path, feats, factory):
+    with pytest.raises(GalleryStoreError) as caught:
+        GalleryStore.create(tmp_path / "st", feats, rows(N), factory=factory)
+    message = str(caught.value)
+    assert "\n" not in message and f"factory {factory!r}" in message
+    assert "cannot search" in message and "supported: Flat; IVF<lists>" in message
+    assert not (tmp_path / "st").exists()
+    with pytest.raises(GalleryStoreError, match="supported: Flat"):  # what index --factory checks before any work
+        check_factory_string(factory)
+
+
+@pytest.mark.parametrize("factory", ["Flat", "IVF4,Flat", "IVF4,PQ4x4fs", "HNSW8,SQ8", "PQ4x4", "SQ8", "PCA8,PQ4x4"])
+def test_every_supported_factory_searches_filtered_and_unfiltered(tmp_path, feats, factory):
+    s = GalleryStore.create(tmp_path / "st", feats, rows(N), factory=factory)
+    assert s.search(feats[:3], 5).ids.shape == (3, 5)
+    got = s.search(feats[:3], 5, cameras=[1])
+    assert set(got.ids[got.ids >= 0].tolist()) <= set(range(1, N, 3))
+
+
+def test_a_factory_that_cannot_be_trained_on_the_gallery_is_one_line(tmp_path, feats):
+    with pytest.raises(GalleryStoreError) as caught:  # OPQ trains a PQ of 256 centroids of its own
+        GalleryStore.create(tmp_path / "st", feats, rows(N), factory="OPQ4,PQ4x4")
+    assert "\n" not in str(caught.value) and "cannot be trained on the gallery's 84 vectors" in str(caught.value)
+    assert not (tmp_path / "st").exists()
+
+
+# --------------------------------------------------------------------------
+# The header's search parameters
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("search, words", [
+    ({"nprobe": -3}, "search parameter nprobe must be an integer >= 1, got -3"),
+    ({"nprobe": "8"}, "search parameter nprobe must be an integer >= 1, got '8'"),
+    ({"nprobe": True}, "search parameter nprobe must be an integer >= 1, got True"),
+    ({"nprobe": 2.5}, "search parameter nprobe must be an integer >= 1, got 2.5"),
+    ({}, "search parameter nprobe is missing"),
+    ({"nprobe": 4, "efSearch": 16}, "search parameter 'efSearch' does not apply to a ivf index"),
+    ({"nprobe": 4, "refine": 0}, "search parameter refine must be an integer >= 1, got 0"),
+    ("nprobe=4", "search parameters must be an object"),
+])
+def test_a_hand_edited_header_search_parameter_is_one_line_naming_the_file_and_field(tmp_path, feats, search, words):
+    GalleryStore.create(tmp_path / "st", feats, rows(N), factory="IVF4,Flat")
+    path = tmp_path / "st" / "header.json"
+    header = json.loads(path.read_text())
+    path.write_text(json.dumps(dict(header, search=search)))
+    with pytest.raises(GalleryStoreError) as caught:
+        GalleryStore.open(tmp_path / "st")
+    message = str(caught.value)
+    assert "\n" not in message and str(path) in message and "field search" in message and words in message
+
+
+def test_hnsw_header_and_overrides_are_checked_too(tmp_path, feats):
+    s = GalleryStore.create(tmp_path / "st", feats, rows(N), factory="HNSW8")
+    with pytest.raises(GalleryStoreError, match="search parameter efSearch must be an integer >= 1, got 0"):
+        s.search(feats[:1], 3, search_params={"efSearch": 0})
+    with pytest.raises(GalleryStoreError, match="'nprobe' does not apply to a hnsw index"):
+        s.recall(sample=5, search_params={"nprobe": 4})
+    path = tmp_path / "st" / "header.json"
+    path.write_text(json.dumps(dict(json.loads(path.read_text()), search={"efSearch": None})))
+    with pytest.raises(GalleryStoreError, match="field search: search parameter efSearch must be an integer"):
+        GalleryStore.open(tmp_path / "st")
+
+
+# --------------------------------------------------------------------------
+# k
+# --------------------------------------------------------------------------
+
+
+def test_k_is_cut_to_the_item_count_without_allocating_for_the_asked_k(tmp_path, feats):
+    s = GalleryStore.create(tmp_path / "st", feats, rows(N), factory="IVF4,Flat")
+    huge = 100_000_000
+    tracemalloc.start()
+    try:
+        unfiltered = s.search(feats[:2], huge)
+        filtered = s.search(feats[:2], huge, cameras=[0, 1, 2])
+        exact = s.exact_search(feats[:2], huge)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 10 * 2**20, peak  # not the 1.2 GB of [Q, 10^8] arrays
+    for got in (unfiltered, filtered, exact):
+        assert got.ids.shape == (2, N) and got.scores.shape == (2, N)
+    assert sorted(filtered.ids[0].tolist()) == list(range(N))
+    assert s.search(feats[:2], huge, cameras=[1]).ids.shape == (2, N)  # a filter pads with -1 up to the items
+    with pytest.raises(GalleryStoreError, match="k must be an integer >= 1"):
+        s.search(feats[:1], 0)
+    s.remove(list(range(N)))
+    assert s.search(feats[:2], 5).ids.shape == (2, 0)
+
+
+# --------------------------------------------------------------------------
+# Folder names that mean something in a URI
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["a#b", "what?mode=rw", "100%25 sure", "mix #?% &=;"])
+def test_a_store_under_a_folder_named_with_uri_characters_works(tmp_path, feats, name):
+    parent = tmp_path / name
+    parent.mkdir()
+    s = GalleryStore.create(parent / "st", feats, rows(N))
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+    again = GalleryStore.open(parent / "st")
+    assert again.rows([3])[0]["path"] == "/gallery/img_00003.jpg"
+    assert again.find_paths(["/gallery/img_00004.jpg"]) == {"/gallery/img_00004.jpg": 4}
+    assert again.find_file_name("img_00005.jpg") == [(5, "/gallery/img_00005.jpg")]
+    got = again.search(feats[:2], 3, sites=["north"], cameras=[0, 1, 2])
+    assert got.ids[0, 0] == 0 and got.ids[1, 0] == 1
+    s.remove([7])
+    assert GalleryStore.open(parent / "st").rows([7]) == [None]
+    assert sorted(p.name for p in tmp_path.rglob("*")) == before  # no stray database file beside the store
