@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from fedreid.data.datasets import ImageReadError, ReIDImageDataset, make_loader, read_image
+from fedreid.data.datasets import EpochLoader, ImageReadError, ReIDImageDataset, make_loader, read_image
 from fedreid.data.prepared import Record
 from fedreid.data.scenarios import make_client
 from fedreid.data.transforms import (
@@ -240,6 +240,43 @@ def test_workers_get_distinct_reproducible_augmentations(tmp_path):
     a, b = run(), run()
     assert all(torch.equal(x, y) for x, y in zip(a, b))
     assert not torch.equal(a[0], a[1])  # worker 0 and worker 1 differ
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_persistent_loader_epochs_equal_fresh_loaders(records, workers):
+    # Three epochs (one abandoned after its first batch, as the CDW batch is, and one with
+    # drop_last off) from one EpochLoader against a fresh make_loader per epoch: same order,
+    # same augmentations, bit for bit, and the workers are the same processes throughout.
+    client = make_client("c", "ds", records * 3)
+
+    def dataset():
+        return ReIDImageDataset.from_client(client, build_train_transform(H, W, pad=4, random_erasing=0.5))
+
+    plan = [(11, True, None), (12, False, 1), (13, True, None), (14, False, None)]
+    persistent = EpochLoader(dataset(), 4, num_workers=workers)
+    for seed, drop_last, take in plan:
+        fresh = make_loader(dataset(), 4, shuffle=True, seed=seed, num_workers=workers, drop_last=drop_last)
+        if take:  # abandon the epoch after its first batch
+            b = next(iter(persistent.epoch(seed, drop_last=drop_last)))
+            got, want = [(b["index"].tolist(), b["image"])], _batches(fresh)[:1]
+        else:
+            got, want = _batches(persistent.epoch(seed, drop_last=drop_last)), _batches(fresh)
+        assert len(got) == len(want) > 0
+        for (ia, xa), (ib, xb) in zip(got, want):
+            assert ia == ib and torch.equal(xa, xb)
+    if workers:
+        pids = lambda: {w.pid for w in persistent._loader._iterator._workers}  # noqa: E731
+        first = pids()
+        _batches(persistent.epoch(15))
+        assert pids() == first
+
+
+def test_persistent_loader_leaves_the_global_torch_rng_alone(records):
+    state = torch.get_rng_state()
+    loader = EpochLoader(ReIDImageDataset(records, transform=build_test_transform(H, W)), 2, num_workers=1)
+    for seed in (1, 2):
+        _batches(loader.epoch(seed))
+    assert torch.equal(torch.get_rng_state(), state)
 
 
 def test_importing_the_transforms_never_asks_the_network_for_albumentations_updates():

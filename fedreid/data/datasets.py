@@ -22,16 +22,26 @@ transform; ``worker_init_fn`` reseeds it with the worker's torch seed, which
 PyTorch derives from the loader's generator (a base seed drawn per epoch, plus
 the worker id): runs with the same seed and worker count match, epochs and
 workers differ, but the augmentations are not the ones of ``num_workers=0``.
+
+:class:`EpochLoader` keeps one loader's workers alive across epochs (and a
+client's rounds) and gives every epoch exactly the batches and augmentations
+of a fresh :func:`make_loader` with that epoch's seed: it draws the base seed
+and the permutation from ``Generator().manual_seed(seed)`` in the order
+``DataLoader`` does, and each worker reseeds itself (``random``, numpy,
+torch, the transform) with ``base + worker id`` on the epoch's first item,
+as a fresh worker would.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+import random
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import cv2
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, get_worker_info
+from torch.utils.data import DataLoader, Dataset, Sampler, get_worker_info
+from torch.utils.data._utils.worker import _generate_state
 
 from fedreid.data.images import ImageReadError, read_image
 from fedreid.data.prepared import Record
@@ -39,7 +49,7 @@ from fedreid.data.prepared import Record
 if TYPE_CHECKING:  # pragma: no cover
     from fedreid.data.scenarios import ClientSplit
 
-__all__ = ["ImageReadError", "ReIDImageDataset", "make_loader", "read_image", "seed_worker"]
+__all__ = ["EpochLoader", "ImageReadError", "ReIDImageDataset", "make_loader", "read_image", "seed_worker"]
 
 
 class ReIDImageDataset(Dataset):
@@ -123,11 +133,13 @@ def make_loader(
     num_workers: int = 0,
     drop_last: bool = False,
     reseed_dataset: bool = True,
+    pin_memory: bool = False,
 ) -> DataLoader:
     """A ``DataLoader`` whose order (and augmentations) follow ``seed`` (module docstring).
 
     ``reseed_dataset=False`` leaves the dataset's transform as the caller
     seeded it (main-process loading only; workers are always reseeded).
+    ``pin_memory``: page-locked batches, for non-blocking copies to a GPU.
     """
     if seed is None:
         raise ValueError("make_loader needs an integer seed (every random choice is seeded)")
@@ -144,4 +156,120 @@ def make_loader(
         generator=torch.Generator().manual_seed(int(seed)),
         worker_init_fn=seed_worker if num_workers > 0 else None,
         persistent_workers=False,
+        pin_memory=pin_memory,
     )
+
+
+def _epoch_draws(seed: int, n: int, shuffle: bool) -> tuple[int, list[int]]:
+    """The worker base seed and the order a fresh seeded ``DataLoader`` draws, in its order.
+
+    ``_BaseDataLoaderIter`` draws the base seed from the loader's generator
+    when the iterator is made; ``RandomSampler`` then draws its permutation
+    from the same generator on the first index.
+    """
+    generator = torch.Generator().manual_seed(int(seed))
+    base = int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())
+    order = torch.randperm(n, generator=generator).tolist() if shuffle else list(range(n))
+    return base, order
+
+
+class _EpochBatches(Sampler):
+    """Batches of ``(index, epoch token, base seed)`` for the epoch set by :meth:`set_epoch`."""
+
+    def __init__(self, n: int, batch_size: int) -> None:
+        self.n, self.batch_size = n, batch_size
+        self.token, self.base, self.order, self.drop_last = 0, 0, list(range(n)), False
+
+    def set_epoch(self, seed: int, *, shuffle: bool, drop_last: bool) -> None:
+        self.token += 1
+        self.base, self.order = _epoch_draws(seed, self.n, shuffle)
+        self.drop_last = drop_last
+
+    def __iter__(self) -> Iterator[list[tuple[int, int, int]]]:
+        batch: list[tuple[int, int, int]] = []
+        for index in self.order:
+            batch.append((index, self.token, self.base))
+            if len(batch) == self.batch_size:
+                yield batch
+                batch = []
+        if batch and not self.drop_last:
+            yield batch
+
+    def __len__(self) -> int:
+        full, rest = divmod(self.n, self.batch_size)
+        return full + (1 if rest and not self.drop_last else 0)
+
+
+class _EpochSeededItems(Dataset):
+    """``dataset[index]`` for ``(index, token, base)`` items; a worker reseeds itself on a new token."""
+
+    def __init__(self, dataset: Dataset) -> None:
+        self.dataset = dataset
+        self.token: Optional[int] = None
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitem__(self, item: tuple[int, int, int]) -> Any:
+        index, token, base = item
+        if token != self.token:
+            info = get_worker_info()
+            worker = 0 if info is None else info.id
+            seed = base + worker
+            # what DataLoader's worker loop and seed_worker do for a fresh worker
+            random.seed(seed)
+            torch.manual_seed(seed)
+            np.random.seed(_generate_state(base, worker))
+            reseed = getattr(self.dataset, "reseed", None)
+            if callable(reseed):
+                reseed(seed % 2**32)
+            self.token = token
+        return self.dataset[index]
+
+
+def _single_threaded_opencv(worker_id: int) -> None:
+    cv2.setNumThreads(1)
+
+
+class EpochLoader:
+    """One dataset's loader whose workers persist; :meth:`epoch` gives ``make_loader(seed)``'s batches.
+
+    With ``num_workers > 0`` and ``persistent``, one ``DataLoader`` with
+    persistent workers serves every epoch; each epoch's order and
+    augmentations equal those of a fresh :func:`make_loader` with the same
+    seed, worker count and ``drop_last`` (module docstring), so keeping the
+    workers changes speed, not numbers. An epoch may be abandoned early (the
+    next :meth:`epoch` discards what the workers had prefetched). Otherwise
+    :meth:`epoch` is :func:`make_loader`.
+    """
+
+    def __init__(self, dataset: Dataset, batch_size: int, *, num_workers: int = 0, pin_memory: bool = False,
+                 persistent: bool = True) -> None:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.num_workers = num_workers
+        self.pin_memory = pin_memory
+        self.persistent = persistent and num_workers > 0
+        self._batches: Optional[_EpochBatches] = None
+        self._loader: Optional[DataLoader] = None
+
+    def epoch(self, seed: int, *, shuffle: bool = True, drop_last: bool = False) -> Iterable:
+        """The batches of one epoch seeded by ``seed``."""
+        if seed is None:
+            raise ValueError("EpochLoader.epoch needs an integer seed (every random choice is seeded)")
+        if not self.persistent:
+            return make_loader(self.dataset, self.batch_size, shuffle=shuffle, seed=int(seed),
+                               num_workers=self.num_workers, drop_last=drop_last, pin_memory=self.pin_memory)
+        if self._loader is None:
+            self._batches = _EpochBatches(len(self.dataset), self.batch_size)  # type: ignore[arg-type]
+            self._loader = DataLoader(
+                _EpochSeededItems(self.dataset), batch_sampler=self._batches, num_workers=self.num_workers,
+                worker_init_fn=_single_threaded_opencv, persistent_workers=True, pin_memory=self.pin_memory,
+                # its own generator: the iterator's unused base-seed draw must not touch torch's global RNG
+                generator=torch.Generator().manual_seed(0),
+            )
+        assert self._batches is not None
+        self._batches.set_epoch(int(seed), shuffle=shuffle, drop_last=drop_last)
+        return self._loader

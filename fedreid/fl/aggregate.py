@@ -39,6 +39,7 @@ from torch import Tensor, nn
 
 from fedreid.fl.state import BNPolicy, normalize_weights, weighted_average
 from fedreid.fl.update import Update
+from fedreid.utils.precision import FP32, Precision
 from fedreid.utils.seeding import forked_torch_rng
 
 CDWMode = Literal["eval", "train"]
@@ -112,11 +113,14 @@ def cdw_distance(
     *,
     mode: CDWMode = "eval",
     seed: int = 0,
+    precision: Precision = FP32,
 ) -> float:
     """``m_k`` of one client from one batch of its training images.
 
     ``start_model``: the received global model with the client's old head;
     ``trained_model``: the model after local training. Both return logits.
+    The forwards run under ``precision``'s autocast; the logits are cast to
+    fp32 before the distance, which is always computed in fp32.
     """
     if mode not in ("eval", "train"):
         raise ValueError(f"cdw_mode must be 'eval' or 'train', got {mode!r}")
@@ -127,8 +131,11 @@ def cdw_distance(
         with forked_torch_rng(seed, images.device):
             for m in models:
                 m.train(mode == "train")
-            old = start_model(images)
-            new = trained_model(images)
+            images = precision.prepare_input(images)
+            with precision.autocast():
+                old = start_model(images)
+                new = trained_model(images)
+            old, new = old.float(), new.float()
     finally:
         for m, flag, bufs in zip(models, flags, saved):
             m.train(flag)

@@ -46,6 +46,7 @@ from fedreid.fl.local.sgd import LocalResult, train_local
 from fedreid.fl.server_hooks.kd import KD_FEATURES, public_features
 from fedreid.fl.state import bn_buffers, clone_state, split_state
 from fedreid.fl.update import Update, private_prefixes
+from fedreid.utils.precision import Precision, resolve_precision
 from fedreid.utils.seeding import derive_seed, forked_torch_rng
 
 
@@ -125,7 +126,11 @@ class Client:
         self._objective: Optional[LocalObjective] = None
         self._train_transform = None
         self._train_dataset = None
+        self._train_loader = None
         self._public_loader = None
+        self.precision: Precision = resolve_precision(
+            cfg.train.precision, self.device, channels_last=cfg.train.channels_last
+        )
 
     # ------------------------------------------------------------------ data
 
@@ -153,14 +158,24 @@ class Client:
         return self._train_dataset
 
     def train_loader(self, seed: int, *, drop_last: Optional[bool] = None):
-        """A loader over the training split; shuffle and augmentation seeded by ``seed``."""
-        from fedreid.data.datasets import make_loader
+        """A loader over the training split; shuffle and augmentation seeded by ``seed``.
 
-        # make_loader seeds the shuffle order and reseeds the augmentation with the same seed
-        return make_loader(
-            self._dataset(), self.cfg.train.batch_size, shuffle=True, seed=derive_seed(seed, "loader"),
-            num_workers=self.cfg.train.workers,
-            drop_last=self.cfg.train.drop_last if drop_last is None else drop_last,
+        One :class:`~fedreid.data.datasets.EpochLoader` per client: with
+        ``train.workers > 0`` its workers persist across epochs and rounds
+        (``train.persistent_workers``), and every call gives the batches of a
+        fresh loader seeded with ``seed``. Batches are pinned for a CUDA device.
+        """
+        from fedreid.data.datasets import EpochLoader
+
+        t = self.cfg.train
+        if self._train_loader is None:
+            self._train_loader = EpochLoader(
+                self._dataset(), t.batch_size, num_workers=t.workers, persistent=t.persistent_workers,
+                pin_memory=self.device.type == "cuda",
+            )
+        # the loader seeds the shuffle order and reseeds the augmentation with the same seed
+        return self._train_loader.epoch(
+            derive_seed(seed, "loader"), shuffle=True, drop_last=t.drop_last if drop_last is None else drop_last
         )
 
     def public_loader(self, kd_seed: Optional[int] = None):
@@ -266,7 +281,7 @@ class Client:
         with forked_torch_rng(derive_seed(seed, "dropout"), self.device):
             result: LocalResult = train_local(
                 model, epoch_loader, self.cfg.train, device=self.device, objective=objective,
-                lr_scale=self.cfg.train.lr_round_decay ** round_index,
+                lr_scale=self.cfg.train.lr_round_decay ** round_index, precision=self.precision,
             )
         metadata: dict[str, Any] = {
             "train_loss": result.loss,
@@ -287,6 +302,7 @@ class Client:
             metadata[KD_FEATURES] = public_features(
                 model, self.public_loader(instructions.get("kd_seed")), len(self.public_records),
                 device=self.device, mode=kd_mode(self.cfg), seed=derive_seed(seed, "kd-dropout"),
+                precision=self.precision,
             )
             metadata["time_kd_features"] = time.perf_counter() - t0
         update = self._make_update(model, metadata)
@@ -297,9 +313,10 @@ class Client:
     def cdw_distance(self, start: nn.Module, trained: nn.Module, seed: int) -> float:
         """``m_k`` on the first batch of a fresh (seeded, augmented) training loader."""
         batch = next(iter(self.train_loader(derive_seed(seed, "cdw"), drop_last=False)))
-        images = (batch["image"] if isinstance(batch, dict) else batch[0]).to(self.device)
+        images = (batch["image"] if isinstance(batch, dict) else batch[0]).to(self.device, non_blocking=True)
         return cdw_distance(
-            start, trained, images, mode=self.cfg.fl.cdw_mode, seed=derive_seed(seed, "cdw-dropout")
+            start, trained, images, mode=self.cfg.fl.cdw_mode, seed=derive_seed(seed, "cdw-dropout"),
+            precision=self.precision,
         )
 
     def _make_update(self, model: nn.Module, metadata: dict[str, Any]) -> Update:

@@ -36,6 +36,7 @@ from fedreid.fl.local.objectives import objective_options
 from fedreid.fl.server import Server
 from fedreid.fl.server_hooks import HookContext, ServerHook, hook_class
 from fedreid.options import build_options
+from fedreid.utils.precision import set_tf32
 from fedreid.utils.seeding import derive_seed, numpy_rng
 
 
@@ -46,6 +47,12 @@ def resolve_device(name: str) -> torch.device:
     if name == "cuda" and not torch.cuda.is_available():
         raise ConfigError("run.device: 'cuda' was asked for but no CUDA device is available")
     return torch.device(name)
+
+
+def configure_device(cfg: Config, device: torch.device) -> None:
+    """Process-wide settings of ``device`` for this run: TF32 on CUDA as ``train.tf32`` says."""
+    if device.type == "cuda":
+        set_tf32(cfg.train.tf32)
 
 
 @dataclass
@@ -149,6 +156,7 @@ def build_reid_federation(
 ) -> Federation:
     """Datasets -> client splits -> clients, global ReID model, server (nothing trained yet)."""
     device = resolve_device(cfg.run.device)
+    configure_device(cfg, device)
     datasets = dict(datasets) if datasets is not None else load_datasets(cfg)
     splits = build_clients(cfg.scenario, datasets, numpy_rng(cfg.data.split_seed, "scenario"))
     public = public_records(cfg) if needs_public_set(cfg) else None
@@ -232,6 +240,7 @@ def build_client(cfg: Config, name: str) -> tuple[Client, nn.Module]:
             raise ConfigError(f"client {name!r} is not one of data.datasets ({', '.join(names)})")
         split = by_dataset([load_prepared(cfg.data.prepared_root, name)], cfg.scenario.train_split)[0]
         device = resolve_device(cfg.run.device)
+        configure_device(cfg, device)
         public = public_records(cfg) if needs_public_set(cfg) else None
         client = Client(split, names.index(name), cfg, public_records=public, device=device)
         num_classes = client.num_classes if cfg.fl.aggregation == "fedavg" else 0
@@ -257,6 +266,7 @@ def build_classification_federation(cfg: Config, *, datasets: Any = None) -> Fed
     from fedreid.models.factory import CLASSIFIER_PREFIX, create_model
 
     device = resolve_device(cfg.run.device)
+    configure_device(cfg, device)
     # Looked up on the module at call time, so a test or an extension may substitute either.
     train, test = classification_task.load_train_test(cfg)
     splits = classification_task.partition_clients(cfg, train)

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from fedreid.fl.local.base import LocalObjective, representation
+from fedreid.utils.precision import FP32, Precision
 
 if TYPE_CHECKING:
     from fedreid.config import TrainConfig
@@ -100,6 +101,7 @@ def train_local(
     on_step: Optional[Callable[[int, float], None]] = None,
     objective: Optional["LocalObjective"] = None,
     lr_scale: float = 1.0,
+    precision: Precision = FP32,
 ) -> LocalResult:
     """``cfg.local_epochs`` epochs of SGD on ``model``'s logits.
 
@@ -112,13 +114,26 @@ def train_local(
     caller has already run; its ``before_step``/``after_step`` wrap every
     optimizer step). ``LocalResult.loss`` is always the full objective.
     ``lr_scale`` multiplies every learning rate (the per-round decay).
+
+    ``precision`` (:mod:`fedreid.utils.precision`): forward and loss run
+    under its autocast, gradients are unscaled before the objective's
+    ``before_step`` sees them (fp16), parameters stay fp32. The epoch's loss
+    sum and correct count accumulate on the device (in float64 and int64, the
+    same arithmetic as summing ``loss.item() * b`` in Python) and are read once
+    per epoch, so a CUDA step never waits for the host. A non-finite loss
+    raises :class:`FloatingPointError`: at its step on the CPU, where reading
+    it costs nothing, and at the end of its epoch on other devices.
     """
     device = torch.device(device)
     started = time.perf_counter()
     model.to(device).train()
+    precision.prepare_model(model)
     optimizer = build_optimizer(model, cfg, lr_scale)
+    scaler = precision.grad_scaler()
     criterion = nn.CrossEntropyLoss()
-    total_loss = total_correct = 0.0
+    check_each_step = device.type == "cpu"
+    total_loss = 0.0
+    total_correct = 0
     total_images = steps = 0
     result = LocalResult(0.0, 0.0, 0, 0)
     for epoch in range(cfg.local_epochs):
@@ -127,47 +142,56 @@ def train_local(
             group["lr"] = group["base_lr"] * scale
         result.lrs.append(cfg.lr * lr_scale * scale)
         model.train()
-        ep_loss = 0.0
+        ep_loss = torch.zeros((), dtype=torch.float64, device=device)
+        ep_correct = torch.zeros((), dtype=torch.int64, device=device)
         ep_images = 0
         for batch in make_epoch_loader(epoch):
             images, labels = _batch(batch, device)
             b = images.shape[0]
             if cfg.drop_last and b < cfg.batch_size:  # the reference skips partial batches
                 continue
+            images = precision.prepare_input(images)
             optimizer.zero_grad(set_to_none=True)
-            if objective is None:
-                logits = model(images)
-                loss = criterion(logits, labels)
-            elif objective.needs_features:  # one forward gives both (MOON)
-                features = representation(model, images)
-                logits = model.classifier(features)
-                loss = objective.loss(model, images, labels, logits, features)
-            else:
-                logits = model(images)
-                loss = objective.loss(model, images, labels, logits)
-            if not math.isfinite(loss.item()):
-                raise FloatingPointError(
-                    f"local training diverged (loss {loss.item()}) at epoch {epoch}, step {steps}; "
-                    "lower train.lr"
-                )
-            loss.backward()
+            with precision.autocast():
+                if objective is None:
+                    logits = model(images)
+                    loss = criterion(logits, labels)
+                elif objective.needs_features:  # one forward gives both (MOON)
+                    features = representation(model, images)
+                    logits = model.classifier(features)
+                    loss = objective.loss(model, images, labels, logits, features)
+                else:
+                    logits = model(images)
+                    loss = objective.loss(model, images, labels, logits)
+            if check_each_step and not math.isfinite(loss.item()):
+                raise _diverged(loss.item(), epoch, f"step {steps}")
+            precision.backward(loss, scaler)
             if objective is not None:
+                precision.unscale(optimizer, scaler)
                 objective.before_step(model, optimizer)
-            optimizer.step()
+            precision.step(optimizer, scaler)
             if objective is not None:
                 objective.after_step(model, optimizer)
             steps += 1
-            ep_loss += loss.item() * b
+            ep_loss += loss.detach().double() * b
             ep_images += b
-            total_correct += float((logits.detach().argmax(1) == labels).sum())
+            ep_correct += (logits.detach().argmax(1) == labels).sum()
             if on_step is not None:
                 on_step(steps, loss.item())
-        result.epoch_losses.append(ep_loss / ep_images if ep_images else float("nan"))
-        total_loss += ep_loss
+        ep_sum = float(ep_loss)  # the epoch's one read of the device
+        if not math.isfinite(ep_sum):
+            raise _diverged(ep_sum, epoch, "a step of that epoch (checked at its end on this device)")
+        result.epoch_losses.append(ep_sum / ep_images if ep_images else float("nan"))
+        total_loss += ep_sum
+        total_correct += int(ep_correct)
         total_images += ep_images
     result.steps = steps
     result.images = total_images
     result.loss = total_loss / total_images if total_images else float("nan")
-    result.accuracy = total_correct / total_images if total_images else float("nan")
+    result.accuracy = float(total_correct) / total_images if total_images else float("nan")
     result.seconds = time.perf_counter() - started
     return result
+
+
+def _diverged(loss: float, epoch: int, where: str) -> FloatingPointError:
+    return FloatingPointError(f"local training diverged (loss {loss}) at epoch {epoch}, {where}; lower train.lr")

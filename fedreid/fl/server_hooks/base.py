@@ -37,6 +37,7 @@ from torch import Tensor, nn
 
 from fedreid.fl.update import Update
 from fedreid.options import ConfigError, NoOptions, build_options
+from fedreid.utils.precision import FP32, Precision, resolve_precision
 
 if TYPE_CHECKING:
     from fedreid.fl.aggregate import Aggregate
@@ -62,6 +63,14 @@ class HookContext:
     objective: Any = None
     public_loader: Optional[Callable[[bool, int], Any]] = None
     public_size: Optional[int] = None
+
+
+def context_precision(context: HookContext) -> Precision:
+    """The run's training arithmetic (``train.precision`` on ``context.device``); fp32 without a config."""
+    train = getattr(context.cfg, "train", None)
+    if train is None:
+        return FP32
+    return resolve_precision(train.precision, context.device, channels_last=train.channels_last)
 
 
 @dataclass
@@ -193,6 +202,7 @@ __all__ = [
     "SERVER_HOOKS",
     "AggregationInput",
     "HookContext",
+    "context_precision",
     "ServerHook",
     "hook_class",
     "hook_options",

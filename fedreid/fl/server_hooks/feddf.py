@@ -79,7 +79,7 @@ from torch import Tensor, nn
 
 from fedreid.errors import FedReIDError
 from fedreid.fl.local.base import kl_teacher_student
-from fedreid.fl.server_hooks.base import HookContext, register_hook
+from fedreid.fl.server_hooks.base import HookContext, context_precision, register_hook
 from fedreid.fl.server_hooks.fedftg import (
     FedFTGHook,
     FedFTGInputError,
@@ -89,6 +89,7 @@ from fedreid.fl.server_hooks.fedftg import (
 )
 from fedreid.fl.server_hooks.fedgen import teacher_draw_weights, train_generator
 from fedreid.models.generator import LAYER_ORDERS, sample_noise
+from fedreid.utils.precision import FP32, Precision
 from fedreid.utils.seeding import derive_seed, forked_torch_rng
 
 TARGETS: tuple[str, ...] = ("avg_logits", "avg_losses")
@@ -229,12 +230,12 @@ class FedDFHook(FedFTGHook):
             raise FedDFConfigError("feddf needs one label set shared by the clients and a classifier "
                                    "(task=classification)")
         return cls(options, num_classes=context.num_classes, seed=derive_seed(context.seed, "feddf"),
-                   device=context.device)
+                   device=context.device, precision=context_precision(context))
 
     def __init__(self, config: Optional[FedDFConfig] = None, *, num_classes: Optional[int] = None, seed: int = 0,
-                 device: Optional[torch.device | str] = None) -> None:
+                 device: Optional[torch.device | str] = None, precision: Precision = FP32) -> None:
         super().__init__(config if config is not None else FedDFConfig(),  # type: ignore[arg-type]
-                         num_classes=num_classes, seed=seed, device=device)
+                         num_classes=num_classes, seed=seed, device=device, precision=precision)
 
     def finetune(self, global_model: nn.Module, teachers: Sequence[Any], class_counts: Any,
                  generator: torch.Generator, *, round_index: Optional[int] = None) -> dict[str, Any]:
@@ -265,8 +266,9 @@ class FedDFHook(FedFTGHook):
             with TeacherEnsemble(global_model, teachers, cfg.teacher_forward, device) as ens:
                 means = train_generator(gen_model, self.optimizer, ens, probs, weights.to(device, torch.float32),
                                         steps=cfg.generator_steps, batch_size=cfg.batch_size,
-                                        lambda_dis=cfg.lambda_dis, generator=generator, device=device)
-                with forked_torch_rng(dropout_seed, device):
+                                        lambda_dis=cfg.lambda_dis, generator=generator, device=device,
+                                        precision=self.precision)
+                with forked_torch_rng(dropout_seed, device), self.precision.autocast():
                     means.update(self._distill(global_model, params, gen_model, ens, probs, generator, device))
         finally:
             global_model.train(was_training)
@@ -288,6 +290,7 @@ class FedDFHook(FedFTGHook):
         schedule = (torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=cfg.distill_steps)
                     if cfg.distill_schedule == "cosine" and cfg.distill_steps > 0 else None)
         losses = []
+        scaler = self.precision.grad_scaler()
         for _ in range(cfg.distill_steps):
             y = sample_labels(probs, cfg.batch_size, generator).to(device)
             z = sample_noise(cfg.batch_size, gen_model.z_dim, generator, device=device)
@@ -296,10 +299,10 @@ class FedDFHook(FedFTGHook):
                 x = gen_model(z, y)
                 teacher_logits = ens(x)
             student.train(cfg.student_bn == "train")
-            loss = feddf_loss(student(x), teacher_logits, cfg.temperature, cfg.target)
+            loss = feddf_loss(student(x).float(), teacher_logits.float(), cfg.temperature, cfg.target)
             opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
+            self.precision.backward(loss, scaler)
+            self.precision.step(opt, scaler)
             if schedule is not None:
                 schedule.step()
             losses.append(loss.detach())

@@ -71,7 +71,7 @@ from torch import Tensor, nn
 
 from fedreid.fl.local.base import OBJECTIVE_PAYLOAD, cpu_clone
 from fedreid.fl.local.fedgen import GENERATOR_KEY, LABEL_PROBS_KEY, SPEC_KEY, FedGenOptions, head_of
-from fedreid.fl.server_hooks.base import HookContext, register_hook
+from fedreid.fl.server_hooks.base import HookContext, context_precision, register_hook
 from fedreid.fl.server_hooks.fedftg import (
     FedFTGHook,
     FedFTGInputError,
@@ -86,6 +86,7 @@ from fedreid.models.classifiers import HEAD_PREFIX
 from fedreid.models.feature_generator import FeatureGenerator
 from fedreid.models.generator import sample_noise
 from fedreid.options import NoOptions
+from fedreid.utils.precision import FP32, Precision
 from fedreid.utils.seeding import derive_seed
 
 
@@ -138,7 +139,8 @@ def fedgen_generator_loss(teacher_logits: Tensor, labels: Tensor, weights: Tenso
 
 def train_generator(gen_model: nn.Module, optimizer: torch.optim.Optimizer, ensemble: TeacherEnsemble,
                     probs: Tensor, weights: Tensor, *, steps: int, batch_size: int, lambda_dis: float,
-                    generator: torch.Generator, device: torch.device) -> dict[str, float]:
+                    generator: torch.Generator, device: torch.device,
+                    precision: Precision = FP32) -> dict[str, float]:
     """``steps`` optimiser steps of :func:`fedgen_generator_loss` (the generator in training mode).
 
     Per step: ``y ~ probs`` and ``z ~ N(0, I)`` from ``generator``, samples
@@ -147,20 +149,24 @@ def train_generator(gen_model: nn.Module, optimizer: torch.optim.Optimizer, ense
     (``[K, C]`` -> ``[K, B]``). Returns the means over the steps of ``cls``,
     ``dis``, ``loss`` and ``acc`` (how often the weighted ensemble's
     probabilities put ``y`` first). Used by FedGen (feature-level) and FedDF
-    (input-level, FedFTG Sec. 4.1).
+    (input-level, FedFTG Sec. 4.1). The forwards run under ``precision``'s
+    autocast; the loss is taken on fp32 logits and samples.
     """
     gen_model.train()
+    scaler = precision.grad_scaler()
     sums = torch.zeros(4, dtype=torch.float64, device=device)
     for _ in range(steps):
         y = sample_labels(probs, batch_size, generator).to(device)
         z = sample_noise(batch_size, gen_model.z_dim, generator, device=device)
-        samples = gen_model(z, y)
-        logits = ensemble(samples)
+        with precision.autocast():
+            samples = gen_model(z, y)
+            logits = ensemble(samples)
+        samples, logits = samples.float(), logits.float()
         w = weights[:, y]
         loss, cls, dis = fedgen_generator_loss(logits, y, w, z, samples, lambda_dis)
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
+        precision.backward(loss, scaler)
+        precision.step(optimizer, scaler)
         with torch.no_grad():
             votes = (torch.softmax(logits, dim=-1) * w.unsqueeze(-1)).sum(dim=0)
             acc = (votes.argmax(dim=1) == y).float().mean()
@@ -215,12 +221,13 @@ class FedGenHook(FedFTGHook):
             lr_decay=float(train.lr_round_decay) if objective.lr_decay is None else objective.lr_decay,
         )
         return cls(config, num_classes=context.num_classes, seed=derive_seed(context.seed, "fedgen"),
-                   device=context.device)
+                   device=context.device, precision=context_precision(context))
 
     def __init__(self, config: Optional[FedGenOptions] = None, *, num_classes: Optional[int] = None, seed: int = 0,
-                 device: Optional[torch.device | str] = None) -> None:
+                 device: Optional[torch.device | str] = None, precision: Precision = FP32) -> None:
         # The generator is built at the first round, when the head's input size is known.
-        super().__init__(config if config is not None else FedGenOptions(), seed=seed, device=device)  # type: ignore[arg-type]
+        super().__init__(config if config is not None else FedGenOptions(), seed=seed, device=device,  # type: ignore[arg-type]
+                         precision=precision)
         self.num_classes = num_classes
         self.feature_dim: Optional[int] = None
         self.label_probs: Optional[Tensor] = None
@@ -278,7 +285,8 @@ class FedGenHook(FedFTGHook):
             with TeacherEnsemble(head, head_teachers(teachers), "loop", device) as heads:
                 means = train_generator(gen_model, self.optimizer, heads, probs, weights.to(device, torch.float32),
                                         steps=cfg.generator_steps, batch_size=cfg.generator_batch_size or 2,
-                                        lambda_dis=cfg.lambda_dis, generator=generator, device=device)
+                                        lambda_dis=cfg.lambda_dis, generator=generator, device=device,
+                                        precision=self.precision)
         finally:
             gen_model.eval()
         self.label_probs = probs.clone()

@@ -55,9 +55,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from fedreid.fl.server_hooks.base import HookContext, ServerHook, register_hook
+from fedreid.fl.server_hooks.base import HookContext, ServerHook, context_precision, register_hook
 from fedreid.fl.update import Update
 from fedreid.options import ConfigError, check_positive
+from fedreid.utils.precision import FP32, Precision
 from fedreid.utils.seeding import derive_seed, forked_torch_rng
 
 KD_FEATURES = "kd_features"
@@ -95,8 +96,12 @@ def public_features(
     device: torch.device | str = "cpu",
     mode: str = "eval",
     seed: int = 0,
+    precision: Precision = FP32,
 ) -> Tensor:
     """L2-normalised ``embed`` features of the public set, ``[N, d]`` float32 on CPU.
+
+    The forwards run under ``precision``'s autocast; the features are cast to
+    fp32 before they are normalised.
 
     No grad; row ``i`` is the public image with dataset index ``i``.
     ``mode="eval"``: the model in eval mode. ``mode="train"`` (the reference's
@@ -124,7 +129,9 @@ def public_features(
             for batch in loader:
                 images = _images(batch).to(device)
                 model.train(mode == "train" and images.shape[0] > 1)
-                feats = F.normalize(embed(model, images).float(), p=2, dim=1).cpu()
+                with precision.autocast():
+                    raw = embed(model, precision.prepare_input(images))
+                feats = F.normalize(raw.float(), p=2, dim=1).cpu()
                 restore()
                 idx = _indices(batch, seen)
                 if out is None:
@@ -172,18 +179,24 @@ def distill(
     normalize_student: bool = False,
     seed: int = 0,
     device: torch.device | str = "cpu",
+    precision: Precision = FP32,
 ) -> dict[str, float]:
     """One pass of the student ``model`` over ``loader`` towards ``target`` rows.
 
     Batches must carry the public-set ``index`` of each image (dict batches).
-    Dropout draws from a torch RNG forked and seeded with ``seed``.
+    Dropout draws from a torch RNG forked and seeded with ``seed``. The
+    student's forward runs under ``precision``'s autocast; the loss is taken
+    on its fp32 features, and the parameters stay fp32.
     """
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.SGD(
         params, lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov and momentum > 0
     )
     model.to(device).train()
-    total, count, steps = 0.0, 0, 0
+    precision.prepare_model(model)
+    scaler = precision.grad_scaler()
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    count, steps = 0, 0
     started = time.perf_counter()
     with forked_torch_rng(seed, device):
         for batch in loader:
@@ -193,14 +206,16 @@ def distill(
             idx = _indices(batch, 0)
             goal = target[idx].to(device)
             optimizer.zero_grad(set_to_none=True)
-            loss = kd_loss(embed(model, images), goal, normalize_student=normalize_student)
-            loss.backward()
-            optimizer.step()
-            total += loss.item() * images.shape[0]
+            with precision.autocast():
+                student = embed(model, precision.prepare_input(images))
+            loss = kd_loss(student.float(), goal, normalize_student=normalize_student)
+            precision.backward(loss, scaler)
+            precision.step(optimizer, scaler)
+            total += loss.detach().double() * images.shape[0]  # read once, after the pass
             count += images.shape[0]
             steps += 1
     model.eval()
-    return {"kd_loss": total / count if count else float("nan"), "kd_steps": steps,
+    return {"kd_loss": float(total) / count if count else float("nan"), "kd_steps": steps,
             "kd_seconds": time.perf_counter() - started}
 
 
@@ -250,7 +265,7 @@ class KDHook(ServerHook):
             raise ConfigError("fl.hooks: the kd hook needs a public dataset (fl.public_dataset or data.public_dataset)")
         return cls(context.public_loader, context.public_size, every=options.every, lr=options.lr,
                    normalize_student=options.student_normalize, seed=context.seed, device=context.device,
-                   mode=options.mode)
+                   mode=options.mode, precision=context_precision(context))
 
     def __init__(
         self,
@@ -263,6 +278,7 @@ class KDHook(ServerHook):
         seed: int = 0,
         device: torch.device | str = "cpu",
         mode: str = "eval",
+        precision: Precision = FP32,
     ) -> None:
         if mode not in KD_MODES:
             raise ValueError(f"KD: mode must be one of {', '.join(KD_MODES)} (fl.kd_mode), got {mode!r}")
@@ -274,6 +290,7 @@ class KDHook(ServerHook):
         self.normalize_student = normalize_student
         self.seed = seed
         self.device = device
+        self.precision = precision
 
     def round_seed(self, round_index: int) -> int:
         return derive_seed(self.seed, "kd", round_index)
@@ -328,7 +345,7 @@ class KDHook(ServerHook):
         loader = self.public_loader_fn(shuffle=True, seed=self.loader_seed(round_index))
         stats = distill(
             model, loader, target, lr=self.lr, normalize_student=self.normalize_student,
-            seed=derive_seed(seed, "dropout"), device=self.device,
+            seed=derive_seed(seed, "dropout"), device=self.device, precision=self.precision,
         )
         stats["kd_teachers"] = len(updates)
         return stats

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from fedreid.fl.server_hooks.base import HookContext, ServerHook, register_hook
+from fedreid.fl.server_hooks.base import HookContext, ServerHook, context_precision, register_hook
 from fedreid.fl.server_hooks.fedftg.losses import (
     _counts,
     cls_loss,
@@ -46,6 +46,7 @@ from fedreid.fl.server_hooks.fedftg.options import (
 from fedreid.fl.server_hooks.fedftg.teachers import TeacherEnsemble, TeacherInput, _check_classes
 from fedreid.fl.update import Update
 from fedreid.models.generator import ConditionalGenerator, default_z_dim, sample_noise
+from fedreid.utils.precision import FP32, Precision
 from fedreid.utils.seeding import derive_seed, forked_torch_rng, torch_generator
 
 
@@ -72,12 +73,13 @@ class _Running:
 
 
 def _generator_step(optimizer: torch.optim.Optimizer, run: "_Running", md: Tensor, cls: Tensor, dis: Tensor,
-                    config: FedFTGConfig) -> None:
+                    config: FedFTGConfig, precision: Precision = FP32,
+                    scaler: Optional["torch.amp.GradScaler"] = None) -> None:
     """One Adam step of the generator on Eq. 8's objective from its terms; logs the terms."""
     loss = generator_objective(md, cls, dis, config)
     optimizer.zero_grad(set_to_none=True)
-    loss.backward()
-    optimizer.step()
+    precision.backward(loss, scaler)
+    precision.step(optimizer, scaler)
     for name, value in (("gen_md", md), ("gen_cls", cls), ("gen_dis", dis), ("gen_loss", loss)):
         run.add(name, value)
 
@@ -119,7 +121,7 @@ class FedFTGHook(ServerHook):
         if not context.num_classes:
             raise FedFTGConfigError(NOT_FOR_FEDPAV)
         return cls(options, num_classes=context.num_classes, seed=derive_seed(context.seed, "fedftg"),
-                   device=context.device)
+                   device=context.device, precision=context_precision(context))
 
     def __init__(
         self,
@@ -128,8 +130,11 @@ class FedFTGHook(ServerHook):
         num_classes: Optional[int] = None,
         seed: int = 0,
         device: Optional[torch.device | str] = None,
+        precision: Precision = FP32,
     ) -> None:
         self.config = config if config is not None else FedFTGConfig()
+        #: Autocast of the generator and global steps (``train.precision``); parameters stay fp32.
+        self.precision = precision
         self.seed = int(seed)
         self.device = torch.device(device) if device is not None else None
         self.generator: Optional[ConditionalGenerator] = None
@@ -294,16 +299,18 @@ class FedFTGHook(ServerHook):
         mode = cfg.teacher_forward
         run = _Running()
         metrics: dict[str, Any] = {}
+        scalers = (self.precision.grad_scaler(), self.precision.grad_scaler())  # generator, global model
         try:
-            with TeacherEnsemble(global_model, teachers, mode, device) as ens, forked_torch_rng(dropout_seed, device):
+            with TeacherEnsemble(global_model, teachers, mode, device) as ens, forked_torch_rng(dropout_seed, device), \
+                    self.precision.autocast():
                 for i in range(cfg.iterations):
                     y = schedule[i].to(device)
                     z = sample_noise(cfg.batch_size, gen_model.z_dim, generator, device=device)
                     w = alpha[:, y]  # [K, B]: alpha^{k, y_b}
                     if cfg.trains_generator:
-                        self._generator_phase(global_model, params, gen_model, opt_g, ens, z, y, w, run)
+                        self._generator_phase(global_model, params, gen_model, opt_g, ens, z, y, w, run, scalers[0])
                     last = self._global_phase(global_model, params, flags, gen_model, opt_d, ens, z, y, w, run,
-                                              first=(i == 0), last=(i == cfg.iterations - 1))
+                                              first=(i == 0), last=(i == cfg.iterations - 1), scaler=scalers[1])
                 if cfg.eval_batches > 0:
                     metrics.update(self._evaluate(global_model, before, gen_model, ens, probs, alpha, generator,
                                                   device))
@@ -328,7 +335,7 @@ class FedFTGHook(ServerHook):
 
     def _generator_phase(self, global_model: nn.Module, params: list[nn.Parameter], gen_model: ConditionalGenerator,
                          opt_g: torch.optim.Optimizer, ens: TeacherEnsemble, z: Tensor, y: Tensor, w: Tensor,
-                         run: _Running) -> None:
+                         run: _Running, scaler: Optional["torch.amp.GradScaler"] = None) -> None:
         """``I_g`` generator steps (Eq. 8, maximising over ``theta``); the global model is fixed, eval mode."""
         cfg = self.config
         global_model.eval()
@@ -349,7 +356,7 @@ class FedFTGHook(ServerHook):
                 cls = cls_loss(t, y, w) if cfg.use_cls_loss else zero
                 dis = (diversity_loss(z, x, image_metric=cfg.dis_image_metric, noise_metric=cfg.dis_noise_metric)
                        if cfg.use_dis_loss else zero)
-                _generator_step(opt_g, run, md, cls, dis, cfg)
+                _generator_step(opt_g, run, md, cls, dis, cfg, self.precision, scaler)
             else:
                 # Official: one Adam step per teacher, each on that teacher's terms
                 # (CE averaged over the batch times the mean alpha, L_dis / K).
@@ -366,12 +373,13 @@ class FedFTGHook(ServerHook):
                     dis = (diversity_loss(z, x, image_metric=cfg.dis_image_metric,
                                           noise_metric=cfg.dis_noise_metric) / ens.num
                            if cfg.use_dis_loss else zero)
-                    _generator_step(opt_g, run, md, cls, dis, cfg)
+                    _generator_step(opt_g, run, md, cls, dis, cfg, self.precision, scaler)
 
     def _global_phase(self, global_model: nn.Module, params: list[nn.Parameter], flags: list[bool],
                       gen_model: ConditionalGenerator, opt_d: torch.optim.Optimizer, ens: TeacherEnsemble,
                       z: Tensor, y: Tensor, w: Tensor, run: _Running, *, first: bool,
-                      last: bool) -> Optional[tuple[Tensor, Tensor, Tensor]]:
+                      last: bool, scaler: Optional["torch.amp.GradScaler"] = None
+                      ) -> Optional[tuple[Tensor, Tensor, Tensor]]:
         """``I_d`` SGD steps of the global model on ``L_md`` over the iteration's fixed batch.
 
         Returns the batch ``(x~, teacher logits, weights)`` (None when ``I_d = 0``).
@@ -401,8 +409,8 @@ class FedFTGHook(ServerHook):
             s = _check_classes(global_model(x), gen_model.num_classes)
             loss = md_loss(s, t, w, cfg.md_divergence, class_mean=cfg.md_class_mean)
             opt_d.zero_grad(set_to_none=True)
-            loss.backward()
-            opt_d.step()
+            self.precision.backward(loss, scaler)
+            self.precision.step(opt_d, scaler)
             if first and step == 0:
                 run.add("md_first", loss)
             if last and step == cfg.global_steps - 1:

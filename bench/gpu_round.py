@@ -1,0 +1,328 @@
+"""How much of the GPU FedPav uses: ceilings, one client, one round, evaluation.
+
+Four sections, each printed as soon as it is measured:
+
+(a) ceilings: a bare IDE train step (ResNet-50 -> 512 bottleneck -> ids) on
+    random tensors, at two batch sizes, in fp32, TF32 and bf16+channels-last;
+(b) one client's ``Client.fit`` against a bare data-inclusive loop (the same
+    images, transform, workers and precision; persistent pinned workers,
+    non-blocking copies): img/s of each and their ratio;
+(c) FedPav rounds of the synthetic nine-dataset world with CDW and KD, for
+    several ``run.concurrent_clients``: aggregate training img/s and seconds
+    per phase (train, CDW, KD features, aggregation, server KD, evaluation),
+    peak GPU memory; with ``run.deterministic`` on and off; then the demo
+    world's 3-round run end to end;
+(d) exact evaluation at MSMT17 size against the GPU floor (block matmul +
+    argsort), through ``bench/gpu_eval.py``.
+
+``--scale tiny`` (the default on the CPU) shrinks everything so the script
+runs here in a few minutes; ``--scale full`` (the default on CUDA) is the
+issue's setting: ResNet-50 at 256x128, batch 32 and 128.
+
+    python bench/gpu_round.py [--scale tiny|full] [--sections abcd] [--concurrent 1,2,4,8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from round_time import prepare_synthetic  # noqa: E402
+
+from fedreid.config import load_config  # noqa: E402
+from fedreid.data.datasets import ReIDImageDataset  # noqa: E402
+from fedreid.data.prepared import load_prepared, prepare_dataset  # noqa: E402
+from fedreid.data.raw import create_raw_dataset  # noqa: E402
+from fedreid.data.scenarios import by_dataset  # noqa: E402
+from fedreid.data.synthetic import generate_world  # noqa: E402
+from fedreid.data.transforms import build_train_transform  # noqa: E402
+from fedreid.fl.client import Client  # noqa: E402
+from fedreid.fl.simulation import run_simulation  # noqa: E402
+from fedreid.models.reid import create_reid_model, replace_classifier, shared_state  # noqa: E402
+from fedreid.utils.precision import Precision, resolve_precision, set_tf32  # noqa: E402
+
+SCALES = {
+    # backbone, height, width, batch sizes of (a), steps of (a), synthetic id_scale of (b)
+    "tiny": dict(backbone="resnet18", height=64, width=32, batches=(4, 8), steps=2, id_scale=0.05,
+                 eval=(300, 2000, 128)),
+    "full": dict(backbone="resnet50", height=256, width=128, batches=(32, 128), steps=20, id_scale=0.3,
+                 eval=(11659, 82161, 512)),
+}
+
+
+def say(line: str = "") -> None:
+    print(line, flush=True)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def ide_model(backbone: str, num_ids: int) -> nn.Module:
+    model = create_reid_model(backbone, 0, pretrained=None, seed=0)
+    replace_classifier(model, num_ids, seed=0)
+    return model
+
+
+def sgd(model: nn.Module) -> torch.optim.Optimizer:
+    backbone = {id(p) for p in model.backbone.parameters()}
+    low = [p for p in model.parameters() if id(p) in backbone]
+    high = [p for p in model.parameters() if id(p) not in backbone]
+    return torch.optim.SGD([{"params": low, "lr": 0.005}, {"params": high, "lr": 0.05}],
+                           lr=0.05, momentum=0.9, weight_decay=5e-4, nesterov=True)
+
+
+# --------------------------------------------------------------------------- (a)
+
+def ide_step(model: nn.Module, opt: torch.optim.Optimizer, crit: nn.Module, x: torch.Tensor, y: torch.Tensor,
+             precision: Precision) -> None:
+    opt.zero_grad(set_to_none=True)
+    with precision.autocast():
+        loss = crit(model(x), y)
+    loss.backward()
+    opt.step()
+
+
+def section_ceilings(device: torch.device, s: dict[str, Any]) -> None:
+    say(f"(a) bare IDE train step on random tensors: {s['backbone']} {s['height']}x{s['width']}, 751 ids")
+    modes = [("fp32", "fp32", False), ("tf32", "fp32", True), ("bf16+cl", "bf16", False)]
+    say(f"    {'mode':<9}" + "".join(f"{'b' + str(b) + ' img/s':>14}" for b in s["batches"]))
+    for label, name, tf32 in modes:
+        if label == "tf32" and device.type != "cuda":
+            continue
+        set_tf32(tf32)
+        precision = resolve_precision(name, device)
+        row = []
+        for batch in s["batches"]:
+            model = precision.prepare_model(ide_model(s["backbone"], 751).to(device).train())
+            opt, crit = sgd(model), nn.CrossEntropyLoss()
+            x = precision.prepare_input(torch.randn(batch, 3, s["height"], s["width"], device=device))
+            y = torch.randint(0, 751, (batch,), device=device)
+
+            for _ in range(2):
+                ide_step(model, opt, crit, x, y, precision)
+            sync(device)
+            t0 = time.perf_counter()
+            for _ in range(s["steps"]):
+                ide_step(model, opt, crit, x, y, precision)
+            sync(device)
+            row.append(batch * s["steps"] / (time.perf_counter() - t0))
+        say(f"    {label:<9}" + "".join(f"{r:>14,.0f}" for r in row))
+    set_tf32(False)
+
+
+# --------------------------------------------------------------------------- (b)
+
+def bare_loop(model: nn.Module, dataset, batch: int, workers: int, precision: Precision, device: torch.device,
+              seed: int, loader_box: dict) -> tuple[int, float]:
+    """One epoch of a plain data-inclusive loop: persistent pinned workers, non-blocking copies."""
+    if "loader" not in loader_box:
+        loader_box["loader"] = torch.utils.data.DataLoader(
+            dataset, batch_size=batch, shuffle=True, drop_last=True, num_workers=workers,
+            persistent_workers=workers > 0, pin_memory=device.type == "cuda",
+            generator=torch.Generator().manual_seed(seed))
+    opt, crit = sgd(model), nn.CrossEntropyLoss()
+    model.train()
+    sync(device)
+    t0 = time.perf_counter()
+    images = 0
+    for b in loader_box["loader"]:
+        x = precision.prepare_input(b["image"].to(device, non_blocking=True))
+        y = b["label"].to(device, non_blocking=True)
+        opt.zero_grad(set_to_none=True)
+        with precision.autocast():
+            loss = crit(model(x), y)
+        loss.backward()
+        opt.step()
+        images += x.shape[0]
+    sync(device)
+    return images, time.perf_counter() - t0
+
+
+def section_client(device: torch.device, s: dict[str, Any], tmp: Path, workers: int, precision_name: str,
+                   repeats: int = 3) -> None:
+    raw, out = tmp / "b-raw", tmp / "b-prepared"
+    generate_world(raw, datasets=["market1501"], id_scale=s["id_scale"], height=s["height"], width=s["width"])
+    prepare_dataset(create_raw_dataset("market1501", raw), out, progress=False)
+    split = by_dataset([load_prepared(out, "market1501")], "train_all")[0]
+    cfg = load_config(None, [
+        f"model.backbone={s['backbone']}", f"model.height={s['height']}", f"model.width={s['width']}",
+        "model.pretrained=null", "train.batch_size=32", f"train.workers={workers}",
+        f"train.precision={precision_name}", f"run.device={device.type}", "fl.cdw=false", "fl.kd=false",
+    ])
+    client = Client(split, 0, cfg, device=device)
+    precision = client.precision
+    ours = create_reid_model(s["backbone"], 0, pretrained=None, seed=0).to(device)
+    payload = shared_state(ours)
+    bare = precision.prepare_model(ide_model(s["backbone"], split.num_classes).to(device))
+    transform = build_train_transform(s["height"], s["width"], seed=0)
+    bare_ds = ReIDImageDataset(split.records, split.labels, transform=transform)
+    box: dict = {}
+
+    def run_ours(r: int) -> tuple[int, float]:
+        sync(device)
+        t = time.perf_counter()
+        update = client.fit(ours, payload, {"round": r})
+        sync(device)
+        return int(update.metadata["steps"]) * 32, time.perf_counter() - t
+
+    def run_bare(r: int) -> tuple[int, float]:
+        return bare_loop(bare, bare_ds, 32, workers, precision, device, r, box)
+
+    say(f"(b) one client: {len(split)} images, {split.num_classes} ids, {s['backbone']} {s['height']}x{s['width']}, "
+        f"batch 32, workers {workers}, precision {precision.name}")
+    run_ours(0)
+    run_bare(0)
+    rates: dict[str, list[float]] = {"Client.fit": [], "bare loop": []}
+    for r in range(repeats):
+        for name, fn in (("Client.fit", run_ours), ("bare loop", run_bare)):
+            n, sec = fn(r + 1)
+            rates[name].append(n / sec)
+    med = {k: statistics.median(v) for k, v in rates.items()}
+    for k, v in rates.items():
+        say(f"    {k:<11} median {med[k]:>9,.0f} img/s   runs " + ", ".join(f"{x:,.0f}" for x in v))
+    say(f"    ratio Client.fit / bare loop: {med['Client.fit'] / med['bare loop']:.3f} (goal >= 0.95)")
+
+
+# --------------------------------------------------------------------------- (c)
+
+def round_config(s: dict[str, Any], tmp: Path, overrides: list[str]):
+    return load_config("configs/fedreid/demo_synthetic.yaml", [
+        f"data.raw_root={tmp / 'c-raw'}", f"synthetic.root={tmp / 'c-raw'}",
+        f"data.prepared_root={tmp / 'c-prepared'}", f"run.out_dir={tmp / 'c-run'}",
+        f"model.backbone={s['backbone']}", "model.pretrained=null",
+        f"model.height={s['height']}", f"model.width={s['width']}", "run.tensorboard=false", *overrides,
+    ])
+
+
+def phase_row(record: dict[str, Any]) -> dict[str, float]:
+    t = record["time"]
+    clients = t.get("clients", {}).values()
+    metrics = record["client_metrics"].values()
+
+    def csum(key: str) -> float:
+        return sum(v.get(key, 0.0) for v in clients)
+
+    images = sum(int(m.get("steps", 0)) for m in metrics)
+    server = t.get("aggregate", 0.0) + t.get("kd", 0.0) + t.get("eval", 0.0)
+    clients_wall = t["round"] - server
+    return {"clients_s": clients_wall, "train_s": csum("time_train"), "cdw_s": csum("time_cdw"),
+            "kdfeat_s": csum("time_kd_features"), "agg_s": t.get("aggregate", 0.0), "kd_s": t.get("kd", 0.0),
+            "eval_s": t.get("eval", 0.0), "round_s": t["round"], "steps": images,
+            "gpu_peak_client_GiB": max((m.get("gpu_peak_bytes", 0) for m in metrics), default=0) / 2**30}
+
+
+def section_rounds(device: torch.device, s: dict[str, Any], tmp: Path, concurrent: list[int], workers_total: int,
+                   precision_name: str) -> None:
+    base = round_config(s, tmp, [])
+    prepare_synthetic(base)
+    batch = 32
+    say(f"(c) FedPav + CDW + KD rounds on the synthetic nine-dataset world: {s['backbone']} "
+        f"{s['height']}x{s['width']}, batch {batch}, precision {precision_name}; round 2 of 2 (KD and evaluation "
+        "in it), round 1 is warm-up")
+    cols = ("clients", "determ.", "img/s", "clients_s", "train_s", "cdw_s", "kdfeat_s", "agg_s", "kd_s", "eval_s",
+            "round_s", "peak_GiB", "train_loss", "mAP")
+    say("    " + " ".join(f"{c:>9}" for c in cols))
+    runs = [(n, True) for n in concurrent] + [(concurrent[0], False)]
+    for n, deterministic in runs:
+        workers = max(1, min(8, workers_total // n))
+        cfg = round_config(s, tmp, [
+            f"train.batch_size={batch}", f"train.workers={workers}", f"train.precision={precision_name}",
+            f"run.device={device.type}", f"run.concurrent_clients={n}", f"run.deterministic={deterministic}",
+            "fl.rounds=2", "fl.kd_every=2", "eval.every=2", f"run.out_dir={tmp / f'c-run-{n}-{deterministic}'}",
+        ])
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        try:
+            history = run_simulation(cfg, cfg.run.out_dir, progress=False)
+        except Exception as exc:  # a bench reports a failed setting and goes on with the next
+            say(f"    concurrent_clients={n}: failed: {type(exc).__name__}: {str(exc).splitlines()[0]}")
+            continue
+        row = phase_row(history[-1])
+        peak = row["gpu_peak_client_GiB"]
+        if device.type == "cuda" and n == 1:
+            peak = torch.cuda.max_memory_allocated(device) / 2**30
+        rate = row["steps"] * batch / row["clients_s"]
+        vals = [row[k] for k in ("clients_s", "train_s", "cdw_s", "kdfeat_s", "agg_s", "kd_s", "eval_s", "round_s")]
+        ev = history[-1].get("eval", {})
+        m_ap = statistics.mean(v["mAP"] for v in ev.values()) if ev else float("nan")
+        # the loss and mAP to full precision: equal digits across rows show equal runs
+        say(f"    {n:>9} {str(deterministic):>9} {rate:>9,.0f} " + " ".join(f"{v:>9.2f}" for v in vals)
+            + f" {peak:>9.2f} {history[-1]['train_loss']:.10f} {m_ap:.10f}")
+    best = concurrent[-1]
+    cfg = round_config(s, tmp, [
+        f"train.workers={max(1, min(8, workers_total // best))}", f"train.precision={precision_name}",
+        f"run.device={device.type}", f"run.concurrent_clients={best}", f"run.out_dir={tmp / 'c-demo'}",
+        "fl.rounds=3",
+    ])
+    t0 = time.perf_counter()
+    history = run_simulation(cfg, cfg.run.out_dir, progress=False)
+    wall = time.perf_counter() - t0
+    ev = history[-1].get("eval", {})
+    r1 = statistics.mean(v["rank1"] for v in ev.values()) if ev else float("nan")
+    say(f"    demo world, 3 rounds (CDW, KD at round 3, evaluation at round 3), concurrent_clients={best}, "
+        f"batch {cfg.train.batch_size}: {wall:.1f} s end to end (goal < 60 s on a GPU); mean Rank-1 {r1:.3f}")
+
+
+# --------------------------------------------------------------------------- (d)
+
+def section_eval(device: torch.device, s: dict[str, Any]) -> None:
+    try:
+        from gpu_eval import run_eval_bench
+    except ImportError as exc:
+        say(f"(d) skipped: {exc}")
+        return
+    n_q, n_g, dim = s["eval"]
+    out = run_eval_bench(device.type, n_q, n_g, dim)
+    say(f"(d) exact evaluation {n_q} x {n_g} x {dim} on {device.type}: " + ", ".join(
+        f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in out.items()))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("--scale", choices=sorted(SCALES), default=None,
+                    help="tiny (CPU default) or full (CUDA default: ResNet-50 at 256x128)")
+    ap.add_argument("--sections", default="abcd", help="which sections to run, e.g. 'ab' (default: abcd)")
+    ap.add_argument("--concurrent", default="1,2,4,8", help="run.concurrent_clients values of (c)")
+    ap.add_argument("--workers", type=int, default=None,
+                    help="loader workers in all (split over concurrent clients; default: CPU cores, at most 16)")
+    ap.add_argument("--precision", default="auto", help="train.precision of (b) and (c) (default auto)")
+    ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    args = ap.parse_args(argv)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    scale = args.scale or ("full" if device.type == "cuda" else "tiny")
+    s = SCALES[scale]
+    workers = args.workers if args.workers is not None else min(16, os.cpu_count() or 1)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    say(f"device {name}, torch {torch.__version__}, {torch.get_num_threads()} threads, scale {scale}")
+    sections: dict[str, Callable[[Path], None]] = {
+        "a": lambda tmp: section_ceilings(device, s),
+        "b": lambda tmp: section_client(device, s, tmp, min(workers, 8), args.precision),
+        "c": lambda tmp: section_rounds(device, s, tmp, [int(x) for x in args.concurrent.split(",")], workers,
+                                        args.precision),
+        "d": lambda tmp: section_eval(device, s),
+    }
+    with tempfile.TemporaryDirectory(prefix="fedreid-gpu-round-") as tmp:
+        for key in args.sections:
+            t0 = time.perf_counter()
+            sections[key](Path(tmp))
+            say(f"    [{key}: {time.perf_counter() - t0:.0f} s]")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
