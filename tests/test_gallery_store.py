@@ -219,6 +219,24 @@ def test_a_kill_between_the_renames_is_repaired_by_the_next_update(tmp_path, fea
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".st.")]
 
 
+def test_a_partly_deleted_unmarked_old_copy_is_deleted_by_the_next_open_or_update(tmp_path, feats):
+    s = GalleryStore.create(tmp_path / "st", feats[:50], make_rows(50))
+    partial = tmp_path / ".st.old-0123abcd"  # what a kill inside rmtree leaves: the marker went first
+    partial.mkdir()
+    np.save(partial / "vectors.npy", feats[:50])
+    np.save(partial / "ids.npy", np.arange(50))
+    (partial / ".meta.sqlite.ab12_x9.tmp").write_text("")
+    mine = tmp_path / ".st.tmp-89abcdef"  # named like a staging folder, but holding a file the store never writes
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep")
+    GalleryStore.open(tmp_path / "st")
+    assert not partial.exists() and (mine / "notes.txt").read_text() == "keep"
+    partial.mkdir()
+    np.save(partial / "vectors.npy", feats[:50])
+    s.add(feats[50:51], make_rows(1, start=50))
+    assert not partial.exists() and (mine / "notes.txt").read_text() == "keep"
+
+
 def test_tampering_is_refused_with_a_clear_error(tmp_path, feats):
     GalleryStore.create(tmp_path / "st", feats[:300], make_rows(300))
     folder = tmp_path / "st"

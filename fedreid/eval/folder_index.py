@@ -30,7 +30,6 @@ import csv
 import json
 import os
 import re
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
@@ -42,8 +41,7 @@ from fedreid.eval.errors import EvalInputError
 from fedreid.eval.image_folders import SKIPPED_FILE, SkippedImage, image_features, list_images, write_skipped_csv
 from fedreid.eval.model_io import LoadedModel, check_index_model
 from fedreid.retrieval.gallery_rows import apply_metadata, image_rows, read_metadata_csv
-from fedreid.retrieval.store import GalleryStore, check_factory_string
-from fedreid.utils.io import swap_leftovers
+from fedreid.retrieval.store import GalleryStore, check_factory_string, clean_swap_leftovers
 
 if TYPE_CHECKING:
     import torch
@@ -340,8 +338,9 @@ def remove_from_gallery_store(index_dir: str | Path, items: Sequence[str]) -> tu
 # swapped in by fedreid.utils.io.replace_dir_atomically (the old one moved aside to
 # ``.<name>.old-<hex>``, then deleted; its docstring states the crash guarantees). A kill leaves
 # the old index, the new one, or (between the two renames) none, the old one then moved back by
-# the next build; never a mix. The next build removes the hidden siblings a kill left (only ones
-# that are empty or marked).
+# the next open or update of the store; never a mix. The next open or update removes the hidden
+# siblings a kill left: marked ones, and unmarked ones holding only the store's file names (a
+# partly deleted set-aside copy may have lost its marker first, and may hold erased vectors).
 
 
 def _index_own_names() -> set[str]:
@@ -369,20 +368,11 @@ def _refuse_foreign_files(index_dir: Path) -> None:
 def _remove_index_temporaries(index_dir: Path) -> None:
     """Clean up the hidden ``.<name>.tmp-*`` / ``.<name>.old-*`` siblings an interrupted build left.
 
-    A marked ``.old-*`` folder is moved back when the kill fell between the two
-    renames of the swap (no index folder in place); other siblings are deleted
-    when empty, marked, or holding only a marker's temporary file.
+    The store's own rule (:func:`fedreid.retrieval.store.clean_swap_leftovers`):
+    a whole set-aside copy is moved back when no index folder is in place, the
+    rest deleted, marked or not (a partly deleted one may have lost its marker).
     """
-    from fedreid.utils.io import is_marker_leftover, owns_folder
-
-    folder = Path(os.path.abspath(index_dir))
-    for p in swap_leftovers(folder.parent, folder.name):
-        if p.is_symlink() or not p.is_dir():
-            continue
-        if p.name.startswith(f".{folder.name}.old-") and owns_folder(p, "index") and not folder.exists():
-            os.replace(p, folder)
-        elif owns_folder(p, "index") or all(is_marker_leftover(q, "index") for q in p.iterdir()):
-            shutil.rmtree(p)
+    clean_swap_leftovers(index_dir)
 
 
 @dataclass

@@ -69,7 +69,12 @@ store into a hidden sibling (``.<name>.tmp-<hex>``) and swaps it in with
 store or the new one, never a mix; the in-memory store changes only after the
 swap. :meth:`GalleryStore.verify` and :meth:`GalleryStore.tune` change only
 ``header.json``, replaced on its own with one ``os.replace`` (its file records
-are unchanged). Leftovers are cleaned up by the next update.
+are unchanged). Leftovers are cleaned up by the next open or update
+(:func:`clean_swap_leftovers`): hidden siblings that are marked, or that hold
+nothing but a store's file names, since a deletion killed part-way may have
+removed the marker first. So a removal's erased items do not outlive a kill
+either: the copy set aside by the swap, whole or partly deleted, goes at the
+next open or update of the store (the store's own deletions remove the marker last).
 
 Writers: an update holds an exclusive ``flock`` on the store's parent folder
 (:data:`LOCK_TIMEOUT_S` to wait for another), and refuses to go on when the
@@ -110,7 +115,6 @@ from fedreid.errors import FedReIDError
 from fedreid.eval.filecheck import check_recorded_file, describe_kind, file_kind, read_format_header, sha256_file
 from fedreid.utils.io import (
     claim_output_dir,
-    is_marker_leftover,
     marker_path,
     owns_folder,
     replace_dir_atomically,
@@ -129,6 +133,7 @@ __all__ = [
     "GalleryStoreError",
     "SearchResult",
     "check_factory_string",
+    "clean_swap_leftovers",
     "factory_kind",
     "is_store_folder",
 ]
@@ -526,8 +531,13 @@ class GalleryStore:
 
     @classmethod
     def open(cls, folder: str | Path) -> "GalleryStore":
-        """Read a store folder after checking every file against its header (see the module docstring)."""
+        """Read a store folder after checking every file against its header (see the module docstring).
+
+        First, when no update is under way, what a killed update left beside the
+        folder is cleaned up (:func:`clean_swap_leftovers`).
+        """
         folder = Path(os.path.abspath(folder))
+        clean_swap_leftovers(folder)
         header = _read_header(folder)
         for name in DATA_FILES:
             _check_file(folder, name, header)
@@ -908,7 +918,7 @@ class GalleryStore:
             replace_dir_atomically(stage, folder, aside=swap_sibling(folder, "old"))
         finally:
             if stage.exists():
-                shutil.rmtree(stage)
+                _delete_marker_last(stage)
         mapped = _read_npy(folder / VECTORS_FILE, "vectors", np.float32, vectors.shape, mmap=True)
         self.header, self.index, self.vectors, self.ids = header, index, mapped, ids
 
@@ -1164,15 +1174,85 @@ def _check_store_location(folder: Path, *, fresh: bool, replaces: Sequence[str] 
         )
 
 
-def _remove_leftovers(folder: Path) -> None:
-    """Clean up hidden siblings a killed update left (moving a whole ``.old-*`` back when the store is gone)."""
-    for p in swap_leftovers(folder.parent, folder.name):
-        if p.is_symlink() or not p.is_dir():
+#: SQLite's own files beside a database it was writing (a kill during VACUUM leaves them in a staging folder).
+_SQLITE_SIDE_FILES = tuple(DB_FILE + suffix for suffix in ("-journal", "-wal", "-shm"))
+_ATOMIC_TEMP = re.compile(r"^\.(?P<name>.+)\.[A-Za-z0-9_]+\.tmp$")  # fedreid.utils.io.atomic_path's temporaries
+
+
+def _is_store_entry_name(name: str) -> bool:
+    """Whether ``name`` is a file a store folder, or the staging of one, holds (its own, or a writer's temporary)."""
+    own = _own_names()
+    if name in own or name in _SQLITE_SIDE_FILES:
+        return True
+    temporary = _ATOMIC_TEMP.match(name)
+    return temporary is not None and temporary.group("name") in own
+
+
+def _is_swap_leftover(path: Path) -> bool:
+    """Whether a hidden sibling named like a swap's (``.<name>.tmp-*``/``.old-*``) is a store's staging or old copy.
+
+    Marked ones are. So are unmarked ones holding nothing but a store's file
+    names (or nothing): a deletion (``shutil.rmtree``) may remove the marker
+    before the data files, and a copy set aside by a removal holds the erased
+    items' vectors, which must not outlive a kill.
+    """
+    if path.is_symlink() or not path.is_dir():
+        return False
+    if owns_folder(path, MARKER_KIND):
+        return True
+    return all(q.is_file() and not q.is_symlink() and _is_store_entry_name(q.name) for q in path.iterdir())
+
+
+def _is_whole_store(path: Path) -> bool:
+    return owns_folder(path, MARKER_KIND) and all((path / name).is_file() for name in (HEADER_FILE, *DATA_FILES))
+
+
+def _delete_marker_last(path: Path) -> None:
+    """Delete the folder ``path``, its marker last: a kill part-way leaves a folder still marked as the store's."""
+    marker = marker_path(path, MARKER_KIND)
+    for entry in path.iterdir():
+        if entry.name == marker.name:
             continue
-        if p.name.startswith(f".{folder.name}.old-") and owns_folder(p, MARKER_KIND) and not folder.exists():
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
+    marker.unlink(missing_ok=True)
+    path.rmdir()
+
+
+def _remove_leftovers(folder: Path) -> None:
+    """Clean up hidden siblings a killed update left (moving a whole ``.old-*`` back when the store is gone).
+
+    The caller holds the update lock (no update is under way).
+    """
+    for p in swap_leftovers(folder.parent, folder.name):
+        if not _is_swap_leftover(p):
+            continue
+        if p.name.startswith(f".{folder.name}.old-") and _is_whole_store(p) and not folder.exists():
             os.replace(p, folder)
-        elif owns_folder(p, MARKER_KIND) or all(is_marker_leftover(q, MARKER_KIND) for q in p.iterdir()):
-            shutil.rmtree(p)
+        else:
+            _delete_marker_last(p)
+
+
+def clean_swap_leftovers(folder: str | Path) -> None:
+    """Delete what a killed update of the store at ``folder`` left beside it, unless an update is under way.
+
+    Moves a whole set-aside copy back when the store folder is missing (a kill
+    between the two renames of a swap) and deletes staging and set-aside
+    copies, whole or partly deleted, marked or not (:func:`_is_swap_leftover`):
+    so a removal's erased vectors do not outlive a kill. Never waits: when
+    another process holds the update lock, or the parent folder is not
+    writable, nothing is done (the next open or update cleans up).
+    """
+    folder = Path(os.path.abspath(folder))
+    if not swap_leftovers(folder.parent, folder.name):
+        return
+    try:
+        with _writer_lock(folder, timeout=0):
+            _remove_leftovers(folder)
+    except (GalleryStoreError, OSError):
+        pass
 
 
 def _read_header(folder: Path) -> dict:
