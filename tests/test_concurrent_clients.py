@@ -146,3 +146,18 @@ def test_failing_and_dying_clients_are_reported_naming_the_client():
         with pytest.raises(WorkerDiedError, match=r"died while training client 'gone' \(killed by SIGKILL\)"):
             pool.fit_round([3], lambda k: payload, {"round": 0})
     assert workers_left() == []
+
+
+@pytest.mark.gpu
+def test_on_cuda_each_client_reports_its_peak_memory(world, tmp_path):
+    """Two workers with their own CUDA contexts: each client's peak memory in its metrics, under its cap."""
+    cfg = tiny_config(world, REID + ["run.device=cuda", "run.concurrent_clients=2"])
+    hist = run_simulation(cfg, tmp_path / "n2", progress=False)
+    total = torch.cuda.get_device_properties(0).total_memory
+    for rec in hist:
+        assert sorted(rec["client_metrics"]) == ["dsa", "dsb"]
+        for metrics in rec["client_metrics"].values():
+            assert 0 < metrics["gpu_peak_bytes"] <= 0.95 / 2 * total
+    one = run_simulation(tiny_config(world, REID + ["run.device=cuda"]), tmp_path / "n1", progress=False)
+    assert "gpu_peak_bytes" not in one[0]["client_metrics"]["dsa"]  # N=1 is today's path
+    assert [r["clients"] for r in one] == [r["clients"] for r in hist]

@@ -18,7 +18,8 @@ when the clients train one after another in one process -- bit for bit on
 the CPU -- because a client's round depends only on (run seed, round, client
 index), its state and the payload (:mod:`fedreid.fl.client`), and each worker
 mirrors the parent's numeric settings: torch thread count, deterministic
-mode, float32 matmul precision and TF32 flags. Processes, not threads:
+mode, float32 matmul precision and TF32 flags (where that oversubscribes the
+cores, idle OpenMP threads sleep instead of spinning: :func:`worker_environment`). Processes, not threads:
 clients fork torch's *global* RNG (dropout draws from it), which threads
 would interleave. :meth:`ClientPool.fit_round` returns the updates in the
 round's order whatever order they finished in.
@@ -53,9 +54,10 @@ import pickle
 import signal
 import sys
 import traceback
+from contextlib import contextmanager
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -127,6 +129,37 @@ def _numeric_settings(cfg: Config) -> dict[str, Any]:
     }
 
 
+def worker_environment(processes: int) -> dict[str, str]:
+    """Environment variables the workers start with (on top of this process's).
+
+    Each worker keeps this process's torch thread count (the numbers depend on
+    it), so ``processes`` workers may run more threads than there are cores;
+    then OpenMP's idle threads must sleep rather than spin (``OMP_WAIT_POLICY=
+    PASSIVE``), or the spinning takes the cores from the working threads
+    (several times slower on 2 cores). How threads wait changes no number.
+    A wait policy set by the user is kept.
+    """
+    threads = int(torch.get_num_threads())
+    if "OMP_WAIT_POLICY" in os.environ or processes * threads <= (os.cpu_count() or 1):
+        return {}
+    return {"OMP_WAIT_POLICY": "PASSIVE"}
+
+
+@contextmanager
+def _environment(values: Mapping[str, str]) -> Iterator[None]:
+    """``os.environ`` with ``values`` set for the block (what spawned processes inherit), restored after."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 class ClientPool:
     """``processes`` persistent workers training the clients of ``clients`` (see the module docstring).
 
@@ -173,14 +206,15 @@ class ClientPool:
             "device": str(self.device),
         })
         try:
-            for i in range(self.processes):
-                parent, child = ctx.Pipe(duplex=True)
-                # daemon=False: a daemonic process may not start DataLoader workers (train.workers > 0).
-                proc = ctx.Process(target=_worker_main, args=(child, i), name=f"fedreid-client-worker-{i}",
-                                   daemon=False)
-                proc.start()
-                child.close()
-                self._workers.append((proc, parent))
+            with _environment(worker_environment(self.processes)):
+                for i in range(self.processes):
+                    parent, child = ctx.Pipe(duplex=True)
+                    # daemon=False: a daemonic process may not start DataLoader workers (train.workers > 0).
+                    proc = ctx.Process(target=_worker_main, args=(child, i), name=f"fedreid-client-worker-{i}",
+                                       daemon=False)
+                    proc.start()
+                    child.close()
+                    self._workers.append((proc, parent))
             for i, (proc, conn) in enumerate(self._workers):
                 self._send(i, [init], what="its start-up copy of the clients")
             for i in range(len(self._workers)):
@@ -421,4 +455,4 @@ def _fit(client: Any, model: nn.Module, evaluator: Any, device: torch.device, sh
 
 
 __all__ = ["GPU_PEAK_BYTES", "ClientPool", "ClientResult", "ConcurrentClientError", "RemoteTraceback",
-           "WorkerDiedError"]
+           "WorkerDiedError", "worker_environment"]
