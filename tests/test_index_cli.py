@@ -341,11 +341,20 @@ def test_filters_by_camera_site_and_time(world, tmp_path, capsys):
     assert tool.main(_query(world, folder, world["more"][0], "--sites", "nowhere")) == 0
     assert "(no item passes the filters)" in capsys.readouterr().out
 
-    assert "--cameras expects camera numbers" in _cli_error(_query(world, folder, queries, "--cameras", "a"), capsys)
+    err = _cli_error(_query(world, folder, queries, "--cameras", "a"), capsys)
+    assert "--cameras (each a camera) must be an integer from -2147483648 to 2147483647, got 'a'" in err
+    err = _cli_error(_query(world, folder, queries, "--cameras", ","), capsys)
+    assert "--cameras expects camera numbers" in err
+    err = _cli_error(_query(world, folder, queries, "--cameras", "99999999999999999999"), capsys)
+    assert "--cameras (each a camera) must be an integer" in err and "'99999999999999999999'" in err
     err = _cli_error(_query(world, folder, queries, "--since", "yesterday"), capsys)
-    assert "--since 'yesterday' is not a time" in err
+    assert "--since must be seconds since the epoch or an ISO 8601 date/time" in err and "'yesterday'" in err
+    err = _cli_error(_query(world, folder, queries, "--until", "1e15"), capsys)
+    assert "--until must be seconds since the epoch" in err and "from year 1 to 9999" in err
     err = _cli_error(_query(world, folder, queries, "--since", "2024-01-02", "--until", "2024-01-01"), capsys)
     assert "is after --until" in err
+    err = _cli_error(_query(world, folder, queries, "--sites", "a\x1b[31mb"), capsys)
+    assert "--sites (each a site) must be a name of 1 to 200 characters without control characters" in err
 
 
 # --------------------------------------------------------------------------
@@ -380,19 +389,45 @@ def test_metadata_csv_overrides_the_defaults(world, tmp_path, capsys):
     ("path,colour\nx.png,red\n", "unknown columns ['colour']"),
     ("camera,site\n1,a\n", "no path column"),
     ("path,camera,camera\nx,1,2\n", "columns named twice ['camera']"),
-    ("path,camera\n{0},1\n{1},x\n", "row 3: camera 'x' is not an integer"),
-    ("path,identity\n{0},1.5\n", "row 2: identity '1.5' is not an integer"),
-    ("path,timestamp\n{0},next week\n", "row 2: timestamp 'next week' is not a time"),
+    ("path,camera\n{0},1\n{1},x\n", "row 3: camera must be an integer from -2147483648 to 2147483647, got 'x'"),
+    ("path,identity\n{0},1.5\n", "row 2: identity must be an integer from -2147483648 to 2147483647, got '1.5'"),
+    ("path,identity\n{0},alice\n", "row 2: identity must be an integer"),
+    ("path,camera\n{0},1180591620717411303424\n", "row 2: camera must be an integer"),  # 2**70
+    ("path,identity\n{0},-2147483649\n", "row 2: identity must be an integer"),
+    ("path,timestamp\n{0},next week\n", "row 2: timestamp must be seconds since the epoch or an ISO 8601"),
+    ("path,timestamp\n{0},1e15\n", "row 2: timestamp must be seconds since the epoch"),
+    ("path,timestamp\n{0},nan\n", "row 2: timestamp must be seconds since the epoch"),
+    ("path,site\n{0}," + "s" * 201 + "\n", "row 2: site must be a name of 1 to 200 characters"),
     ("path,site\n{0},a\nelsewhere/nope.png,b\n", "row 3: elsewhere/nope.png is not an image of"),
     ("path,site\n{0},a\n{0},b\n", "row 3: {0} is the image of row 2 again"),
     ("path,site\n{0},a,b\n", "row 2: 3 cells for 2 columns"),
     ("", "has no header row"),
 ])
-def test_bad_metadata_csv_is_an_error_naming_the_file_and_row(world, tmp_path, capsys, content, words):
+def test_bad_metadata_csv_is_an_error_naming_the_file_and_row(world, tmp_path, capsys, monkeypatch, content, words):
+    from fedreid.eval import folder_index
+
     names = [p.name for p in world["images"][:2]]
     table = tmp_path / "meta.csv"
     table.write_text(content.format(*names))
+    monkeypatch.setattr(folder_index, "image_features", lambda *a, **k: pytest.fail("features were extracted"))
     err = _cli_error(_index(world["run"], tmp_path / "store", "--gallery", world["gallery"], "--metadata", table),
                      capsys)
-    assert f"metadata file {table}" in err and words.format(*names) in err
+    assert f"metadata file {table}" in err and words.format(*names) in err and "\n" not in err.strip()
     assert not (tmp_path / "store").exists()  # refused before the folder is made or any image is read
+
+
+@pytest.mark.parametrize("name, words", [
+    ("1180591620717411303424_c1s1_000001_01.png", "identity must be an integer"),  # 2**70 in a Market name
+    ("0001_c99999999999s1_000001_01.png", "camera must be an integer"),
+])
+def test_an_out_of_range_file_name_value_is_refused_before_extraction(world, tmp_path, capsys, monkeypatch,
+                                                                      name, words):
+    from fedreid.eval import folder_index
+
+    folder = tmp_path / "odd"
+    _images(folder, [name], np.random.default_rng(3), T0)
+    monkeypatch.setattr(folder_index, "image_features", lambda *a, **k: pytest.fail("features were extracted"))
+    err = _cli_error(_index(world["run"], tmp_path / "store", "--gallery", folder), capsys)
+    assert name in err and words in err and "from its file name" in err
+    err = _cli_error(_index(world["run"], tmp_path / "store", "--gallery", world["gallery"], "--site", " "), capsys)
+    assert "--site must be a name of 1 to 200 characters" in err

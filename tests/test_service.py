@@ -237,9 +237,13 @@ def test_filters_match_the_store(world, client):
     ({"item": "1", "k": "abc"}, 422, "k must be an integer"),
     ({"item": "1", "k": "101"}, 422, "from 1 to 100"),
     ({"item": "1", "k": "2.5"}, 422, "k must be an integer"),
-    ({"item": "1", "cameras": "front"}, 422, "cameras must be comma-separated integers"),
+    ({"item": "1", "cameras": "front"}, 422, "cameras (each a camera) must be an integer from -2147483648"),
+    ({"item": "1", "cameras": "99999999999999999999"}, 422, "cameras (each a camera) must be an integer"),
+    ({"item": "1", "cameras": "1,-99999999999"}, 422, "got '-99999999999'"),
+    ({"item": "1", "sites": "a," + "b" * 201}, 422, "sites (each a site) must be a name of 1 to 200 characters"),
     ({"item": "1", "since": "yesterday"}, 422, "ISO 8601"),
-    ({"item": "1", "since": "nan"}, 422, "finite"),
+    ({"item": "1", "since": "nan"}, 422, "since must be seconds since the epoch"),
+    ({"item": "1", "until": "1e300"}, 422, "until must be seconds since the epoch or an ISO 8601 date/time from year 1"),
     ({"item": "1", "since": "20", "until": "10"}, 422, "since <= until"),
     ({"item": "x"}, 422, "item id must be an integer"),
     ({"item": "-1"}, 422, "item id must be an integer"),
@@ -393,6 +397,19 @@ def test_add_needs_an_uploads_folder_and_a_good_image(world, store_copy, tmp_pat
             r = c.post("/items", headers=AUTH, files=files, data=data)
             assert r.status_code in (400, 422) and words in r.json()["error"]
         assert c.post("/items", headers=AUTH, data={"camera": "1"}).status_code == 422
+        image = {"image": ("a.png", png_bytes(person_image(1, 1, 1)), "image/png")}
+        for data, words in [
+            ({"timestamp": "1e15"}, "timestamp must be seconds since the epoch or an ISO 8601 date/time from year 1"),
+            ({"timestamp": "10000-01-01"}, "timestamp must be seconds since the epoch"),
+            ({"identity": "alice"}, "identity must be an integer from -2147483648 to 2147483647, got 'alice'"),
+            ({"identity": str(2**70)}, "identity must be an integer"),
+            ({"camera": str(2**70)}, "camera must be an integer"),
+            ({"site": "s" * 201}, "site must be a name of 1 to 200 characters"),
+            ({"site": "north\nsouth"}, "without control characters"),
+        ]:
+            r = c.post("/items", headers=AUTH, files=image, data=data)
+            assert r.status_code == 422 and words in r.json()["error"], (data, r.text)
+            assert "\n" not in r.json()["error"]
         assert c.get("/info", headers=AUTH).json()["items"] == 24
     assert [p for p in uploads.iterdir() if not p.name.startswith(".fedreid")] == []
 

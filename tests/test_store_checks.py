@@ -145,3 +145,46 @@ def test_a_store_under_a_folder_named_with_uri_characters_works(tmp_path, feats,
     s.remove([7])
     assert GalleryStore.open(parent / "st").rows([7]) == [None]
     assert sorted(p.name for p in tmp_path.rglob("*")) == before  # no stray database file beside the store
+
+
+# --------------------------------------------------------------------------
+# One rule set for metadata and filter values, whichever door they come through
+# --------------------------------------------------------------------------
+
+
+def test_out_of_range_values_are_refused_by_the_store_itself(tmp_path, feats):
+    from fedreid.retrieval.fields import GalleryMetadataError
+
+    s = GalleryStore.create(tmp_path / "st", feats, rows(N))
+    for bad in ({"camera": 2**70}, {"identity": "alice"}, {"timestamp": 1e15}, {"site": ""}, {"camera": True}):
+        with pytest.raises(GalleryMetadataError, match="metadata row 0 \\(/new.jpg\\): (camera|identity|timestamp|site) must"):
+            s.add(feats[:1], [{"path": "/new.jpg", **bad}])
+    for kwargs in ({"cameras": [99999999999999999999]}, {"cameras": [-(2**31) - 1]}, {"sites": ["x" * 201]},
+                   {"time_window": (1e300, None)}, {"time_window": (5.0, 1.0)}):
+        with pytest.raises(GalleryMetadataError, match="must|expected since <= until"):
+            s.search(feats[:1], 3, **kwargs)
+    assert s.ntotal == N and s.search(feats[:1], 3, cameras=[2**31 - 1]).ids.tolist() == [[-1, -1, -1]]
+
+
+def test_every_door_checks_with_the_same_rules(tmp_path, feats, monkeypatch):
+    """Tightening a rule in fedreid.retrieval.fields tightens the CSV, the store, the filters of federated search."""
+    from fedreid.flower.search_codec import SearchCodecError, SearchFilters
+    from fedreid.retrieval import fields
+    from fedreid.retrieval.gallery_rows import read_metadata_csv
+
+    s = GalleryStore.create(tmp_path / "st", feats, rows(N))
+    image = tmp_path / "a.jpg"
+    image.write_bytes(b"")
+    table = tmp_path / "meta.csv"
+    table.write_text("path,camera\na.jpg,11\n")
+    assert read_metadata_csv(table, base=tmp_path, images=[str(image.resolve())])[str(image.resolve())] == {"camera": 11}
+    assert SearchFilters(cameras=[11]).cameras == (11,)
+    monkeypatch.setattr(fields, "INT_MAX", 10)
+    with pytest.raises(fields.GalleryMetadataError, match="row 2: camera must be an integer from -2147483648 to 10"):
+        read_metadata_csv(table, base=tmp_path, images=[str(image.resolve())])
+    with pytest.raises(SearchCodecError, match="filters.cameras .* to 10, got 11"):
+        SearchFilters(cameras=[11])
+    with pytest.raises(SearchCodecError, match="filters.cameras"):
+        SearchFilters(cameras=[10**40])
+    with pytest.raises(fields.GalleryMetadataError, match="cameras filter .* to 10, got 11"):
+        s.search(feats[:1], 3, cameras=[11])

@@ -540,26 +540,26 @@ def _shown(path: str) -> str:
 
 
 def _query_filters(args: argparse.Namespace) -> dict:
-    """The filters of ``query`` (--cameras, --sites, --since, --until) as :func:`pl.query_index` takes them."""
-    from fedreid.retrieval import parse_time
+    """The filters of ``query`` (--cameras, --sites, --since, --until) as :func:`pl.query_index` takes them.
+
+    Checked by the rules the metadata CSV and the service use (:mod:`fedreid.retrieval.fields`).
+    """
+    from fedreid.retrieval import fields
 
     filters: dict = {}
     if args.cameras:
-        cams = _comma_list(args.cameras)
-        if not cams or not all(c.lstrip("-").isdigit() for c in cams):
+        cams = fields.camera_list(",".join(args.cameras), "--cameras")
+        if not cams:
             raise pl.EvalInputError(f"--cameras expects camera numbers like 1,2, got {','.join(args.cameras)!r}")
-        filters["cameras"] = [int(c) for c in cams]
+        filters["cameras"] = cams
     if args.sites:
-        sites = _comma_list(args.sites)
+        sites = fields.site_list(",".join(args.sites), "--sites")
         if not sites:
             raise pl.EvalInputError(f"--sites expects site names like north,south, got {','.join(args.sites)!r}")
         filters["sites"] = sites
-    if args.since is not None or args.until is not None:
-        since = parse_time(args.since, "--since") if args.since is not None else None
-        until = parse_time(args.until, "--until") if args.until is not None else None
-        if since is not None and until is not None and since > until:
-            raise pl.EvalInputError(f"--since {args.since} is after --until {args.until}: no item could pass")
-        filters["time_window"] = (since, until)
+    window = fields.time_window(args.since, args.until, "--")
+    if window is not None:
+        filters["time_window"] = window
     return filters
 
 

@@ -42,6 +42,7 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
 
 from fedreid.flower.codec import CodecError
+from fedreid.retrieval import fields as field_rules
 
 __all__ = [
     "SEARCH_VERSION",
@@ -120,6 +121,14 @@ def _text(value: Any, what: str, *, max_chars: int = 1024, empty: bool = False) 
     return value
 
 
+def _by_rule(prefix: str, rule: Any, *args: Any) -> Any:
+    """``rule(*args)`` (a :mod:`fedreid.retrieval.fields` check), its error as a :class:`SearchCodecError`."""
+    try:
+        return rule(*args)
+    except field_rules.GalleryMetadataError as exc:
+        raise SearchCodecError(f"{prefix}{exc}") from None
+
+
 def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a number JSON allows")
 
@@ -165,21 +174,22 @@ class SearchFilters:
     time_window: Optional[tuple[Optional[float], Optional[float]]] = None
 
     def __post_init__(self) -> None:
+        # JSON types here; the values' ranges are the gallery's own rules (fedreid.retrieval.fields).
         if self.cameras is not None:
-            object.__setattr__(self, "cameras", tuple(_int(c, "filters.cameras[]") for c in self.cameras))
+            cameras = [_int(c, "filters.cameras[]") for c in self.cameras]
+            object.__setattr__(self, "cameras", tuple(_by_rule("", field_rules.camera_list, cameras, "filters.cameras")))
         if self.sites is not None:
             if isinstance(self.sites, str):
                 raise SearchCodecError(f"filters.sites: expected a list of site names, got the string {self.sites!r}")
-            object.__setattr__(self, "sites", tuple(_text(s, "filters.sites[]", max_chars=MAX_NAME_CHARS)
-                                                    for s in self.sites))
+            names = [_text(s, "filters.sites[]", max_chars=MAX_NAME_CHARS) for s in self.sites]
+            object.__setattr__(self, "sites", tuple(_by_rule("", field_rules.site_list, names, "filters.sites")))
         if self.time_window is not None:
             window = tuple(self.time_window)
             if len(window) != 2:
                 raise SearchCodecError(f"filters.time_window: expected [since, until], got {self.time_window!r}")
             since, until = (None if w is None else _float(w, "filters.time_window[]") for w in window)
-            if since is not None and until is not None and since > until:
-                raise SearchCodecError(f"filters.time_window: since {since} is after until {until}")
-            object.__setattr__(self, "time_window", (since, until))
+            checked = _by_rule("filters.time_window: ", field_rules.time_window, since, until)
+            object.__setattr__(self, "time_window", checked if checked is not None else (None, None))
 
     def to_plain(self) -> dict[str, Any]:
         return {"cameras": None if self.cameras is None else list(self.cameras),

@@ -18,21 +18,24 @@ first row names the columns: ``path`` and any of ``camera``, ``site``,
 one image of the folder being indexed (a relative ``path`` is relative to that
 folder; at most one row per image) and sets the values of its non-empty cells;
 an empty cell keeps the default above, and images without a row keep all
-their defaults. ``camera`` and ``identity`` are integers; ``timestamp`` is
-seconds since the epoch or an ISO 8601 date/time (:func:`parse_time`);
-``site`` is any text. Every error names the file and the row.
+their defaults. Every value, from a cell, a file name, a modification time or
+``--site``, must pass the rules of :mod:`fedreid.retrieval.fields` (``camera``
+and ``identity`` 32-bit integers; ``timestamp`` seconds since the epoch or an
+ISO 8601 date/time within years 1 to 9999; ``site`` a name of at most 200
+characters), checked before any image is read. Every error names the file
+(and the row).
 """
 
 from __future__ import annotations
 
 import csv
-import math
 import os
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Collection, Optional, Sequence
 
-from fedreid.errors import FedReIDError
+from fedreid.retrieval import fields
+from fedreid.retrieval.fields import GalleryMetadataError
 
 __all__ = [
     "METADATA_COLUMNS",
@@ -46,34 +49,14 @@ __all__ = [
 
 #: The columns a metadata CSV may have (``path`` required).
 METADATA_COLUMNS = ("path", "camera", "site", "timestamp", "identity")
-_TIME_EXAMPLE = "seconds since the epoch (1714550400) or an ISO date/time (2024-05-01, 2024-05-01T08:00:00+02:00)"
-
-
-class GalleryMetadataError(FedReIDError, ValueError):
-    """Bad gallery metadata (a metadata CSV, a --site or a time); the message names the file and row."""
 
 
 def parse_time(text: str, what: str = "time") -> float:
-    """Seconds since the epoch of ``text``: a number, or an ISO 8601 date or date/time.
+    """Seconds since the epoch of ``text``: :func:`fedreid.retrieval.fields.timestamp` (a number or ISO 8601).
 
-    A date/time without a UTC offset (``2024-05-01T08:00``) is UTC, as is a
-    bare date (its midnight); ``Z`` or ``+02:00`` give the offset. NaN and
-    infinities are refused. Raises :class:`GalleryMetadataError` naming ``what``.
+    Raises :class:`GalleryMetadataError` naming ``what``.
     """
-    value = str(text).strip()
-    try:
-        seconds = float(value)
-    except ValueError:
-        try:
-            moment = datetime.fromisoformat(value[:-1] + "+00:00" if value[-1:] in ("Z", "z") else value)
-        except ValueError:
-            raise GalleryMetadataError(f"{what} {text!r} is not a time: expected {_TIME_EXAMPLE}") from None
-        if moment.tzinfo is None:
-            moment = moment.replace(tzinfo=timezone.utc)
-        return moment.timestamp()
-    if not math.isfinite(seconds):
-        raise GalleryMetadataError(f"{what} {text!r} is not a time: expected {_TIME_EXAMPLE}")
-    return seconds
+    return fields.timestamp(text, what)
 
 
 def format_time(seconds: Optional[float]) -> Optional[str]:
@@ -91,8 +74,8 @@ def image_rows(paths: Sequence[str | Path], *, site: Optional[str] = None) -> li
     """
     from fedreid.eval.image_folders import parse_market_name
 
-    if site is not None and not str(site).strip():
-        raise GalleryMetadataError("--site must be a non-empty name")
+    if site is not None:
+        site = fields.site(site, "--site")
     rows, seen = [], {}
     for p in paths:
         resolved = Path(p).resolve()
@@ -105,21 +88,14 @@ def image_rows(paths: Sequence[str | Path], *, site: Optional[str] = None) -> li
         seen[key] = p
         pid, camid = parse_market_name(p)  # the name as listed (a link's own name)
         parsed = camid >= 0
-        rows.append({
+        rows.append(fields.item_values({
             "path": key,
             "camera": camid + 1 if parsed else None,
             "site": site,
             "timestamp": float(os.stat(resolved).st_mtime),
             "identity": pid if parsed else None,
-        })
+        }, f"image {p} (from its file name and modification time)"))
     return rows
-
-
-def _int_cell(value: str, column: str, where: str) -> int:
-    try:
-        return int(value.strip())
-    except ValueError:
-        raise GalleryMetadataError(f"{where}: {column} {value!r} is not an integer") from None
 
 
 def read_metadata_csv(file: str | Path, *, base: str | Path, images: Collection[str]) -> dict[str, dict[str, Any]]:
@@ -177,17 +153,8 @@ def read_metadata_csv(file: str | Path, *, base: str | Path, images: Collection[
         if resolved in first_row:
             raise GalleryMetadataError(f"{where}: {name} is the image of row {first_row[resolved]} again")
         first_row[resolved] = number
-        values: dict[str, Any] = {}
-        for column, cell in record.items():
-            if not cell.strip():
-                continue
-            if column in ("camera", "identity"):
-                values[column] = _int_cell(cell, column, where)
-            elif column == "timestamp":
-                values[column] = parse_time(cell, f"{where}: timestamp")
-            else:
-                values[column] = cell.strip()
-        out[resolved] = values
+        cells = {column: cell for column, cell in record.items() if cell.strip()}  # empty: keep the default
+        out[resolved] = fields.item_values(cells, where)
     return out
 
 

@@ -18,17 +18,16 @@ and ``GET /web/<asset>``, the page and its script and style sheet; errors are
     JPEG/PNG/BMP file) *or* ``item`` (a stored item id, whose stored feature
     is the query); ``k`` (1..max_k, default 10); optional filters
     ``cameras`` (comma-separated integers), ``sites`` (comma-separated
-    names), ``since`` / ``until`` (inclusive; a number in the store's
-    timestamp unit, or an ISO 8601 date-time, read as UTC without a zone,
-    giving POSIX seconds). Answers ``{"results": [{"rank", "id", "score",
+    names), ``since`` / ``until`` (inclusive; seconds since the epoch or an
+    ISO 8601 date-time, read as UTC without a zone). Answers ``{"results": [{"rank", "id", "score",
     "path", "camera", "site", "timestamp", "identity", "image_url"}], "k",
     "took_ms", "query"}``: :meth:`GalleryStore.search` of the query's
     feature, best first, ``path`` the file name only (no server folders).
 ``GET /items/{id}`` / ``GET /items/{id}/image``
     An item's metadata / its image file (404 for an unknown id or a missing file).
 ``POST /items``
-    ``image`` plus optional ``camera``, ``site``, ``timestamp``, ``identity``:
-    the upload is written into the service's uploads folder (``--uploads``,
+    ``image`` plus optional ``camera``, ``site``, ``timestamp``, ``identity``
+    (an empty field: unknown): the upload is written into the service's uploads folder (``--uploads``,
     claimed with :func:`fedreid.utils.io.claim_output_dir`) under a fresh
     name and added to the store (201 with the new item). Without an uploads
     folder, 403.
@@ -38,6 +37,11 @@ and ``GET /web/<asset>``, the page and its script and style sheet; errors are
     too. Gallery files elsewhere are not the service's to delete.
 ``GET /info``
     Item count, feature size, index factory, model summary, limits.
+
+Every metadata and filter value is checked by the rules of
+:mod:`fedreid.retrieval.fields` (the ones the metadata CSV and the command
+line use) before any work; a value outside them is a 422 naming the field and
+what was expected.
 
 Security. The token is compared in constant time (:func:`hmac.compare_digest`);
 the server refuses to start without one unless ``insecure_local``, which
@@ -68,7 +72,6 @@ import hmac
 import io
 import ipaddress
 import logging
-import math
 import os
 import socket
 import threading
@@ -76,7 +79,6 @@ import time
 import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence
@@ -97,6 +99,7 @@ except ImportError as exc:  # the options and checks still work; serving says wh
 
 from fedreid.errors import FedReIDError
 from fedreid.eval.export import BACKENDS
+from fedreid.retrieval import fields as field_rules
 
 if TYPE_CHECKING:
     from fedreid.eval.model_io import LoadedModel
@@ -287,53 +290,6 @@ def _parse_int(value: str, name: str, low: Optional[int] = None, high: Optional[
     if number is None or (low is not None and number < low) or (high is not None and number > high):
         raise _RequestError(422, f"{name} must be an integer{bounds}, got {value[:40]!r}")
     return number
-
-
-def _parse_time(value: str, name: str) -> float:
-    text = value.strip()
-    try:
-        number = float(text)
-    except ValueError:
-        number = None
-    if number is not None:
-        if not math.isfinite(number):
-            raise _RequestError(422, f"{name} must be a finite number or an ISO 8601 date-time, got {value[:40]!r}")
-        return number
-    try:
-        when = datetime.fromisoformat(text[:-1] + "+00:00" if text.endswith(("Z", "z")) else text)
-    except ValueError:
-        raise _RequestError(
-            422, f"{name} must be a number (the store's timestamp unit) or an ISO 8601 date-time such as "
-            f"2024-05-01T08:30 (UTC unless it names a zone), got {value[:40]!r}"
-        ) from None
-    if when.tzinfo is None:
-        when = when.replace(tzinfo=timezone.utc)
-    return when.timestamp()
-
-
-def _parse_cameras(value: str) -> Optional[list[int]]:
-    parts = [p.strip() for p in value.split(",") if p.strip()]
-    if not parts:
-        return None
-    try:
-        return [int(p) for p in parts]
-    except ValueError:
-        raise _RequestError(422, f"cameras must be comma-separated integers such as 0,2, got {value[:60]!r}") from None
-
-
-def _parse_sites(value: str) -> Optional[list[str]]:
-    parts = [p.strip() for p in value.split(",") if p.strip()]
-    return parts or None
-
-
-def _parse_identity(value: str) -> Any:
-    text = value.strip()
-    if not text:
-        return None
-    try:
-        return int(text)
-    except ValueError:
-        return text[:200]
 
 
 def _parse_item_id(value: str) -> int:
@@ -728,6 +684,10 @@ def create_app(
     async def _on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         return error(422, "; ".join(str(e.get("msg")) for e in exc.errors()) or "invalid request")
 
+    @app.exception_handler(field_rules.GalleryMetadataError)
+    async def _on_field_error(request: Request, exc: field_rules.GalleryMetadataError) -> JSONResponse:
+        return error(422, str(exc))
+
     @app.exception_handler(GalleryStoreError)
     async def _on_store_error(request: Request, exc: GalleryStoreError) -> JSONResponse:
         return error(409, str(exc).replace(str(service.store.folder), "<store>"))
@@ -796,16 +756,14 @@ def create_app(
         fields = await read_form(request, _SEARCH_FIELDS)
         k = _parse_int(fields["k"], "k", 1, service.max_k) if fields.get("k", "").strip() else DEFAULT_K
         filters: dict[str, Any] = {}
-        if "cameras" in fields and (cams := _parse_cameras(fields["cameras"])) is not None:
+        if "cameras" in fields and (cams := field_rules.camera_list(fields["cameras"], "cameras")) is not None:
             filters["cameras"] = cams
-        if "sites" in fields and (sites := _parse_sites(fields["sites"])) is not None:
+        if "sites" in fields and (sites := field_rules.site_list(fields["sites"], "sites")) is not None:
             filters["sites"] = sites
-        since = _parse_time(fields["since"], "since") if fields.get("since", "").strip() else None
-        until = _parse_time(fields["until"], "until") if fields.get("until", "").strip() else None
-        if since is not None and until is not None and since > until:
-            raise _RequestError(422, f"since ({fields['since']}) is after until ({fields['until']}): expected since <= until")
-        if since is not None or until is not None:
-            filters["time_window"] = (since, until)
+        window = field_rules.time_window(fields.get("since", "").strip() or None,
+                                         fields.get("until", "").strip() or None)
+        if window is not None:
+            filters["time_window"] = window
         has_item = bool(fields.get("item", "").strip())
         if ("image" in fields) == has_item:
             raise _RequestError(422, "give either an 'image' file or an 'item' id to search with (exactly one)")
@@ -845,15 +803,9 @@ def create_app(
         fields = await read_form(request, _ITEM_FIELDS)
         if "image" not in fields:
             raise _RequestError(422, "field 'image' (a JPEG, PNG or BMP file) is required")
+        given = {key: fields[key] for key in ("camera", "site", "timestamp", "identity") if fields.get(key, "").strip()}
         meta: dict[str, Any] = {"camera": None, "site": None, "timestamp": None, "identity": None}
-        if fields.get("camera", "").strip():
-            meta["camera"] = _parse_int(fields["camera"], "camera", -(2**31), 2**31 - 1)
-        if fields.get("site", "").strip():
-            meta["site"] = fields["site"].strip()[:200]
-        if fields.get("timestamp", "").strip():
-            meta["timestamp"] = _parse_time(fields["timestamp"], "timestamp")
-        if "identity" in fields:
-            meta["identity"] = _parse_identity(fields["identity"])
+        meta.update(field_rules.item_values(given, "the new item"))  # empty fields: unknown
         row = await run_in_threadpool(service.add, fields["image"], meta)
         return json_response(_result_item(row), status=201)
 

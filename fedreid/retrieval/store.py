@@ -113,6 +113,7 @@ import numpy as np
 
 from fedreid.errors import FedReIDError
 from fedreid.eval.filecheck import check_recorded_file, describe_kind, file_kind, read_format_header, sha256_file
+from fedreid.retrieval import fields
 from fedreid.utils.io import (
     claim_output_dir,
     marker_path,
@@ -409,14 +410,8 @@ def _normalise_rows(rows: Sequence[Mapping[str, Any]], n: int) -> list[tuple]:
         unknown = set(row) - set(_COLUMNS[1:])
         if unknown:
             raise GalleryStoreError(f"metadata row {i} has unknown fields {sorted(unknown)}")
-        camera, ts = row.get("camera"), row.get("timestamp")
-        out.append((
-            path,
-            None if camera is None else int(camera),
-            None if row.get("site") is None else str(row["site"]),
-            None if ts is None else float(ts),
-            row.get("identity"),
-        ))
+        checked = fields.item_values(row, f"metadata row {i} ({path})")
+        out.append((path, *(checked.get(key) for key in ("camera", "site", "timestamp", "identity"))))
     return out
 
 
@@ -657,28 +652,30 @@ class GalleryStore:
     ) -> Optional[np.ndarray]:
         """Sorted ids of the items passing the filters (None when no filter is given).
 
-        ``time_window``: ``(since, until)`` in the table's timestamp unit, either
+        ``time_window``: ``(since, until)`` in seconds since the epoch, either
         end None for open; both ends inclusive; items without a timestamp fail any window.
+        Values outside the rules of :mod:`fedreid.retrieval.fields` raise
+        :class:`~fedreid.retrieval.fields.GalleryMetadataError` (a camera of 2**70 names no camera).
         """
         where, args = [], []
         if cameras is not None:
-            cams = [int(c) for c in cameras]
+            cams = fields.camera_list(cameras, "cameras filter")
             where.append(f"camera IN ({','.join('?' * len(cams))})" if cams else "0")
             args += cams
         if sites is not None:
-            ss = [str(s) for s in sites]
+            ss = fields.site_list(sites, "sites filter")
             where.append(f"site IN ({','.join('?' * len(ss))})" if ss else "0")
             args += ss
         if time_window is not None:
-            since, until = time_window
-            if since is not None:
-                where.append("timestamp >= ?")
-                args.append(float(since))
-            if until is not None:
-                where.append("timestamp <= ?")
-                args.append(float(until))
-            if since is None and until is None:
+            since, until = tuple(time_window)
+            window = fields.time_window(since, until, "time window ")
+            if window is None:
                 where.append("timestamp IS NOT NULL")
+            else:
+                for bound, value in zip(("timestamp >= ?", "timestamp <= ?"), window):
+                    if value is not None:
+                        where.append(bound)
+                        args.append(value)
         if not where:
             return None
         with _connect_ro(self.folder / DB_FILE) as conn:
