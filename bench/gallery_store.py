@@ -19,7 +19,11 @@ queries from the same distribution. For each factory, a
 * x exact  - both throughputs over the first factory's (list Flat first);
 * q/s cold - with ``--refine``: single-thread queries per second right after the
              store is reopened and ``vectors.npy`` is dropped from the page cache
-             (``posix_fadvise(DONTNEED)``), so re-scoring reads its rows from disk.
+             (``posix_fadvise(DONTNEED)``), so re-scoring reads its rows from disk;
+* remove   - with ``--remove N``: one more line per factory, the seconds of
+             ``GalleryStore.remove`` of N seeded items (the whole update: index,
+             vectors, table, files) and recall@10 at the tuned parameters after it
+             (unchanged when every item keeps its id).
 
     python bench/gallery_store.py                      # 100,000 x 512
     python bench/gallery_store.py --n 1000000          # the full run
@@ -115,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--refine", type=int, default=1, metavar="R",
                    help="PQ factories: re-score the top R*10 exactly from the stored vectors (GalleryStore refine)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--remove", type=int, default=0, metavar="N",
+                   help="also time the removal of N seeded items and the recall after it (default 0: not timed)")
     args = p.parse_args(argv)
 
     rng = np.random.default_rng(args.seed)
@@ -164,6 +170,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{factory:<22} {build:>8.1f} {size_mb:>9.1f} {default:>10.3f} {chosen:>16} "
                   f"{tuned['recall']:>10.3f} {held_out:>9.3f} {qps1:>9.0f} {qpsb:>10.0f} {speedup:>12} "
                   f"{cold:>9}", flush=True)
+            if args.remove > 0:
+                gone = np.random.default_rng(args.seed + 1).choice(store.ids, min(args.remove, store.ntotal - 1),
+                                                                   replace=False)
+                t0 = time.perf_counter()
+                store.remove(gone.tolist())
+                removal = time.perf_counter() - t0
+                after = store.recall(args.sample, 10, args.seed)["recall"]
+                print(f"{'':<22} remove {gone.size}: {removal:.2f} s; recall@10 after {after:.3f} "
+                      f"(before {tuned['recall']:.3f})", flush=True)
     return 0
 
 
