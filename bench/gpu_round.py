@@ -4,8 +4,8 @@ Four sections, each printed as soon as it is measured:
 
 (a) ceilings: a bare IDE train step (ResNet-50 -> 512 bottleneck -> ids) on
     random tensors, at two batch sizes, in fp32, TF32 and bf16+channels-last;
-(b) one client's ``Client.fit`` against a bare data-inclusive loop (the same
-    images, transform, workers and precision; persistent pinned workers,
+(b) one client's ``Client.fit`` against a bare data-inclusive loop (the
+    synthetic world's Market-1501 client: the same images, transform, workers and precision; persistent pinned workers,
     non-blocking copies): img/s of each and their ratio;
 (c) FedPav rounds of the synthetic nine-dataset world with CDW and KD, for
     several ``run.concurrent_clients``: aggregate training img/s and seconds
@@ -43,10 +43,8 @@ from round_time import prepare_synthetic  # noqa: E402
 
 from fedreid.config import load_config  # noqa: E402
 from fedreid.data.datasets import ReIDImageDataset  # noqa: E402
-from fedreid.data.prepared import load_prepared, prepare_dataset  # noqa: E402
-from fedreid.data.raw import create_raw_dataset  # noqa: E402
+from fedreid.data.prepared import load_prepared  # noqa: E402
 from fedreid.data.scenarios import by_dataset  # noqa: E402
-from fedreid.data.synthetic import generate_world  # noqa: E402
 from fedreid.data.transforms import build_train_transform  # noqa: E402
 from fedreid.fl.client import Client  # noqa: E402
 from fedreid.fl.simulation import run_simulation  # noqa: E402
@@ -54,11 +52,12 @@ from fedreid.models.reid import create_reid_model, replace_classifier, shared_st
 from fedreid.utils.precision import Precision, resolve_precision, set_tf32  # noqa: E402
 
 SCALES = {
-    # backbone, height, width, batch sizes of (a), steps of (a), synthetic id_scale of (b)
-    "tiny": dict(backbone="resnet18", height=64, width=32, batches=(4, 8), steps=2, id_scale=0.05,
-                 eval=(300, 2000, 128)),
-    "full": dict(backbone="resnet50", height=256, width=128, batches=(32, 128), steps=20, id_scale=0.3,
-                 eval=(11659, 82161, 512)),
+    # backbone, input size, batch sizes and steps of (a), batch and synthetic world
+    # id_scale of (c) (the smallest of the nine clients must hold a batch), problem size of (d)
+    "tiny": dict(backbone="resnet18", height=64, width=32, batches=(4, 8), steps=2,
+                 round_batch=16, world_scale=0.04, eval=(300, 2000, 128)),
+    "full": dict(backbone="resnet50", height=256, width=128, batches=(32, 128), steps=20,
+                 round_batch=32, world_scale=0.17, eval=(11659, 82161, 512)),
 }
 
 
@@ -154,10 +153,9 @@ def bare_loop(model: nn.Module, dataset, batch: int, workers: int, precision: Pr
 
 def section_client(device: torch.device, s: dict[str, Any], tmp: Path, workers: int, precision_name: str,
                    repeats: int = 3) -> None:
-    raw, out = tmp / "b-raw", tmp / "b-prepared"
-    generate_world(raw, datasets=["market1501"], id_scale=s["id_scale"], height=s["height"], width=s["width"])
-    prepare_dataset(create_raw_dataset("market1501", raw), out, progress=False)
-    split = by_dataset([load_prepared(out, "market1501")], "train_all")[0]
+    """(b) on the world's Market-1501 client."""
+    ensure_world(s, tmp)
+    split = by_dataset([load_prepared(tmp / "c-prepared", "market1501")], "train_all")[0]
     cfg = load_config(None, [
         f"model.backbone={s['backbone']}", f"model.height={s['height']}", f"model.width={s['width']}",
         "model.pretrained=null", "train.batch_size=32", f"train.workers={workers}",
@@ -199,10 +197,11 @@ def section_client(device: torch.device, s: dict[str, Any], tmp: Path, workers: 
 
 # --------------------------------------------------------------------------- (c)
 
-def round_config(s: dict[str, Any], tmp: Path, overrides: list[str]):
+def round_config(s: dict[str, Any], tmp: Path, overrides: list[str], world: str = "c"):
+    """The demo config at the scale's model; ``world`` names the synthetic world's folders."""
     return load_config("configs/fedreid/demo_synthetic.yaml", [
-        f"data.raw_root={tmp / 'c-raw'}", f"synthetic.root={tmp / 'c-raw'}",
-        f"data.prepared_root={tmp / 'c-prepared'}", f"run.out_dir={tmp / 'c-run'}",
+        f"data.raw_root={tmp / (world + '-raw')}", f"synthetic.root={tmp / (world + '-raw')}",
+        f"data.prepared_root={tmp / (world + '-prepared')}", f"run.out_dir={tmp / (world + '-run')}",
         f"model.backbone={s['backbone']}", "model.pretrained=null",
         f"model.height={s['height']}", f"model.width={s['width']}", "run.tensorboard=false", *overrides,
     ])
@@ -225,11 +224,23 @@ def phase_row(record: dict[str, Any]) -> dict[str, float]:
             "gpu_peak_client_GiB": max((m.get("gpu_peak_bytes", 0) for m in metrics), default=0) / 2**30}
 
 
+def world_overrides(s: dict[str, Any]) -> list[str]:
+    return [f"synthetic.id_scale={s['world_scale']}", f"data.workers={min(8, os.cpu_count() or 1)}"]
+
+
+def ensure_world(s: dict[str, Any], tmp: Path) -> None:
+    """The synthetic nine-dataset world of (b) and (c), generated and prepared once."""
+    if not (tmp / "c-prepared").is_dir():
+        t0 = time.perf_counter()
+        prepare_synthetic(round_config(s, tmp, world_overrides(s)))
+        say(f"    [synthetic world at id_scale {s['world_scale']}: {time.perf_counter() - t0:.0f} s]")
+
+
 def section_rounds(device: torch.device, s: dict[str, Any], tmp: Path, concurrent: list[int], workers_total: int,
                    precision_name: str) -> None:
-    base = round_config(s, tmp, [])
-    prepare_synthetic(base)
-    batch = 32
+    world = world_overrides(s)
+    ensure_world(s, tmp)
+    batch = s["round_batch"]
     say(f"(c) FedPav + CDW + KD rounds on the synthetic nine-dataset world: {s['backbone']} "
         f"{s['height']}x{s['width']}, batch {batch}, precision {precision_name}; round 2 of 2 (KD and evaluation "
         "in it), round 1 is warm-up")
@@ -240,7 +251,7 @@ def section_rounds(device: torch.device, s: dict[str, Any], tmp: Path, concurren
     for n, deterministic in runs:
         workers = max(1, min(8, workers_total // n))
         cfg = round_config(s, tmp, [
-            f"train.batch_size={batch}", f"train.workers={workers}", f"train.precision={precision_name}",
+            *world, f"train.batch_size={batch}", f"train.workers={workers}", f"train.precision={precision_name}",
             f"run.device={device.type}", f"run.concurrent_clients={n}", f"run.deterministic={deterministic}",
             "fl.rounds=2", "fl.kd_every=2", "eval.every=2", f"run.out_dir={tmp / f'c-run-{n}-{deterministic}'}",
         ])
@@ -263,17 +274,19 @@ def section_rounds(device: torch.device, s: dict[str, Any], tmp: Path, concurren
         say(f"    {n:>9} {str(deterministic):>9} {rate:>9,.0f} " + " ".join(f"{v:>9.2f}" for v in vals)
             + f" {peak:>9.2f} {history[-1]['train_loss']:.10f} {m_ap:.10f}")
     best = concurrent[-1]
+    demo = round_config(s, tmp, [], world="demo")  # the demo's own world and batch size
+    prepare_synthetic(demo)
     cfg = round_config(s, tmp, [
         f"train.workers={max(1, min(8, workers_total // best))}", f"train.precision={precision_name}",
-        f"run.device={device.type}", f"run.concurrent_clients={best}", f"run.out_dir={tmp / 'c-demo'}",
-        "fl.rounds=3",
-    ])
+        f"run.device={device.type}", f"run.concurrent_clients={best}", "fl.rounds=3",
+    ], world="demo")
     t0 = time.perf_counter()
     history = run_simulation(cfg, cfg.run.out_dir, progress=False)
     wall = time.perf_counter() - t0
     ev = history[-1].get("eval", {})
     r1 = statistics.mean(v["rank1"] for v in ev.values()) if ev else float("nan")
-    say(f"    demo world, 3 rounds (CDW, KD at round 3, evaluation at round 3), concurrent_clients={best}, "
+    say(f"    demo world ({sum(int(m.get('steps', 0)) for m in history[-1]['client_metrics'].values())} steps a "
+        f"round), 3 rounds (CDW, KD at round 3, evaluation at round 3), concurrent_clients={best}, "
         f"batch {cfg.train.batch_size}: {wall:.1f} s end to end (goal < 60 s on a GPU); mean Rank-1 {r1:.3f}")
 
 
@@ -319,7 +332,10 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="fedreid-gpu-round-") as tmp:
         for key in args.sections:
             t0 = time.perf_counter()
-            sections[key](Path(tmp))
+            try:
+                sections[key](Path(tmp))
+            except Exception as exc:  # one failed section must not cost the others' figures
+                say(f"    section {key} failed: {type(exc).__name__}: {exc}")
             say(f"    [{key}: {time.perf_counter() - t0:.0f} s]")
     return 0
 
