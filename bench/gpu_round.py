@@ -55,9 +55,9 @@ SCALES = {
     # backbone, input size, batch sizes and steps of (a), batch and synthetic world
     # id_scale of (c) (the smallest of the nine clients must hold a batch), problem size of (d)
     "tiny": dict(backbone="resnet18", height=64, width=32, batches=(4, 8), steps=2,
-                 round_batch=16, world_scale=0.04, eval=(300, 2000, 128)),
+                 round_batch=16, world_scale=0.04, min_ids=20, eval=(300, 2000, 128)),
     "full": dict(backbone="resnet50", height=256, width=128, batches=(32, 128), steps=20,
-                 round_batch=32, world_scale=0.17, eval=(11659, 82161, 512)),
+                 round_batch=32, world_scale=0.17, min_ids=48, eval=(11659, 82161, 512)),
 }
 
 
@@ -225,7 +225,8 @@ def phase_row(record: dict[str, Any]) -> dict[str, float]:
 
 
 def world_overrides(s: dict[str, Any]) -> list[str]:
-    return [f"synthetic.id_scale={s['world_scale']}", f"data.workers={min(8, os.cpu_count() or 1)}"]
+    return [f"synthetic.id_scale={s['world_scale']}", f"synthetic.min_ids={s['min_ids']}",
+            f"data.workers={min(8, os.cpu_count() or 1)}"]
 
 
 def ensure_world(s: dict[str, Any], tmp: Path) -> None:

@@ -99,8 +99,13 @@ def test_mixed_precision_on_cuda_trains_fp32_channels_last_parameters(name):
     conv = model.backbone[0].weight
     assert conv.dtype == torch.float32 and conv.is_contiguous(memory_format=torch.channels_last)
     assert mixed.steps == plain.steps and mixed.loss == pytest.approx(plain.loss, rel=0.05)
+    # fp16's GradScaler starts at scale 2^16 and skips the first steps whose scaled gradients
+    # overflow while it calibrates, so its weights trail fp32's by those steps (up to 0.044 seen
+    # on an H200); bf16 needs no scaler and tracks fp32 to its own resolution
+    atol = 0.1 if name == "fp16" else 0.02
     for p, q in zip(reference.parameters(), model.parameters()):
-        torch.testing.assert_close(p, q.cpu(), rtol=0.05, atol=0.02)
+        assert torch.isfinite(q).all()
+        torch.testing.assert_close(p, q.cpu(), rtol=0.05, atol=atol)
 
 
 @pytest.mark.gpu
