@@ -164,3 +164,18 @@ def test_a_run_folder_holding_a_users_files_is_refused_untouched(tmp_path):
     with pytest.raises(OutputDirError, match=r"seed0 holds files reproduce did not write \(report.md\)"):
         run_table(table, [0], out=tmp_path / "runs", rounds=1)
     assert [p.name for p in seed0.iterdir()] == ["report.md"] and (seed0 / "report.md").read_text() == "my own report"
+
+
+def test_the_docs_name_exactly_the_rows_that_are_not_implemented():
+    import re
+    from pathlib import Path
+
+    from fedreid.reproduce.tables import NOT_IMPLEMENTED, TABLES
+
+    text = " ".join((Path(__file__).parents[1] / "docs" / "reproducing.md").read_text().split())
+    listed = re.search(r"A baseline fedreid does not implement \(([^)]*)\)", text)
+    assert listed is not None
+    named = {name.strip() for name in listed.group(1).split(",")}
+    missing = {row.label for table in TABLES.values() for row in table.rows
+               if row.cells and all(cell.missing == NOT_IMPLEMENTED for cell in row.cells)}
+    assert named == missing
