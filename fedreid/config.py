@@ -295,7 +295,8 @@ class FLConfig:
     cdw_mode: Literal["eval", "train"] = "eval"
     #: Public-set knowledge distillation on the server (Algorithm 2).
     kd: bool = False
-    #: KD after rounds ``kd_every``, ``2 kd_every``, ... (the reference: 10).
+    #: KD after rounds ``kd_every``, ``2 kd_every``, ... (the official code, ``main.py:train``: 10;
+    #: Algorithm 2 distils in every round: 1).
     kd_every: int = 10
     #: Learning rate of the server's distillation pass (the reference: 5e-4).
     kd_lr: float = 5e-4
