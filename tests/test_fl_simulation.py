@@ -273,3 +273,29 @@ def test_bn_first_takes_the_first_sampled_client_not_client_zero(world):
     assert record["clients"][0] == fed.clients[1].name
     after = bn_buffers(fed.server.global_state)
     assert states_equal(after, bn_buffers(_shifted_bn(before, 20.0)))
+
+
+def test_local_baseline_is_one_continuous_run_whose_lr_schedule_fires(world, tmp_path):
+    # Appendix A.1's StepLR (here step 2, gamma 0.1) over each client's own epochs: local
+    # training decays at epoch 2 (0-based epoch 1, the reference's scheduler.step() at the
+    # start of each epoch), FedPav's fresh optimizer per round never does.
+    step = ["train.lr_step_size=2", "train.lr=0.05", "fl.rounds=3", "eval.every=3", "eval.local_models=false"]
+    local = run_simulation(tiny_config(world, step + ["fl.mode=local"]), tmp_path / "local", progress=False)
+    fed = run_simulation(tiny_config(world, step), tmp_path / "fed", progress=False)
+    for client in ("dsa", "dsb"):
+        lrs = [rec["client_metrics"][client]["lr"] for rec in local]
+        assert lrs == pytest.approx([0.05, 0.005, 0.005])
+        assert [rec["client_metrics"][client]["lr"] for rec in fed] == pytest.approx([0.05] * 3)
+    ckpt = load_checkpoint(tmp_path / "local" / "checkpoint.pt")
+    momentum = ckpt["clients"]["dsa"]["optimizer"]["state"]
+    assert momentum and all(torch.isfinite(s["momentum_buffer"]).all() for s in momentum.values())
+    assert load_checkpoint(tmp_path / "fed" / "checkpoint.pt")["clients"]["dsa"]["optimizer"] is None
+
+    def killer(event, info):
+        if event == "round_end" and info["round"] == 0:
+            raise Kill()
+
+    with pytest.raises(Kill):
+        run_simulation(tiny_config(world, step + ["fl.mode=local"]), tmp_path / "killed", progress=False,
+                       callbacks=[killer])
+    assert strip_time(resume(tmp_path / "killed", progress=False)) == strip_time(local)

@@ -12,9 +12,13 @@ What persists across rounds (and goes into :meth:`state_dict`): the private
 head, the client's BatchNorm statistics under ``fl.bn=local``, the state of
 its objective (``train.objective``: SCAFFOLD's ``c_i``, FedDyn's gradient
 term, MOON's previous model; see :mod:`fedreid.fl.local.objectives`) and the
-count of rounds trained. No optimizer state persists: the reference builds a new
-optimizer and scheduler in every ``Client.train`` call (``client.py``), see
-:mod:`fedreid.fl.local.sgd`.
+count of rounds trained. In federated mode no optimizer state persists: the
+reference builds a new optimizer and scheduler in every ``Client.train`` call
+(``client.py``), see :mod:`fedreid.fl.local.sgd`. The local-training baseline
+(``fl.mode=local``) is one continuous run per client, as training a dataset
+alone is (appendix A.1: step size 40, gamma 0.1 over the run's epochs): its
+optimizer state persists too and the LR schedule counts the client's epochs
+across rounds.
 
 Randomness: everything random in a client's round (shuffle, augmentation,
 dropout, the CDW batch) is seeded from ``(run seed, round, client index)`` via
@@ -123,6 +127,8 @@ class Client:
         self.head: Optional["OrderedDict[str, Tensor]"] = None
         self.bn_state: Optional["OrderedDict[str, Tensor]"] = None
         self.rounds_trained = 0
+        #: ``fl.mode=local``: the optimizer's state after the client's last round (CPU tensors).
+        self.optimizer_state: Optional[dict[str, Any]] = None
         self._objective: Optional[LocalObjective] = None
         self._train_transform = None
         self._train_dataset = None
@@ -278,11 +284,16 @@ class Client:
             objective.begin_round(
                 model, payload, round_index=round_index, payload=instructions.get(OBJECTIVE_PAYLOAD)
             )
+        continuous = self.cfg.fl.mode == "local"
         with forked_torch_rng(derive_seed(seed, "dropout"), self.device):
             result: LocalResult = train_local(
                 model, epoch_loader, self.cfg.train, device=self.device, objective=objective,
                 lr_scale=self.cfg.train.lr_round_decay ** round_index, precision=self.precision,
+                first_epoch=self.rounds_trained * self.cfg.train.local_epochs if continuous else 0,
+                continue_from=self.optimizer_state if continuous else None,
             )
+        if continuous and result.optimizer is not None:
+            self.optimizer_state = cpu_state(result.optimizer.state_dict())
         metadata: dict[str, Any] = {
             "train_loss": result.loss,
             "train_acc": result.accuracy,
@@ -341,6 +352,7 @@ class Client:
             "head": clone_state(self.head) if self.head is not None else None,
             "bn_state": clone_state(self.bn_state) if self.bn_state is not None else None,
             "objective": self.objective.state_dict() if self.objective is not None else {},
+            "optimizer": cpu_state(self.optimizer_state) if self.optimizer_state is not None else None,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -354,10 +366,22 @@ class Client:
         self.rounds_trained = int(state["rounds_trained"])
         self.head = clone_state(state["head"]) if state.get("head") is not None else None
         self.bn_state = clone_state(state["bn_state"]) if state.get("bn_state") is not None else None
+        self.optimizer_state = cpu_state(state["optimizer"]) if state.get("optimizer") is not None else None
         if self.objective is not None:
             self.objective.load_state_dict(state.get("objective", {}))
         elif state.get("objective"):
             raise ClientError(f"client {self.name!r}: the checkpoint has objective state, train.objective is fedavg")
+
+
+def cpu_state(value: Any) -> Any:
+    """A deep copy of an optimizer ``state_dict`` (nested dicts and lists) with CPU tensors."""
+    if isinstance(value, Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {k: cpu_state(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(cpu_state(v) for v in value)
+    return value
 
 
 def kd_mode(cfg: Config) -> str:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Optional
 
 import torch
 from torch import nn
@@ -48,6 +48,8 @@ class LocalResult:
     epoch_losses: list[float] = field(default_factory=list)
     lrs: list[float] = field(default_factory=list)
     seconds: float = 0.0
+    #: The optimizer after the last step (``continue_from`` of a continuous run's next call).
+    optimizer: Optional[torch.optim.Optimizer] = None
 
 
 def epoch_lr_scale(epoch: int, step_size: int = 40, gamma: float = 0.1) -> float:
@@ -102,6 +104,8 @@ def train_local(
     objective: Optional["LocalObjective"] = None,
     lr_scale: float = 1.0,
     precision: Precision = FP32,
+    first_epoch: int = 0,
+    continue_from: Optional[Mapping[str, Any]] = None,
 ) -> LocalResult:
     """``cfg.local_epochs`` epochs of SGD on ``model``'s logits.
 
@@ -114,6 +118,13 @@ def train_local(
     caller has already run; its ``before_step``/``after_step`` wrap every
     optimizer step). ``LocalResult.loss`` is always the full objective.
     ``lr_scale`` multiplies every learning rate (the per-round decay).
+
+    One continuous run over several calls (the local-training baseline,
+    appendix A.1: one optimizer and one StepLR schedule across all epochs):
+    ``first_epoch`` is the run's epoch count before this call (the schedule
+    reads ``first_epoch + e``) and ``continue_from`` the ``state_dict()`` of
+    the previous call's ``LocalResult.optimizer`` (momentum buffers). Both
+    default to a fresh start, FedPav's client.
 
     ``precision`` (:mod:`fedreid.utils.precision`): forward and loss run
     under its autocast, gradients are unscaled before the objective's
@@ -129,6 +140,8 @@ def train_local(
     model.to(device).train()
     precision.prepare_model(model)
     optimizer = build_optimizer(model, cfg, lr_scale)
+    if continue_from is not None:
+        optimizer.load_state_dict(dict(continue_from))
     scaler = precision.grad_scaler()
     criterion = nn.CrossEntropyLoss()
     check_each_step = device.type == "cpu"
@@ -137,7 +150,7 @@ def train_local(
     total_images = steps = 0
     result = LocalResult(0.0, 0.0, 0, 0)
     for epoch in range(cfg.local_epochs):
-        scale = epoch_lr_scale(epoch, cfg.lr_step_size, cfg.lr_gamma)
+        scale = epoch_lr_scale(first_epoch + epoch, cfg.lr_step_size, cfg.lr_gamma)
         for group in optimizer.param_groups:
             group["lr"] = group["base_lr"] * scale
         result.lrs.append(cfg.lr * lr_scale * scale)
@@ -190,6 +203,7 @@ def train_local(
     result.loss = total_loss / total_images if total_images else float("nan")
     result.accuracy = float(total_correct) / total_images if total_images else float("nan")
     result.seconds = time.perf_counter() - started
+    result.optimizer = optimizer
     return result
 
 
