@@ -299,3 +299,9 @@ def test_local_baseline_is_one_continuous_run_whose_lr_schedule_fires(world, tmp
         run_simulation(tiny_config(world, step + ["fl.mode=local"]), tmp_path / "killed", progress=False,
                        callbacks=[killer])
     assert strip_time(resume(tmp_path / "killed", progress=False)) == strip_time(local)
+    # a per-round decay still applies on top of the carried-over optimizer
+    decayed = run_simulation(tiny_config(world, step + ["fl.mode=local", "train.lr_round_decay=0.5"]),
+                             tmp_path / "decayed", progress=False)
+    assert [rec["client_metrics"]["dsa"]["lr"] for rec in decayed] == pytest.approx([0.05, 0.0025, 0.00125])
+    groups = load_checkpoint(tmp_path / "decayed" / "checkpoint.pt")["clients"]["dsa"]["optimizer"]["param_groups"]
+    assert [g["lr"] for g in groups] == pytest.approx([0.000125, 0.00125])  # backbone at 0.1 x, the rest at lr

@@ -141,7 +141,11 @@ def train_local(
     precision.prepare_model(model)
     optimizer = build_optimizer(model, cfg, lr_scale)
     if continue_from is not None:
+        # the momentum buffers carry over; this round's learning rates (lr_scale) stay
+        base_lrs = [group["base_lr"] for group in optimizer.param_groups]
         optimizer.load_state_dict(dict(continue_from))
+        for group, base_lr in zip(optimizer.param_groups, base_lrs):
+            group["base_lr"] = base_lr
     scaler = precision.grad_scaler()
     criterion = nn.CrossEntropyLoss()
     check_each_step = device.type == "cpu"
