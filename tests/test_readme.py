@@ -200,8 +200,8 @@ def _config_keys(cls: type = Config, prefix: str = "") -> set[str]:
 def _mentioned_keys(text: str) -> set[str]:
     hints = typing.get_type_hints(Config)
     sections = "|".join(f.name for f in dataclasses.fields(Config) if dataclasses.is_dataclass(hints[f.name]))
-    inline = re.findall(rf"`((?:{sections})\.[a-z_]+)", text)  # `fl.cdw`, `data.workers=4`, `fl.hooks: [...]`
-    overrides = re.findall(rf"(?<![\w./-])((?:{sections})\.[a-z_]+)=", text)  # data.workers=4 in commands
+    inline = re.findall(rf"`((?:{sections})\.[a-z][a-z0-9_]*)", text)  # `fl.cdw`, `data.workers=4`, `fl.hooks: [...]`
+    overrides = re.findall(rf"(?<![\w./-])((?:{sections})\.[a-z][a-z0-9_]*)=", text)  # data.workers=4 in commands
     return set(inline) | set(overrides)
 
 
