@@ -1035,6 +1035,15 @@ def _inner_ids_match_positions(index: Any) -> bool:
     if int(ivf.ntotal) != n:
         return False
     seen = np.zeros(n, dtype=bool)
+    for inner in _inner_id_lists(ivf):
+        if inner.min() < 0 or inner.max() >= n or seen[inner].any():
+            return False
+        seen[inner] = True
+    return bool(seen.all())
+
+
+def _inner_id_lists(ivf: Any) -> Iterator[np.ndarray]:
+    """Each non-empty inverted list's inner ids, as a writable view released after its turn."""
     lists = ivf.invlists
     for list_no in range(int(ivf.nlist)):
         size = int(lists.list_size(list_no))
@@ -1042,13 +1051,9 @@ def _inner_ids_match_positions(index: Any) -> bool:
             continue
         pointer = lists.get_ids(list_no)
         try:
-            inner = faiss.rev_swig_ptr(pointer, size)
-            if inner.min() < 0 or inner.max() >= n or seen[inner].any():
-                return False
-            seen[inner] = True
+            yield faiss.rev_swig_ptr(pointer, size)
         finally:
             lists.release_ids(list_no, pointer)
-    return bool(seen.all())
 
 
 def _renumber_inner_ids(ivf: Any, kept: np.ndarray) -> None:
@@ -1060,17 +1065,8 @@ def _renumber_inner_ids(ivf: Any, kept: np.ndarray) -> None:
     are rewritten in place (a writable view of each list's id array): O(items).
     """
     new_position = np.cumsum(kept, dtype=np.int64) - 1
-    lists = ivf.invlists
-    for list_no in range(int(ivf.nlist)):
-        size = int(lists.list_size(list_no))
-        if not size:
-            continue
-        pointer = lists.get_ids(list_no)
-        try:
-            inner = faiss.rev_swig_ptr(pointer, size)
-            inner[:] = new_position[inner]
-        finally:
-            lists.release_ids(list_no, pointer)
+    for inner in _inner_id_lists(ivf):
+        inner[:] = new_position[inner]
 
 
 def _index_without(index: Any, kind: str, gone: np.ndarray, vectors: np.ndarray, ids: np.ndarray) -> Any:
