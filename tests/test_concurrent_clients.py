@@ -125,7 +125,18 @@ class FakeClient:
         if self.how == "die":
             os.kill(os.getpid(), signal.SIGKILL)
         self.calls += 1
-        return Update(self.name, {"w": payload["w"] + 1}, 3, {"train_loss": 0.5})
+        return Update(self.name, {"w": payload["w"] + 1}, 3, {"train_loss": 0.5, "pid": os.getpid()})
+
+
+def test_a_client_goes_back_to_the_worker_that_trained_it_last():
+    # its loader workers live there; the round's order alone would swap them
+    clients = [FakeClient("a", "train"), FakeClient("b", "train")]
+    payload = {"w": torch.zeros(2)}
+    with ClientPool(load_config(None, ["run.device=cpu"]), clients, torch.nn.Linear(1, 1), processes=2) as pool:
+        first = {u.client: u.metadata["pid"] for u in pool.fit_round([0, 1], lambda k: payload, {"round": 0})}
+        second = {u.client: u.metadata["pid"] for u in pool.fit_round([1, 0], lambda k: payload, {"round": 1})}
+    assert len(set(first.values())) == 2 and second == first
+    assert [c.calls for c in clients] == [2, 2]
 
 
 def test_failing_and_dying_clients_are_reported_naming_the_client():

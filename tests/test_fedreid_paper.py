@@ -313,10 +313,10 @@ def kd_round(world, tmp_path, mode, monkeypatch):
     built = []
     original = ORIGINAL_PUBLIC_LOADER  # not the attribute: an earlier call's patch may still be in place
 
-    def recording(records, cfg, *, shuffle, seed=0):
-        loader = original(records, cfg, shuffle=shuffle, seed=seed)
+    def recording(records, cfg, *, shuffle, seed=0, **options):
+        loader = original(records, cfg, shuffle=shuffle, seed=seed, **options)
         built.append((shuffle, seed, [(b["index"].clone(), b["image"].clone()) for b in loader]))
-        return original(records, cfg, shuffle=shuffle, seed=seed)
+        return original(records, cfg, shuffle=shuffle, seed=seed, **options)
 
     monkeypatch.setattr(client_mod, "make_public_loader", recording)
     monkeypatch.setattr(federation_mod, "make_public_loader", recording)
@@ -398,3 +398,19 @@ def test_every_fedreid_config_runs_one_round_on_tiny_data(path, tmp_path):
     if cfg.fl.mode == "federated":
         assert record["weighting"] == ("cdw" if cfg.fl.cdw else "size")
         assert ("kd" in record) == cfg.fl.kd
+
+
+def test_eval_mode_public_loader_keeps_its_workers_and_gives_the_same_batches(world):
+    from fedreid.data.datasets import make_loader
+    from fedreid.fl.federation import build_federation
+
+    client = build_federation(tiny_config(world, ["fl.kd=true", "train.workers=2"])).clients[0]
+    loader = client.public_loader()
+    first = [(b["index"].clone(), b["image"].clone()) for b in loader]
+    workers = [w.pid for w in loader._iterator._workers]  # the workers of the first pass
+    again = [(b["index"].clone(), b["image"].clone()) for b in client.public_loader()]
+    assert [w.pid for w in client.public_loader()._iterator._workers] == workers
+    assert len(first) == len(again) > 1
+    assert all(torch.equal(i, j) and torch.equal(a, b) for (i, a), (j, b) in zip(first, again))
+    with pytest.raises(ValueError, match="shuffled loader cannot keep its workers"):
+        make_loader(loader.dataset, 4, shuffle=True, seed=0, num_workers=2, persistent_workers=True)

@@ -114,6 +114,12 @@ def test_check_update_names_the_problem(world):
     key = first_float_key(update)
     retyped = poisoned(update, key, update.state[key].to(torch.float64))
     assert check_update(retyped, ref) == f"{key} has dtype torch.float64, expected torch.float32"
+    # the first poisoned key of the state's order is the one named
+    floats = [k for k, v in update.state.items() if v.is_floating_point()]
+    later, last = floats[len(floats) // 2], floats[-1]
+    twice = poisoned(poisoned(update, last, torch.full_like(update.state[last], math.inf)),
+                     later, torch.full_like(update.state[later], math.nan))
+    assert check_update(twice, ref) == f"{later} holds non-finite values"
 
 
 def test_traffic_counts_scaffold_control_variates_both_ways(world):

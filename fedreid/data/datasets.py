@@ -135,13 +135,21 @@ def make_loader(
     drop_last: bool = False,
     reseed_dataset: bool = True,
     pin_memory: bool = False,
+    persistent_workers: bool = False,
 ) -> DataLoader:
     """A ``DataLoader`` whose order (and augmentations) follow ``seed`` (module docstring).
 
     ``reseed_dataset=False`` leaves the dataset's transform as the caller
     seeded it (main-process loading only; workers are always reseeded).
     ``pin_memory``: page-locked batches, for non-blocking copies to a GPU.
+    ``persistent_workers``: keep the workers between passes, for a loader
+    read many times in dataset order through a deterministic transform (every
+    pass then equals the first); a shuffled loader cannot, its later passes
+    would not follow ``seed`` (use :class:`EpochLoader`).
     """
+    if persistent_workers and shuffle:
+        raise ValueError("a shuffled loader cannot keep its workers (its next pass would not follow the seed); "
+                         "use EpochLoader")
     if seed is None:
         raise ValueError("make_loader needs an integer seed (every random choice is seeded)")
     if batch_size < 1:
@@ -156,7 +164,7 @@ def make_loader(
         num_workers=num_workers,
         generator=torch.Generator().manual_seed(int(seed)),
         worker_init_fn=seed_worker if num_workers > 0 else None,
-        persistent_workers=False,
+        persistent_workers=persistent_workers and num_workers > 0,
         pin_memory=pin_memory,
         multiprocessing_context=_worker_context(num_workers),
     )

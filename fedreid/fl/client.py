@@ -198,8 +198,11 @@ class Client:
                     f"client {self.name!r}: fl.kd_mode=train needs the round's kd_seed in the KD instructions"
                 )
             return make_public_loader(self.public_records, self.cfg, shuffle=True, seed=int(kd_seed))
-        if self._public_loader is None:
-            self._public_loader = make_public_loader(self.public_records, self.cfg, shuffle=False)
+        if self._public_loader is None:  # read every KD round: its workers stay (dataset order, test transform)
+            self._public_loader = make_public_loader(
+                self.public_records, self.cfg, shuffle=False, persistent=self.cfg.train.persistent_workers,
+                pin_memory=self.device.type == "cuda",
+            )
         return self._public_loader
 
     def data_fingerprint(self) -> dict[str, Any]:
@@ -273,11 +276,13 @@ class Client:
         started = time.perf_counter()
         round_index = int(instructions["round"])
         seed = derive_seed(self.cfg.seed, "client", round_index, self.index)
+        # the first epoch's loader workers start decoding while the model is loaded and copied
+        first_epoch = iter(self.train_loader(derive_seed(seed, "epoch", 0)))
         self.prepare_model(model, payload)
         start = copy.deepcopy(model) if instructions.get("cdw") else None
 
         def epoch_loader(epoch: int):
-            return self.train_loader(derive_seed(seed, "epoch", epoch))
+            return first_epoch if epoch == 0 else self.train_loader(derive_seed(seed, "epoch", epoch))
 
         objective = self.objective
         if objective is not None:
@@ -390,12 +395,15 @@ def kd_mode(cfg: Config) -> str:
     return kd.mode if kd is not None else cfg.fl.kd_mode
 
 
-def make_public_loader(records: Sequence[Record], cfg: Config, *, shuffle: bool, seed: int = 0):
+def make_public_loader(records: Sequence[Record], cfg: Config, *, shuffle: bool, seed: int = 0,
+                       persistent: bool = False, pin_memory: bool = False):
     """The public set for KD; dict batches carry ``index``.
 
     The test transform with ``fl.kd_mode=eval``; the training transform (the
     reference's ``kd_loader``) with ``train``, its augmentations seeded by
-    ``seed`` like the order, so equal seeds give equal batches.
+    ``seed`` like the order, so equal seeds give equal batches. ``persistent``
+    keeps the loader workers between passes (``fl.kd_mode=eval`` in dataset
+    order only: every pass equals the first); ``pin_memory`` for a CUDA device.
     """
     from fedreid.data.datasets import ReIDImageDataset, make_loader
     from fedreid.data.transforms import build_test_transform, build_train_transform
@@ -410,7 +418,8 @@ def make_public_loader(records: Sequence[Record], cfg: Config, *, shuffle: bool,
     else:
         transform = build_test_transform(m.height, m.width)
     dataset = ReIDImageDataset(list(records), None, transform=transform)
-    return make_loader(dataset, batch_size, shuffle=shuffle, seed=seed, num_workers=t.workers)
+    return make_loader(dataset, batch_size, shuffle=shuffle, seed=seed, num_workers=t.workers,
+                       persistent_workers=persistent and mode != "train", pin_memory=pin_memory)
 
 
 __all__ = ["Client", "ClientError", "check_split", "make_public_loader", "records_fingerprint"]

@@ -184,6 +184,7 @@ class ClientPool:
             (p.device for p in work_model.parameters()), torch.device("cpu"))
         self._workers: list[tuple[multiprocessing.process.BaseProcess, Connection]] = []
         self._busy: set[int] = set()  # workers holding a task
+        self._home: dict[int, int] = {}  # client index -> the worker that trained it last
 
     # ------------------------------------------------------------- lifecycle
 
@@ -228,7 +229,7 @@ class ClientPool:
     def close(self) -> None:
         """Stop every worker (idle ones are asked, busy ones terminated); idempotent."""
         workers, busy = self._workers, self._busy
-        self._workers, self._busy = [], set()
+        self._workers, self._busy, self._home = [], set(), {}
         for w, (proc, conn) in enumerate(workers):
             if w in busy:  # mid-task after a failure elsewhere: its result is not wanted
                 proc.terminate()
@@ -280,7 +281,7 @@ class ClientPool:
         shared: dict[int, tuple[Mapping[str, Tensor], bytes]] = {}  # id(payload) -> (payload, its bytes)
         while pending or busy:
             while pending and idle:
-                w, k = idle.pop(0), pending.pop(0)
+                w, k = self._next_task(pending, idle)
                 payload = payload_for(k)
                 if id(payload) not in shared:  # a federated round sends every client the same bytes
                     shared[id(payload)] = (payload, _dumps({"payload": payload, "instructions": dict(instructions)}))
@@ -303,6 +304,7 @@ class ClientPool:
                 if update.client != self._name(k):
                     raise ValueError(f"update from {update.client!r} returned for client {self._name(k)!r}")
                 self.clients[k].load_state_dict(body["state"])
+                self._home[k] = w
                 done[k] = update
                 idle.append(w)
                 if on_result is not None:
@@ -310,6 +312,26 @@ class ClientPool:
         return [done[k] for k in ids]
 
     # ------------------------------------------------------------- internals
+
+    def _next_task(self, pending: list[int], idle: list[int]) -> tuple[int, int]:
+        """Take the next (worker, client) pair off ``idle`` and ``pending``.
+
+        A client goes back to the worker that trained it last when that one is
+        idle: its loader workers are still running there. Otherwise the first
+        pending client goes to an idle worker, preferring one that is no
+        waiting client's home. Which worker trains a client changes no number.
+        """
+        for k in pending:
+            if self._home.get(k) in idle:
+                w = self._home[k]
+                break
+        else:
+            k = pending[0]
+            homes = {self._home.get(j) for j in pending}
+            w = next((v for v in idle if v not in homes), idle[0])
+        pending.remove(k)
+        idle.remove(w)
+        return w, k
 
     def _name(self, k: int) -> str:
         return str(self.clients[k].name)

@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence
 
+import torch
 from torch import Tensor
 
 from fedreid.errors import FedReIDError
@@ -115,8 +116,9 @@ def check_update(update: Update, reference: Mapping[str, Tensor]) -> Optional[st
             return f"{key} has shape {tuple(got.shape)}, expected {tuple(ref.shape)}"
         if got.dtype != ref.dtype:
             return f"{key} has dtype {got.dtype}, expected {ref.dtype}"
-        if got.is_floating_point() and not bool(got.isfinite().all()):
-            return f"{key} holds non-finite values"
+    bad = _first_non_finite(update.state)
+    if bad is not None:
+        return f"{bad} holds non-finite values"
     for key, value in update.metadata.items():
         if _holds_tensors(value) and not _all_finite(value):
             return f"metadata {key!r} holds non-finite values"
@@ -124,6 +126,19 @@ def check_update(update: Update, reference: Mapping[str, Tensor]) -> Optional[st
     if cdw is not None and not math.isfinite(float(cdw)):
         return f"metadata 'cdw_distance' is {cdw}"
     return None
+
+
+def _first_non_finite(state: Mapping[str, Tensor]) -> Optional[str]:
+    """The first key whose floating tensor holds a NaN or an infinity, or None; one read of the device."""
+    floats = [(k, v) for k, v in state.items() if v.is_floating_point()]
+    if not floats:
+        return None
+    if len({v.device for _, v in floats}) > 1:
+        return next((k for k, v in floats if not bool(v.isfinite().all())), None)
+    finite = torch.stack([v.isfinite().all() for _, v in floats]).cpu()
+    if bool(finite.all()):
+        return None
+    return next(k for (k, _), ok in zip(floats, finite.tolist()) if not ok)
 
 
 def _children(value: Any) -> Sequence[Any]:
