@@ -244,12 +244,12 @@ def ensure_world(s: dict[str, Any], tmp: Path) -> None:
 
 
 def section_rounds(device: torch.device, s: dict[str, Any], tmp: Path, concurrent: list[int], workers_total: int,
-                   precision_name: str, demo_run: bool = True) -> None:
+                   precision_name: str, demo_run: bool = True, local_epochs: int = 1) -> None:
     world = world_overrides(s)
     ensure_world(s, tmp)
     batch = s["round_batch"]
     say(f"(c) FedPav + CDW + KD rounds on the synthetic nine-dataset world: {s['backbone']} "
-        f"{s['height']}x{s['width']}, batch {batch}, precision {precision_name}. Round 1 is warm-up; img/s is "
+        f"{s['height']}x{s['width']}, batch {batch}, {local_epochs} local epoch(s), precision {precision_name}. Round 1 is warm-up; img/s is "
         "round 2's (training and CDW, no KD or evaluation): training images / its clients phase (r2_s); the other "
         "columns are round 3's (CDW, KD and evaluation); train_loss and mAP of round 3 to full precision "
         "(equal digits: equal runs; the loader worker count per client changes the augmentations)")
@@ -260,7 +260,7 @@ def section_rounds(device: torch.device, s: dict[str, Any], tmp: Path, concurren
     for n, deterministic in runs:
         workers = max(1, min(8, workers_total // n))
         cfg = round_config(s, tmp, [
-            *world, f"train.batch_size={batch}", f"train.workers={workers}", f"train.precision={precision_name}",
+            *world, f"train.batch_size={batch}", f"train.local_epochs={local_epochs}", f"train.workers={workers}", f"train.precision={precision_name}",
             f"run.device={device.type}", f"run.concurrent_clients={n}", f"run.deterministic={deterministic}",
             "fl.rounds=3", "fl.kd_every=3", "eval.every=3", f"run.out_dir={tmp / f'c-run-{n}-{deterministic}'}",
         ])
@@ -326,6 +326,9 @@ def main(argv=None) -> int:
     ap.add_argument("--workers", type=int, default=None,
                     help="loader workers in all (split over concurrent clients; default: CPU cores, at most 16)")
     ap.add_argument("--precision", default="auto", help="train.precision of (b) and (c) (default auto)")
+    ap.add_argument("--local-epochs", type=int, default=1,
+                    help="train.local_epochs of (c) (default 1, FedPav's; the fedpav_e5 config's 5 shows the "
+                         "steady state, a round's fixed costs spread over more steps)")
     ap.add_argument("--no-demo", action="store_true", help="(c) without the demo world's 3-round run")
     ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     args = ap.parse_args(argv)
@@ -339,7 +342,8 @@ def main(argv=None) -> int:
         "a": lambda tmp: section_ceilings(device, s),
         "b": lambda tmp: section_client(device, s, tmp, min(workers, 8), args.precision),
         "c": lambda tmp: section_rounds(device, s, tmp, [int(x) for x in args.concurrent.split(",")], workers,
-                                        args.precision, demo_run=not args.no_demo),
+                                        args.precision, demo_run=not args.no_demo,
+                                        local_epochs=args.local_epochs),
         "d": lambda tmp: section_eval(device, s),
     }
     with tempfile.TemporaryDirectory(prefix="fedreid-gpu-round-") as tmp:
