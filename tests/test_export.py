@@ -263,3 +263,77 @@ def test_cli_index_and_query_with_backend_onnx(world, tmp_path, capsys):
     err = _cli_error(["index", "--backend", "onnx", "--model", str(world["run"] / "model_final.pt"),
                       "--gallery", str(gallery), "--index", str(tmp_path / "i2"), "--device", "cpu"], capsys)
     assert "no sidecar" in err
+
+
+class _MeanColour(torch.nn.Module):
+    """A stand-in for a foreign ONNX graph: each image's mean colour, L2-normalised ([B, 3]); ``flat``: one row [3]."""
+
+    def __init__(self, flat: bool = False) -> None:
+        super().__init__()
+        self.flat = flat
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        feats = torch.nn.functional.normalize(images.mean(dim=(2, 3)), dim=1)
+        return feats.mean(0) if self.flat else feats
+
+
+def _foreign_onnx(path: Path, *, output: str = "features", batch: int | None = None, flat: bool = False,
+                  declare: bool = True) -> Path:
+    """An ONNX file of :class:`_MeanColour` with a matching sidecar: another output name, a fixed ``batch``,
+    or a 1-D output (``flat``); ``declare``: the sidecar states that shape/name (else it claims the usual ones)."""
+    import warnings
+
+    from fedreid.eval.filecheck import sha256_file
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(
+            _MeanColour(flat), (torch.zeros(batch or 2, 3, HEIGHT, WIDTH),), str(path), input_names=["images"],
+            output_names=[output], dynamic_axes=None if batch else {"images": {0: "batch"}, output: {0: "batch"}},
+            dynamo=False,
+        )
+    in_shape = [batch if declare and batch else "batch", 3, HEIGHT, WIDTH]
+    out_shape = [3] if declare and flat else [batch if declare and batch else "batch", 3]
+    meta = {
+        "format": "fedreid.export", "version": 1, "backend": "onnx", "file": path.name,
+        "file_bytes": path.stat().st_size, "file_sha256": sha256_file(path),
+        "input": {"name": "images", "shape": in_shape, "dtype": "float32", "height": HEIGHT, "width": WIDTH},
+        "output": {"name": output if declare else "features", "shape": out_shape, "dtype": "float32"},
+        "opset": 17, "model_fingerprint": {}, "source": None,
+    }
+    sidecar_path(path).write_text(json.dumps(meta))
+    return path
+
+
+@needs_ort
+@pytest.mark.parametrize("case, kwargs, words", [
+    ("fixed-batch", {"batch": 1}, ["declares input 'images' [1, 3, 64, 32]", "dynamic batch axis"]),
+    ("other-output", {"output": "embedding"}, ["declares output 'embedding'", "expected output 'features'"]),
+    ("one-d-output", {"flat": True}, ["declares output 'features' [3]", "[batch, d]"]),
+    ("fixed-batch-graph", {"batch": 1, "declare": False}, ["takes inputs 'images'", "[1, 3, 64, 32]",
+                                                           "dynamic batch axis"]),
+    ("other-output-graph", {"output": "embedding", "declare": False}, ["gives outputs 'embedding'",
+                                                                       "expected an output 'features'"]),
+    ("one-d-output-graph", {"flat": True, "declare": False}, ["gives outputs 'features' tensor(float) [3]",
+                                                              "[batch, 3]"]),
+])
+def test_an_onnx_file_of_another_contract_is_one_line_at_load(world, tmp_path, case, kwargs, words):
+    path = _foreign_onnx(tmp_path / f"{case}.onnx", **kwargs)
+    with pytest.raises(ExportError) as exc:
+        load_extractor(path)
+    text = _one_line(exc)
+    assert str(path) in text and all(w in text for w in words), text
+
+
+@needs_ort
+def test_an_exported_model_giving_misaligned_rows_is_one_line(world, tmp_path, capsys):
+    extractor = load_extractor(export_model(world["loaded"], tmp_path / "m.onnx", "onnx", (HEIGHT, WIDTH)))
+    extractor._run = lambda x: np.zeros((32,), np.float32)  # a graph whose shapes are not declared: caught at run time
+    with pytest.raises(ExportError) as exc:
+        extractor(world["images"][:5])
+    assert "gave output 'features' of shape [32] for 5 images: expected [5, 32]" in _one_line(exc)
+
+    flat = _foreign_onnx(tmp_path / "flat.onnx", flat=True)  # the reported case: index over five images
+    err = _cli_error(["index", "--backend", "onnx", "--model", str(flat), "--gallery", str(world["root"] / "images"),
+                      "--index", str(tmp_path / "index"), "--device", "cpu"], capsys)
+    assert str(flat) in err and "[batch, d]" in err and "pids" not in err

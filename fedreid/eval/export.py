@@ -16,7 +16,10 @@ backend, input size, feature size, the model fingerprint
 (:func:`~fedreid.eval.model_io.model_fingerprint`, with the exported input
 size) and the file's size and SHA-256. :func:`load_extractor` reads the
 sidecar first and checks the file against it before any reader sees the
-file. Loading a TorchScript file runs the program inside it: only load
+file; the sidecar's declared input and output, and an ONNX graph's own, must
+be ``images`` [batch, 3, H, W] -> ``features`` [batch, d] with a dynamic
+batch axis, and every run's output must have one row per image (else one
+:class:`ExportError` line naming the file). Loading a TorchScript file runs the program inside it: only load
 files this tool wrote (the sidecar check refuses files without a matching
 sidecar, not a determined forger who writes both).
 
@@ -269,6 +272,59 @@ def _as_array(images: Any, height: int, width: int, where: Path) -> np.ndarray:
     return x
 
 
+def _shown_shape(shape: Any) -> str:
+    return "[" + ", ".join(str(v) for v in shape) + "]" if isinstance(shape, (list, tuple)) else repr(shape)
+
+
+#: In a shape :func:`_fits` checks: the axis must be dynamic (a name or unknown, not a number).
+_DYNAMIC = "dynamic"
+
+
+def _fits(shape: Any, wanted: list[Any]) -> bool:
+    """Whether an ONNX shape fits ``wanted``: the same rank, :data:`_DYNAMIC` axes not fixed, int axes equal
+    where fixed, None axes anything. (An unknown rank fits: the run's output check covers it.)"""
+    if not isinstance(shape, (list, tuple)):
+        return True
+    if len(shape) != len(wanted):
+        return False
+    for got, want in zip(shape, wanted):
+        if isinstance(got, int) and (want == _DYNAMIC or (want is not None and got != want)):
+            return False
+    return True
+
+
+def _check_declared_io(meta: Mapping[str, Any], path: Path, height: int, width: int) -> Optional[int]:
+    """The feature size the sidecar of ``path`` declares (None: not given); :class:`ExportError` for another contract.
+
+    Every extractor runs one contract: input :data:`INPUT_NAME` [batch, 3, H, W]
+    and output :data:`OUTPUT_NAME` [batch, d], the batch axis dynamic. A sidecar
+    declaring another name, a fixed batch size or another rank describes a file
+    no runner here can feed, so it is refused when the file is loaded rather
+    than when the first batch of a run fails.
+    """
+    side = sidecar_path(path).name
+    expected_in = f"input {INPUT_NAME!r} [batch, 3, {height}, {width}]"
+    declared_in = meta.get("input") or {}
+    name, shape = declared_in.get("name", INPUT_NAME), declared_in.get("shape")
+    if name != INPUT_NAME or (shape is not None and (
+            not isinstance(shape, list) or len(shape) != 4 or isinstance(shape[0], int) or shape[1:] != [3, height, width])):
+        raise ExportError(
+            f"exported model {path}: its sidecar {side} declares input {name!r} {_shown_shape(shape)}; expected "
+            f"{expected_in} with a dynamic batch axis (as 'tools/eval_reid.py export' writes): export it again"
+        )
+    declared_out = meta.get("output") or {}
+    name, shape = declared_out.get("name", OUTPUT_NAME), declared_out.get("shape")
+    if name != OUTPUT_NAME or (shape is not None and (
+            not isinstance(shape, list) or len(shape) != 2 or isinstance(shape[0], int)
+            or type(shape[1]) is not int or shape[1] < 1)):
+        raise ExportError(
+            f"exported model {path}: its sidecar {side} declares output {name!r} {_shown_shape(shape)}; expected "
+            f"output {OUTPUT_NAME!r} [batch, d] with a dynamic batch axis (as 'tools/eval_reid.py export' writes): "
+            "export it again"
+        )
+    return int(shape[1]) if shape is not None else None
+
+
 class _Extractor:
     backend = ""
 
@@ -278,14 +334,27 @@ class _Extractor:
         if self.meta["backend"] != self.backend:
             raise ExportError(f"exported model {self.path} is a {self.meta['backend']} file, not {self.backend}")
         self.height, self.width = int(self.meta["input"]["height"]), int(self.meta["input"]["width"])
+        #: The feature size the sidecar declares (None for a sidecar without an output shape).
+        self.dim: Optional[int] = _check_declared_io(self.meta, self.path, self.height, self.width)
         #: The model fingerprint recorded at export (weights SHA-256, backbone, input size, feature kind).
         self.fingerprint: dict[str, Any] = dict(self.meta["model_fingerprint"])
         self.file_sha256: str = self.meta["file_sha256"]
 
     def __call__(self, images: Any) -> np.ndarray:
-        """Features [B, d] float32 (L2-normalised, flip-averaged) of ``images`` [B, 3, H, W] (numpy or torch)."""
+        """Features [B, d] float32 (L2-normalised, flip-averaged) of ``images`` [B, 3, H, W] (numpy or torch).
+
+        An output of any other shape (not one row per image, or not the
+        declared d) raises :class:`ExportError` naming the file, so no caller
+        pairs features with the wrong images.
+        """
         x = _as_array(images, self.height, self.width, self.path)
-        return np.ascontiguousarray(self._run(x), dtype=np.float32)
+        out = np.ascontiguousarray(self._run(x), dtype=np.float32)
+        if out.ndim != 2 or out.shape[0] != x.shape[0] or (self.dim is not None and out.shape[1] != self.dim):
+            raise ExportError(
+                f"exported model {self.path} gave output {OUTPUT_NAME!r} of shape {_shown_shape(out.shape)} for "
+                f"{x.shape[0]} images: expected [{x.shape[0]}, {self.dim or 'd'}] (one feature row per image)"
+            )
+        return out
 
     def _run(self, x: np.ndarray) -> np.ndarray:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -310,6 +379,26 @@ class OnnxExtractor(_Extractor):
         except Exception as exc:  # noqa: BLE001 - any reader failure is the file's fault
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
             raise ExportError(f"exported model {self.path} is not a readable ONNX file ({first[:200]})") from None
+        self._check_graph_io()
+
+    def _check_graph_io(self) -> None:
+        """Refuse a graph whose inputs/outputs are not the contract (see :func:`_check_declared_io`).
+
+        Checked from the graph's own declarations when the file is loaded, so a
+        fixed batch size, another name or a 1-D output is one line naming the
+        file instead of an onnxruntime error (or misaligned features) at the first batch.
+        """
+        inputs, outputs = self.session.get_inputs(), self.session.get_outputs()
+        wanted_in = f"one input {INPUT_NAME!r} float32 [batch, 3, {self.height}, {self.width}] with a dynamic batch axis"
+        got_in = ", ".join(f"{i.name!r} {i.type} {_shown_shape(i.shape)}" for i in inputs) or "none"
+        if len(inputs) != 1 or inputs[0].name != INPUT_NAME or inputs[0].type != "tensor(float)" \
+                or not _fits(inputs[0].shape, [_DYNAMIC, 3, self.height, self.width]):
+            raise ExportError(f"exported model {self.path} takes inputs {got_in}: expected {wanted_in}")
+        out = next((o for o in outputs if o.name == OUTPUT_NAME), None)
+        wanted_out = f"an output {OUTPUT_NAME!r} float32 [batch, {self.dim or 'd'}] with a dynamic batch axis"
+        if out is None or out.type != "tensor(float)" or not _fits(out.shape, [_DYNAMIC, self.dim]):
+            got_out = ", ".join(f"{o.name!r} {o.type} {_shown_shape(o.shape)}" for o in outputs) or "none"
+            raise ExportError(f"exported model {self.path} gives outputs {got_out}: expected {wanted_out}")
 
     def _run(self, x: np.ndarray) -> np.ndarray:
         return self.session.run([OUTPUT_NAME], {INPUT_NAME: x})[0]
