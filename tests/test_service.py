@@ -498,9 +498,55 @@ def test_start_is_refused_without_a_token_unless_insecure_local(world):
         svc.check_serve_security("127.0.0.1", TOKEN, True)
     with pytest.raises(svc.ServiceError, match="blanks"):
         svc.check_serve_security("127.0.0.1", f" {TOKEN}", False)
-    # insecure-local: no authentication at all
-    with client_for(world, token=None, insecure_local=True) as c:
+    # insecure-local: no authentication at all (for requests to a loopback name)
+    with TestClient(svc.create_app(world["store"], world["loaded"], token=None, insecure_local=True),
+                    base_url="http://127.0.0.1:8000") as c:
         assert c.post("/search", data={"item": "1", "k": "2"}).status_code == 200
+
+
+def test_insecure_local_answers_only_requests_for_a_loopback_name(world, store_copy):
+    app = svc.create_app(store_copy, world["loaded"], token=None, insecure_local=True)
+    with TestClient(app, base_url="http://127.0.0.1:8000") as c:
+        r = c.get("/items/0/image", headers={"Host": "rebind.attacker.example"})  # DNS rebinding
+        assert r.status_code == 421 and r.headers["x-content-type-options"] == "nosniff"
+        error = r.json()["error"]
+        assert "'rebind.attacker.example' is not a loopback name" in error and "\n" not in error
+        for host in ("rebind.attacker.example:8000", "127.0.0.1.nip.io:8000", "localhost.attacker.example",
+                     "10.0.0.1:8000", "0.0.0.0:8000", "user@127.0.0.1:8000", "127.0.0.1:80x", "[::2]:8000"):
+            for method, path in (("get", "/items/0"), ("get", "/"), ("delete", "/items/0"), ("get", "/info")):
+                r = getattr(c, method)(path, headers={"Host": host})
+                assert r.status_code == 421, (host, method, path, r.status_code)
+        assert GalleryStore.open(store_copy).ntotal == 24  # nothing was erased
+        for host in ("127.0.0.1:8000", "127.0.0.1", "localhost:8000", "LocalHost", "[::1]:8000", "127.0.0.2:8000"):
+            assert c.get("/items/0", headers={"Host": host}).status_code == 200, host
+        assert c.get("/items/0/image").content == world["paths"][0].read_bytes()
+
+
+def test_cross_origin_changes_are_refused_with_or_without_a_token(world, store_copy, tmp_path):
+    image = {"image": ("a.png", png_bytes(person_image(21, 1, 0)), "image/png")}
+    foreign = ("http://evil.example", "null", "http://127.0.0.1:9999", "http://127.0.0.1",
+               "http://localhost:8000", "http://127.0.0.1:8000.evil.example", "file://")
+    with client_for(world, store_copy, uploads=tmp_path / "up") as c:
+        for origin in ("http://evil.example", "null", "http://testserver:8080"):
+            with_origin = {**AUTH, "Origin": origin}
+            r = c.post("/items", headers=with_origin, files=image)
+            assert r.status_code == 403 and "cross-origin POST refused" in r.json()["error"], (origin, r.text)
+            assert c.delete("/items/0", headers=with_origin).status_code == 403
+            assert c.post("/search", headers=with_origin, data={"item": "1"}).status_code == 403
+            assert c.get("/items/0", headers=with_origin).status_code == 200  # reads are not refused by Origin
+        assert c.get("/info", headers=AUTH).json()["items"] == 24
+        assert c.post("/search", headers={**AUTH, "Origin": "http://testserver"}, data={"item": "1"}).status_code == 200
+        assert c.post("/search", headers=AUTH, data={"item": "1"}).status_code == 200  # no Origin: curl, scripts
+    app = svc.create_app(store_copy, world["loaded"], token=None, insecure_local=True, uploads=tmp_path / "up")
+    with TestClient(app, base_url="http://127.0.0.1:8000") as c:
+        for origin in foreign:
+            r = c.post("/items", headers={"Origin": origin}, files=image)
+            assert r.status_code == 403 and "cross-origin" in r.json()["error"], (origin, r.text)
+            assert c.delete("/items/0", headers={"Origin": origin}).status_code == 403
+        assert c.get("/info").json()["items"] == 24
+        r = c.post("/items", headers={"Origin": "http://127.0.0.1:8000"}, files=image)  # the service's own page
+        assert r.status_code == 201, r.text
+        assert c.delete(f"/items/{r.json()['id']}", headers={"Origin": "http://127.0.0.1:8000"}).status_code == 200
 
 
 def _serve_args(world, **over) -> argparse.Namespace:

@@ -45,7 +45,11 @@ what was expected.
 
 Security. The token is compared in constant time (:func:`hmac.compare_digest`);
 the server refuses to start without one unless ``insecure_local``, which
-also requires a loopback host (:func:`check_serve_security`). Request bodies
+also requires a loopback host (:func:`check_serve_security`) and then answers
+only requests whose ``Host`` header is a loopback name (127.0.0.1, localhost,
+[::1], any port; else 421), so a web page cannot reach it through DNS
+rebinding. A POST/PUT/PATCH/DELETE carrying an ``Origin`` that is not the
+service's own is refused (403), with or without a token. Request bodies
 over the limit get 413 before the body is read (``Content-Length``) or as
 soon as the streamed bytes pass it. Uploads must be JPEG, PNG or BMP (by
 their bytes, not their name) of at most ``max_pixels`` pixels. Stored files
@@ -76,6 +80,7 @@ import os
 import socket
 import threading
 import time
+import urllib.parse
 import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -512,8 +517,76 @@ def _is_public(method: str, path: str) -> bool:
     return method in ("GET", "HEAD") and (path == "/" or path.startswith("/web/"))
 
 
+#: Methods that change the store: refused cross-origin whatever the authentication.
+_STATE_CHANGING = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+_DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
+def _shown_header(value: Optional[bytes]) -> str:
+    """A request header's value for an error message: one line, at most 80 characters, quoted."""
+    if value is None:
+        return "none"
+    text = value.decode("latin-1")[:80]
+    return repr("".join(c if c.isprintable() else "?" for c in text))
+
+
+def _split_host(value: bytes) -> Optional[tuple[str, Optional[int]]]:
+    """``Host`` header -> (lower-case host name without brackets, port or None); None when it is not ``host[:port]``."""
+    try:
+        text = value.decode("ascii")
+        parts = urllib.parse.urlsplit("//" + text)
+        if not text or parts.netloc != text or parts.username is not None or parts.password is not None \
+                or parts.path or parts.query or parts.fragment or not parts.hostname:
+            return None
+        return parts.hostname, parts.port
+    except (UnicodeDecodeError, ValueError):
+        return None
+
+
+def _is_loopback_host_header(value: Optional[bytes]) -> bool:
+    """Whether a ``Host`` header names this machine's loopback interface (127.0.0.0/8, [::1], localhost, any port)."""
+    split = _split_host(value) if value is not None else None
+    if split is None:
+        return False
+    name = split[0]
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return name == "localhost"  # a name other than localhost is what DNS rebinding points at us
+    return _is_loopback(name)
+
+
+def _is_same_origin(origin: bytes, host: Optional[bytes]) -> bool:
+    """Whether ``Origin`` is the origin the request was sent to (its scheme's host and port = the ``Host`` header).
+
+    Browsers omit the scheme's default port from both headers; a port given
+    explicitly is compared after dropping it when it is the Origin scheme's default.
+    """
+    if host is None:
+        return False
+    try:
+        parts = urllib.parse.urlsplit(origin.decode("ascii"))
+        port = parts.port
+    except (UnicodeDecodeError, ValueError):
+        return False
+    target = _split_host(host)
+    if parts.scheme not in _DEFAULT_PORTS or not parts.hostname or target is None or parts.path not in ("", "/"):
+        return False
+    default = _DEFAULT_PORTS[parts.scheme]
+    return parts.hostname == target[0] and (port or default) == (target[1] or default)
+
+
 class _Guard:
-    """Pure ASGI middleware: bearer-token check, body size limit, security headers on every response."""
+    """Pure ASGI middleware: host and origin checks, bearer-token check, body size limit, security headers.
+
+    Without a token (``--insecure-local``) only requests whose ``Host`` is a
+    loopback name are answered (421 otherwise): a page the operator opens
+    cannot reach the service through a DNS name rebound to 127.0.0.1.
+    State-changing requests (:data:`_STATE_CHANGING`) carrying an ``Origin``
+    other than the service's own are refused (403), with or without a token:
+    no other site's page can add or erase items through the operator's
+    browser. Clients that send no ``Origin`` (curl, scripts) are not affected.
+    """
 
     def __init__(self, app: Any, *, token: Optional[str], max_body: int) -> None:
         self.app, self.token, self.max_body = app, token, max_body
@@ -551,6 +624,18 @@ class _Guard:
             await send(message)
 
         headers = dict(scope.get("headers") or [])
+        if self.token is None and not _is_loopback_host_header(headers.get(b"host")):
+            await self._reply(scope, receive, send_with_headers, 421,
+                              f"Host {_shown_header(headers.get(b'host'))} is not a loopback name: without a token "
+                              "(--insecure-local) the service answers only requests for 127.0.0.1, localhost or [::1]")
+            return
+        origin = headers.get(b"origin")
+        if scope["method"] in _STATE_CHANGING and origin is not None and not _is_same_origin(origin, headers.get(b"host")):
+            await self._reply(scope, receive, send_with_headers, 403,
+                              f"cross-origin {scope['method']} refused: Origin {_shown_header(origin)} is not this "
+                              f"service's origin (Host {_shown_header(headers.get(b'host'))}); changes are taken only "
+                              "from the service's own page or from clients that send no Origin")
+            return
         if not public and not self._authorised(headers):
             await self._reply(scope, receive, send_with_headers, 401,
                               "missing or wrong token: send the header 'Authorization: Bearer <token>'",
