@@ -10,16 +10,24 @@ from __future__ import annotations
 from typing import Callable, Iterable, Optional
 
 from flwr.app import Context, Message, RecordDict
+from flwr.proto.node_pb2 import NodeInfo
 from flwr.supercore.task_identity import TaskIdentity
 
 
 class FakeGrid:
-    """Nodes ``{node_id: node_config}``; ``tamper(node_id, reply) -> reply | None`` (None: the node is lost)."""
+    """Nodes ``{node_id: node_config}``; ``tamper(node_id, reply) -> reply | None`` (None: the node is lost).
 
-    def __init__(self, client_app, nodes: dict[int, dict], *, tamper: Optional[Callable] = None) -> None:
+    ``registered``: ``{node_id: name}``, the name each node's key was registered
+    under on the SuperLink (``flwr supernode register --name``), which
+    :meth:`get_nodes` reports as Flower's ``NodeInfo.name`` does.
+    """
+
+    def __init__(self, client_app, nodes: dict[int, dict], *, tamper: Optional[Callable] = None,
+                 registered: Optional[dict[int, str]] = None) -> None:
         self.client_app = client_app
         self.nodes = dict(nodes)
         self.tamper = tamper
+        self.registered = dict(registered or {})
         self.sent: list[Message] = []
         self.replies: dict[str, Message] = {}
         self._count = 0
@@ -38,6 +46,9 @@ class FakeGrid:
 
     def get_node_ids(self) -> Iterable[int]:
         return list(self.nodes)
+
+    def get_nodes(self) -> Iterable[NodeInfo]:
+        return [NodeInfo(node_id=node, name=self.registered.get(node, "")) for node in self.nodes]
 
     def push_messages(self, messages: Iterable[Message]) -> list[str]:
         """Deliver each message now; its reply (unless tampered away) waits to be pulled."""

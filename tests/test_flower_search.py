@@ -42,6 +42,7 @@ from fedreid.flower.search import (
     merge_answers,
     read_feature_file,
     read_fingerprint_file,
+    registered_sites,
     serve_search,
     site_reply,
 )
@@ -204,7 +205,8 @@ def test_site_handler_on_a_real_store(stores, query, tmp_path):
     assert not refused.ok and refused.hits == () and "fingerprint mismatch" in refused.error
     assert "weights_sha256 cdcdcdcdcdcdcdcd (query) vs abababababababab (site)" in refused.error
     assert "names no model fingerprint" in answer_query(store, SearchQuery(query, 5), site="sa").error
-    assert "16" in answer_query(store, SearchQuery(np.ones(8, np.float32), 5, fingerprint=FP), site="sa").error
+    assert "16" in answer_query(store, SearchQuery(np.full(8, 8 ** -0.5, np.float32), 5, fingerprint=FP),
+                                site="sa").error
     # The fingerprint is found at either place in the header; none recorded is refused.
     assert fingerprint_problem({"meta": {"model_fingerprint": FP}}, FP) is None
     assert fingerprint_problem({"model_fingerprint": FP, "meta": {}}, FP) is None
@@ -314,6 +316,86 @@ def test_federated_search_over_the_grid_lists_missing_sites(stores, query, tmp_p
     lines = format_result(json.loads(json.dumps(plain)))
     assert lines[0].startswith(f"federated search: {k} results (k={k}) from 3 sites (sa, sb, sc); 7 missing")
     assert any(line.startswith("missing: sz: not-answered") for line in lines)
+
+
+def planted_store(folder: Path, query: np.ndarray) -> GalleryStore:
+    """A store whose one item is the query itself (score 1.0: it would rank first anywhere)."""
+    return GalleryStore.create(folder, query[None], [{"path": "/srv/x/planted.jpg", "camera": 0}],
+                               meta={"model_fingerprint": FP})
+
+
+def test_a_node_cannot_answer_as_another_site(stores, query, tmp_path):
+    """With node authentication a site is the name its key was registered under, whatever its answer says."""
+    planted_store(tmp_path / "planted", query)
+    nodes = {100: {"client": "sa", "gallery-store": str(tmp_path / "planted")},  # key registered as "sx"
+             101: {"client": "sa", "gallery-store": str(stores["sa"].folder)},
+             102: {"client": "sb", "gallery-store": str(stores["sb"].folder)},
+             103: {"client": "sc", "gallery-store": str(stores["sc"].folder)}}  # key registered without a name
+    registered = {100: "sx", 101: "sa", 102: "sb"}
+    k = 6
+    expected = exact_merge([exact_answer(stores[s], s, query, k) for s in ("sa", "sb")], k)
+    with FakeGrid(flower_app.client_app, nodes, registered=registered) as grid:
+        assert registered_sites(grid) == registered
+        result = federated_search(grid, grid.get_node_ids(), query, k, None, 0.5, fingerprint=FP,
+                                  bound_sites=registered_sites(grid), expected_sites=["sa", "sb", "sc"],
+                                  poll_seconds=0.05)
+        # The ServerApp's mode=search binds the names itself when the run config says node-auth.
+        text = search_run_config_string(encode_vector(query), k=k, fingerprint=FP, timeout=0.5, join_timeout=0,
+                                        node_auth=True)
+        served = serve_search(grid, parse_config_args([text]))
+        # Without node authentication the names are the nodes' own: the impostor wins, and the result says so.
+        unbound = federated_search(grid, grid.get_node_ids(), query, k, None, 0.5, fingerprint=FP, poll_seconds=0.05)
+    assert triples(result.results) == expected and triples(served.results) == expected
+    assert "planted.jpg" not in {h.name for h in result.results}
+    assert [(a.site, a.node_id, a.verified) for a in result.answered] == [("sa", 101, True), ("sb", 102, True)]
+    missing = {m.node_id: m for m in result.missing}
+    assert missing[100].code == "wrong-site" and missing[100].site == "sx"
+    assert "answers as site 'sa'" in missing[100].reason and "registered as site 'sx'" in missing[100].reason
+    assert missing[103].code == "unbound" and missing[103].site is None and "'sc'" in missing[103].reason
+    assert [m.site for m in result.missing if m.code == "not-answered"] == ["sc"]
+    assert result.authenticated and served.authenticated
+    assert "site names: authenticated" in format_result(result.to_plain())[0]
+    assert not unbound.authenticated and not any(a.verified for a in unbound.answered)
+    assert "site names: as the nodes declare them" in format_result(unbound.to_plain())[0]
+    assert unbound.results[0].name == "planted.jpg"  # what node authentication prevents
+
+
+def test_scores_outside_the_cosine_range_mark_the_answer_malformed(stores, query, tmp_path):
+    """A made-up score (1e30) must not rank first: the site's answer is malformed, the others still merge."""
+    nodes = {1: {"client": "sa", "gallery-store": str(stores["sa"].folder)},
+             2: {"client": "sb", "gallery-store": str(stores["sb"].folder)},
+             3: {"client": "sc", "gallery-store": str(stores["sc"].folder)}}
+    bad_scores = {2: [1e30, 0.5], 3: [0.3, -1.5]}
+
+    def tamper(node, msg, reply):
+        if node in bad_scores:
+            hits = tuple(Hit(f"s{node}", i, s) for i, s in enumerate(bad_scores[node]))
+            return Message(encode_hits(SiteAnswer(nodes[node]["client"], hits)), reply_to=msg)
+        return reply
+
+    k = 5
+    with FakeGrid(flower_app.client_app, nodes, tamper=tamper) as grid:
+        result = federated_search(grid, grid.get_node_ids(), query, k, None, 0.5, fingerprint=FP, poll_seconds=0.05)
+    assert triples(result.results) == exact_answer(stores["sa"], "sa", query, k)
+    missing = {m.node_id: m for m in result.missing}
+    assert {n: m.code for n, m in missing.items()} == {2: "malformed", 3: "malformed"}
+    assert "cosine similarities in [-1.001, 1.001], got 1e+30 (hit 0)" in missing[2].reason
+    assert "got -1.5 (hit 1)" in missing[3].reason
+    # Within float rounding of +-1 is a cosine; the codec refuses the rest whatever the caller.
+    edge = SiteAnswer("sa", (Hit("sa", 1, np.float32(1.0005).item()), Hit("sa", 2, -1.0)))
+    assert decode_hits(encode_hits(edge)).hits == edge.hits
+    with pytest.raises(SearchCodecError, match="cosine"):
+        decode_hits(encode_hits(SiteAnswer("sa", (Hit("sa", 1, 1.01),))))
+    # A query is a unit vector (so the scores are cosines), refused otherwise in words.
+    with pytest.raises(SearchCodecError, match="L2-normalised vector .* got norm 2"):
+        SearchQuery(query * 2, 3)
+    # A site clips an approximate index's strays to [-1, 1] (here: a store of vectors of norm 1.02).
+    make_store(tmp_path / "long", 5, 11)
+    long = GalleryStore.create(tmp_path / "long2", unit_rows(5, 11) * 1.02, [{"path": f"/l/{i}.jpg"} for i in range(5)],
+                               meta={"model_fingerprint": FP})
+    answer = answer_query(long, SearchQuery(long.vectors[0] / 1.02, 5, fingerprint=FP), site="sa")
+    assert answer.hits[0].score == 1.0 and all(-1.0 <= h.score <= 1.0 for h in answer.hits)
+    assert decode_hits(encode_hits(answer), k=5).ok
 
 
 def test_search_mode_of_the_server_app(stores, query, tmp_path):
@@ -449,13 +531,13 @@ def test_search_over_tls_and_node_auth_then_with_a_site_killed(stores, query, tm
     with LocalDeployment(tmp_path / "dep", SITES, tls=TLSFiles.from_dir(tmp_path / "tls"), node_keys=keys,
                          per_node=per_node) as dep:
         text = search_run_config_string(encode_vector(query), k=k, fingerprint=FP, timeout=60, expect=SITES,
-                                        out=tmp_path / "first.json", join_timeout=120)
+                                        out=tmp_path / "first.json", join_timeout=120, node_auth=True)
         rc = dep.cli.run(text, log=tmp_path / "first.log", timeout=300)
         first_log = (tmp_path / "first.log").read_text(errors="replace")
         dep.stop_process("node-sc", signal.SIGKILL)  # the site's SuperNode and its ClientApp, no goodbye
         rc2, stdout, stderr = run_tool(["search", "--superlink", dep.superlink, "--ca", tmp_path / "tls" / "ca.crt",
                                         "--feature", tmp_path / "q.npy", "--fingerprint", tmp_path / "fp.json",
-                                        "--k", k, "--timeout", 45, "--join-timeout", 5, "--thumbnails",
+                                        "--k", k, "--timeout", 45, "--join-timeout", 5, "--thumbnails", "--node-auth",
                                         "--expect", "sa", "--expect", "sb", "--expect", "sc",
                                         "--out", tmp_path / "second.json"], timeout=300)
     assert rc == 0, first_log[-3000:]
@@ -463,6 +545,8 @@ def test_search_over_tls_and_node_auth_then_with_a_site_killed(stores, query, tm
     everyone = [exact_answer(stores[s], s, query, k) for s in SITES]
     assert triples(first["results"]) == exact_merge(everyone, k)
     assert sorted(a["site"] for a in first["answered"]) == list(SITES) and first["missing"] == []
+    # The names are the ones the SuperLink registered the nodes' keys under (LocalDeployment: the client names).
+    assert first["authenticated"] and all(a["verified"] for a in first["answered"])
     assert "federated search: 10 results (k=10) from 3 sites" in first_log  # the ServerApp's log reaches flwr run
     # sc's SuperNode is gone: the others' results still come, and sc is reported.
     assert rc2 == 0, stdout + stderr
@@ -475,4 +559,4 @@ def test_search_over_tls_and_node_auth_then_with_a_site_killed(stores, query, tm
     assert {bool(r["thumbnail_jpeg_base64"]) for r in second["results"] if r["site"] == "sa"} == {True}
     assert {r["thumbnail_jpeg_base64"] for r in second["results"] if r["site"] == "sb"} == {None}
     assert "from 2 sites (sa, sb)" in stdout and "missing: sc: not-answered" in stdout
-    assert f"missing: unknown site (node {sc_node})" in stdout
+    assert f"missing: sc (node {sc_node})" in stdout  # under node authentication a silent node's site is known

@@ -12,7 +12,7 @@ Across machines (replace HOST; TLS files from `certs`, node keys from `node-key`
   # on the server host
   python tools/flower_fed.py certs --out tls --host HOST
   python tools/flower_fed.py superlink --tls tls --node-auth
-  python tools/flower_fed.py register keys/market1501.pub --superlink HOST:8000 --ca tls/ca.crt
+  python tools/flower_fed.py register keys/market1501.pub --site market1501 --superlink HOST:8000 --ca tls/ca.crt
   # on each client host (its own data, its own key; copy tls/ca.crt there)
   python tools/flower_fed.py node-key --out keys market1501
   python tools/flower_fed.py node --client market1501 --superlink HOST:8000 --ca ca.crt \\
@@ -31,10 +31,12 @@ clients at once per GPU, on every GPU of the machine or of a Ray cluster (docs/f
 Federated search (each site's SuperNode gets --gallery-store, its own gallery store
 folder; --search-thumbnails lets its answers carry small thumbnails):
   python tools/flower_fed.py node --client site1 ... --gallery-store /srv/gallery_store
-  python tools/flower_fed.py search --superlink HOST:8000 --ca tls/ca.crt \\
+  python tools/flower_fed.py search --superlink HOST:8000 --ca tls/ca.crt --node-auth \\
       --image query.jpg --model runs/fedpav --k 20 --expect site1 --expect site2 --out result.json
 Sites receive only the query's feature vector (computed here), k, the filters and the
-model fingerprint; they answer with ids, scores, cameras, times and file names.
+model fingerprint; they answer with ids, scores, cameras, times and file names. With
+--node-auth each answer counts under the site name its node's key was registered with
+(`register --site`), whatever the answer says.
 
 `local` and `simulate` stop every process they started when they end, on
 Ctrl-C, SIGTERM or SIGHUP, and (Linux) when the tool itself is killed. Before
@@ -147,8 +149,8 @@ def cmd_register(args: argparse.Namespace) -> int:
     ca = _security(args, "register")
     if not Path(args.public_key).is_file():
         raise FileNotFoundError(f"public key {args.public_key} not found (make it with `node-key`)")
-    FlowerCli(args.superlink, root_cert=ca).register(Path(args.public_key))
-    print(f"registered {args.public_key} on {args.superlink}")
+    FlowerCli(args.superlink, root_cert=ca).register(Path(args.public_key), name=args.site)
+    print(f"registered {args.public_key} on {args.superlink}" + (f" as site {args.site}" if args.site else ""))
     return 0
 
 
@@ -180,6 +182,8 @@ def cmd_search(args: argparse.Namespace) -> int:
     from fedreid.utils.io import write_json_atomic
 
     ca = _security(args, "search")
+    if args.node_auth and ca is None:
+        raise ConfigError("search: --node-auth needs --ca: Flower authenticates SuperNodes over TLS only")
     if not 1 <= args.k <= 1000:
         raise ConfigError(f"search: --k must be in 1..1000, got {args.k}")
     if args.timeout <= 0:
@@ -204,7 +208,8 @@ def cmd_search(args: argparse.Namespace) -> int:
         result_path = Path(tmp) / "result.json"
         text = search_run_config_string(encode_vector(feature), k=args.k, fingerprint=fingerprint, filters=filters,
                                         timeout=args.timeout, thumbnails=args.thumbnails, expect=args.expect or (),
-                                        out=result_path, join_timeout=args.join_timeout)
+                                        out=result_path, join_timeout=args.join_timeout,
+                                        node_auth=args.node_auth)
         log = Path(tmp) / "flwr_run.log"
         rc = FlowerCli(args.superlink, root_cert=ca, home=Path(tmp) / "flwr_home").run(
             text, log=log, timeout=args.join_timeout + args.timeout + 600)
@@ -353,13 +358,16 @@ searches its own gallery store (node --gallery-store) and answers with its top k
 (ids, scores, cameras, times, file names; small thumbnails only where the site
 runs with --search-thumbnails). The merged list is ranked by score. Gallery
 images never leave a site. A site that does not answer within --timeout is
-listed as missing; the search still returns the others' results.
+listed as missing; the search still returns the others' results. With
+--node-auth (SuperLink started with --node-auth, each site's key registered
+with `register KEY --site NAME`) an answer counts only under the site name its
+node's key was registered with; without it, names are as the nodes declare them.
 
 Examples:
   # on each site, the SuperNode with its store (beside the usual node flags)
   python tools/flower_fed.py node ... --gallery-store /data/site_a/store --search-thumbnails
   # on the SuperLink's host: a query image, the sites' model, two sites expected
-  python tools/flower_fed.py search --superlink 127.0.0.1:9093 --ca certs/ca.crt \\
+  python tools/flower_fed.py search --superlink 127.0.0.1:9093 --ca certs/ca.crt --node-auth \\
       --image query.jpg --model runs/fedpav --k 20 --expect site_a --expect site_b --out result.json
   # a precomputed feature and the fingerprint of the model that made it
   python tools/flower_fed.py search --superlink 127.0.0.1:9093 --ca certs/ca.crt \\
@@ -418,6 +426,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("register", help="allow a SuperNode's public key on a SuperLink started with --node-auth")
     p.add_argument("public_key")
+    p.add_argument("--site", help="the site (the node's --client name) this key belongs to: federated search with "
+                   "--node-auth counts the node's answers only under this name")
     p.add_argument("--superlink", required=True, metavar="HOST:PORT")
     security(p)
     p.set_defaults(func=cmd_register)
@@ -463,6 +473,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--expect", action="append", help="a site that should answer (repeat): listed as missing if none "
                    "answers as it")
     p.add_argument("--thumbnails", action="store_true", help="ask for thumbnails (only sites allowing them send)")
+    p.add_argument("--node-auth", action="store_true",
+                   help="the SuperLink authenticates SuperNodes (superlink --node-auth): each answer counts only "
+                        "under the site name its node's key was registered with (register --site); others are "
+                        "listed as wrong-site or unbound")
     p.add_argument("--out", help="write the result (ranked list with thumbnails, missing sites) as JSON here; "
                    "needs this tool on the SuperLink's host, where the ServerApp runs")
     p.set_defaults(func=cmd_search)

@@ -252,11 +252,13 @@ def _json_literal(value: object) -> str:
 def search_run_config_string(vector: str, *, k: int, fingerprint: Optional[Mapping[str, object]] = None,
                              filters: Optional[Mapping[str, object]] = None, timeout: float = 30.0,
                              thumbnails: bool = False, expect: Sequence[str] = (), out: Optional[Path] = None,
-                             join_timeout: float = 30.0) -> str:
+                             join_timeout: float = 30.0, node_auth: bool = False) -> str:
     """``--run-config`` text of a federated search (``mode=search``, see :class:`fedreid.flower.search.SearchSettings`).
 
     ``vector``: :func:`fedreid.flower.search.encode_vector` of the query
-    feature; ``out``: the result JSON on the SuperLink's machine (made absolute).
+    feature; ``out``: the result JSON on the SuperLink's machine (made absolute);
+    ``node_auth``: the SuperLink authenticates SuperNodes, so each answer is
+    bound to the site name its node's key was registered under.
     """
     for name in expect:
         if not name or any(c.isspace() or c in "'\"" for c in name):
@@ -270,7 +272,7 @@ def search_run_config_string(vector: str, *, k: int, fingerprint: Optional[Mappi
             raise LaunchError(f"run config {key}={value!r}: single quotes cannot be passed to flwr run")
     text = " ".join(f"{k}='{v}'" for k, v in parts.items())
     return (text + f" search-k={int(k)} search-timeout={float(timeout)} join-timeout={float(join_timeout)}"
-            f" search-thumbnails={'true' if thumbnails else 'false'}")
+            f" search-thumbnails={'true' if thumbnails else 'false'} node-auth={'true' if node_auth else 'false'}")
 
 
 def simulation_federation_config(num_supernodes: int, *, client_cpus: Optional[int] = None,
@@ -331,9 +333,23 @@ class FlowerCli:
             if log is not None:
                 out.close()
 
-    def register(self, public_key: Path, *, timeout: float = 60) -> None:
-        """Allow the SuperNode holding the private half of ``public_key`` (``--enable-supernode-auth``)."""
-        done = self._run(["supernode", "register", str(public_key), "fedreid"], timeout=timeout)
+    def register(self, public_key: Path, *, name: Optional[str] = None, timeout: float = 60) -> None:
+        """Allow the SuperNode holding the private half of ``public_key`` (``--enable-supernode-auth``).
+
+        ``name``: the site this key belongs to (Flower's node name); a federated
+        search under node authentication takes a node's site from it
+        (:func:`fedreid.flower.search.registered_sites`).
+        """
+        args = ["supernode", "register", str(public_key), "fedreid"]
+        if name is not None:
+            from fedreid.retrieval.fields import GalleryMetadataError, site
+
+            try:
+                name = site(name, "site name")
+            except GalleryMetadataError as exc:
+                raise LaunchError(str(exc)) from None
+            args += ["--name", name]
+        done = self._run(args, timeout=timeout)
         if done.returncode != 0:
             raise LaunchError(f"flwr supernode register {public_key} failed: {done.stdout.decode(errors='replace')}")
 
@@ -445,7 +461,7 @@ class LocalDeployment:
         wait_for_port(self.port, timeout=self.start_timeout, proc=proc, what="flower-superlink",
                       log=self.log_path("superlink"))
         for client, key in self.node_keys.items():
-            self.cli.register(Path(f"{key}.pub"))
+            self.cli.register(Path(f"{key}.pub"), name=client)  # the client's name is its site for search
 
     def start_node(self, client: str, *, private_key: Optional[Path] = None,
                    name: Optional[str] = None) -> subprocess.Popen:

@@ -34,6 +34,17 @@ images, stored vectors, identities and paths beyond the file name never leave
 a site; a site's error messages omit its local paths (the full error is in
 the site's own log).
 
+Which site answered: with node authentication (``node-auth=true``: the
+SuperLink runs ``--enable-supernode-auth``), a node's site is the name its
+public key was registered under (``flwr supernode register --name SITE``,
+``tools/flower_fed.py register --site SITE``), read from the SuperLink
+(:func:`registered_sites`), never the name its answer claims. An answer
+claiming another site is left out (``wrong-site``), as is an answer from a
+node whose key was registered without a name (``unbound``); so a node cannot
+plant hits under another site's name, nor push the real site out as a
+"duplicate". Without node authentication names are as the nodes declare
+them and the result says so (:attr:`FederatedResult.authenticated` False).
+
 Missing sites: a node that does not answer within ``timeout``, whose
 SuperNode is gone (the SuperLink's error reply), whose ClientApp failed, that
 refused the query (error record) or whose answer is malformed is listed in
@@ -93,6 +104,7 @@ __all__ = [
     "answer_query",
     "site_reply",
     "merge_answers",
+    "registered_sites",
     "federated_search",
     "serve_search",
     "format_result",
@@ -108,6 +120,8 @@ RESULT_FORMAT = "fedreid-federated-search"
 SEARCH_KEYS = ("search-vector", "search-fingerprint", "search-filters", "search-k", "search-timeout",
                "search-thumbnails", "search-expect")
 THUMBNAIL_SIZES = (16, 256)
+#: A site logs a warning when it clips a score further than this past +-1 (more than an approximate index strays).
+CLIP_WARNING = 0.05
 
 
 # =========================================================================== site side
@@ -196,7 +210,10 @@ def answer_query(store: Any, query: SearchQuery, *, site: str, policy: SitePolic
     see :func:`fingerprint_problem`) and the feature must have the store's
     dimension (else an error answer); then the store's top ``query.k`` under
     ``query.filters``, best first, -1 pads dropped (fewer hits when fewer
-    items pass). Each hit carries id, score, camera, timestamp, file name and
+    items pass). Scores are clipped to [-1, 1]: an approximate index (PQ or
+    SQ codes) can stray a little past a cosine's range, and the server
+    refuses scores beyond it (a stray of more than :data:`CLIP_WARNING` is
+    logged: are the store's features L2-normalised?). Each hit carries id, score, camera, timestamp, file name and
     the row's site column; a thumbnail only when ``policy.thumbnails`` and
     ``query.thumbnails``. Nothing else of the store is read into the answer.
     """
@@ -208,6 +225,11 @@ def answer_query(store: Any, query: SearchQuery, *, site: str, policy: SitePolic
     result = store.search(query.feature[None, :], query.k, **query.filters.store_kwargs())
     keep = result.ids[0] >= 0
     ids, scores = result.ids[0][keep], result.scores[0][keep]
+    stray = float(np.max(np.abs(scores), initial=0.0)) - 1.0
+    if stray > CLIP_WARNING:
+        log.warning("search: scores up to %.4g past a cosine's range were clipped to [-1, 1]; does the store hold "
+                    "L2-normalised features?", stray)
+    scores = np.clip(scores, -1.0, 1.0)
     rows = store.rows(ids.tolist())
     thumbnails = policy.thumbnails and query.thumbnails
     hits = []
@@ -266,11 +288,16 @@ def site_reply(content: RecordDict, *, site: str, store_folder: Optional[Path],
 
 @dataclass(frozen=True)
 class AnsweredSite:
-    """A node that answered with a ranking (``hits`` of them, possibly 0)."""
+    """A node that answered with a ranking (``hits`` of them, possibly 0).
+
+    ``verified``: ``site`` is the name the node's authenticated key was
+    registered under (False: the name the node declared itself).
+    """
 
     site: str
     node_id: int
     hits: int
+    verified: bool = False
 
 
 @dataclass(frozen=True)
@@ -282,8 +309,11 @@ class MissingSite:
     failed), ``refused`` (the site's error record, e.g. a model mismatch),
     ``malformed`` (the answer failed the checks), ``not-sent`` (the SuperLink
     did not take the query), ``duplicate`` (a second node answering as a site
-    already answered), ``not-answered`` (an expected site no node answered as).
-    ``site`` is None for a node that never said which site it is.
+    already answered), ``not-answered`` (an expected site no node answered as);
+    with node authentication also ``wrong-site`` (the answer claims another
+    site than the one the node's key is registered as) and ``unbound`` (the
+    node's key is registered under no site name). ``site`` is the node's
+    registered site where known, else the site its answer named, else None.
     """
 
     site: Optional[str]
@@ -294,7 +324,12 @@ class MissingSite:
 
 @dataclass
 class FederatedResult:
-    """The merged ranking (``results``, at most ``k``), the sites that answered, and the ``missing`` ones."""
+    """The merged ranking (``results``, at most ``k``), the sites that answered, and the ``missing`` ones.
+
+    ``authenticated``: every answer kept was checked against the site name
+    its node's key is registered as (node authentication); False: the names
+    are as the nodes declared them.
+    """
 
     results: list[Hit]
     answered: list[AnsweredSite]
@@ -303,12 +338,13 @@ class FederatedResult:
     timeout: float = 0.0
     seconds: float = 0.0
     query: dict[str, Any] = field(default_factory=dict)
+    authenticated: bool = False
 
     def to_plain(self) -> dict[str, Any]:
         """The JSON document of the result (thumbnails as base64 JPEG)."""
         return {
             "format": RESULT_FORMAT, "version": 1, "k": self.k, "timeout": self.timeout,
-            "seconds": round(self.seconds, 3), "query": self.query,
+            "seconds": round(self.seconds, 3), "query": self.query, "authenticated": self.authenticated,
             "results": [dict(rank=i + 1, **hit.to_plain()) for i, hit in enumerate(self.results)],
             "answered": [vars(a).copy() for a in self.answered],
             "missing": [vars(m).copy() for m in self.missing],
@@ -326,6 +362,18 @@ def merge_answers(answers: Iterable[SiteAnswer], k: int) -> list[Hit]:
     return hits[: max(int(k), 0)]
 
 
+def registered_sites(grid: Grid) -> dict[int, str]:
+    """Node id -> the site name its key was registered under on the SuperLink, for the connected nodes.
+
+    The name is Flower's ``NodeInfo.name``, set when the operator registers
+    the node's public key (``flwr supernode register KEY --name SITE``).
+    Only meaningful where the SuperLink authenticates SuperNodes
+    (``--enable-supernode-auth``): without it a node is not made to prove it
+    holds a registered key. Nodes registered without a name are left out.
+    """
+    return {int(info.node_id): str(info.name) for info in grid.get_nodes() if getattr(info, "name", "")}
+
+
 def _error_code(code: int) -> str:
     unavailable = (ErrorCode.NODE_UNAVAILABLE, ErrorCode.MESSAGE_UNAVAILABLE, ErrorCode.REPLY_MESSAGE_UNAVAILABLE)
     return "unavailable" if code in unavailable else "node-error"
@@ -334,7 +382,8 @@ def _error_code(code: int) -> str:
 def federated_search(grid: Grid, node_ids: Iterable[int], feature: Any, k: int,
                      filters: Optional[SearchFilters | Mapping[str, Any]] = None, timeout: float = 30.0, *,
                      fingerprint: Optional[Mapping[str, Any]], thumbnails: bool = False,
-                     expected_sites: Sequence[str] = (), poll_seconds: float = 0.5) -> FederatedResult:
+                     expected_sites: Sequence[str] = (), poll_seconds: float = 0.5,
+                     bound_sites: Optional[Mapping[int, str]] = None) -> FederatedResult:
     """Send one query to every node of ``node_ids`` over ``grid`` (a Flower ``Grid``) and merge the answers.
 
     Contract: each node gets a ``query`` message (TTL ``timeout``) holding
@@ -347,6 +396,13 @@ def federated_search(grid: Grid, node_ids: Iterable[int], feature: Any, k: int,
     :func:`merge_answers` of the valid answers (each checked by
     :func:`~fedreid.flower.search_codec.decode_hits`). The grid is only used
     for these messages; what leaves the server is listed in the module docstring.
+
+    ``bound_sites`` (node id -> site, :func:`registered_sites` under node
+    authentication): when given, an answer counts only from a node listed
+    there and only under that name: a node whose answer (ranking or refusal)
+    names another site is ``wrong-site``, an unlisted node ``unbound``, and
+    neither takes the name from the node it claims to be. None: the names
+    the nodes declare are used (``authenticated`` False in the result).
     """
     if not isinstance(filters, SearchFilters):
         filters = SearchFilters.from_plain(filters)
@@ -375,20 +431,34 @@ def federated_search(grid: Grid, node_ids: Iterable[int], feature: Any, k: int,
             break
         time.sleep(min(poll_seconds, max(timeout - (time.monotonic() - started), 0.0)))
     for node in sorted(pending.values()):
-        missing.append(MissingSite(None, node, "no-reply", f"no reply within {timeout:g} s"))
+        site = None if bound_sites is None else bound_sites.get(node)
+        missing.append(MissingSite(site, node, "no-reply", f"no reply within {timeout:g} s"))
+    bound = None if bound_sites is None else {int(n): str(s) for n, s in bound_sites.items()}
     answers: list[SiteAnswer] = []
     answered: list[AnsweredSite] = []
     first_node: dict[str, int] = {}
     for node in sorted(replies):
         reply = replies[node]
+        known = None if bound is None else bound.get(node)  # who the node is, by its key (None: unknown)
         if reply.has_error():
-            missing.append(MissingSite(None, node, _error_code(reply.error.code),
+            missing.append(MissingSite(known, node, _error_code(reply.error.code),
                                        str(reply.error.reason or f"error code {reply.error.code}")))
             continue
         try:
             answer = decode_hits(reply.content, k=query.k, thumbnails=query.thumbnails)
         except SearchCodecError as exc:
-            missing.append(MissingSite(None, node, "malformed", f"answer rejected: {exc}"))
+            missing.append(MissingSite(known, node, "malformed", f"answer rejected: {exc}"))
+            continue
+        if bound is not None and known is None:
+            missing.append(MissingSite(None, node, "unbound",
+                                       f"answers as site {answer.site!r}, but its key is registered under no site "
+                                       "name (register it with --site NAME); its answer is left out"))
+            continue
+        if known is not None and answer.site != known:
+            # Checked before the duplicate rule: an impostor must not take the name from the real site's node.
+            missing.append(MissingSite(known, node, "wrong-site",
+                                       f"answers as site {answer.site!r}, but its key is registered as site "
+                                       f"{known!r}; its answer is left out"))
             continue
         if answer.site in first_node:
             missing.append(MissingSite(answer.site, node, "duplicate",
@@ -400,12 +470,14 @@ def federated_search(grid: Grid, node_ids: Iterable[int], feature: Any, k: int,
             missing.append(MissingSite(answer.site, node, "refused", str(answer.error)))
             continue
         answers.append(answer)
-        answered.append(AnsweredSite(answer.site, node, len(answer.hits)))
+        answered.append(AnsweredSite(answer.site, node, len(answer.hits), verified=known is not None))
     unnamed = sorted(m.node_id for m in missing if m.site is None and m.node_id is not None)
     for site in expected_sites:
         if site in first_node:
             continue
-        why = (f"nodes that did not say which site they are: {', '.join(map(str, unnamed))}" if unnamed
+        own = [m for m in missing if m.site == site and m.node_id is not None]  # its node is known, and failed
+        why = ("; ".join(f"its node {m.node_id}: {m.code}" for m in own) if own
+               else f"nodes that did not say which site they are: {', '.join(map(str, unnamed))}" if unnamed
                else "no node of the SuperLink is this site: not connected")
         missing.append(MissingSite(site, None, "not-answered", f"no node answered as this site ({why})"))
     answered.sort(key=lambda a: (a.site, a.node_id))
@@ -413,7 +485,7 @@ def federated_search(grid: Grid, node_ids: Iterable[int], feature: Any, k: int,
     described = {"dim": int(query.feature.shape[0]), "filters": query.filters.to_plain(),
                  "fingerprint": query.fingerprint, "thumbnails": query.thumbnails, "nodes": nodes}
     return FederatedResult(results, answered, missing, k=query.k, timeout=timeout,
-                           seconds=time.monotonic() - started, query=described)
+                           seconds=time.monotonic() - started, query=described, authenticated=bound is not None)
 
 
 # =========================================================================== the ServerApp's mode=search
@@ -451,7 +523,9 @@ class SearchSettings:
     ``search-fingerprint`` (JSON object), ``search-filters`` (JSON object:
     cameras, sites, time_window), ``search-k``, ``search-timeout`` (seconds
     the sites have), ``search-thumbnails``, ``search-expect`` (site names,
-    space separated: reported when none answers), ``join-timeout`` (seconds to
+    space separated: reported when none answers), ``node-auth`` (the
+    SuperLink authenticates SuperNodes: each answer is bound to the site its
+    node's key is registered as, :func:`registered_sites`), ``join-timeout`` (seconds to
     wait for nodes to be connected: all expected ones, else one), ``out`` (the
     result JSON on the server machine, in an existing folder; optional: the
     ranked list is logged either way).
@@ -466,6 +540,7 @@ class SearchSettings:
     expect: tuple[str, ...] = ()
     join_timeout: float = 30.0
     out: Optional[Path] = None
+    node_auth: bool = False
 
     @classmethod
     def from_run_config(cls, run_config: Mapping[str, Any]) -> "SearchSettings":
@@ -497,7 +572,8 @@ class SearchSettings:
         return cls(feature=decode_vector(text), k=k, fingerprint=parsed("search-fingerprint"), filters=filters,
                    timeout=timeout, thumbnails=_flag(run_config.get("search-thumbnails", False)),
                    expect=tuple(shlex.split(str(run_config.get("search-expect", "")))),
-                   join_timeout=float(run_config.get("join-timeout", 30.0)), out=Path(out) if out else None)
+                   join_timeout=float(run_config.get("join-timeout", 30.0)), out=Path(out) if out else None,
+                   node_auth=_flag(run_config.get("node-auth", False)))
 
 
 def _check_result_path(path: Path) -> None:
@@ -538,7 +614,8 @@ def serve_search(grid: Grid, run_config: Mapping[str, Any]) -> FederatedResult:
              settings.feature.shape[0], len(nodes), settings.timeout)
     result = federated_search(grid, nodes, settings.feature, settings.k, settings.filters, settings.timeout,
                               fingerprint=settings.fingerprint, thumbnails=settings.thumbnails,
-                              expected_sites=settings.expect)
+                              expected_sites=settings.expect,
+                              bound_sites=registered_sites(grid) if settings.node_auth else None)
     plain = result.to_plain()
     for line in format_result(plain):
         log.info("%s", line)
@@ -554,8 +631,10 @@ def serve_search(grid: Grid, run_config: Mapping[str, Any]) -> FederatedResult:
 def format_result(plain: Mapping[str, Any]) -> list[str]:
     """The lines that show a result document (:meth:`FederatedResult.to_plain`): ranked list, then missing sites."""
     results, answered, missing = plain["results"], plain["answered"], plain["missing"]
+    names = ("site names: authenticated (registered node keys)" if plain.get("authenticated") else
+             "site names: as the nodes declare them (no node authentication)")
     lines = [f"federated search: {len(results)} results (k={plain['k']}) from {len(answered)} sites "
-             f"({', '.join(a['site'] for a in answered) or 'none'}); {len(missing)} missing"]
+             f"({', '.join(a['site'] for a in answered) or 'none'}); {len(missing)} missing; {names}"]
     if results:
         lines.append(f"{'rank':>4}  {'score':>8}  {'site':<12} {'id':>8}  {'camera':>6}  {'time':>12}  name")
     for hit in results:

@@ -24,9 +24,17 @@ the score, the camera, the timestamp, the row's site column and the image's
 it and the query asked. Identities, stored vectors, full images and paths
 never travel.
 
+Scores are cosine similarities: the query's feature is L2-normalised (its
+norm within :data:`NORM_TOLERANCE` of 1, else the query is refused), the
+stores hold L2-normalised features, and a site clips what an approximate
+index (PQ or SQ codes) gives to [-1, 1]. So a score outside
+[-1 - :data:`COSINE_EPS`, 1 + :data:`COSINE_EPS`] is no cosine: the answer is
+refused, since one made-up score (1e30) would otherwise rank first.
+
 Decoding refuses anything else (wrong version, types, sizes, non-finite
-numbers, more hits than ``k``, thumbnails that are not small JPEGs) with a
-:class:`SearchCodecError` that names what was expected.
+numbers, scores outside the cosine range, more hits than ``k``, thumbnails
+that are not small JPEGs) with a :class:`SearchCodecError` that names what
+was expected.
 """
 
 from __future__ import annotations
@@ -49,6 +57,8 @@ __all__ = [
     "MAX_K",
     "MAX_DIM",
     "MAX_THUMBNAIL_BYTES",
+    "COSINE_EPS",
+    "NORM_TOLERANCE",
     "QUERY_RECORD",
     "FEATURE_RECORD",
     "REPLY_RECORD",
@@ -75,6 +85,10 @@ MAX_DIM = 65536
 #: The largest thumbnail a server accepts (a JPEG of at most 256 px a side is far smaller).
 MAX_THUMBNAIL_BYTES = 64 * 1024
 MAX_NAME_CHARS = 255
+#: How far past +-1 a score may be and still count as a cosine (float32 rounding of unit vectors is ~1e-6).
+COSINE_EPS = 1e-3
+#: How far from 1 the norm of a query's feature may be (it is L2-normalised).
+NORM_TOLERANCE = 1e-3
 QUERY_RECORD = "fedreid.search.query"
 FEATURE_RECORD = "fedreid.search.feature"
 REPLY_RECORD = "fedreid.search.reply"
@@ -219,7 +233,12 @@ class SearchFilters:
 
 @dataclass(frozen=True, eq=False)
 class SearchQuery:
-    """One query: a float32 feature [d], ``k`` (1..:data:`MAX_K`), filters, the model fingerprint, thumbnails asked."""
+    """One query: a float32 feature [d], ``k`` (1..:data:`MAX_K`), filters, the model fingerprint, thumbnails asked.
+
+    The feature must be L2-normalised (norm within :data:`NORM_TOLERANCE` of
+    1), as the stores' features are, so that every site's scores are cosines
+    on one scale.
+    """
 
     feature: np.ndarray
     k: int
@@ -238,6 +257,10 @@ class SearchQuery:
         feature = np.ascontiguousarray(feature, dtype=np.float32)
         if not np.isfinite(feature).all():
             raise SearchCodecError("feature: expected finite numbers, got NaN or inf")
+        norm = float(np.linalg.norm(feature.astype(np.float64)))
+        if abs(norm - 1.0) > NORM_TOLERANCE:
+            raise SearchCodecError(f"feature: expected an L2-normalised vector (norm 1, as the stores' features), "
+                                   f"got norm {norm:.6g}")
         feature.setflags(write=False)
         object.__setattr__(self, "feature", feature)
         object.__setattr__(self, "k", _int(self.k, "k", low=1, high=MAX_K))
@@ -377,7 +400,9 @@ def decode_hits(content: RecordDict, *, k: Optional[int] = None, thumbnails: boo
     """A site's :class:`SiteAnswer` from a reply's content, every field checked.
 
     ``k``: the query's k (more hits is refused). ``thumbnails=False`` (the
-    query did not ask for them) drops any thumbnail sent anyway.
+    query did not ask for them) drops any thumbnail sent anyway. A score
+    outside [-1 - :data:`COSINE_EPS`, 1 + :data:`COSINE_EPS`] is refused (see
+    the module docstring).
     """
     reply = _record(content, REPLY_RECORD, ConfigRecord)
     _version(reply, REPLY_RECORD)
@@ -400,6 +425,12 @@ def decode_hits(content: RecordDict, *, k: Optional[int] = None, thumbnails: boo
         raise SearchCodecError("hits.ids: expected distinct store ids >= 0")
     if not np.isfinite(scores).all():
         raise SearchCodecError("hits.scores: expected finite numbers")
+    outside = np.flatnonzero(np.abs(scores.astype(np.float64)) > 1.0 + COSINE_EPS)
+    if outside.size:
+        first = int(outside[0])
+        raise SearchCodecError(f"hits.scores: expected cosine similarities in [{-1 - COSINE_EPS:g}, "
+                               f"{1 + COSINE_EPS:g}], got {float(scores[first]):.6g} (hit {first}) and "
+                               f"{outside.size - 1} more outside")
     thumbs: dict[int, bytes] = {}
     if THUMBNAILS_RECORD in content.keys():
         record = _record(content, THUMBNAILS_RECORD, ConfigRecord)
