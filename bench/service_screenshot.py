@@ -31,6 +31,7 @@ from fedreid.eval.image_folders import image_features, parse_market_name
 from fedreid.eval.model_io import load_model
 from fedreid.models.reid import create_reid_model, shared_state
 from fedreid.retrieval import service as svc
+from fedreid.retrieval.gallery_rows import GALLERY_ROOTS_KEY, gallery_roots
 from fedreid.retrieval.store import GalleryStore
 
 TOKEN = "screenshot-token-0123456789"
@@ -60,7 +61,8 @@ def build(root: Path, id_scale: float, seed: int) -> tuple[Path, Path, object]:
         rows.append({"path": str(p), "camera": cam, "site": SITES.get(cam, "depot"), "identity": pid,
                      "timestamp": float(T0 + int(rng.integers(0, 10 * 3600)))})
     GalleryStore.create(root / "store", feats.features, rows, factory="Flat", model_fingerprint=loaded.fingerprint,
-                        meta={"model_fingerprint": loaded.fingerprint, "model": str(run)})
+                        meta={"model_fingerprint": loaded.fingerprint, "model": str(run),
+                              GALLERY_ROOTS_KEY: gallery_roots([str(Path(r["path"]).resolve()) for r in rows])})
     return root / "store", release / "query", loaded
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import os
 import shutil
 import threading
 from pathlib import Path
@@ -19,6 +20,7 @@ from fedreid.eval.errors import EvalInputError
 from fedreid.eval.image_folders import array_features, decode_image_bytes, image_features
 from fedreid.eval.model_io import ModelMismatchError, load_model
 from fedreid.retrieval import service as svc
+from fedreid.retrieval.gallery_rows import GALLERY_ROOTS_KEY, gallery_roots
 from fedreid.retrieval.store import GalleryStore
 from fedreid.utils.io import OutputDirError
 
@@ -58,11 +60,13 @@ def save_tiny_model(run: Path, seed: int = 0) -> Path:
     return save_tiny_run(run, HEIGHT, WIDTH, seed=seed)
 
 
-def build_store(folder: Path, loaded, paths: list[Path], rows: list[dict]):
+def build_store(folder: Path, loaded, paths: list[Path], rows: list[dict], roots: list[Path] | None = None):
+    """A Flat store of ``paths`` whose header records ``roots`` (default: the rows' folders) as its gallery roots."""
     feats = image_features(loaded, paths, batch_size=32)
     fp = loaded.fingerprint
+    roots = gallery_roots([str(Path(r["path"]).resolve()) for r in rows]) if roots is None else [str(r) for r in roots]
     return GalleryStore.create(folder, feats.features, rows, factory="Flat", model_fingerprint=fp,
-                               meta={"model_fingerprint": fp, "model": str(loaded.source)})
+                               meta={"model_fingerprint": fp, "model": str(loaded.source), GALLERY_ROOTS_KEY: roots})
 
 
 @pytest.fixture(scope="module")
@@ -344,6 +348,56 @@ def test_missing_image_file_is_a_404(world, tmp_path):
         assert r.status_code == 404 and "missing on the server" in r.json()["error"]
         assert str(gallery) not in r.json()["error"]
         assert c.get("/items/0/image", headers=AUTH).status_code == 200
+
+
+def test_only_regular_files_inside_the_gallery_or_uploads_are_served(world, tmp_path):
+    gallery = tmp_path / "g"
+    paths = [write_png(gallery / f"{i}.png", person_image(i, 0, 1)) for i in range(5)]
+    elsewhere = write_png(tmp_path / "elsewhere" / "x.png", person_image(9, 0, 1))
+    rows = [{"path": str(p), "camera": 0} for p in [*paths, elsewhere]]
+    build_store(tmp_path / "st", world["loaded"], [*paths, elsewhere], rows, roots=[gallery])
+    secret = tmp_path / "secret.txt"
+    secret.write_text("password=hunter2\n")
+    paths[0].unlink()
+    paths[0].symlink_to(secret)  # a gallery file replaced by a link to a secret
+    paths[1].unlink()
+    paths[1].symlink_to(paths[4])  # a link to another gallery file stays inside the gallery
+    paths[2].unlink()
+    os.mkfifo(paths[2])  # would block a plain open()
+    (gallery / "sub").mkdir()
+    with client_for(world, tmp_path / "st") as c:
+        for item, words in ((0, "lies outside the gallery and uploads folders"), (2, "is not a regular file"),
+                            (5, "lies outside the gallery and uploads folders")):
+            r = c.get(f"/items/{item}/image", headers=AUTH)
+            error = r.json()["error"]
+            assert r.status_code == 404 and words in error, (item, r.text)
+            assert "hunter2" not in r.text and str(tmp_path) not in error and "\n" not in error
+        assert c.get("/items/1/image", headers=AUTH).content == paths[4].read_bytes()
+        assert c.get("/items/3/image", headers=AUTH).content == paths[3].read_bytes()
+        moved = tmp_path / "moved"
+        gallery.rename(moved)  # a folder on the path replaced by a link to elsewhere
+        gallery.symlink_to(elsewhere.parent)
+        write_png(elsewhere.parent / "3.png", person_image(3, 0, 1))  # a regular file, but not the gallery's
+        r = c.get("/items/3/image", headers=AUTH)
+        assert r.status_code == 404 and "outside" in r.json()["error"] and "hunter2" not in r.text
+
+
+def test_added_folders_are_recorded_as_gallery_roots(world, tmp_path):
+    from fedreid.eval.folder_index import add_to_gallery_store, build_gallery_store
+
+    first = [write_png(tmp_path / "g" / f"{i:04d}_c1s1_000001_00.png", person_image(i, 0, 1)) for i in range(3)]
+    more = [write_png(tmp_path / "monday" / f"{i:04d}_c2s1_000001_00.png", person_image(i, 1, 1)) for i in range(2)]
+    farm = tmp_path / "links"
+    farm.mkdir()
+    (farm / "0100_c3s1_000001_00.png").symlink_to(write_png(tmp_path / "store-b" / "p.png", person_image(5, 2, 1)))
+    build_gallery_store(world["loaded"], tmp_path / "g", tmp_path / "st")
+    add_to_gallery_store(world["loaded"], tmp_path / "st", tmp_path / "monday")
+    store, _ = add_to_gallery_store(world["loaded"], tmp_path / "st", farm)
+    assert store.header["meta"]["gallery_roots"] == sorted(
+        str((tmp_path / name).resolve()) for name in ("g", "monday", "links", "store-b"))
+    with client_for(world, tmp_path / "st") as c:
+        for item, path in enumerate([*first, *more, tmp_path / "store-b" / "p.png"]):
+            assert c.get(f"/items/{item}/image", headers=AUTH).content == path.read_bytes(), item
 
 
 def test_add_search_and_delete_an_item(world, store_copy, tmp_path):

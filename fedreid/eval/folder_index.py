@@ -40,7 +40,14 @@ from fedreid.eval.devices import _faiss_gpu_id
 from fedreid.eval.errors import EvalInputError
 from fedreid.eval.image_folders import SKIPPED_FILE, SkippedImage, image_features, list_images, write_skipped_csv
 from fedreid.eval.model_io import LoadedModel, check_index_model
-from fedreid.retrieval.gallery_rows import apply_metadata, image_rows, read_metadata_csv
+from fedreid.retrieval.gallery_rows import (
+    GALLERY_ROOTS_KEY,
+    apply_metadata,
+    gallery_roots,
+    image_rows,
+    read_metadata_csv,
+    recorded_gallery_roots,
+)
 from fedreid.retrieval.store import GalleryStore, check_factory_string, clean_swap_leftovers
 
 if TYPE_CHECKING:
@@ -135,8 +142,9 @@ def build_gallery_store(
     raised, before any image is). ``factory``/``seed``: the FAISS index and
     its training (:meth:`GalleryStore.create`; a string FAISS cannot parse
     is refused before any work); ``refine``: as there. The header's ``meta`` records
-    the model (``model``, ``round``, ``model_fingerprint``), the ``gallery``
-    and the number ``skipped``. ``skipped``: as in :func:`image_features`;
+    the model (``model``, ``round``, ``model_fingerprint``), the ``gallery``,
+    the number ``skipped`` and ``gallery_roots``, the folders the indexed
+    files lie in (:func:`~fedreid.retrieval.gallery_rows.gallery_roots`). ``skipped``: as in :func:`image_features`;
     when given, the images left out are listed in ``index_dir/skipped.csv``.
     ``faiss_gpu`` runs the k-means of an IVF factory's training on the GPU
     (the stored index is a CPU index either way; other factories need no GPU).
@@ -161,8 +169,10 @@ def build_gallery_store(
         skipped=skipped, where=f"gallery {gallery}",
     )
     left_out = list(skipped[first_skip:]) if skipped is not None else []
+    stored = [rows[str(p)]["path"] for p in fs.paths]
     meta = {"model": str(loaded.source), "round": loaded.round, "gallery": str(gallery.resolve()),
-            "skipped": len(left_out)}
+            "skipped": len(left_out),
+            GALLERY_ROOTS_KEY: gallery_roots(stored, [gallery.resolve()] if gallery.is_dir() else [])}
     clustering = _clustering_index(factory, fs.features.shape[1], faiss_gpu, device)
     _refuse_foreign_files(index_dir)  # checked again right before anything is replaced
     for p in index_dir.iterdir():
@@ -244,7 +254,8 @@ def add_to_gallery_store(
     :class:`EvalInputError` naming them). The index is not retrained
     (:meth:`GalleryStore.add`). ``skipped``: as in :func:`image_features`;
     ``skipped.csv`` then lists the images this and earlier builds/adds left
-    out that are not in the store.
+    out that are not in the store. The folders of the added files join the
+    header's ``meta.gallery_roots``.
     """
     folder, images = Path(index_dir), Path(images)
     store = open_gallery_store(folder)
@@ -275,8 +286,12 @@ def add_to_gallery_store(
     listed = [
         s for s in _read_skipped(folder) if str(Path(s.path).resolve()) not in added | again
     ] + left_out
+    roots = gallery_roots(
+        [rows[str(p)]["path"] for p in fs.paths],
+        [*recorded_gallery_roots(store.header), *([images.resolve()] if images.is_dir() else [])],
+    )
     ids = store.add(
-        fs.features, [rows[str(p)] for p in fs.paths], meta={"skipped": len(listed)},
+        fs.features, [rows[str(p)] for p in fs.paths], meta={"skipped": len(listed), GALLERY_ROOTS_KEY: roots},
         side_files={SKIPPED_FILE: _skipped_writer(listed)},
     )
     return store, ids

@@ -24,6 +24,12 @@ and ``identity`` 32-bit integers; ``timestamp`` seconds since the epoch or an
 ISO 8601 date/time within years 1 to 9999; ``site`` a name of at most 200
 characters), checked before any image is read. Every error names the file
 (and the row).
+
+Gallery roots: a store's header records in ``meta.gallery_roots``
+(:data:`GALLERY_ROOTS_KEY`) the folders its image files lie in, links
+resolved (:func:`gallery_roots`); the search service serves an item's image
+only from inside them (or its own uploads folder), so a file later replaced by
+a link to anything else is not served (:func:`recorded_gallery_roots`).
 """
 
 from __future__ import annotations
@@ -32,23 +38,55 @@ import csv
 import os
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Collection, Optional, Sequence
+from typing import Any, Collection, Iterable, Mapping, Optional, Sequence
 
 from fedreid.retrieval import fields
 from fedreid.retrieval.fields import GalleryMetadataError
 
 __all__ = [
+    "GALLERY_ROOTS_KEY",
     "METADATA_COLUMNS",
     "GalleryMetadataError",
     "apply_metadata",
     "format_time",
+    "gallery_roots",
     "image_rows",
     "parse_time",
     "read_metadata_csv",
+    "recorded_gallery_roots",
 ]
 
 #: The columns a metadata CSV may have (``path`` required).
 METADATA_COLUMNS = ("path", "camera", "site", "timestamp", "identity")
+#: The store header's ``meta`` key listing the folders its items' files lie in (:func:`gallery_roots`).
+GALLERY_ROOTS_KEY = "gallery_roots"
+
+
+def gallery_roots(paths: Iterable[str], also: Iterable[str | Path] = ()) -> list[str]:
+    """The fewest folders holding every file of ``paths`` and every folder of ``also``, sorted.
+
+    ``paths``: stored item paths (absolute, links resolved, as :func:`image_rows`
+    writes them); ``also``: folders to keep listed (the resolved gallery
+    folder, the roots recorded before an addition). A folder inside another
+    listed one is left out, so a gallery indexed from one folder is one root,
+    and a folder of links to files elsewhere lists the folders they point into.
+    """
+    found = {os.path.dirname(str(p)) for p in paths} | {os.path.normpath(str(a)) for a in also}
+    kept: set[str] = set()
+    for folder in sorted(found, key=lambda f: (len(Path(f).parts), f)):  # ancestors before their descendants
+        if not any(str(parent) in kept for parent in Path(folder).parents):
+            kept.add(folder)
+    return sorted(kept)
+
+
+def recorded_gallery_roots(header: Mapping[str, Any]) -> list[Path]:
+    """The folders a store header records its files in: ``meta.gallery_roots``, else ``meta.gallery`` (an earlier
+    build's single folder), else none. Absolute paths as recorded (links were resolved when they were written)."""
+    meta = header.get("meta") if isinstance(header.get("meta"), dict) else {}
+    roots = meta.get(GALLERY_ROOTS_KEY)
+    if not isinstance(roots, list):
+        roots = [meta["gallery"]] if isinstance(meta.get("gallery"), str) else []
+    return [Path(r) for r in roots if isinstance(r, str) and os.path.isabs(r)]
 
 
 def parse_time(text: str, what: str = "time") -> float:

@@ -24,7 +24,9 @@ and ``GET /web/<asset>``, the page and its script and style sheet; errors are
     "took_ms", "query"}``: :meth:`GalleryStore.search` of the query's
     feature, best first, ``path`` the file name only (no server folders).
 ``GET /items/{id}`` / ``GET /items/{id}/image``
-    An item's metadata / its image file (404 for an unknown id or a missing file).
+    An item's metadata / its image file (404 for an unknown id, a missing
+    file, or one that is not a regular file inside the gallery roots or the
+    uploads folder; see Security).
 ``POST /items``
     ``image`` plus optional ``camera``, ``site``, ``timestamp``, ``identity``
     (an empty field: unknown): the upload is written into the service's uploads folder (``--uploads``,
@@ -54,7 +56,10 @@ over the limit get 413 before the body is read (``Content-Length``) or as
 soon as the streamed bytes pass it. Uploads must be JPEG, PNG or BMP (by
 their bytes, not their name) of at most ``max_pixels`` pixels. Stored files
 are served only for image file names and are read by the store's path, never
-by a client-given one. Responses carry ``nosniff``, ``no-referrer``,
+by a client-given one, and only when they are regular files whose real path
+(links resolved) lies inside the store's recorded gallery roots
+(:func:`fedreid.retrieval.gallery_rows.recorded_gallery_roots`) or the uploads
+folder: a gallery file later replaced by a link to a secret is a 404. Responses carry ``nosniff``, ``no-referrer``,
 ``frame-ancestors 'none'`` and, for the page, a same-origin-only content
 security policy. There is no TLS here: off the loopback interface, put
 the service behind a TLS proxy or pass ``--ssl-certfile/--ssl-keyfile``,
@@ -78,6 +83,7 @@ import ipaddress
 import logging
 import os
 import socket
+import stat
 import threading
 import time
 import urllib.parse
@@ -428,18 +434,27 @@ class _Service:
             raise _RequestError(404, f"no item {item} in the gallery")
         return row
 
+    def file_roots(self) -> list[Path]:
+        """The folders whose files may be served: the store's recorded gallery roots and the uploads folder."""
+        from fedreid.retrieval.gallery_rows import recorded_gallery_roots
+
+        roots = recorded_gallery_roots(self.store.header)
+        return roots + ([self.uploads] if self.uploads is not None else [])
+
     def image_file(self, item: int) -> tuple[bytes, str]:
+        """The bytes and media type of ``item``'s image, or a 404 naming the file (its name only).
+
+        Only a regular file whose real path (links resolved) lies inside
+        :meth:`file_roots` is read: a gallery file replaced by a link to
+        anything outside them, a folder on its path replaced by such a link, a
+        FIFO or a device are refused, not followed.
+        """
         row = self.row(item)
         path = Path(row["path"])
         media = _MEDIA_TYPES.get(path.suffix.lower())
         if media is None:
             raise _RequestError(404, f"item {item}'s file {path.name!r} is not a jpg/png/bmp image file")
-        try:
-            return path.read_bytes(), media
-        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
-            raise _RequestError(404, f"the image file of item {item} ({path.name}) is missing on the server") from None
-        except PermissionError:
-            raise _RequestError(404, f"the image file of item {item} ({path.name}) cannot be read by the server") from None
+        return _read_file_inside(path, self.file_roots(), f"the image file of item {item} ({path.name})"), media
 
     # -- updates ------------------------------------------------------------
 
@@ -488,6 +503,47 @@ class _Service:
             "uploads": self.uploads is not None,
             "limits": {"max_k": self.max_k, "max_upload_bytes": self.max_upload_bytes, "max_pixels": self.max_pixels},
         }
+
+
+def _inside(real: str, roots: Sequence[Path]) -> bool:
+    return any(real == str(root) or Path(root) in Path(real).parents for root in roots)
+
+
+def _read_file_inside(path: Path, roots: Sequence[Path], what: str) -> bytes:
+    """The bytes of the regular file at ``path`` when its real path lies inside one of ``roots``; else a 404.
+
+    ``roots`` are taken as given (absolute, their links resolved when they were
+    recorded), so a root replaced by a link widens nothing. The real path is
+    checked before opening and, where ``/proc`` names the open file, again
+    after: a folder on the path swapped for a link in between is caught too.
+    The file is opened without following a final link and without blocking
+    (a FIFO would otherwise hang the request), then must be a regular file.
+    """
+    try:
+        real = os.path.realpath(path, strict=True)
+    except (OSError, RuntimeError):  # missing, a dangling or looping link, unreadable folder
+        raise _RequestError(404, f"{what} is missing on the server") from None
+    if not _inside(real, roots):
+        raise _RequestError(404, f"{what} lies outside the gallery and uploads folders: it is not served")
+    try:
+        fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        raise _RequestError(404, f"{what} is missing on the server") from None
+    except OSError:  # a link put in place since, a folder, no permission
+        raise _RequestError(404, f"{what} cannot be read by the server") from None
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise _RequestError(404, f"{what} is not a regular file: it is not served")
+        try:
+            opened = os.readlink(f"/proc/self/fd/{f.fileno()}")
+        except OSError:  # no /proc here: the check before opening stands
+            opened = real
+        if not _inside(opened, roots):
+            raise _RequestError(404, f"{what} lies outside the gallery and uploads folders: it is not served")
+        try:
+            return f.read()
+        except OSError:
+            raise _RequestError(404, f"{what} cannot be read by the server") from None
 
 
 def _header_stamp(folder: Path) -> Optional[tuple[int, int, int]]:
