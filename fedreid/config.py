@@ -615,12 +615,46 @@ def load_config(
     overrides: Sequence[str] = (),
     cls: type = Config,
 ) -> Any:
-    """Defaults, then the YAML file at ``path``, then ``key.sub=value`` overrides."""
+    """Defaults, then the YAML file at ``path``, then ``key.sub=value`` overrides.
+
+    An error about a key the file sets (not an override) names the file and the key's line.
+    """
     data: dict[str, Any] = {}
     if path is not None:
         data = read_yaml(path)
-    data = apply_overrides(data, overrides)
-    return from_dict(cls, data)
+    try:
+        return from_dict(cls, apply_overrides(data, overrides))
+    except ConfigError as exc:
+        overridden = {item.partition("=")[0].strip() for item in overrides}
+        if path is None or exc.key is None or any(exc.key == k or exc.key.startswith(k + ".") for k in overridden):
+            raise
+        line = _key_line(Path(path), exc.key)
+        where = f"config file {path}" + (f", line {line}" if line else "")
+        raise ConfigError(f"{where}: {exc}") from exc
+
+
+def _key_line(path: Path, key: str) -> int | None:
+    """The 1-based line of ``key`` (dotted; else its nearest parent) in the YAML file, or None."""
+    try:
+        root = yaml.compose(path.read_text())
+    except (OSError, yaml.YAMLError):
+        return None
+    lines: dict[str, int] = {}
+
+    def walk(node: Any, prefix: str) -> None:
+        if isinstance(node, yaml.MappingNode):
+            for k, v in node.value:
+                name = f"{prefix}{k.value}"
+                lines[name] = k.start_mark.line + 1
+                walk(v, name + ".")
+
+    walk(root, "")
+    parts = key.split(".")
+    while parts:
+        if ".".join(parts) in lines:
+            return lines[".".join(parts)]
+        parts.pop()
+    return None
 
 
 def load_config_text(text: str, overrides: Sequence[str] = (), cls: type = Config) -> Any:
@@ -628,7 +662,7 @@ def load_config_text(text: str, overrides: Sequence[str] = (), cls: type = Confi
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise ConfigError(f"the config text is not valid YAML: {exc}") from exc
+        raise ConfigError(f"the config text is not valid YAML: {_yaml_problem(exc)}") from exc
     if not isinstance(data, dict):
         raise ConfigError(f"the config text: expected a mapping of keys, got {type(data).__name__}")
     return from_dict(cls, apply_overrides(data, overrides))
@@ -643,7 +677,7 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise ConfigError(f"config file {path} is not valid YAML: {exc}") from exc
+        raise ConfigError(f"config file {path} is not valid YAML: {_yaml_problem(exc)}") from exc
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -652,6 +686,15 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
             f"got {type(data).__name__}"
         )
     return data
+
+
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    """A YAML parser error in one line: where (line, column) and what."""
+    mark = getattr(exc, "problem_mark", None)
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    context = getattr(exc, "context", None)
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    return f"{where}{problem}" + (f" ({context})" if context else "")
 
 
 def apply_overrides(data: Mapping[str, Any], overrides: Sequence[str]) -> dict[str, Any]:

@@ -31,7 +31,27 @@ from fedreid.errors import FedReIDError
 
 
 class ConfigError(FedReIDError, ValueError):
-    """A bad configuration key or value; the message names the key."""
+    """A bad configuration key or value; the message names the key.
+
+    ``key``: the full dotted key at fault, where known (a config file's
+    loader uses it to name the file's line).
+    """
+
+    key: str | None = None
+
+
+def did_you_mean(name: str, candidates: Sequence[str], prefix: str = "") -> str:
+    """`` (did you mean <prefix>x?)`` for the candidates close to ``name`` (a typo), else ''."""
+    import difflib
+
+    close = difflib.get_close_matches(name, list(candidates), n=3, cutoff=0.6)
+    return f" (did you mean {', '.join(prefix + c for c in close)}?)" if close else ""
+
+
+def _tagged(exc: ConfigError, key: str) -> ConfigError:
+    if exc.key is None:
+        exc.key = key
+    return exc
 
 
 @dataclass
@@ -49,19 +69,25 @@ def from_dict(cls: type, data: Mapping[str, Any], prefix: str = "") -> Any:
     unknown = sorted(set(data) - set(fields))
     if unknown:
         where = f"{prefix}." if prefix else ""
-        raise ConfigError(
-            f"unknown config key {where}{unknown[0]}; allowed keys"
+        raise _tagged(ConfigError(
+            f"unknown config key {where}{unknown[0]}{did_you_mean(str(unknown[0]), list(fields), where)}; allowed keys"
             f"{' under ' + prefix if prefix else ''}: {', '.join(sorted(fields))}"
-        )
+        ), f"{where}{unknown[0]}")
     hints = typing.get_type_hints(cls)
     kwargs = {}
     for name, value in data.items():
         key = f"{prefix}.{name}" if prefix else name
-        kwargs[name] = _coerce(hints[name], value, key)
+        try:
+            kwargs[name] = _coerce(hints[name], value, key)
+        except ConfigError as exc:
+            raise _tagged(exc, key)
     obj = cls(**kwargs)
     validate = getattr(obj, "validate", None)
     if validate is not None:
-        validate(prefix or "config")
+        try:
+            validate(prefix or "config")
+        except ConfigError as exc:
+            raise _tagged(exc, prefix) if prefix else exc
     return obj
 
 
@@ -76,7 +102,8 @@ def build_options(cls: type, values: Mapping[str, Any], where: str, owner: str) 
     allowed = [f.name for f in dataclasses.fields(cls)]
     for key in values:
         if key not in allowed:
-            raise ConfigError(f"{where}.{key}: not an option of {owner}; allowed: {', '.join(allowed) or 'none'}")
+            raise _tagged(ConfigError(f"{where}.{key}: not an option of {owner}{did_you_mean(str(key), allowed)}; "
+                                      f"allowed: {', '.join(allowed) or 'none'}"), f"{where}.{key}")
     return from_dict(cls, values, where)
 
 

@@ -186,3 +186,22 @@ def test_range_checks_refuse_nan_that_bypasses_coercion():
         _check_positive("x", float("nan"))
     with pytest.raises(ConfigError, match="y: expected 0 <= value <= 1, got nan"):
         _check_range("y", float("nan"), 0, 1)
+
+
+def test_a_typo_gets_a_did_you_mean_and_a_file_error_names_its_line(tmp_path):
+    bad = tmp_path / "exp.yaml"
+    bad.write_text("seed: 0\ntrain:\n  batch_size: 32\n  lrr: 0.1\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(bad)
+    assert str(info.value).startswith(f"config file {bad}, line 4: unknown config key train.lrr "
+                                      "(did you mean train.lr?)")
+    with pytest.raises(ConfigError) as info:  # the same key from an override: no file, no line
+        load_config(None, ["train.lrr=0.1"])
+    assert str(info.value).startswith("unknown config key train.lrr (did you mean train.lr?)")
+    bad.write_text("seed: 0\ntrain:\n  batch_size: many\n")
+    with pytest.raises(ConfigError, match=rf"^config file {bad}, line 3: train.batch_size: expected an integer"):
+        load_config(bad)
+    bad.write_text("fl:\n  rounds: [1\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(bad)
+    assert "\n" not in str(info.value) and f"config file {bad} is not valid YAML: line 3, column 1:" in str(info.value)

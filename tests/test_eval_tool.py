@@ -483,3 +483,14 @@ def test_faiss_gpu_flag(world, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(retrieval, "faiss_gpu_available", lambda: False)
     assert pl.resolve_faiss_gpu("auto", torch.device("cuda")) is False
     capsys.readouterr()
+
+
+def test_an_unknown_dataset_under_a_relative_root_names_the_working_directory(tmp_path, monkeypatch):
+    from fedreid.data.prepared import PreparedDatasetError
+    from fedreid.eval.dataset_features import resolve_datasets
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(PreparedDatasetError) as info:
+        resolve_datasets(["msmt17"], "datasets/prepared")
+    assert (f"available under datasets/prepared (relative to the working directory {tmp_path}: "
+            f"{tmp_path / 'datasets/prepared'}): none") in str(info.value)

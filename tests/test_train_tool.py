@@ -69,3 +69,21 @@ def test_overrides_between_flags_and_an_unknown_backbone(tmp_path, capsys):
     assert exc.value.code == 2 and err.count("\n") == 1
     assert err.startswith("error: model.backbone: unknown backbone 'resnt50'") and "close names: resnet50" in err
     assert not typo.exists()  # refused before any folder was made
+
+
+def test_a_run_without_its_inputs_names_every_one_and_writes_nothing(tmp_path, monkeypatch, capsys):
+    from fedreid.utils.cli import run_main
+
+    repo = Path(__file__).resolve().parents[1]
+    monkeypatch.chdir(tmp_path)  # no datasets/ and no weights/ here
+    with pytest.raises(SystemExit) as exc:
+        run_main(lambda: tool.main(["--config", str(repo / "configs/fedreid/fedpav_kd.yaml"), "--out", "X",
+                                    "--no-progress"]))
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.count("\n") == 1
+    names = ["msmt17", "dukemtmc", "market1501", "cuhk03np", "prid2011", "cuhk01", "viper", "3dpes", "ilids",
+             "cuhk02 (the public set for KD)"]
+    assert all(n in err for n in names) and "2 input(s)" in err
+    assert "weights/resnet50-0676ba61.pth" in err and f"relative to the working directory {tmp_path}" in err
+    assert "datasets/README.md" in err
+    assert not (tmp_path / "X").exists()

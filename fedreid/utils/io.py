@@ -21,6 +21,14 @@ from typing import Any, Iterator, Optional
 from fedreid.errors import FedReIDError
 
 
+def shown_path(path: str | Path) -> str:
+    """``path`` as the user wrote it, with its absolute form when it is relative to the working directory."""
+    p = Path(path)
+    if p.is_absolute():
+        return str(p)
+    return f"{p} (relative to the working directory {os.getcwd()}: {p.resolve()})"
+
+
 def _plain_file_mode() -> int:
     # os.umask can only be read by setting it; done once, at import, before any
     # thread of ours could create a file meanwhile.
