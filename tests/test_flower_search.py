@@ -63,6 +63,7 @@ from fedreid.flower.search_codec import (
 )
 from fedreid.flower.security import make_node_key, make_tls_files
 from fedreid.retrieval.store import GalleryStore
+from fedreid.utils.text import printable
 
 ROOT = Path(__file__).resolve().parents[1]
 TOOL = ROOT / "tools" / "flower_fed.py"
@@ -396,6 +397,46 @@ def test_scores_outside_the_cosine_range_mark_the_answer_malformed(stores, query
     answer = answer_query(long, SearchQuery(long.vectors[0] / 1.02, 5, fingerprint=FP), site="sa")
     assert answer.hits[0].score == 1.0 and all(-1.0 <= h.score <= 1.0 for h in answer.hits)
     assert decode_hits(encode_hits(answer), k=5).ok
+
+
+HOSTILE = "\x1b[2J\x1b]0;owned\x07\nmissing: nothing\r\u202egpj.exe"
+
+
+def test_printable_shows_text_from_elsewhere_on_one_safe_line():
+    assert printable("cam1_0001.jpg") == "cam1_0001.jpg" and printable("Zürich-北") == "Zürich-北"
+    shown = printable(HOSTILE)
+    assert shown == "\\x1b[2J\\x1b]0;owned\\x07\\x0amissing: nothing\\x0d\\u202egpj.exe"
+    assert shown.isprintable() and printable("a\\x1b") == "a\\\\x1b"  # a typed escape is not an escape shown
+    assert printable("x" * 50, 10) == "x" * 10 + "..." and printable(7) == "7"
+
+
+def test_what_a_site_sends_is_printed_sanitised(stores, query):
+    """Names, site names and errors from sites reach the terminal as one escaped line each."""
+    nodes = {1: {"client": "sa", "gallery-store": str(stores["sa"].folder)},
+             2: {"client": "sb"}, 3: {"client": "sc"}, 4: {"client": "sd"}}
+
+    def tamper(node, msg, reply):
+        if node == 1:  # a hit's file name and the row's site column
+            hits = (Hit("sa", 3, 0.5, name=HOSTILE, row_site=HOSTILE),)
+            return Message(encode_hits(SiteAnswer("sa", hits)), reply_to=msg)
+        if node == 2:  # a refusal's text
+            return Message(encode_hits(SiteAnswer("sb", error=HOSTILE)), reply_to=msg)
+        if node == 3:  # the ClientApp's failure, as Flower reports it
+            return Message(Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION, HOSTILE), reply_to=msg)
+        return Message(encode_hits(SiteAnswer("sd\x1b[31m", ())), reply_to=msg)  # a site name
+
+    with FakeGrid(flower_app.client_app, nodes, tamper=tamper) as grid:
+        result = federated_search(grid, grid.get_node_ids(), query, 3, None, 0.5, fingerprint=FP,
+                                  expected_sites=["sa", "s\u202eb"], poll_seconds=0.05)
+    missing = {m.node_id: m for m in result.missing}
+    assert missing[4].code == "malformed" and "site must be a name" in missing[4].reason  # refused at decoding
+    lines = format_result(json.loads(json.dumps(result.to_plain())))
+    assert len(lines) == 1 + 2 + len(result.missing)  # header, column names, one hit, one line per missing site
+    assert all(line.isprintable() for line in lines), lines
+    text = "\n".join(lines)
+    assert "\\x1b[2J\\x1b]0;owned\\x07\\x0amissing: nothing" in text and "\\u202egpj.exe" in text
+    assert not any(line.startswith("missing: nothing") for line in lines)
+    assert "s\\u202eb" in text  # an expected site name as the operator typed it, escaped too
 
 
 def test_search_mode_of_the_server_app(stores, query, tmp_path):

@@ -214,7 +214,11 @@ def cmd_search(args: argparse.Namespace) -> int:
         rc = FlowerCli(args.superlink, root_cert=ca, home=Path(tmp) / "flwr_home").run(
             text, log=log, timeout=args.join_timeout + args.timeout + 600)
         if not result_path.is_file():  # the run failed, or its ServerApp runs on another host than this one
-            print(log.read_text(errors="replace")[-8000:], end="", file=sys.stderr)
+            from fedreid.utils.text import printable
+
+            # The log may quote what a site sent (a ClientApp's error): one escaped line per line, no terminal control.
+            for line in log.read_text(errors="replace")[-8000:].splitlines():
+                print(printable(line, 2000), file=sys.stderr)
             why = ("the search failed" if rc != 0 else
                    "the SuperLink runs on another host: its ServerApp logged the result above; run `search` on "
                    "the SuperLink's host for the JSON")

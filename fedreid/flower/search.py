@@ -74,6 +74,7 @@ from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid
 
 from fedreid.config import ConfigError
+from fedreid.utils.text import printable
 from fedreid.flower.search_codec import (
     MAX_K,
     MAX_THUMBNAIL_BYTES,
@@ -629,24 +630,32 @@ def serve_search(grid: Grid, run_config: Mapping[str, Any]) -> FederatedResult:
 
 
 def format_result(plain: Mapping[str, Any]) -> list[str]:
-    """The lines that show a result document (:meth:`FederatedResult.to_plain`): ranked list, then missing sites."""
+    """The lines that show a result document (:meth:`FederatedResult.to_plain`): ranked list, then missing sites.
+
+    Contract: one line per entry whatever the sites sent. Every text that
+    came from a site (site names, file names, refusal and error texts) is
+    shown through :func:`~fedreid.utils.text.printable`: control characters
+    (ANSI escapes, newlines), bidi overrides and the like appear escaped, so
+    a site can neither drive the operator's terminal nor forge a line.
+    """
     results, answered, missing = plain["results"], plain["answered"], plain["missing"]
     names = ("site names: authenticated (registered node keys)" if plain.get("authenticated") else
              "site names: as the nodes declare them (no node authentication)")
+    sites = ", ".join(printable(a["site"], 64) for a in answered) or "none"
     lines = [f"federated search: {len(results)} results (k={plain['k']}) from {len(answered)} sites "
-             f"({', '.join(a['site'] for a in answered) or 'none'}); {len(missing)} missing; {names}"]
+             f"({sites}); {len(missing)} missing; {names}"]
     if results:
         lines.append(f"{'rank':>4}  {'score':>8}  {'site':<12} {'id':>8}  {'camera':>6}  {'time':>12}  name")
     for hit in results:
         camera = "-" if hit["camera"] is None else str(hit["camera"])
         stamp = "-" if hit["timestamp"] is None else f"{hit['timestamp']:.3f}"
         thumb = "  [thumbnail]" if hit.get("thumbnail_jpeg_base64") else ""
-        lines.append(f"{hit['rank']:>4}  {hit['score']:>8.4f}  {hit['site']:<12} {hit['id']:>8}  {camera:>6}  "
-                     f"{stamp:>12}  {hit['name']}{thumb}")
+        lines.append(f"{hit['rank']:>4}  {hit['score']:>8.4f}  {printable(hit['site'], 64):<12} {hit['id']:>8}  "
+                     f"{camera:>6}  {stamp:>12}  {printable(hit['name'])}{thumb}")
     for m in missing:
-        who = m["site"] if m["site"] is not None else "unknown site"
+        who = printable(m["site"], 64) if m["site"] is not None else "unknown site"
         node = f" (node {m['node_id']})" if m["node_id"] is not None else ""
-        lines.append(f"missing: {who}{node}: {m['code']}: {m['reason']}")
+        lines.append(f"missing: {who}{node}: {printable(m['code'], 32)}: {printable(m['reason'], 600)}")
     return lines
 
 

@@ -32,9 +32,12 @@ index (PQ or SQ codes) gives to [-1, 1]. So a score outside
 refused, since one made-up score (1e30) would otherwise rank first.
 
 Decoding refuses anything else (wrong version, types, sizes, non-finite
-numbers, scores outside the cosine range, more hits than ``k``, thumbnails
-that are not small JPEGs) with a :class:`SearchCodecError` that names what
-was expected.
+numbers, scores outside the cosine range, more hits than ``k``, a site name
+outside :func:`fedreid.retrieval.fields.site`'s rule, thumbnails that are
+not small JPEGs) with a :class:`SearchCodecError` that names what was
+expected. File names, the rows' site column and error texts are kept as sent
+(JSON carries them exactly); whoever prints them shows them through
+:func:`fedreid.utils.text.printable`.
 """
 
 from __future__ import annotations
@@ -406,7 +409,7 @@ def decode_hits(content: RecordDict, *, k: Optional[int] = None, thumbnails: boo
     """
     reply = _record(content, REPLY_RECORD, ConfigRecord)
     _version(reply, REPLY_RECORD)
-    site = _text(reply.get("site"), "site", max_chars=MAX_NAME_CHARS)
+    site = _by_rule("", field_rules.site, reply.get("site"), "site")  # the gallery's rule: no control characters
     status = reply.get("status")
     if status == "error":
         return SiteAnswer(site, error=_text(reply.get("error"), "error", max_chars=4096))
