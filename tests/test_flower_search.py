@@ -256,6 +256,40 @@ def test_site_reply_refusals_carry_no_local_path(stores, query, tmp_path):
     assert str(stores["sa"].folder.parent) not in text and "cam" in text
 
 
+@pytest.mark.parametrize("filters, message", [
+    ('{"cameras":[%d]}' % 10**40, "filters.cameras (each a camera) must be an integer from -2147483648 to 2147483647"),
+    ('{"time_window":[%d,null]}' % 10**400, "filters.time_window[]: expected a finite number"),
+    ('{"time_window":[null,1e15]}', "filters.time_window: until must be seconds since the epoch"),
+    ('{"sites":["a\\u0000b"]}', "filters.sites (each a site) must be a name"),
+    ('{"cameras":"1"}', "filters.cameras: expected a list"),
+])
+def test_a_bad_filter_gets_a_clear_error_record_from_the_client_app(stores, query, filters, message):
+    """The ClientApp checks a query's filters with the gallery's own rules and answers with an error record."""
+    content = encode_query(SearchQuery(query, 3, fingerprint=FP))
+    content["fedreid.search.query"]["filters"] = filters  # as a hostile or broken server could send it
+    with FakeGrid(flower_app.client_app, {1: {"client": "sa", "gallery-store": str(stores["sa"].folder)}}) as grid:
+        [mid] = grid.push_messages([Message(content=content, dst_node_id=1, message_type="query")])
+        [reply] = grid.pull_messages([mid])
+    assert not reply.has_error()  # an answer, not a ClientApp failure
+    answer = decode_hits(reply.content)
+    assert not answer.ok and answer.error.startswith("malformed query: ") and message in answer.error, answer.error
+
+
+def test_an_unexpected_failure_on_a_site_is_an_error_record_without_its_paths(stores, query, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError(f"disk trouble under {stores['sa'].folder}")
+
+    monkeypatch.setattr("fedreid.flower.search.answer_query", broken)
+    answer = decode_hits(site_reply(encode_query(SearchQuery(query, 3, fingerprint=FP)), site="sa",
+                                    store_folder=stores["sa"].folder))
+    assert not answer.ok and "unexpected" in answer.error and str(stores["sa"].folder) not in answer.error
+    # The gallery's own rule refuses such a number in words too (it is the rule the filters are checked with).
+    from fedreid.retrieval import fields
+
+    with pytest.raises(fields.GalleryMetadataError, match="timestamp must be seconds since the epoch"):
+        fields.timestamp(10**400)
+
+
 # ----------------------------------------------------------------------------- the merge
 
 
@@ -535,6 +569,9 @@ def test_image_query_gives_the_evaluation_feature_and_the_model_fingerprint(tmp_
     (["search", "--superlink", "h:1", "--insecure", "--feature", "q.npy", "--k", "0"], "--k must be in"),
     (["search", "--superlink", "h:1", "--insecure", "--feature", "q.npy", "--since", "5", "--until", "1"],
      "since 5.0 is after until 1.0"),
+    (["search", "--superlink", "h:1", "--insecure", "--feature", "q.npy", "--camera", str(10**40)],
+     "filters.cameras (each a camera) must be an integer from -2147483648 to 2147483647"),
+    (["search", "--superlink", "h:1", "--insecure", "--node-auth", "--feature", "q.npy"], "--node-auth needs --ca"),
 ])
 def test_search_command_refusals_are_one_clear_line(tmp_path, args, message):
     done = subprocess.run([sys.executable, str(TOOL), *args], capture_output=True, text=True, cwd=tmp_path,

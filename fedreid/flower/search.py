@@ -253,6 +253,11 @@ def site_reply(content: RecordDict, *, site: str, store_folder: Optional[Path],
 
     Every refusal is an error record (see :mod:`fedreid.flower.search_codec`)
     whose text holds no local path; the full error goes to this site's log.
+    A query the codec refuses (e.g. a filter value outside the gallery's
+    rules, :mod:`fedreid.retrieval.fields`) is answered ``malformed query:
+    <what was expected>``; any other failure while answering is answered
+    with an error record too (never a ClientApp exception, whose text Flower
+    would pass on with the site's paths), its traceback in the site's log.
     """
     from fedreid.retrieval.store import GalleryStore, GalleryStoreError
 
@@ -264,11 +269,14 @@ def site_reply(content: RecordDict, *, site: str, store_folder: Optional[Path],
         query = decode_query(content)
     except SearchCodecError as exc:
         return refuse(f"malformed query: {exc}")
+    except Exception:  # noqa: BLE001 -- the codec's checks missed something: still a record, not a traceback
+        log.exception("search: the query could not be decoded")
+        return refuse("malformed query: it could not be read (the details are in the site's log)")
     if store_folder is None:
         return refuse("this site has no gallery store (its node config sets no gallery-store)")
     try:
         store = GalleryStore.open(store_folder)
-    except (GalleryStoreError, OSError) as exc:
+    except Exception as exc:  # noqa: BLE001 -- GalleryStoreError, OSError, and whatever faiss or SQLite raise
         log.error("search: gallery store %s cannot be opened: %s", store_folder, exc)
         return refuse("this site's gallery store cannot be opened (the details are in the site's log)")
     try:
@@ -276,6 +284,9 @@ def site_reply(content: RecordDict, *, site: str, store_folder: Optional[Path],
     except (GalleryStoreError, SearchCodecError) as exc:
         log.error("search in %s failed: %s", store_folder, exc)
         return refuse(f"the search failed: {str(exc).replace(str(store.folder), '<store>')}")
+    except Exception:  # noqa: BLE001 -- the site's boundary: the server gets a record, the site keeps the details
+        log.exception("search in %s failed unexpectedly", store_folder)
+        return refuse("the search failed with an unexpected error (the details are in the site's log)")
     if answer.ok:
         log.info("search: k=%d, filters %s: %d hits (%d thumbnails)", query.k, query.filters.to_plain(),
                  len(answer.hits), sum(h.thumbnail is not None for h in answer.hits))

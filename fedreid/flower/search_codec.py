@@ -115,7 +115,7 @@ def file_name(path: str) -> str:
 
 def _int(value: Any, what: str, *, low: Optional[int] = None, high: Optional[int] = None) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise SearchCodecError(f"{what}: expected an integer, got {type(value).__name__} {value!r}")
+        raise SearchCodecError(f"{what}: expected an integer, got {type(value).__name__} {value!r:.80}")
     value = int(value)
     if (low is not None and value < low) or (high is not None and value > high):
         raise SearchCodecError(f"{what}: expected an integer in [{low}, {high}], got {value}")
@@ -124,8 +124,12 @@ def _int(value: Any, what: str, *, low: Optional[int] = None, high: Optional[int
 
 def _float(value: Any, what: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
-        raise SearchCodecError(f"{what}: expected a number, got {type(value).__name__} {value!r}")
-    value = float(value)
+        raise SearchCodecError(f"{what}: expected a number, got {type(value).__name__} {value!r:.80}")
+    try:
+        value = float(value)
+    except OverflowError:  # JSON integers have no size limit: 10**400 is no float
+        raise SearchCodecError(f"{what}: expected a finite number, got an integer of {len(str(abs(value)))} "
+                               "digits") from None
     if not math.isfinite(value):
         raise SearchCodecError(f"{what}: expected a finite number, got {value}")
     return value

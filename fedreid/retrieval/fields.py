@@ -111,7 +111,10 @@ def timestamp(value: Any, what: str = "timestamp") -> float:
     if isinstance(value, (bool, np.bool_)):
         raise GalleryMetadataError(expected)
     if isinstance(value, (int, float, np.integer, np.floating)):
-        seconds = float(value)
+        try:
+            seconds = float(value)
+        except OverflowError:  # an int too large for a float (10**400) is out of range too
+            raise GalleryMetadataError(expected) from None
     elif isinstance(value, str):
         text = value.strip()
         try:
