@@ -210,6 +210,11 @@ class TrainConfig:
     #: Learning rate of round ``t`` (0-based) = ``lr * lr_round_decay ** t`` (FedLMD: 0.99,
     #: FedDyn/FedFTG code: 0.998); 1 keeps it constant (FedPav).
     lr_round_decay: float = 1.0
+    #: Clip the gradient's global L2 norm to this value before each optimizer step
+    #: (after an objective's gradient corrections); null: no clipping. The official
+    #: FedFTG code clips at 10 in every client trainer (ZhangLin-PKU/FedFTG,
+    #: methods/local_fn_gan.py: max_norm); the paper does not mention it.
+    clip_grad_norm: Optional[float] = None
     #: DataLoader workers per client.
     workers: int = 0
     #: Keep a client's loader workers alive across its epochs and rounds (with
@@ -250,6 +255,8 @@ class TrainConfig:
             _check_range(f"{prefix}.{name}", getattr(self, name), 0, 1)
         if not self.weight_decay >= 0:
             raise ConfigError(f"{prefix}.weight_decay: expected a value >= 0, got {self.weight_decay}")
+        if self.clip_grad_norm is not None:
+            _check_positive(f"{prefix}.clip_grad_norm", self.clip_grad_norm)
         if self.workers < 0:
             raise ConfigError(f"{prefix}.workers: expected a value >= 0, got {self.workers}")
 

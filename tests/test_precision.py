@@ -113,3 +113,21 @@ def test_divergence_on_cuda_is_caught_at_the_end_of_its_epoch():
     cfg = TrainConfig(local_epochs=1, batch_size=4, lr=1e30, lr_backbone_ratio=1.0, momentum=0.0, nesterov=False)
     with pytest.raises(FloatingPointError, match="diverged .* at epoch 0, a step of that epoch"):
         train_local(TinyConvNet(), _loader, cfg, device="cuda", precision=FP32)
+
+
+def test_clip_grad_norm_bounds_every_step_and_none_leaves_the_loop_alone():
+    def one_batch(seed):
+        return _loader(seed)[:1]
+
+    def step(clip):
+        cfg = TrainConfig(local_epochs=1, batch_size=4, lr=1.0, momentum=0.0, nesterov=False, weight_decay=0.0,
+                          lr_backbone_ratio=1.0, clip_grad_norm=clip)
+        model = TinyConvNet()
+        before = torch.cat([p.detach().flatten().clone() for p in model.parameters()])
+        train_local(model, one_batch, cfg)
+        return torch.linalg.vector_norm(torch.cat([p.detach().flatten() for p in model.parameters()]) - before)
+
+    free = step(None)  # plain SGD at lr 1: the step is the gradient
+    assert free > 0.05
+    assert step(0.05) == pytest.approx(0.05, rel=1e-4)  # clipped to the norm
+    assert step(float(free) * 2) == pytest.approx(float(free), rel=1e-6)  # a larger bound changes nothing

@@ -126,6 +126,10 @@ def train_local(
     the previous call's ``LocalResult.optimizer`` (momentum buffers). Both
     default to a fresh start, FedPav's client.
 
+    ``cfg.clip_grad_norm``: the gradient's global norm is clipped before each
+    step, after the objective's ``before_step`` (the official FedFTG trainers
+    clip the gradient of the whole loss, SCAFFOLD's linear term included).
+
     ``precision`` (:mod:`fedreid.utils.precision`): forward and loss run
     under its autocast, gradients are unscaled before the objective's
     ``before_step`` sees them (fp16), parameters stay fp32. The epoch's loss
@@ -183,9 +187,12 @@ def train_local(
             if check_each_step and not math.isfinite(loss.item()):
                 raise _diverged(loss.item(), epoch, f"step {steps}")
             precision.backward(loss, scaler)
-            if objective is not None:
+            if objective is not None or cfg.clip_grad_norm is not None:
                 precision.unscale(optimizer, scaler)
+            if objective is not None:
                 objective.before_step(model, optimizer)
+            if cfg.clip_grad_norm is not None:  # the corrected gradient, as the official code clips its loss's
+                nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_grad_norm)
             precision.step(optimizer, scaler)
             if objective is not None:
                 objective.after_step(model, optimizer)
