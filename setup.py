@@ -59,5 +59,6 @@ setup(
         # Flower's simulation engine (Ray) for `tools/flower_fed.py simulate`.
         "flower-sim": ["flwr[simulation]>=1.41,<2"],
     },
-    scripts=["tools/prepare_datasets.py", "tools/train_fed.py", "tools/eval_reid.py", "tools/flower_fed.py"],
+    scripts=["tools/prepare_datasets.py", "tools/train_fed.py", "tools/eval_reid.py", "tools/flower_fed.py",
+             "tools/reproduce.py"],
 )

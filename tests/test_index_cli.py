@@ -27,7 +27,7 @@ tool = load_tool("eval_reid", "eval_reid_tool_index")
 T0 = 1_700_000_000  # the gallery's modification times: T0 + i hours for image i
 N_GALLERY, N_MORE = 31, 5
 LINE = re.compile(
-    r"^\s+(?P<rank>\d+)\s+(?P<score>-?[\d.]+)\s+(?P<path>\S+)\s+id=(?P<id>\d+) cam=(?P<cam>\S+) "
+    r"^\s+(?P<rank>\d+)\s+(?P<score>-?[\d.]+)\s+(?P<path>\S+)\s+item=(?P<id>\d+) cam=(?P<cam>\S+) "
     r"site=(?P<site>\S+) time=(?P<time>\S+)(?P<mark> [+-])?$"
 )
 

@@ -47,8 +47,8 @@ def test_missing_release_fails_clearly_and_others_still_prepare(tmp_path):
     raw = tmp_path / "raw"
     make_market1501_tree(raw)
     out = run_tool("--raw-root", str(raw), "--out", str(tmp_path / "prep"),
-                   "--datasets", "market1501,dukemtmc", "data.public_dataset=null", cwd=tmp_path)
-    assert out.returncode == 1
+                   "--datasets", "market1501,dukemtmc", cwd=tmp_path)  # named: no public set added
+    assert out.returncode == 2 and "cuhk02" not in out.stderr
     assert "Traceback" not in out.stderr
     assert "dukemtmc" in out.stderr and "DukeMTMC-reID" in out.stderr
     assert (tmp_path / "prep" / "market1501" / "manifest.csv").is_file()
@@ -82,7 +82,7 @@ def test_raw_root_inside_the_output_dataset_folder_is_refused(tmp_path):
     before = tree_digest(raw)
     out = run_tool("--raw-root", str(raw), "--out", str(tmp_path / "data"), "--datasets", "market1501",
                    "data.public_dataset=null", "--force", cwd=tmp_path)
-    assert out.returncode == 1 and "Traceback" not in out.stderr
+    assert out.returncode == 2 and "Traceback" not in out.stderr
     assert f"the raw root {raw}" in out.stderr and "nothing was moved or deleted" in out.stderr
     assert tree_digest(raw) == before, "raw data must never change"
     assert sorted(p.name for p in (tmp_path / "data").iterdir()) == ["market1501"]

@@ -38,6 +38,9 @@ def test_run_then_resume_to_more_rounds(tmp_path, capsys):
     assert tool.main(["--resume", str(run), "--rounds", "3"]) == 0
     assert [r["round"] for r in read_metrics(run)] == [1, 2, 3]
     assert "round 3/3  loss " in capsys.readouterr().out
+    assert tool.main(["--resume", str(run)]) == 0  # finished: it says so instead of printing nothing new
+    assert f"{run} had already finished its 3 rounds: nothing trained" in capsys.readouterr().out
+    assert [r["round"] for r in read_metrics(run)] == [1, 2, 3]
 
 
 def test_round_line_formats_evaluated_rounds():

@@ -568,7 +568,7 @@ def _match_line(m: dict) -> str:
 
     mark = {True: " +", False: " -", None: ""}[m["correct"]]
     camera = "-" if m["camera"] is None else m["camera"]
-    extra = f"id={m['id']} cam={camera} site={m['site'] or '-'} time={format_time(m['timestamp']) or '-'}"
+    extra = f"item={m['id']} cam={camera} site={m['site'] or '-'} time={format_time(m['timestamp']) or '-'}"
     return f"  {m['rank']:3d}  {m['score']:.4f}  {_shown(m['path'])}  {extra}{mark}"
 
 

@@ -53,8 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", help="prepared output root (data.prepared_root)")
     parser.add_argument(
         "--datasets",
-        help="comma-separated names or 'all' (the nine benchmark datasets); "
-        "the public set data.public_dataset is added unless it is null",
+        help="comma-separated names (exactly these are prepared) or 'all' (the nine benchmark datasets "
+        "and the public set data.public_dataset unless it is null); default: the config's data.datasets "
+        "and its public set",
     )
     parser.add_argument("--layout", choices=("raw", "fedreid"), help="input layout (data.layout)")
     parser.add_argument(
@@ -111,10 +112,10 @@ def flag_overrides(args: argparse.Namespace) -> list[str]:
     return out
 
 
-def resolve_names(data: DataConfig) -> list[str]:
+def resolve_names(data: DataConfig, with_public: bool = True) -> list[str]:
     names = data.dataset_names()
     public = data.public_dataset
-    if public and public not in names:
+    if with_public and public and public not in names:
         names.append(public)
     known = set(list_raw_datasets())
     unknown = [n for n in names if n not in known]
@@ -129,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     cfg = config_from_args(args, flag_overrides(args))
     data = cfg.data
-    names = resolve_names(data)
+    # named datasets on the command line are prepared alone; 'all' or a config's list bring the public set
+    names = resolve_names(data, with_public=not args.datasets or args.datasets.strip() == "all")
     progress = not args.no_progress and sys.stderr.isatty()
     raw_root = Path(data.raw_root)
     if args.synthetic:
@@ -174,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{len(failures)} dataset(s) failed:", file=sys.stderr)
         for line in failures:
             print(f"  {line}", file=sys.stderr)
-        return 1
+        return 2  # a missing or malformed release is an input error, as a bad argument is
     return 0
 
 

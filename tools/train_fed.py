@@ -105,7 +105,12 @@ def main(argv: list[str] | None = None) -> int:
     progress = not args.no_progress and sys.stderr.isatty()
     # Without bars (a log file, CI, --no-progress) one line per round says how it goes.
     callbacks = [] if progress else [_round_printer(cfg.fl.rounds)]
+    trained: list[int] = []
+    callbacks.append(lambda event, info: event == "round_end" and trained.append(info["record"]["round"]))
     history = run_simulation(cfg, run_dir, resume=resume, progress=progress, callbacks=callbacks, tool="train_fed")
+    if resume and not trained:
+        print(f"{run_dir} had already finished its {cfg.fl.rounds} rounds: nothing trained "
+              f"(fl.rounds=N with N > {cfg.fl.rounds} trains further); its summary:")
     report = write_report(run_dir, history, targets=cfg.classification.target_accuracies)
     if is_classification(history):
         print("\n" + format_classification_summary(
