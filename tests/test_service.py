@@ -7,6 +7,7 @@ import io
 import os
 import shutil
 import threading
+import time
 from pathlib import Path
 
 import cv2
@@ -488,6 +489,154 @@ def test_an_update_by_another_process_is_picked_up_or_refused(world, store_copy,
         build_store(store_copy, other, world["paths"], world["rows"])  # rebuilt from another model
         r = c.post("/search", headers=AUTH, files=query, data={"k": "3"})
         assert r.status_code == 503 and "another model" in r.json()["error"]
+
+
+def _outside_rows(tag: str, n: int = 1) -> list[dict]:
+    return [{"path": f"/elsewhere/{tag}_{i}.png", "camera": 1} for i in range(n)]
+
+
+def _unit_rows(n: int, dim: int, seed: int) -> np.ndarray:
+    x = np.random.default_rng(seed).standard_normal((n, dim)).astype(np.float32)
+    return x / np.linalg.norm(x, axis=1, keepdims=True)
+
+
+def test_a_search_reads_one_save_while_another_process_saves(world, store_copy, monkeypatch):
+    """The table is read after another process's save replaced it (a removal of a hit): the search is repeated."""
+    rows_of = GalleryStore.rows
+    removed: list[int] = []
+
+    def rows_after_a_removal(self, ids):
+        if not removed and len(ids) > 1:
+            removed.append(int(ids[1]))
+            GalleryStore.open(store_copy).remove([removed[0]])  # as `index --remove` in another process
+        return rows_of(self, ids)
+
+    with client_for(world, store_copy) as c:
+        monkeypatch.setattr(GalleryStore, "rows", rows_after_a_removal)
+        r = c.post("/search", headers=AUTH, data={"item": "0", "k": "5"})
+        assert r.status_code == 200, r.text
+        got = [x["id"] for x in r.json()["results"]]
+        assert removed and len(got) == 5 and removed[0] not in got and got[0] == 0
+
+
+def test_a_search_between_the_two_renames_of_a_save_is_repeated(world, store_copy, monkeypatch):
+    """SQLite finds no store folder (another process's save is between its renames): no 500, the search is repeated."""
+    rows_of = GalleryStore.rows
+    aside = store_copy.with_name(".store.old-test")
+    feature = _unit_rows(1, GalleryStore.open(store_copy).dim, 3)
+    calls: list[int] = []
+
+    def rows_mid_swap(self, ids):
+        calls.append(len(ids))
+        if len(calls) > 1:
+            return rows_of(self, ids)
+        os.replace(store_copy, aside)
+        try:
+            return rows_of(self, ids)
+        finally:
+            os.replace(aside, store_copy)
+            GalleryStore.open(store_copy).add(feature, _outside_rows("mid"))  # the save completes: a new version
+
+    with client_for(world, store_copy) as c:
+        monkeypatch.setattr(GalleryStore, "rows", rows_mid_swap)
+        r = c.post("/search", headers=AUTH, data={"item": "0", "k": "30"})
+        assert r.status_code == 200, r.text
+        assert len(calls) == 2 and sorted(x["id"] for x in r.json()["results"]) == list(range(25))
+
+
+def test_a_reopen_that_meets_the_next_save_is_repeated_and_errors_name_no_server_folder(world, store_copy, tmp_path,
+                                                                                        monkeypatch):
+    from fedreid.retrieval import store as store_module
+
+    check_file = store_module._check_file
+    outside = GalleryStore.open(store_copy)
+    dim = outside.dim
+    with client_for(world, store_copy) as c:
+        outside.add(_unit_rows(1, dim, 1), _outside_rows("first"))  # the service must reopen the store
+        saved_again: list[bool] = []
+
+        def check_during_the_next_save(folder, name, header):
+            if not saved_again:  # a second save lands after the service read the first one's header
+                saved_again.append(True)
+                outside.add(_unit_rows(1, dim, 2), _outside_rows("second"))
+            return check_file(folder, name, header)
+
+        monkeypatch.setattr(store_module, "_check_file", check_during_the_next_save)
+        r = c.post("/search", headers=AUTH, data={"item": "25", "k": "3"})
+        assert r.status_code == 200 and r.json()["results"][0]["id"] == 25, r.text
+        monkeypatch.setattr(store_module, "_check_file", check_file)
+
+        vectors = store_copy / "vectors.npy"  # now damaged for good: a 503 that names no server folder
+        data = bytearray(vectors.read_bytes())
+        data[-1] ^= 0xFF
+        outside.add(_unit_rows(1, dim, 4), _outside_rows("third"))
+        vectors.write_bytes(bytes(data))
+        r = c.post("/search", headers=AUTH, data={"item": "0", "k": "3"})
+        error = r.json()["error"]
+        assert r.status_code == 503 and "vectors.npy" in error and "header.json" in error, error
+        assert str(tmp_path) not in error and "\n" not in error
+
+
+def test_uploads_are_not_refused_while_another_process_updates_the_store(world, store_copy, tmp_path):
+    """A second process adds and removes items all along: every upload and search still succeeds."""
+    import subprocess
+    import sys
+
+    done, ready = tmp_path / "stop", tmp_path / "ready"
+    outside = subprocess.Popen([sys.executable, "-c", f"""
+import numpy as np, pathlib, time
+from fedreid.retrieval.store import GalleryStore, GalleryStoreError
+folder, stop = pathlib.Path({str(store_copy)!r}), pathlib.Path({str(done)!r})
+
+def reopen():
+    while True:
+        try:
+            return GalleryStore.open(folder)
+        except (GalleryStoreError, OSError):  # opened while the service saved: as a user would, try again
+            pass
+
+store, cycles, rng = reopen(), 0, np.random.default_rng(0)
+while not stop.exists():
+    x = rng.standard_normal((1, store.dim)).astype(np.float32)
+    try:
+        new = store.add(x / np.linalg.norm(x), [{{"path": f"/elsewhere/o{{cycles}}.png"}}])
+        store.remove(new)
+        cycles += 1
+        pathlib.Path({str(ready)!r}).touch()
+        time.sleep(0.01)  # a tight loop would starve the service's polling wait for the update lock
+    except GalleryStoreError:  # the service saved meanwhile: as a user would, open it again
+        store = reopen()
+print(cycles)
+"""], stdout=subprocess.PIPE, text=True)
+    failures: list[str] = []
+    try:
+        deadline = time.monotonic() + 60
+        while not ready.exists() and outside.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert ready.exists(), "the outside updater did not start"
+        with client_for(world, store_copy, uploads=tmp_path / "up") as c:
+            def searcher() -> None:
+                for i in range(12):
+                    r = c.post("/search", headers=AUTH, data={"item": str(i), "k": "5"})
+                    if r.status_code != 200 or len(r.json()["results"]) != 5:
+                        failures.append(f"search {r.status_code} {r.text}")
+
+            thread = threading.Thread(target=searcher)
+            thread.start()
+            for i in range(12):
+                image = {"image": ("n.png", png_bytes(person_image(40 + i, i % 3, 0)), "image/png")}
+                r = c.post("/items", headers=AUTH, files=image)
+                if r.status_code != 201:
+                    failures.append(f"upload {r.status_code} {r.text}")
+                elif i % 2 and c.delete(f"/items/{r.json()['id']}", headers=AUTH).status_code != 200:
+                    failures.append("delete failed")
+            thread.join()
+    finally:
+        done.touch()
+        cycles = int(outside.communicate(timeout=120)[0])
+    assert failures == [] and cycles > 0
+    final = GalleryStore.open(store_copy)
+    assert sum(not r["path"].startswith("/elsewhere/") for r in final.rows(final.ids)) == 24 + 6
 
 
 def test_uploads_folder_must_be_the_services_own(world, store_copy, tmp_path):

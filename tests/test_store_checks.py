@@ -188,3 +188,38 @@ def test_every_door_checks_with_the_same_rules(tmp_path, feats, monkeypatch):
         SearchFilters(cameras=[10**40])
     with pytest.raises(fields.GalleryMetadataError, match="cameras filter .* to 10, got 11"):
         s.search(feats[:1], 3, cameras=[11])
+
+
+# --------------------------------------------------------------------------
+# The update lock held across several steps
+# --------------------------------------------------------------------------
+
+
+def test_update_lock_keeps_other_writers_out_and_lets_its_own_thread_update(tmp_path, feats, monkeypatch):
+    import threading
+
+    from fedreid.retrieval import store as store_module
+
+    store = GalleryStore.create(tmp_path / "st", feats[:20], rows(20))
+    other = GalleryStore.open(tmp_path / "st")
+    monkeypatch.setattr(store_module, "LOCK_TIMEOUT_S", 0.3)
+    refused: list[str] = []
+
+    def other_writer() -> None:  # another thread (or process): waits for the lock, here in vain
+        try:
+            other.add(feats[30:31], [{"path": "/gallery/other.jpg"}])
+        except GalleryStoreError as exc:
+            refused.append(str(exc))
+
+    with store.update_lock():
+        reopened = GalleryStore.open(tmp_path / "st")  # open and this thread's updates take the lock again at once
+        assert reopened.add(feats[20:22], rows(22)[20:]).tolist() == [20, 21]
+        reopened.remove([3])
+        thread = threading.Thread(target=other_writer)
+        thread.start()
+        thread.join()
+    assert len(refused) == 1 and "holds the update lock" in refused[0]
+    assert GalleryStore.open(tmp_path / "st").ntotal == 21
+    other = GalleryStore.open(tmp_path / "st")
+    other.add(feats[30:31], [{"path": "/gallery/other.jpg"}])  # the lock was released
+    assert GalleryStore.open(tmp_path / "st").ntotal == 22

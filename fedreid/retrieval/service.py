@@ -71,7 +71,14 @@ update swaps the store folder and its in-memory arrays. Features are computed
 outside the lock. Another process may update the store meanwhile (e.g.
 ``index --add``; the store's own update lock keeps writers apart): each
 request first checks ``header.json`` and, when the folder was replaced,
-reopens the store (503 if it no longer fits the served model).
+reopens the store (503 if it no longer fits the served model). A read sees one
+save: when the folder was replaced while it ran (the table is read from disk),
+it is repeated on the reopened store, up to :data:`READ_ATTEMPTS` times
+(:meth:`_Service.consistent`), and a reopen that meets the next save is
+repeated too. The service's own updates hold the store's update lock from
+the reopen to the save (:meth:`_Service.update`), so another process's update
+waits instead of turning the upload into a 409. Error bodies name no server
+folder (the store is ``<store>``, other paths their last name).
 """
 
 from __future__ import annotations
@@ -82,6 +89,7 @@ import io
 import ipaddress
 import logging
 import os
+import re
 import socket
 import stat
 import threading
@@ -92,7 +100,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence, TypeVar
 
 import numpy as np
 
@@ -146,6 +154,12 @@ MIN_TOKEN_LENGTH = 16
 TOKEN_ENV = "FEDREID_SERVE_TOKEN"
 UPLOADS_KIND = "uploads"
 TOOL = "tools/eval_reid.py serve"
+#: Reads of one request: how often a read is repeated when another process replaced the store meanwhile.
+READ_ATTEMPTS = 5
+#: Writes of one request: how often the service reopens the store and repeats its own update.
+WRITE_ATTEMPTS = 3
+#: Pause before the first repeated read, doubled each time (a swap is two renames; a reopen hashes the files).
+RETRY_PAUSE_S = 0.05
 #: PIL format name -> file suffix of the uploads accepted (what the index tool reads: jpg/png/bmp).
 UPLOAD_FORMATS = {"JPEG": ".jpg", "PNG": ".png", "BMP": ".bmp"}
 _MEDIA_TYPES = {".jpg": "image/jpeg", ".jpeg": "image/jpeg", ".png": "image/png", ".bmp": "image/bmp"}
@@ -156,6 +170,9 @@ _ITEM_FIELDS = ("image", "camera", "site", "timestamp", "identity")
 _PAGE_CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' blob: data:; "
              "connect-src 'self'; form-action 'none'; base-uri 'none'; frame-ancestors 'none'")
 _LOG = logging.getLogger("fedreid.retrieval.service")
+
+
+_T = TypeVar("_T")
 
 
 class ServiceError(FedReIDError, ValueError):
@@ -336,34 +353,116 @@ class _Service:
         """Reopen the store when another process (e.g. ``index --add``) has replaced its folder since.
 
         The check is one ``stat`` of ``header.json`` (every store update
-        writes a new one). The reopened store must still belong to the
-        served model, or requests get 503 until the service is restarted.
+        writes a new one); None (the folder is between an update's two
+        renames) is left to the read that follows, which repeats itself
+        (:meth:`consistent`). See :meth:`_reopen`.
         """
-        if _header_stamp(self.store.folder) in (self.stamp, None):  # None: between an update's two renames
+        if _header_stamp(self.store.folder) in (self.stamp, None):
             return
+        with self.lock.write():
+            self._reopen()
+
+    def _reopen(self) -> None:
+        """(The write lock held.) Adopt the store on disk when its ``header.json`` is not the one served.
+
+        A store replaced again while it is being opened (its header no longer
+        the one the open began with, or a file of the next save read against
+        the previous header) is opened again, up to :data:`READ_ATTEMPTS`
+        times. The reopened store must still belong to the served model and
+        give features of its size, or requests get a 503 (without server
+        paths) until the service is restarted.
+        """
         from fedreid.eval.model_io import check_index_model
         from fedreid.retrieval.store import GalleryStore
 
-        with self.lock.write():
-            stamp = _header_stamp(self.store.folder)
-            if stamp in (self.stamp, None):
+        folder = self.store.folder
+        for attempt in range(READ_ATTEMPTS):
+            stamp = _header_stamp(folder)
+            if stamp == self.stamp:
                 return
-            try:
-                store = GalleryStore.open(self.store.folder)
-                problem = check_index_model(store.header, self.loaded, store.folder,
-                                            allow_mismatch=self.allow_model_mismatch)
-            except (OSError, ValueError, FedReIDError) as exc:
-                raise _RequestError(
-                    503, f"the gallery store was changed on disk and cannot be served now: {exc}"
-                ) from None
-            if store.dim != self.store.dim:
-                raise _RequestError(
-                    503, f"the gallery store was rebuilt with {store.dim}-d features; the served model gives "
-                    f"{self.store.dim}-d ones: restart the service with the store's model"
-                )
-            if problem and self.warn is not None:
-                self.warn(problem)
-            self.store, self.stamp = store, stamp
+            if stamp is not None:
+                try:
+                    store = GalleryStore.open(folder)
+                    problem = check_index_model(store.header, self.loaded, store.folder,
+                                                allow_mismatch=self.allow_model_mismatch)
+                except (OSError, ValueError, FedReIDError) as exc:
+                    if _header_stamp(folder) == stamp:  # the same save throughout: it is what is on disk
+                        raise _RequestError(503, "the gallery store was changed on disk and cannot be served now: "
+                                                 f"{self.public(str(exc))}") from None
+                else:
+                    if _header_stamp(folder) == stamp:
+                        if store.dim != self.store.dim:
+                            raise _RequestError(
+                                503, f"the gallery store was rebuilt with {store.dim}-d features; the served model "
+                                f"gives {self.store.dim}-d ones: restart the service with the store's model"
+                            )
+                        if problem and self.warn is not None:
+                            self.warn(problem)
+                        self.store, self.stamp = store, stamp
+                        return
+            time.sleep(RETRY_PAUSE_S * 2**attempt)
+        raise _RequestError(503, f"the gallery store was being replaced on disk during {READ_ATTEMPTS} attempts to "
+                                 "reopen it (another process is updating it): try again")
+
+    def consistent(self, read: Callable[[GalleryStore], _T]) -> _T:
+        """``read(store)`` on one saved version of the store, also while another process replaces it.
+
+        The in-memory index and vectors are one save; the table is read from
+        the folder, which another process may replace mid-read. So the read
+        counts only when ``header.json`` is, after it, still the served save;
+        otherwise (whatever it returned or raised, e.g. SQLite finding no
+        database between an update's two renames) the store is reopened and
+        the read repeated, up to :data:`READ_ATTEMPTS` times, then a 503.
+        """
+        for attempt in range(READ_ATTEMPTS):
+            self.refresh()
+            with self.lock.read():
+                store, stamp = self.store, self.stamp
+                try:
+                    result, failure = read(store), None
+                except Exception as exc:  # noqa: BLE001 - judged below: raised as is unless the store moved
+                    result, failure = None, exc
+            if _header_stamp(store.folder) == stamp:
+                if failure is not None:
+                    raise failure
+                return result  # type: ignore[return-value]
+            time.sleep(RETRY_PAUSE_S * 2**attempt)
+        raise _RequestError(503, f"the gallery store was being replaced on disk during {READ_ATTEMPTS} attempts to "
+                                 "read it (another process is updating it): try again")
+
+    def update(self, change: Callable[[GalleryStore], _T]) -> _T:
+        """``change(store)`` (an add or a removal) on the newest save, holding the store's update lock throughout.
+
+        Under the service's write lock and the store's update lock
+        (:meth:`GalleryStore.update_lock`; another process's update that
+        holds it is waited for, up to its timeout), the store is reopened if
+        another process saved it since, then changed: no other update can
+        come in between, so the client never sees "changed on disk". Should
+        a writer that ignores the lock still get in, the change is repeated on
+        the reopened store, up to :data:`WRITE_ATTEMPTS` times.
+        """
+        from fedreid.retrieval.store import GalleryStoreError
+
+        with self.lock.write():
+            for attempt in range(WRITE_ATTEMPTS):
+                with self.store.update_lock():
+                    self._reopen()
+                    served = self.stamp
+                    try:
+                        result = change(self.store)
+                    except GalleryStoreError:
+                        if attempt + 1 < WRITE_ATTEMPTS and _header_stamp(self.store.folder) != served:
+                            continue  # saved by someone else after all: reopen and repeat
+                        raise
+                    self.stamp = _header_stamp(self.store.folder)
+                    return result
+        raise AssertionError("unreachable: the last attempt returns or raises")
+
+    def public(self, text: str) -> str:
+        """``text`` without server folders, for an HTTP answer: the store folder as ``<store>``, any other absolute
+        path by its last name."""
+        text = text.replace(str(self.store.folder), "<store>")
+        return _ABSOLUTE_PATH.sub(lambda m: m.group(0).rstrip("/").rsplit("/", 1)[-1] or "/", text)
 
     # -- images and features ------------------------------------------------
 
@@ -409,27 +508,26 @@ class _Service:
 
     # -- reading ------------------------------------------------------------
 
-    def _item_vector(self, item: int) -> np.ndarray:
-        ids = self.store.ids
+    @staticmethod
+    def _item_vector(store: GalleryStore, item: int) -> np.ndarray:
+        ids = store.ids
         row = int(np.searchsorted(ids, item))
         if row >= ids.size or int(ids[row]) != item:
             raise _RequestError(404, f"no item {item} in the gallery")
-        return np.array(self.store.vectors[row : row + 1], dtype=np.float32)
+        return np.array(store.vectors[row : row + 1], dtype=np.float32)
 
     def search(self, query: Optional[np.ndarray], item: Optional[int], k: int, filters: dict[str, Any]
                ) -> tuple[np.ndarray, np.ndarray, list[Optional[dict]]]:
-        self.refresh()
-        with self.lock.read():
-            if query is None:
-                query = self._item_vector(int(item))
-            result = self.store.search(query, k, **filters)
-            rows = self.store.rows(result.ids[0])
-        return result.scores[0], result.ids[0], rows
+        """Scores, ids and rows of the top ``k``, all from one save of the store (:meth:`consistent`)."""
+        def read(store: GalleryStore) -> tuple[np.ndarray, np.ndarray, list[Optional[dict]]]:
+            vector = self._item_vector(store, int(item)) if query is None else query
+            result = store.search(vector, k, **filters)
+            return result.scores[0], result.ids[0], store.rows(result.ids[0])
+
+        return self.consistent(read)
 
     def row(self, item: int) -> dict[str, Any]:
-        self.refresh()
-        with self.lock.read():
-            row = self.store.rows([item])[0]
+        row = self.consistent(lambda store: store.rows([item])[0])
         if row is None:
             raise _RequestError(404, f"no item {item} in the gallery")
         return row
@@ -469,29 +567,27 @@ class _Service:
         with atomic_path(path) as tmp:
             tmp.write_bytes(upload.data)
         try:
-            self.refresh()
-            with self.lock.write():
-                new_id = int(self.store.add(feature, [dict(meta, path=str(path))])[0])
-                self.stamp = _header_stamp(self.store.folder)
+            new_id = self.update(lambda store: int(store.add(feature, [dict(meta, path=str(path))])[0]))
         except BaseException:
             path.unlink(missing_ok=True)
             raise
         return self.row(new_id)
 
     def remove(self, item: int) -> dict[str, Any]:
-        self.refresh()
-        with self.lock.write():
-            row = self.store.rows([item])[0]
+        def erase(store: GalleryStore) -> tuple[dict[str, Any], int]:
+            row = store.rows([item])[0]
             if row is None:
                 raise _RequestError(404, f"no item {item} in the gallery")
-            self.store.remove([item])
-            self.stamp = _header_stamp(self.store.folder)
-            deleted = False
-            path = Path(row["path"])
-            if self.uploads is not None and path.parent == self.uploads and path.is_file() and not path.is_symlink():
-                path.unlink()
-                deleted = True
-        return {"removed": item, "file_deleted": deleted, "items": int(self.store.ntotal)}
+            store.remove([item])
+            return row, int(store.ntotal)
+
+        row, items = self.update(erase)
+        path = Path(row["path"])
+        deleted = False
+        if self.uploads is not None and path.parent == self.uploads and path.is_file() and not path.is_symlink():
+            path.unlink()
+            deleted = True
+        return {"removed": item, "file_deleted": deleted, "items": items}
 
     def info(self) -> dict[str, Any]:
         self.refresh()
@@ -544,6 +640,10 @@ def _read_file_inside(path: Path, roots: Sequence[Path], what: str) -> bytes:
             return f.read()
         except OSError:
             raise _RequestError(404, f"{what} cannot be read by the server") from None
+
+
+#: An absolute path in a message (not the path part of a URL or of a media type such as image/png).
+_ABSOLUTE_PATH = re.compile(r"(?<![\w.:/~<>-])/[^\s'\"(),;]*")
 
 
 def _header_stamp(folder: Path) -> Optional[tuple[int, int, int]]:
@@ -831,7 +931,7 @@ def create_app(
 
     @app.exception_handler(GalleryStoreError)
     async def _on_store_error(request: Request, exc: GalleryStoreError) -> JSONResponse:
-        return error(409, str(exc).replace(str(service.store.folder), "<store>"))
+        return error(409, service.public(str(exc)))
 
     @app.exception_handler(EvalInputError)
     async def _on_input_error(request: Request, exc: EvalInputError) -> JSONResponse:

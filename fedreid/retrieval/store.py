@@ -80,6 +80,9 @@ Writers: an update holds an exclusive ``flock`` on the store's parent folder
 (:data:`LOCK_TIMEOUT_S` to wait for another), and refuses to go on when the
 header on disk is no longer the one this object read or wrote (another
 process updated the store since): no update is lost to a stale copy.
+:meth:`GalleryStore.update_lock` holds the lock across several steps (reopen,
+then update), so a long-lived process can update the store without losing
+that race to another process.
 
 Memory: an opened store maps ``vectors.npy`` read-only (``mmap``) rather than
 reading it into RAM; refinement and filtered search read the rows they need.
@@ -101,6 +104,7 @@ import os
 import re
 import shutil
 import sqlite3
+import threading
 import time
 import urllib.parse
 import warnings
@@ -629,6 +633,18 @@ class GalleryStore:
         self._commit(index, vectors, ids, delete, header)
         return gone
 
+    def update_lock(self, timeout: Optional[float] = None) -> contextlib.AbstractContextManager[None]:
+        """The store's update lock, held for a block: other processes' (and threads') updates wait until it ends.
+
+        For a caller that must reopen the store and update it with no other
+        update in between (e.g. a long-lived service that another process
+        updates too): :meth:`open` and this thread's own :meth:`add`/:meth:`remove`
+        inside the block take the lock again without waiting. Waits up to
+        ``timeout`` seconds (default :data:`LOCK_TIMEOUT_S`), then raises
+        :class:`GalleryStoreError`.
+        """
+        return _writer_lock(self.folder, timeout)
+
     # -- queries ------------------------------------------------------------
 
     def rows(self, ids: Iterable[int]) -> list[Optional[dict[str, Any]]]:
@@ -970,6 +986,10 @@ def _exact_search(queries: np.ndarray, vectors: np.ndarray, ids: np.ndarray, k: 
     return out
 
 
+#: The update locks this thread holds: parent folder -> nesting depth (see :func:`_writer_lock`).
+_HELD = threading.local()
+
+
 @contextlib.contextmanager
 def _writer_lock(folder: Path, timeout: Optional[float] = None) -> Iterator[None]:
     """Hold the update lock of the store at ``folder``: an exclusive ``flock`` on its parent folder.
@@ -977,9 +997,22 @@ def _writer_lock(folder: Path, timeout: Optional[float] = None) -> Iterator[None
     The lock is on the parent because an update replaces the store folder
     itself; it leaves no file behind and is released when the process dies.
     Waits up to ``timeout`` seconds (default :data:`LOCK_TIMEOUT_S`) for
-    another writer, then raises :class:`GalleryStoreError`.
+    another writer, then raises :class:`GalleryStoreError`. A thread that
+    already holds it (:meth:`GalleryStore.update_lock`) takes it again at
+    once: a second ``flock`` from this process would wait for the first.
+    Other threads and processes wait as for any writer.
     """
     parent = folder.parent
+    held: dict[str, int] = getattr(_HELD, "depth", None) or {}
+    _HELD.depth = held
+    key = os.path.abspath(parent)
+    if held.get(key):
+        held[key] += 1
+        try:
+            yield
+        finally:
+            held[key] -= 1
+        return
     parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(parent, os.O_RDONLY)
     try:
@@ -995,9 +1028,11 @@ def _writer_lock(folder: Path, timeout: Optional[float] = None) -> Iterator[None
                         f"try again when it has finished (nothing was changed in {folder})"
                     ) from None
                 time.sleep(0.05)
+        held[key] = 1
         try:
             yield
         finally:
+            held.pop(key, None)
             fcntl.flock(fd, fcntl.LOCK_UN)
     finally:
         os.close(fd)
