@@ -167,6 +167,22 @@ def test_federated_summary_is_unchanged_best_three_by_big_four():
     assert s["datasets"]["market1501"]["rank1"] == pytest.approx(0.8)
 
 
+def test_federated_best_three_is_reported_jointly_and_per_dataset(tmp_path):
+    history = [rec(r, {"market1501": (v, v), "viper": (w, 0.5)}) for r, v, w in
+               ((10, 0.5, 0.9), (20, 0.9, 0.1), (30, 0.7, 0.8), (40, 0.8, 0.2), (50, 0.1, 0.7))]
+    joint = paper_summary(history)
+    own = paper_summary(history, selection="per_dataset")
+    assert joint["rounds_by_dataset"]["viper"] == [20, 30, 40]  # market1501's best rounds
+    assert own["rounds_by_dataset"] == {"market1501": [20, 30, 40], "viper": [10, 30, 50]}
+    assert own["datasets"]["viper"]["rank1"] == pytest.approx(0.8)
+    assert format_paper_summary(own).startswith("Per-dataset reading of Sec. 4.2")
+    report = write_report(tmp_path, history).read_text()
+    section = report[report.index("## Paper convention"):report.index("## Last evaluation")]
+    assert section.index("Mean of the 3 evaluations") < section.index("Per-dataset reading")
+    with pytest.raises(ValueError, match="selection must be"):
+        paper_summary(history, selection="best")
+
+
 def test_official_ap_next_to_standard_ap_in_the_summary():
     history = [rec(10, {"market1501": (0.8, 0.60)}), rec(20, {"market1501": (0.9, 0.70)})]
     s = paper_summary(history, top=2)
@@ -225,6 +241,9 @@ def test_evaluator_records_the_official_ap_over_all_queries(monkeypatch):
     assert row["mAP_official"] == pytest.approx(official["mAP"])
     assert row["num_queries_without_match"] == 1 and row["num_valid_queries"] == 2
     assert row["mAP_official"] < row["mAP"]  # the unmatched query counts 0 in the official AP
+    # and in the official CMC: evaluate.py testing_model divides by all queries
+    assert row["rank1_official"] == pytest.approx(official["rank1"])
+    assert row["rank1_official"] == pytest.approx(row["rank1"] * 2 / 3)
     no_extra = Evaluator({"tiny": ds}, height=8, width=4, extra_ap=())
     monkeypatch.setattr(no_extra, "features", lambda model, loader: feats[len(loader.dataset)])
     assert "mAP_official" not in no_extra(nn.Identity())["tiny"]

@@ -10,7 +10,8 @@ computed from the same features and kept as ``mAP_<form>``: with the default
 ``eval.extra_ap: [official]`` each record carries ``mAP_official``, the
 Market-1501 trapezoid AP averaged over all queries (a query without a true
 match scores 0), as the reference's evaluation (``evaluate.py`` ``testing_model``) reports
-it, next to the standard AP.
+it, next to the standard AP, and ``rank<k>_official``, its CMC, also over all
+queries (ours, ``rank<k>``, leaves out the queries without a match).
 """
 
 from __future__ import annotations
@@ -152,6 +153,8 @@ class Evaluator:
                 sets["query"]["camids"], sets["gallery"]["camids"], ap=form, ranks=self.ranks,
             )
             keep[f"mAP_{form}"] = float(other["mAP"])
+            if form == "official":  # the reference divides its CMC by all queries too (evaluate.py testing_model)
+                keep.update({f"rank{k}_official": float(other[f"rank{k}"]) for k in self.ranks})
         return keep
 
     def __call__(self, model: nn.Module, names: Optional[Iterable[str]] = None) -> dict[str, dict[str, Any]]:
