@@ -1117,7 +1117,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser, *, backend: bool = True
     parser.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     parser.add_argument("--token", metavar="T",
                         help=f"bearer token clients must send (at least {MIN_TOKEN_LENGTH} characters; default: "
-                        f"${TOKEN_ENV}, which keeps it out of the process list)")
+                        f"${TOKEN_ENV}, which keeps it out of the process list). Make one with: export "
+                        f"{TOKEN_ENV}=$(python -c 'import secrets; print(secrets.token_urlsafe(24))')")
     parser.add_argument("--token-file", metavar="FILE", help="read the token from the first line of FILE")
     parser.add_argument("--insecure-local", action="store_true",
                         help="serve without a token; only with --host 127.0.0.1/::1/localhost")
