@@ -229,12 +229,17 @@ def test_index_and_query_with_an_exported_model(world, fmt, tmp_path):
     assert len(results) == 7 and all(r.matches[0]["score"] == pytest.approx(1.0, abs=1e-4) for r in results)
     assert all(Path(r.matches[0]["path"]).name == Path(r.path).name for r in results)
 
-    with pytest.raises(ModelMismatchError) as exc:  # the PyTorch model: another backend, refused as today
-        pl.query_index(world["loaded"], index, gallery)
-    assert "backend" in str(exc.value)
+    # the PyTorch model of the same weights: the same features, accepted; and the reverse
+    assert len(pl.query_index(world["loaded"], index, gallery, top_k=2)) == 7
+    torch_index = tmp_path / "torch-index"
+    pl.build_gallery_index(world["loaded"], gallery, torch_index)
+    assert len(pl.query_index(load_exported_model(path), torch_index, gallery, top_k=2)) == 7
+    resized = export_model(world["loaded"], tmp_path / f"r.{fmt}", fmt, (HEIGHT * 2, WIDTH * 2))
+    with pytest.raises(ModelMismatchError, match="height"):  # same weights, another input size
+        pl.query_index(load_exported_model(resized), torch_index, gallery)
     other = create_reid_model("resnet18", 0, bottleneck_dim=32, seed=5)
     other_path = export_model(other, tmp_path / f"other.{fmt}", fmt, (HEIGHT, WIDTH))
-    with pytest.raises(ModelMismatchError) as exc:  # another exported file
+    with pytest.raises(ModelMismatchError) as exc:  # another exported file (no weights digest recorded)
         pl.query_index(load_exported_model(other_path), index, gallery)
     assert "export_sha256" in str(exc.value)
 
@@ -254,9 +259,10 @@ def test_cli_index_and_query_with_backend_onnx(world, tmp_path, capsys):
     rank, score, path = lines[1].split()[:3]
     assert rank == "1" and abs(float(score) - 1.0) < 1e-4 and Path(path).name == query.name
 
-    err = _cli_error(["query", "--model", str(world["run"]), "--index", str(index), "--images", str(query),
-                      "--device", "cpu"], capsys)
-    assert "backend" in err and "another model" in err
+    # the run folder's model has the export's weights: it queries the export's index
+    assert tool.main(["query", "--model", str(world["run"]), "--index", str(index), "--images", str(query),
+                      "--top-k", "3", "--device", "cpu"]) == 0
+    assert Path(capsys.readouterr().out.splitlines()[1].split()[2]).name == query.name
     err = _cli_error(["query", "--backend", "torchscript", "--model", str(model), "--index", str(index),
                       "--images", str(query), "--device", "cpu"], capsys)
     assert "was exported as onnx" in err

@@ -438,10 +438,11 @@ def load_exported_model(path: str | Path, **kwargs: Any) -> LoadedModel:
     """An exported file as a :class:`~fedreid.eval.model_io.LoadedModel` for ``index`` / ``query``.
 
     Its ``fingerprint`` is the one recorded at export plus ``backend`` (``onnx`` /
-    ``torchscript``) and ``export_sha256`` (the file's SHA-256), so an index
-    built with it is only queried with the same file (another model, or the
-    PyTorch model itself, differs and is refused as any other model is, unless
-    --allow-model-mismatch). Its ``model`` is None and its ``extractor`` (:func:`load_extractor`)
+    ``torchscript``) and ``export_sha256`` (the file's SHA-256). An index built
+    with it is queried by any model of the same weights, input size and feature
+    definition (the PyTorch model, another export of it); another model is
+    refused as always, unless --allow-model-mismatch (an export that records no
+    weights digest: only by the same file). Its ``model`` is None and its ``extractor`` (:func:`load_extractor`)
     computes the features: ``model_features`` runs the file on the CPU, an ONNX
     file without torch.
     """

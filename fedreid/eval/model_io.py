@@ -244,14 +244,21 @@ def model_fingerprint(model: nn.Module, config: Mapping[str, Any]) -> dict[str, 
     }
 
 
+#: Fingerprint fields that say how features were computed, not which: an ONNX or TorchScript export
+#: of the same weights, input size and feature definition gives the same features as the PyTorch model.
+HOW_FIELDS = ("backend", "export_sha256")
+
+
 def _fingerprint_differences(index_fp: Mapping[str, Any], model_fp: Mapping[str, Any]) -> list[str]:
     def shown(value: Any) -> str:
         return value[:16] if isinstance(value, str) and re.fullmatch(r"[0-9a-f]{64}", value) else repr(value)
 
+    # Without a weights digest on both sides only the export file itself identifies the model.
+    weighed = bool(index_fp.get("weights_sha256")) and bool(model_fp.get("weights_sha256"))
     return [
         f"{key} {shown(index_fp.get(key))} (index) vs {shown(model_fp.get(key))} (model)"
         for key in sorted(set(index_fp) | set(model_fp))
-        if index_fp.get(key) != model_fp.get(key)
+        if index_fp.get(key) != model_fp.get(key) and not (weighed and key in HOW_FIELDS)
     ]
 
 
@@ -261,7 +268,10 @@ def check_index_model(
     """Whether ``loaded`` is the model the index of ``header`` was built with; None when it is.
 
     The index header's ``meta.model_fingerprint`` is compared with
-    ``loaded.fingerprint`` field by field. A difference (or an index that
+    ``loaded.fingerprint`` field by field, except how the features are
+    computed (:data:`HOW_FIELDS`) when both record their weights' digest: an
+    export of the same weights, input size and feature definition queries an
+    index the PyTorch model built, and the reverse. A difference (or an index that
     records no fingerprint) raises :class:`ModelMismatchError` naming the
     differing fields with both values; with ``allow_mismatch`` the same words
     are returned instead, for the caller to show as a warning.
