@@ -183,6 +183,25 @@ def test_federated_best_three_is_reported_jointly_and_per_dataset(tmp_path):
         paper_summary(history, selection="best")
 
 
+def test_report_draws_clients_weights_traffic_and_phases(tmp_path):
+    history = []
+    for r in (1, 2, 3):
+        record = rec(r, {"market1501": (0.2 * r, 0.1 * r)}) if r % 2 else {"round": r, "mode": "federated"}
+        record.update(
+            client_metrics={"a": {"train_loss": 3.0 - r}, "b": {"train_loss": 2.5 - r / 2}},
+            weights={"a": 0.3 + 0.1 * r, "b": 0.7 - 0.1 * r}, weighting="cdw",
+            comm={"cumulative_bytes": r * 2**21, "total_bytes": 2**21},
+            time={"round": 5.0, "aggregate": 0.5, "eval": 1.0 if r % 2 else 0.0, "kd": 1.0 if r == 3 else 0.0},
+            train_loss=2.0,
+        )
+        if r == 3:
+            record["kd"] = {"kd_loss": 1.2, "kd_steps": 4, "kd_teachers": 2}
+        history.append(record)
+    report = write_report(tmp_path, history).read_text()
+    assert (tmp_path / "curve_run.png").stat().st_size > 10_000 and "![curve_run](curve_run.png)" in report
+    assert "traffic 6.0 MiB in all (2.00 MiB per round on average, 2.00 MiB in the last)" in report
+
+
 def test_official_ap_next_to_standard_ap_in_the_summary():
     history = [rec(10, {"market1501": (0.8, 0.60)}), rec(20, {"market1501": (0.9, 0.70)})]
     s = paper_summary(history, top=2)
@@ -244,6 +263,7 @@ def test_evaluator_records_the_official_ap_over_all_queries(monkeypatch):
     # and in the official CMC: evaluate.py testing_model divides by all queries
     assert row["rank1_official"] == pytest.approx(official["rank1"])
     assert row["rank1_official"] == pytest.approx(row["rank1"] * 2 / 3)
+    assert row["mINP"] == pytest.approx(evaluate(feats[3], feats[4], *ids, ap="standard", minp=True)["mINP"])
     no_extra = Evaluator({"tiny": ds}, height=8, width=4, extra_ap=())
     monkeypatch.setattr(no_extra, "features", lambda model, loader: feats[len(loader.dataset)])
     assert "mAP_official" not in no_extra(nn.Identity())["tiny"]

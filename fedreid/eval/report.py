@@ -35,10 +35,11 @@ from typing import Any, Mapping, Sequence
 from fedreid.utils.io import atomic_path, write_text_atomic
 
 BIG_FOUR: tuple[str, ...] = ("msmt17", "dukemtmc", "market1501", "cuhk03np")
-METRICS: tuple[str, ...] = ("rank1", "rank5", "rank10", "mAP", "rank1_official", "mAP_official", "mAP_standard")
+METRICS: tuple[str, ...] = ("rank1", "rank5", "rank10", "mAP", "mINP", "rank1_official", "mAP_official",
+                             "mAP_standard")
 #: Column titles of :func:`format_table`.
 METRIC_LABELS: dict[str, str] = {
-    "rank1": "Rank-1", "rank5": "Rank-5", "rank10": "Rank-10", "mAP": "mAP",
+    "rank1": "Rank-1", "rank5": "Rank-5", "rank10": "Rank-10", "mAP": "mAP", "mINP": "mINP",
     "rank1_official": "Rank-1 (official)", "mAP_official": "mAP (official)", "mAP_standard": "mAP (standard)",
 }
 #: Where ``tools/eval_reid.py evaluate`` writes inside a run folder by default.
@@ -259,7 +260,62 @@ def plot_curves(history: Sequence[Mapping[str, Any]], out_dir: str | Path) -> li
         fig.tight_layout()
         written.append(_save(fig, out_dir / "curve_training.png"))
         plt.close(fig)
+        written.append(_plot_run_panels(history, out_dir / "curve_run.png", plt))
     return written
+
+
+def _plot_run_panels(history: Sequence[Mapping[str, Any]], path: Path, plt: Any) -> Path:
+    """Four panels from the round records: each client's training loss (and the server's KD loss),
+    the aggregation weights (CDW's, with fl.cdw), accuracy against cumulative traffic, round time by phase."""
+    xs = [r["round"] for r in history]
+    clients = list(dict.fromkeys(c for r in history for c in r.get("client_metrics", {})))
+    fig, axes = plt.subplots(2, 2, figsize=(11.0, 7.2))
+    loss_ax, weight_ax, traffic_ax, time_ax = axes.ravel()
+    for c in clients:
+        pts = [(r["round"], r["client_metrics"][c]["train_loss"]) for r in history
+               if "train_loss" in r.get("client_metrics", {}).get(c, {})]
+        if pts:
+            loss_ax.plot(*zip(*pts), linewidth=1, label=c)
+    kd = [(r["round"], r["kd"]["kd_loss"]) for r in history if "kd_loss" in (r.get("kd") or {})]
+    if kd:
+        loss_ax.plot(*zip(*kd), "k--", marker="o", markersize=3, label="server KD")
+    loss_ax.set(xlabel="round", ylabel="training loss", title="local training loss per client")
+    for c in clients:
+        pts = [(r["round"], r["weights"][c]) for r in history if c in (r.get("weights") or {})]
+        if pts:
+            weight_ax.plot(*zip(*pts), linewidth=1, label=c)
+    weighting = next((r.get("weighting") for r in reversed(history) if r.get("weighting")), "size")
+    weight_ax.set(xlabel="round", ylabel="weight", title=f"aggregation weights ({weighting})")
+    evaluated = [r for r in history if r.get("eval")]
+    if evaluated:
+        first = next(iter(evaluated[-1]["eval"].values()))
+        metric, label = ("accuracy", "test accuracy") if "accuracy" in first else ("rank1", "mean Rank-1")
+        mib = [r.get("comm", {}).get("cumulative_bytes", 0) / 2**20 for r in evaluated]
+        acc = [100 * sum(v[metric] for v in r["eval"].values()) / len(r["eval"]) for r in evaluated]
+        traffic_ax.plot(mib, acc, marker="o", markersize=3)
+        traffic_ax.set(xlabel="cumulative traffic (MiB)", ylabel=f"{label} (%)", title=f"{label} against traffic")
+    phases = ("clients", "aggregate", "kd", "eval")
+    bottom = [0.0] * len(history)
+    for phase in phases:
+        values = []
+        for r in history:
+            t = r.get("time", {})
+            if phase == "clients":  # the round's wall time outside the server's phases
+                values.append(max(0.0, t.get("round", 0.0) - sum(t.get(p, 0.0) for p in phases[1:])))
+            else:
+                values.append(float(t.get(phase, 0.0)))
+        if any(values):
+            time_ax.bar(xs, values, bottom=bottom, label=phase)
+            bottom = [b + v for b, v in zip(bottom, values)]
+    time_ax.set(xlabel="round", ylabel="seconds", title="round time by phase")
+    for ax in axes.ravel():
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    saved = _save(fig, path)
+    plt.close(fig)
+    return saved
 
 
 def format_table(table: Mapping[str, Mapping[str, float]], title_column: str = "dataset") -> str:
@@ -298,7 +354,8 @@ def write_report(
             f"{len(history)} rounds, mode `{last.get('mode', 'federated')}`, "
             f"{len(last.get('clients', []))} clients in the last round; "
             f"traffic {comm.get('cumulative_bytes', 0) / 2**20:.1f} MiB in all "
-            f"({comm.get('total_bytes', 0) / 2**20:.2f} MiB per round).",
+            f"({comm.get('cumulative_bytes', 0) / 2**20 / len(history):.2f} MiB per round on average, "
+            f"{comm.get('total_bytes', 0) / 2**20:.2f} MiB in the last).",
             "",
         ]
     if rounds and is_classification(history):
@@ -358,7 +415,9 @@ def _retrieval_section(run_dir: Path) -> list[str]:
         "## Retrieval evaluation (tools/eval_reid.py)",
         "",
         f"Model `{Path(results.get('source') or '?').name}`, {results.get('ap', 'standard')} AP{reranked}, "
-        "whole filtered gallery, in %.",
+        "whole filtered gallery, in %. The final model's own numbers (the last evaluation above, when the "
+        "last round was evaluated and the options match); compare with the paper through the paper-convention "
+        "table.",
         "",
         format_table(results["datasets"]),
         f"![CMC]({link(results['cmc_plot'])})",

@@ -11,7 +11,8 @@ computed from the same features and kept as ``mAP_<form>``: with the default
 Market-1501 trapezoid AP averaged over all queries (a query without a true
 match scores 0), as the reference's evaluation (``evaluate.py`` ``testing_model``) reports
 it, next to the standard AP, and ``rank<k>_official``, its CMC, also over all
-queries (ours, ``rank<k>``, leaves out the queries without a match).
+queries (ours, ``rank<k>``, leaves out the queries without a match). Every
+record also carries ``mINP`` (Ye et al., TPAMI 2021), averaged like ``mAP``.
 """
 
 from __future__ import annotations
@@ -143,9 +144,10 @@ class Evaluator:
         gf = self.features(model, sets["gallery"]["loader"])
         result = evaluate(
             qf, gf, sets["query"]["pids"], sets["gallery"]["pids"],
-            sets["query"]["camids"], sets["gallery"]["camids"], ap=self.ap, ranks=self.ranks,
+            sets["query"]["camids"], sets["gallery"]["camids"], ap=self.ap, ranks=self.ranks, minp=True,
         )
         keep = {f"rank{k}": float(result[f"rank{k}"]) for k in self.ranks}
+        keep["mINP"] = float(result["mINP"])
         keep.update({k: (float(result[k]) if k == "mAP" else int(result[k])) for k in KEEP_KEYS if k in result})
         for form in self.extra_ap:
             other = evaluate(
