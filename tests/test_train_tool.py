@@ -38,6 +38,10 @@ def test_run_then_resume_to_more_rounds(tmp_path, capsys):
     assert tool.main(["--resume", str(run), "--rounds", "3"]) == 0
     assert [r["round"] for r in read_metrics(run)] == [1, 2, 3]
     assert "round 3/3  loss " in capsys.readouterr().out
+    # log.txt: both starts, each under its header, with what they printed
+    log = (run / "log.txt").read_text()
+    assert log.count("\nfedreid ") == 2 and "(git " in log and "torch " in log and "command: " in log
+    assert "round 1/2  loss " in log and "round 3/3  loss " in log and f"report: {run / 'report.md'}" in log
     assert tool.main(["--resume", str(run)]) == 0  # finished: it says so instead of printing nothing new
     assert f"{run} had already finished its 3 rounds: nothing trained" in capsys.readouterr().out
     assert [r["round"] for r in read_metrics(run)] == [1, 2, 3]

@@ -12,7 +12,8 @@ Examples:
   python tools/train_fed.py --resume runs/fedpav
 
 A run folder holds config.yaml, checkpoint.pt (full state, written atomically
-every round), metrics.jsonl / metrics.csv, model_final.pt and report.md with
+every round), metrics.jsonl / metrics.csv, log.txt (everything printed, under
+a header of versions, git commit and command line), model_final.pt and report.md with
 the paper's reporting convention and PNG curves. --out must be a new or empty
 folder or a run folder; a folder of other files is refused untouched.
 Overrides may stand anywhere among the options (fl.rounds=1 --no-progress seed=2).
@@ -39,6 +40,7 @@ from fedreid.eval.report import (
     write_report,
 )
 from fedreid.utils.cli import add_config_arguments, config_from_args, literal_override, run_main
+from fedreid.utils.run_log import LOG_FILE, OutputLog, log_header
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -103,14 +105,27 @@ def main(argv: list[str] | None = None) -> int:
         run_dir = Path(cfg.run.out_dir)
         resume = False
     progress = not args.no_progress and sys.stderr.isatty()
-    # Without bars (a log file, CI, --no-progress) one line per round says how it goes.
-    callbacks = [] if progress else [_round_printer(cfg.fl.rounds)]
+    log = OutputLog()  # run_dir/log.txt from the moment the run owns the folder
+
+    def on_event(event: str, info: dict[str, Any]) -> None:
+        if event == "run_start":
+            log.start(Path(info["run_dir"]) / LOG_FILE, log_header(device=info["device"]))
+        elif event == "round_end":
+            trained.append(info["record"]["round"])
+
     trained: list[int] = []
-    callbacks.append(lambda event, info: event == "round_end" and trained.append(info["record"]["round"]))
-    history = run_simulation(cfg, run_dir, resume=resume, progress=progress, callbacks=callbacks, tool="train_fed")
-    if resume and not trained:
-        print(f"{run_dir} had already finished its {cfg.fl.rounds} rounds: nothing trained "
-              f"(fl.rounds=N with N > {cfg.fl.rounds} trains further); its summary:")
+    # Without bars (a log file, CI, --no-progress) one line per round says how it goes.
+    callbacks = ([] if progress else [_round_printer(cfg.fl.rounds)]) + [on_event]
+    with log:
+        history = run_simulation(cfg, run_dir, resume=resume, progress=progress, callbacks=callbacks,
+                                 tool="train_fed")
+        if resume and not trained:
+            print(f"{run_dir} had already finished its {cfg.fl.rounds} rounds: nothing trained "
+                  f"(fl.rounds=N with N > {cfg.fl.rounds} trains further); its summary:")
+        return _summarise(run_dir, history, cfg)
+
+
+def _summarise(run_dir: Path, history: list[dict[str, Any]], cfg: Any) -> int:
     report = write_report(run_dir, history, targets=cfg.classification.target_accuracies)
     if is_classification(history):
         print("\n" + format_classification_summary(

@@ -346,6 +346,9 @@ def _run(cfg: Config, run_dir: Path, ckpt, *, progress: bool, callbacks, dataset
         for cb in callbacks:
             cb(event, info)
 
+    # the folder is the run's now (claimed): a tool may start its log.txt there
+    emit("run_start", {"run_dir": run_dir, "round": server.round, "device": str(fed.device)})
+
     round_bar = tqdm(total=cfg.fl.rounds, initial=server.round, desc="rounds", unit="round",
                      disable=not progress, dynamic_ncols=True)
     pool: Optional[ClientPool] = None
