@@ -41,3 +41,24 @@ def test_tensorboard_off_writes_no_events(tmp_path):
     logger.close()
     assert not (tmp_path / "tensorboard").exists()
     assert read_metrics(tmp_path) == [{"round": 1, "train_loss": 1.0}]
+
+
+def test_tensorboard_means_client_charts_and_hparams(tmp_path):
+    logger = MetricsLogger(tmp_path, tensorboard=True)
+    logger.reset([])
+    for r in (1, 2):
+        logger.log({"round": r, "client_metrics": {"a": {"train_loss": 2.0 / r}, "b": {"train_loss": 3.0 / r}},
+                    "weights": {"a": 0.4, "b": 0.6},
+                    "eval": {"dsa": {"rank1": 0.2 * r, "mAP": 0.1 * r}, "dsb": {"rank1": 0.4 * r, "mAP": 0.3 * r}}})
+    logger.log_hparams({"train": {"lr": 0.05, "objective": "fedavg"}, "data": {"datasets": ["dsa", "dsb"]}},
+                       {"rank1": 0.6, "mAP": 0.4})
+    logger.close()
+    assert scalars(tmp_path, "eval_mean/rank1") == [(1, pytest.approx(0.3)), (2, pytest.approx(0.6))]
+    assert [v for _, v in scalars(tmp_path, "client_metrics/b/train_loss")] == [3.0, 1.5]
+    acc = event_accumulator.EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    assert "custom_scalars__config__" in acc.PluginTagToContent("custom_scalars")
+    layout = acc.Tensors("custom_scalars__config__")[0].tensor_proto.string_val[0]
+    assert b"client_metrics/[^/]+/train_loss" in layout and b"weights/[^/]+" in layout
+    hparams_runs = [p for p in (tmp_path / "tensorboard").rglob("events.*") if "hparams" in str(p)]
+    assert hparams_runs  # add_hparams writes its own run beside the scalars

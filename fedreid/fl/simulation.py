@@ -395,12 +395,23 @@ def _run(cfg: Config, run_dir: Path, ckpt, *, progress: bool, callbacks, dataset
             round_bar.set_postfix(_postfix(record))
             emit("round_end", {"round": round_index, "record": record})
         _save_final_model(run_dir, cfg, server)
+        logger.log_hparams(to_dict(cfg), _final_metrics(history))
     finally:
         if pool is not None:
             pool.close()
         round_bar.close()
         logger.close()
     return history
+
+
+def _final_metrics(history: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+    """The last evaluation's mean metrics over its datasets (what the HParams tab compares runs by)."""
+    evaluated = [r for r in history if r.get("eval")]
+    if not evaluated:
+        return {"train_loss": float(history[-1].get("train_loss", float("nan")))} if history else {}
+    rows = [v for v in evaluated[-1]["eval"].values() if isinstance(v, Mapping)]
+    keys = [k for k in ("rank1", "mAP", "accuracy") if rows and all(isinstance(r.get(k), (int, float)) for r in rows)]
+    return {k: sum(r[k] for r in rows) / len(rows) for k in keys}
 
 
 def _evaluates_locally(fed: Federation, client: Client, instructions: Mapping[str, Any]) -> bool:

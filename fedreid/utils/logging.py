@@ -6,7 +6,12 @@ losses, aggregation weights, bytes, times, evaluation results).
 columns are the union over rounds, so it is rewritten whole after each round
 (small: one line per round). TensorBoard scalars are written when the
 ``tensorboard`` package is installed (the ``[tensorboard]`` extra) and
-``tensorboard`` is on; otherwise only the two files.
+``tensorboard`` is on; otherwise only the two files. Beside every number of
+the record (``eval/market1501/rank1``...) TensorBoard gets the mean Rank-1
+and mAP over the evaluated datasets (``eval_mean/rank1``, ``eval_mean/mAP``),
+a custom-scalars layout that draws every client's loss and aggregation
+weight in one chart each, and, at the end (:meth:`MetricsLogger.log_hparams`),
+the run's config beside its final metrics in the HParams tab.
 
 On resume, :meth:`MetricsLogger.reset` rewrites both files from the
 checkpoint's history, dropping rows of a round that was logged but never
@@ -85,6 +90,18 @@ class MetricsLogger:
         except ImportError:  # tensorboard not installed: the jsonl/csv logs are enough
             return
         self._tb = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=purge_step)
+        # one chart per quantity with a line per client (regexes over the scalar tags)
+        self._tb.add_custom_scalars({
+            "clients": {
+                "training loss": ["Multiline", [r"client_metrics/[^/]+/train_loss"]],
+                "aggregation weight": ["Multiline", [r"weights/[^/]+"]],
+                "CDW distance": ["Multiline", [r"client_metrics/[^/]+/cdw_distance"]],
+            },
+            "evaluation": {
+                "Rank-1": ["Multiline", [r"eval/[^/]+/rank1", r"eval_mean/rank1"]],
+                "mAP": ["Multiline", [r"eval/[^/]+/mAP", r"eval_mean/mAP"]],
+            },
+        })
 
     @property
     def jsonl_path(self) -> Path:
@@ -124,7 +141,21 @@ class MetricsLogger:
             for key, value in flatten(row).items():
                 if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "round":
                     self._tb.add_scalar(key.replace(".", "/"), value, step)
+            evaluated = [v for v in (row.get("eval") or {}).values() if isinstance(v, Mapping)]
+            for metric in ("rank1", "mAP"):
+                values = [v[metric] for v in evaluated if isinstance(v.get(metric), (int, float))]
+                if values:
+                    self._tb.add_scalar(f"eval_mean/{metric}", sum(values) / len(values), step)
             self._tb.flush()
+
+    def log_hparams(self, config: Mapping[str, Any], final: Mapping[str, float]) -> None:
+        """The run's config (flattened; lists as text) beside its ``final`` metrics, for TensorBoard's HParams."""
+        if self._tb is None:
+            return
+        hparams = {k: (v if isinstance(v, (int, float, str, bool)) else str(v))
+                   for k, v in flatten(dict(config)).items()}
+        self._tb.add_hparams(hparams, {f"final/{k}": float(v) for k, v in final.items()}, run_name="hparams")
+        self._tb.flush()
 
     def _write_csv(self) -> None:
         flat = [flatten(r) for r in self.rows]
