@@ -13,9 +13,15 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
+import socket
+import stat
 import subprocess
 import sys
+import tempfile
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +34,13 @@ from PIL import Image
 
 from fedreid.config import ConfigError
 from fedreid.flower import app as flower_app
-from fedreid.flower.launch import LaunchError, LocalDeployment, TLSFiles, search_run_config_string
+from fedreid.flower.launch import (
+    LaunchError,
+    LocalDeployment,
+    TLSFiles,
+    search_run_config_string,
+    session_run_config_string,
+)
 from fedreid.flower.search import (
     RESULT_FORMAT,
     SearchSettings,
@@ -61,6 +73,7 @@ from fedreid.flower.search_codec import (
     encode_query,
     is_search_query,
 )
+from fedreid.flower.search_session import SessionClient, SessionError, SessionSettings, serve_session
 from fedreid.flower.security import make_node_key, make_tls_files
 from fedreid.retrieval.store import GalleryStore
 from fedreid.utils.text import printable
@@ -507,6 +520,72 @@ def test_search_mode_of_the_server_app(stores, query, tmp_path):
         search_run_config_string("AAAA", k=1, expect=["a b"])
 
 
+@pytest.fixture
+def socket_dir():
+    """A short folder for a Unix socket (a socket path holds at most 107 bytes; pytest's tmp paths can be longer)."""
+    folder = Path(tempfile.mkdtemp(prefix="fr-s-", dir="/tmp"))
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_a_search_session_answers_query_after_query_and_sees_sites_come_and_go(stores, query, socket_dir):
+    sock = socket_dir / "session.sock"
+    nodes = {1: {"client": "sa", "gallery-store": str(stores["sa"].folder)},
+             2: {"client": "sb", "gallery-store": str(stores["sb"].folder)},
+             3: {"client": "sc", "gallery-store": str(stores["sc"].folder)}}
+    k = 8
+    everyone = exact_merge([exact_answer(stores[s], s, query, k) for s in SITES], k)
+    run_config = parse_config_args([session_run_config_string(sock, timeout=0.5, expect=SITES, node_auth=True)])
+    with FakeGrid(flower_app.client_app, nodes, registered={1: "sa", 2: "sb", 3: "sc"}) as grid:
+        context = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config=run_config)
+        thread = threading.Thread(target=flower_app.server_main, args=(grid, context), daemon=True)
+        thread.start()
+        try:
+            client = SessionClient(sock, timeout=30)
+            status = client.wait_ready(30)
+            assert status["nodes"] == [1, 2, 3] and status["sites"] == {"1": "sa", "2": "sb", "3": "sc"}
+            assert stat.S_IMODE(os.stat(sock).st_mode) == 0o600  # only this user can query
+            first = client.search(query, k, fingerprint=FP)
+            assert triples(first["results"]) == everyone and first["authenticated"] and first["missing"] == []
+            left = grid.nodes.pop(3)  # sc's SuperNode leaves: the next query goes on without it
+            second = client.search(query, k, fingerprint=FP, filters={"cameras": [0, 1]})
+            assert triples(second["results"]) == exact_merge(
+                [exact_answer(stores[s], s, query, k, cameras=[0, 1]) for s in ("sa", "sb")], k)
+            assert [(m["site"], m["code"]) for m in second["missing"]] == [("sc", "not-answered")]
+            grid.nodes[3] = left  # and comes back (node authentication: the same node id): searched again
+            assert triples(client.search(query, k, fingerprint=FP)["results"]) == everyone
+            # A refused request is answered in words; the session goes on.
+            for request, message in [({"op": "search", "vector": encode_vector(query), "k": 0}, "k: expected"),
+                                     ({"op": "search", "vector": encode_vector(query * 3), "fingerprint": FP},
+                                      "L2-normalised"),
+                                     ({"op": "search", "vector": "%%%"}, "base64"),
+                                     ({"op": "dance"}, "unknown op 'dance'")]:
+                with pytest.raises(SessionError, match=message):
+                    client.request(request)
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as raw:
+                raw.connect(str(sock))
+                raw.sendall(b"not json\n")
+                assert b"not JSON" in raw.recv(4096)
+            assert client.status()["queries"] == 3
+            assert client.close_session() == 3
+            thread.join(30)
+        finally:
+            if thread.is_alive():
+                SessionClient(sock).close_session()
+    assert not thread.is_alive() and not sock.exists()  # the socket goes with the session
+    with pytest.raises(SessionError, match="no search session at"):
+        client.status()
+    # A file in the socket's place is never replaced; a path too long for a socket is refused in words.
+    sock.write_text("notes")
+    with pytest.raises(ConfigError, match="exists and is not a socket"):
+        serve_session(grid, run_config)
+    assert sock.read_text() == "notes"
+    with pytest.raises(ConfigError, match="at most 107 bytes"):
+        serve_session(grid, dict(run_config, **{"session-socket": "/tmp/" + "x" * 120}))
+    with pytest.raises(ConfigError, match="session-socket"):
+        SessionSettings.from_run_config({"mode": "search-session"})
+
+
 def test_query_files_and_node_settings(tmp_path, stores):
     np.save(tmp_path / "q.npy", np.ones((1, D), np.float64))
     assert read_feature_file(tmp_path / "q.npy").dtype == np.float32
@@ -638,3 +717,53 @@ def test_search_over_tls_and_node_auth_then_with_a_site_killed(stores, query, tm
     assert {r["thumbnail_jpeg_base64"] for r in second["results"] if r["site"] == "sb"} == {None}
     assert "from 2 sites (sa, sb)" in stdout and "missing: sc: not-answered" in stdout
     assert f"missing: sc (node {sc_node})" in stdout  # under node authentication a silent node's site is known
+
+
+def test_a_search_session_over_tls_and_node_auth_with_a_site_leaving_and_rejoining(stores, query, tmp_path,
+                                                                                 socket_dir):
+    make_tls_files(tmp_path / "tls")
+    keys = {s: make_node_key(tmp_path / "keys", s)["private"] for s in SITES}
+    per_node = {s: {"gallery_store": str(stores[s].folder)} for s in SITES}
+    np.save(tmp_path / "q.npy", query)
+    (tmp_path / "fp.json").write_text(json.dumps(FP))
+    sock, k = socket_dir / "s.sock", 10
+    everyone = [exact_answer(stores[s], s, query, k) for s in SITES]
+    search = ["search", "--session", sock, "--feature", tmp_path / "q.npy", "--fingerprint", tmp_path / "fp.json",
+              "--k", k, "--timeout", 30]
+    with LocalDeployment(tmp_path / "dep", SITES, tls=TLSFiles.from_dir(tmp_path / "tls"), node_keys=keys,
+                         per_node=per_node) as dep:
+        session = subprocess.Popen([sys.executable, str(TOOL), "session", "--superlink", dep.superlink, "--ca",
+                                    str(tmp_path / "tls" / "ca.crt"), "--node-auth", "--socket", str(sock),
+                                    "--timeout", "30", *[a for s in SITES for a in ("--expect", s)]],
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                   stdin=subprocess.DEVNULL, start_new_session=True)
+        try:
+            SessionClient(sock).wait_ready(240, alive=lambda: session.poll() is None)
+            rc1, out1, err1 = run_tool([*search, "--out", tmp_path / "first.json"], timeout=120)
+            # sc leaves (its SuperNode stopped: it signs off). After a kill, Flower refuses the same key until
+            # the SuperLink has marked the old connection offline (its heartbeat), so a rejoin waits for that.
+            dep.stop_process("node-sc", signal.SIGTERM)
+            rc2, out2, err2 = run_tool([*search, "--timeout", 10], timeout=120)
+            dep.start_node("sc")  # and comes back with its key: the session picks it up, no restart
+            deadline, back = time.monotonic() + 240, None
+            while time.monotonic() < deadline:
+                plain = SessionClient(sock).search(query, k, fingerprint=FP, timeout=10)
+                if sorted(a["site"] for a in plain["answered"]) == list(SITES):
+                    back = plain
+                    break
+                time.sleep(1.0)
+        finally:
+            session.send_signal(signal.SIGTERM)  # the tool closes its session (the run ends) and exits
+            try:
+                stdout, stderr = session.communicate(timeout=120)
+            except subprocess.TimeoutExpired:
+                os.killpg(session.pid, signal.SIGKILL)
+                stdout, stderr = session.communicate(timeout=10)
+    assert rc1 == 0, out1 + err1
+    first = json.loads((tmp_path / "first.json").read_text())
+    assert triples(first["results"]) == exact_merge(everyone, k) and first["authenticated"]
+    assert "from 3 sites (sa, sb, sc)" in out1 and "site names: authenticated" in out1
+    assert rc2 == 0 and "from 2 sites (sa, sb)" in out2 and "missing: sc" in out2, out2 + err2
+    assert back is not None and triples(back["results"]) == exact_merge(everyone, k)
+    assert "search session open at" in stdout and "search session closed after" in stderr, stdout + stderr
+    assert not sock.exists()

@@ -51,7 +51,9 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -181,9 +183,19 @@ def cmd_search(args: argparse.Namespace) -> int:
     from fedreid.flower.search_codec import SearchFilters
     from fedreid.utils.io import write_json_atomic
 
-    ca = _security(args, "search")
-    if args.node_auth and ca is None:
-        raise ConfigError("search: --node-auth needs --ca: Flower authenticates SuperNodes over TLS only")
+    if args.session:
+        if args.superlink or args.ca or args.insecure or args.node_auth or args.join_timeout is not None:
+            raise ConfigError("search: with --session the session's own SuperLink, TLS and node authentication "
+                              "apply; leave out --superlink, --ca, --insecure, --node-auth and --join-timeout")
+        ca = None
+    else:
+        if not args.superlink:
+            raise ConfigError("search: give --superlink HOST:PORT (a single search run), or --session SOCKET "
+                              "(a search session started with `session`)")
+        ca = _security(args, "search")
+        if args.node_auth and ca is None:
+            raise ConfigError("search: --node-auth needs --ca: Flower authenticates SuperNodes over TLS only")
+    join_timeout = 30.0 if args.join_timeout is None else args.join_timeout
     if not 1 <= args.k <= 1000:
         raise ConfigError(f"search: --k must be in 1..1000, got {args.k}")
     if args.timeout <= 0:
@@ -202,17 +214,24 @@ def cmd_search(args: argparse.Namespace) -> int:
         if earlier != RESULT_FORMAT:
             raise ConfigError(f"--out {out} exists and is not a federated search result; choose another file")
     feature, fingerprint = _search_query(args)
+    if args.session:
+        from fedreid.flower.search_session import SessionClient
+
+        plain = SessionClient(args.session).search(feature, args.k, fingerprint=fingerprint, filters=filters,
+                                                   thumbnails=args.thumbnails, timeout=args.timeout,
+                                                   expect=args.expect)
+        return _show_result(plain, out)
     with tempfile.TemporaryDirectory(prefix="fedreid-search-") as tmp:
         # The ServerApp writes the result into this fresh folder when it runs on this host (the SuperLink's),
         # so an older file can never pass for this search's result; on another host it writes nothing.
         result_path = Path(tmp) / "result.json"
         text = search_run_config_string(encode_vector(feature), k=args.k, fingerprint=fingerprint, filters=filters,
                                         timeout=args.timeout, thumbnails=args.thumbnails, expect=args.expect or (),
-                                        out=result_path, join_timeout=args.join_timeout,
+                                        out=result_path, join_timeout=join_timeout,
                                         node_auth=args.node_auth)
         log = Path(tmp) / "flwr_run.log"
         rc = FlowerCli(args.superlink, root_cert=ca, home=Path(tmp) / "flwr_home").run(
-            text, log=log, timeout=args.join_timeout + args.timeout + 600)
+            text, log=log, timeout=join_timeout + args.timeout + 600)
         if not result_path.is_file():  # the run failed, or its ServerApp runs on another host than this one
             from fedreid.utils.text import printable
 
@@ -225,12 +244,77 @@ def cmd_search(args: argparse.Namespace) -> int:
             print(f"search: no result file (flwr exit code {rc}): {why}", file=sys.stderr)
             return 1
         plain = json.loads(result_path.read_text())
+    return _show_result(plain, out)
+
+
+def _show_result(plain: dict, out: Optional[Path]) -> int:
+    """Print a search result (site texts escaped, see format_result), write it to ``out``; 0 if any site answered."""
+    from fedreid.flower.search import format_result
+    from fedreid.utils.io import write_json_atomic
+
     for line in format_result(plain):
         print(line)
     if out is not None:
         write_json_atomic(out, plain)
         print(f"result: {out}")
     return 0 if plain["answered"] else 1
+
+
+def cmd_session(args: argparse.Namespace) -> int:
+    """Open a search session (a long-lived run) on the SuperLink, serve until Ctrl-C / SIGTERM, then close it."""
+    import tempfile
+
+    from fedreid.flower.launch import FlowerCli, session_run_config_string, stop_group
+    from fedreid.flower.search_session import SessionClient, SessionError
+
+    ca = _security(args, "session")
+    if args.node_auth and ca is None:
+        raise ConfigError("session: --node-auth needs --ca: Flower authenticates SuperNodes over TLS only")
+    if not args.timeout > 0:
+        raise ConfigError(f"session: --timeout must be > 0 seconds, got {args.timeout}")
+    sock = Path(args.socket).resolve()
+    client = SessionClient(sock)  # refuses a path too long for a socket, before anything runs
+    if not sock.parent.is_dir():
+        raise ConfigError(f"session: --socket {sock}: its folder does not exist (the session runs on this host, "
+                          "the SuperLink's)")
+    if sock.exists() or sock.is_symlink():
+        raise ConfigError(f"session: --socket {sock} exists; is another session running? (remove a stale socket "
+                          "or choose another path)")
+    text = session_run_config_string(sock, timeout=args.timeout, expect=args.expect or (), node_auth=args.node_auth,
+                                     idle_timeout=args.idle_timeout)
+    with tempfile.TemporaryDirectory(prefix="fedreid-session-") as tmp:
+        log = Path(args.log).resolve() if args.log else Path(tmp) / "flwr_run.log"
+        proc = FlowerCli(args.superlink, root_cert=ca, home=Path(tmp) / "flwr_home").start(text, log=log)
+        opened = False
+        try:
+            status = client.wait_ready(args.join_timeout, alive=lambda: proc.poll() is None)
+            opened = True
+            print(f"search session open at {sock}: {len(status['nodes'])} nodes connected; site names "
+                  f"{'authenticated' if status['node_auth'] else 'as the nodes declare them'}", flush=True)
+            print(f"  query it on this host: python tools/flower_fed.py search --session {sock} --feature Q.npy "
+                  "--fingerprint FP.json   (Ctrl-C here closes the session)", flush=True)
+            while proc.poll() is None:  # the session serves until closed, idle, or stopped
+                time.sleep(0.5)
+            print(f"search session ended (flwr exit code {proc.returncode})", file=sys.stderr)
+            return 0 if proc.returncode == 0 else 1
+        except SessionError as exc:
+            from fedreid.utils.text import printable
+
+            for line in log.read_text(errors="replace")[-6000:].splitlines() if log.exists() else []:
+                print(printable(line, 2000), file=sys.stderr)
+            raise ConfigError(f"session: {exc}") from None
+        finally:
+            if proc.poll() is None:
+                if opened or sock.exists():
+                    try:  # the run ends with its ServerApp; stopping flwr alone would leave it on the SuperLink
+                        queries = client.close_session()
+                        print(f"search session closed after {queries} queries", file=sys.stderr)
+                    except SessionError:
+                        pass
+                try:
+                    proc.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    stop_group(proc, wait=10.0)
 
 
 def _finish(out: Path, rounds: int, rc: int, log: Optional[Path]) -> int:
@@ -379,6 +463,26 @@ Examples:
 """
 
 
+SESSION_HELP = """Search session: one long-lived Flower run on the SuperLink whose ServerApp
+takes query after query from a Unix socket on this host. A query then costs what
+the sites' answers cost, not a run's start-up (`flwr run`, the ServerApp process,
+waiting for nodes). Nodes are read from the SuperLink for every query: a site that
+leaves is listed as missing, and searched again once its SuperNode is back, without
+restarting the session. The same checks as `search` apply to every query.
+
+Run it on the SuperLink's host (the socket is made there, mode 0600); Ctrl-C or
+SIGTERM closes the session and ends its run. A session left without queries for
+--idle-timeout seconds ends by itself.
+
+Example:
+  python tools/flower_fed.py session --superlink 127.0.0.1:9093 --ca certs/ca.crt --node-auth \\
+      --socket /run/user/1000/fedreid-search.sock --expect site_a --expect site_b
+  # another terminal, same host
+  python tools/flower_fed.py search --session /run/user/1000/fedreid-search.sock \\
+      --feature q.npy --fingerprint store/header.json --k 20
+"""
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -457,7 +561,9 @@ def build_parser() -> argparse.ArgumentParser:
         "search", help="federated search: every site searches its own gallery store, one merged list",
         description=SEARCH_HELP, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--superlink", required=True, metavar="HOST:PORT", help="the SuperLink's address")
+    p.add_argument("--superlink", metavar="HOST:PORT", help="the SuperLink's address (one search, one Flower run)")
+    p.add_argument("--session", metavar="SOCKET", help="query the search session listening at SOCKET on this host "
+                   "(`session`) instead of starting a run: no run start-up per query")
     security(p)
     q = p.add_mutually_exclusive_group(required=True)
     q.add_argument("--image", help="query image; its feature is computed here with --model")
@@ -472,8 +578,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--since", type=_time_arg, help="only items with timestamp >= SINCE (seconds or ISO date/time, UTC)")
     p.add_argument("--until", type=_time_arg, help="only items with timestamp <= UNTIL (seconds or ISO date/time, UTC)")
     p.add_argument("--timeout", type=float, default=30.0, help="seconds the sites have to answer (30)")
-    p.add_argument("--join-timeout", type=float, default=30.0,
-                   help="seconds to wait for the --expect sites' nodes (else one node) to be connected (30)")
+    p.add_argument("--join-timeout", type=float,
+                   help="seconds to wait for the --expect sites' nodes (else one node) to be connected (30; not "
+                        "with --session)")
     p.add_argument("--expect", action="append", help="a site that should answer (repeat): listed as missing if none "
                    "answers as it")
     p.add_argument("--thumbnails", action="store_true", help="ask for thumbnails (only sites allowing them send)")
@@ -484,6 +591,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="write the result (ranked list with thumbnails, missing sites) as JSON here; "
                    "needs this tool on the SuperLink's host, where the ServerApp runs")
     p.set_defaults(func=cmd_search)
+
+    p = sub.add_parser(
+        "session", help="open a search session: one long-lived run answering `search --session` queries",
+        description=SESSION_HELP, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--superlink", required=True, metavar="HOST:PORT", help="the SuperLink's address")
+    security(p)
+    p.add_argument("--socket", required=True, help="the session's Unix socket, a new path on this host (the "
+                   "SuperLink's, where the ServerApp runs); made with mode 0600")
+    p.add_argument("--node-auth", action="store_true",
+                   help="the SuperLink authenticates SuperNodes: answers count only under the site name their "
+                        "node's key was registered with (register --site)")
+    p.add_argument("--timeout", type=float, default=30.0, help="seconds the sites have per query (30)")
+    p.add_argument("--expect", action="append", help="a site every query should hear from (repeat)")
+    p.add_argument("--idle-timeout", type=float, default=3600.0,
+                   help="close the session after this many seconds without a query (3600; 0: never)")
+    p.add_argument("--join-timeout", type=float, default=120.0,
+                   help="seconds to wait for the session's run to start and open its socket (120)")
+    p.add_argument("--log", help="file for the run's log (flwr run --stream); default a temporary file")
+    p.set_defaults(func=cmd_session)
 
     p = sub.add_parser("local", help="SuperLink, one SuperNode per client and the run, all on 127.0.0.1")
     run_arguments(p)

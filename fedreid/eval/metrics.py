@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -51,10 +52,9 @@ import numpy as np
 
 from fedreid.errors import FedReIDError
 
-try:  # torch is optional here: numpy inputs need no torch at all
-    import torch
-except ImportError:  # pragma: no cover - the project depends on torch
-    torch = None
+#: torch, once an input needs it (:func:`_load_torch`). Numpy inputs never import it: a process that only
+#: reads a gallery store (a federated search site's ClientApp, started per query) saves a second of start-up.
+torch: Any = None
 
 __all__ = [
     "AP_MODES",
@@ -158,8 +158,25 @@ def _top_k_rows(scores: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
 # --------------------------------------------------------------------------
 
 
+def _load_torch() -> Any:
+    """The torch module (imported here on first need), or None when it is not installed."""
+    global torch
+    if torch is None:
+        try:
+            import torch as module
+        except ImportError:  # pragma: no cover - the project depends on torch
+            return None
+        torch = module
+    return torch
+
+
 def _is_torch(x: Any) -> bool:
-    return torch is not None and isinstance(x, torch.Tensor)
+    # A tensor exists only once torch is imported, so an unimported torch means "not a tensor" (and no import).
+    module = sys.modules.get("torch")
+    if module is None or not isinstance(x, module.Tensor):
+        return False
+    _load_torch()  # every torch.* use below follows a True from here
+    return True
 
 
 def _check_finite(name: str, x: Any) -> None:
@@ -247,7 +264,7 @@ def _check_backend(backend: str) -> str:
         raise EvalDataError(
             f"unknown backend={backend!r}: expected one of {', '.join(map(repr, BACKENDS))}"
         )
-    if backend == "torch" and torch is None:  # pragma: no cover - the project depends on torch
+    if backend == "torch" and _load_torch() is None:  # pragma: no cover - the project depends on torch
         raise EvalDataError("backend='torch' needs torch, which is not installed")
     return backend
 

@@ -18,7 +18,10 @@ Run config (``flwr run ... --run-config``; see :class:`ServerSettings`):
 a connected node is never handed to another node, see :class:`GridRound`).
 ``mode=search`` runs a federated search instead of training
 (:func:`fedreid.flower.search.serve_search`; its keys ``search-*`` are in
-:class:`fedreid.flower.search.SearchSettings`).
+:class:`fedreid.flower.search.SearchSettings`); ``mode=search-session`` a
+long-lived run answering search after search from a socket
+(:func:`fedreid.flower.search_session.serve_session`, keys ``session-*`` in
+:class:`fedreid.flower.search_session.SessionSettings`).
 
 Node config (``flower-supernode --node-config``; see :class:`NodeSettings`):
 ``client`` (the client this machine is: a dataset name such as
@@ -52,6 +55,7 @@ from fedreid.errors import FedReIDError
 from fedreid.flower.codec import CodecError, pack, unpack, update_from_plain, update_to_plain
 from fedreid.flower.search import SEARCH_KEYS, SitePolicy, site_reply
 from fedreid.flower.search_codec import is_search_query
+from fedreid.flower.search_session import SESSION_KEYS
 
 if TYPE_CHECKING:  # the training modules (timm, torchvision...) load when a round or a train message needs them:
     from fedreid.fl.server import Server  # a search query's ClientApp process starts seconds sooner
@@ -89,7 +93,7 @@ class ServerSettings:
     @classmethod
     def from_run_config(cls, run_config: Mapping[str, Any]) -> "ServerSettings":
         known = {"config", "overrides", "out", "resume", "round-timeout", "join-timeout", "secure-aggregation",
-                 "node-auth", "mode", *SEARCH_KEYS}  # mode and search-* are read by mode=search only
+                 "node-auth", "mode", *SEARCH_KEYS, *SESSION_KEYS}  # mode, search-*, session-*: search modes only
         unknown = sorted(set(run_config) - known)
         if unknown:
             raise ConfigError(f"flower run config: unknown key(s) {', '.join(unknown)}; allowed: "
@@ -353,8 +357,13 @@ def server_main(grid: Grid, context: Context) -> None:
 
         serve_search(grid, context.run_config)
         return
+    if mode == "search-session":  # a long-lived run answering queries from its socket
+        from fedreid.flower.search_session import serve_session
+
+        serve_session(grid, context.run_config)
+        return
     if mode != "train":
-        raise ConfigError(f"flower run config: mode={mode!r}; expected 'train' or 'search'")
+        raise ConfigError(f"flower run config: mode={mode!r}; expected 'train', 'search' or 'search-session'")
     from fedreid.eval.report import write_report
     from fedreid.fl.server import RoundFailedError
     from fedreid.fl.simulation import run_simulation

@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import json
 from collections import OrderedDict
-from typing import Any, Mapping
-
-import torch
-from torch import Tensor
+from typing import TYPE_CHECKING, Any, Mapping
 
 from fedreid.errors import FedReIDError
+
+if TYPE_CHECKING:  # torch loads when a tensor is packed or unpacked: a ClientApp answering a search query
+    from torch import Tensor  # never needs it, and importing it costs a second of each query's process start
 
 TENSOR_TAG = "__tensor__"
 
@@ -33,6 +33,8 @@ class CodecError(FedReIDError, ValueError):
 
 def flatten(value: Any, prefix: str = "") -> tuple[Any, dict[str, Tensor]]:
     """``value`` with its tensors replaced by placeholders, and the tensors by key."""
+    from torch import Tensor
+
     tensors: dict[str, Tensor] = {}
 
     def walk(v: Any, path: str) -> Any:
@@ -88,6 +90,8 @@ def unpack(content, name: str) -> Any:
         arrays = content[f"{name}.arrays"]
     except KeyError:
         raise CodecError(f"the message has no {name!r} part (has {', '.join(sorted(content.keys()))})") from None
+    import torch
+
     tensors = {k: torch.from_numpy(arrays[k].numpy().copy()) for k in arrays.keys()}
     return unflatten(doc, tensors)
 

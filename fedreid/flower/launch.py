@@ -164,12 +164,23 @@ class TLSFiles:
         return files
 
 
+#: Seconds between a SuperExec's checks for a new task (Flower's default is 1 s): each message to a node and
+#: each run's ServerApp waits up to this long before its process is started. A check is one local request.
+SUPEREXEC_POLL_SECONDS = "0.2"
+
+
 def flower_env(extra: Optional[Mapping[str, str]] = None) -> dict[str, str]:
-    """The environment for Flower processes: telemetry off, this interpreter's scripts first on PATH."""
+    """The environment for Flower processes: telemetry off, this interpreter's scripts first on PATH.
+
+    Also ``FLWR_SUPEREXEC_TASK_POLL_INTERVAL`` (:data:`SUPEREXEC_POLL_SECONDS`,
+    unless already set): a federated search query is a message per site, and
+    Flower's 1 s default would add up to a second to each.
+    """
     env = dict(os.environ)
     env["FLWR_TELEMETRY_ENABLED"] = "0"
     env["FLWR_DISABLE_UPDATE_CHECK"] = "1"
     env["FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION"] = "1"
+    env.setdefault("FLWR_SUPEREXEC_TASK_POLL_INTERVAL", SUPEREXEC_POLL_SECONDS)
     bindir = str(Path(sys.executable).parent)
     env["PATH"] = bindir + os.pathsep + env.get("PATH", "")
     env.update(extra or {})
@@ -275,6 +286,27 @@ def search_run_config_string(vector: str, *, k: int, fingerprint: Optional[Mappi
             f" search-thumbnails={'true' if thumbnails else 'false'} node-auth={'true' if node_auth else 'false'}")
 
 
+def session_run_config_string(socket: Path, *, timeout: float = 30.0, expect: Sequence[str] = (),
+                              node_auth: bool = False, idle_timeout: float = 0.0) -> str:
+    """``--run-config`` text of a search session (``mode=search-session``, see
+    :class:`fedreid.flower.search_session.SessionSettings`).
+
+    ``socket``: the session's Unix socket on the SuperLink's machine (made
+    absolute); ``timeout``: seconds the sites have per query unless a query
+    says otherwise; ``idle_timeout``: seconds without a query before the
+    session ends (0: never).
+    """
+    for name in expect:
+        if not name or any(c.isspace() or c in "'\"" for c in name):
+            raise LaunchError(f"expected site {name!r}: a site name without spaces or quotes")
+    path = str(Path(socket).resolve())
+    if "'" in path:
+        raise LaunchError(f"session socket {path!r}: single quotes cannot be passed to flwr run")
+    return (f"mode='search-session' session-socket='{path}' search-expect='{' '.join(expect)}'"
+            f" search-timeout={float(timeout)} session-idle-timeout={float(idle_timeout)}"
+            f" node-auth={'true' if node_auth else 'false'}")
+
+
 def simulation_federation_config(num_supernodes: int, *, client_cpus: Optional[int] = None,
                                  client_gpus: Optional[float] = None) -> dict[str, int | float]:
     """The simulation engine's settings for ``flwr run --federation-config`` (Flower's ``SimulationConfig``).
@@ -364,6 +396,18 @@ class FlowerCli:
             cwd: Optional[Path] = None) -> int:
         """``flwr run`` the fedreid app and stream its logs until it ends; returns flwr's exit code."""
         return self._run(self.run_args(run_config), timeout=timeout, log=log, cwd=cwd).returncode
+
+    def start(self, run_config: str, *, log: Path) -> subprocess.Popen:
+        """:meth:`run` without waiting: ``flwr run --stream`` in its own process group, its output in ``log``.
+
+        The caller stops it with :func:`stop_group` (stopping ``flwr`` does not
+        stop the run on the SuperLink: a search session is ended by its
+        ``close`` request, see :mod:`fedreid.flower.search_session`).
+        """
+        env = flower_env({"FLWR_HOME": str(self.home)})
+        with open(log, "ab") as out:
+            return popen_group([_exe("flwr"), *self.run_args(run_config)], env=env, stdout=out,
+                               stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
 
 def free_port() -> int:
@@ -504,4 +548,5 @@ class LocalDeployment:
 
 __all__ = ["LaunchError", "TLSFiles", "FlowerCli", "LocalDeployment", "Terminated", "die_with_parent", "flower_env",
            "free_port", "node_config_string", "popen_group", "run_config_string", "search_run_config_string",
+           "session_run_config_string",
            "simulation_federation_config", "stop_group", "stop_on_signals", "superlink_command", "supernode_command"]
