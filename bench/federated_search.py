@@ -16,6 +16,12 @@ are stored items with a little noise, L2-normalised. Printed:
                  app bundle for the first message of a run);
 * per query    - median, 10th and 90th percentile, min and max over ``--queries``
                  queries after the first; every one must have all sites answered;
+* idle CPU     - CPU seconds per second the deployment uses with the session
+                 open and no query (pollers: SuperNodes, SuperExecs, the session);
+* CPU / query  - CPU seconds all Flower processes of the deployment (SuperLink,
+                 SuperNodes, their SuperExecs, the ClientApp process each message
+                 starts, the session's ServerApp) used per query, from /proc: on a
+                 machine with fewer free cores than that, it is the latency floor;
 * rejoin       - one site's SuperNode stopped, a query (the site listed missing),
                  the SuperNode started again: seconds until a query has all
                  sites again, in the same session (no restart).
@@ -97,6 +103,20 @@ def figures(values: list[float]) -> str:
             f"  (n={len(values)})")
 
 
+def group_cpu(groups: set[int]) -> float:
+    """CPU seconds used so far by the processes of these process groups, reaped children included (Linux /proc)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) in groups:  # pgrp; then utime, stime, cutime, cstime
+            total += sum(int(f) for f in fields[11:15])
+    return total / tick
+
+
 def all_answered(plain: dict, sites: list[str]) -> bool:
     return sorted(a["site"] for a in plain["answered"]) == sorted(sites)
 
@@ -112,6 +132,7 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds the sites have per query (60)")
     parser.add_argument("--insecure", action="store_true", help="no TLS and no node authentication")
     parser.add_argument("--no-rejoin", action="store_true", help="skip the leave-and-rejoin measurement")
+    parser.add_argument("--idle", type=float, default=10.0, help="seconds to measure the idle CPU use over (10)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--keep", action="store_true", help="keep the work folder (logs)")
     args = parser.parse_args()
@@ -172,13 +193,22 @@ def main() -> int:
             print(f"first query: {time.perf_counter() - t:.3f} s "
                   f"({'all sites' if all_answered(first, sites) else 'NOT all sites'})", flush=True)
             lat, complete = [], 0
+            groups = {p.pid for p in dep.procs.values()} | {proc.pid}
+            cpu, t = group_cpu(groups), time.perf_counter()
+            time.sleep(args.idle)
+            idle = (group_cpu(groups) - cpu) / (time.perf_counter() - t)
+            print(f"idle CPU of the deployment with the session open: {idle:.3f} s per second", flush=True)
+            cpu = group_cpu(groups)
             for q in queries[1: 1 + args.queries]:
                 t = time.perf_counter()
                 plain = client.search(q, args.k, fingerprint=FP)
                 lat.append(time.perf_counter() - t)
                 complete += all_answered(plain, sites)
+            cpu = (group_cpu(groups) - cpu) / max(len(lat), 1)
             print(f"per query after the first: {figures(lat)}; all {len(sites)} sites answered in "
                   f"{complete}/{len(lat)}", flush=True)
+            print(f"CPU per query (all Flower processes): {cpu:.2f} s; load average now "
+                  f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs", flush=True)
             if complete != len(lat):
                 code = 1
             if not args.no_rejoin and len(sites) > 1:

@@ -89,7 +89,7 @@ MAX_QUERY_TIMEOUT = 3600.0
 #: Longest socket path (Linux's sun_path holds 108 bytes with the terminating NUL).
 MAX_SOCKET_PATH_BYTES = 107
 #: How often the session looks for replies while a query runs: a reply waits at most this long here.
-POLL_SECONDS = 0.02
+POLL_SECONDS = 0.2
 
 
 class SessionError(FedReIDError, RuntimeError):
