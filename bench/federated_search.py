@@ -41,7 +41,6 @@ import os
 import platform
 import shutil
 import signal
-import statistics
 import sys
 import tempfile
 import time

@@ -179,9 +179,8 @@ def cmd_search(args: argparse.Namespace) -> int:
     import tempfile
 
     from fedreid.flower.launch import FlowerCli, search_run_config_string
-    from fedreid.flower.search import RESULT_FORMAT, encode_vector, format_result
+    from fedreid.flower.search import RESULT_FORMAT, encode_vector
     from fedreid.flower.search_codec import SearchFilters
-    from fedreid.utils.io import write_json_atomic
 
     if args.session:
         if args.superlink or args.ca or args.insecure or args.node_auth or args.join_timeout is not None:

@@ -74,7 +74,6 @@ from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid
 
 from fedreid.config import ConfigError
-from fedreid.utils.text import printable
 from fedreid.flower.search_codec import (
     MAX_K,
     MAX_THUMBNAIL_BYTES,
@@ -89,6 +88,7 @@ from fedreid.flower.search_codec import (
     encode_query,
     file_name,
 )
+from fedreid.utils.text import printable
 
 log = logging.getLogger("fedreid.flower.search")
 
