@@ -219,3 +219,66 @@ def test_checks_find_something():
     assert {"configs/fedreid/demo_synthetic.yaml", "docs/extending.md"} <= _paths(text)
     assert {"data.workers", "run.device"} <= _mentioned_keys(text)
     assert {"fedpav_e10.yaml", "synthetic_local.yaml"} <= _table_configs(_text(REPO / "docs/training.md"))
+
+
+# ---------------------------------------------------------------------------
+# the tour's output blocks (written by docs/tour.py from a real run)
+# ---------------------------------------------------------------------------
+
+
+def _tour_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("docs_tour", REPO / "docs" / "tour.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+TOUR_PAGES = [README] + sorted((REPO / "docs").glob("*.md"))
+
+
+def _tour_blocks():
+    tour = _tour_module()
+    for page in TOUR_PAGES:
+        for m in tour.BLOCK.finditer(page.read_text()):
+            yield page, m.group("name"), m.group(0).split("```\n")[1]
+
+
+def test_tour_blocks_show_their_step_command_and_its_output():
+    tour = _tour_module()
+    blocks = list(_tour_blocks())
+    assert {name for _, name, _ in blocks} == set(tour.STEPS)  # every step is shown somewhere
+    for page, name, body in blocks:
+        command = tour.shown(tour.STEPS[name])
+        assert body.startswith(command + "\n"), f"{_page_id(page)}: tour block {name!r} was edited by hand"
+        assert body[len(command):].strip(), f"{_page_id(page)}: tour block {name!r} has no output"
+
+
+def test_the_documented_training_summary_is_what_the_code_prints():
+    from fedreid.eval.report import format_paper_summary, paper_summary
+
+    tool = load_tool("train_fed", "train_fed_readme")
+    metrics = {"rank1": 0.5, "rank5": 0.6, "rank10": 0.7, "mAP": 0.4, "mINP": 0.3, "rank1_official": 0.5,
+               "mAP_official": 0.4}
+    history = [{"round": r, "eval": {"a": dict(metrics), "b": dict(metrics)}} for r in (1, 2, 3)]
+    caption, _, table = format_paper_summary(paper_summary(history)).partition("\n\n")
+    caption_re = (re.escape(caption).replace("3", r"\d+").replace(r"1,\ 2,\ \d+", r"[\d, ]+")
+                  .replace(r"a,\ b", r"[\w, ]+"))
+    header = table.splitlines()[0]
+    round_re = re.escape(tool.round_line({"round": 3, "train_loss": 1.5, "time": {"round": 2.0},
+                                          "eval": {"a": metrics}}, 9))
+    round_re = re.sub(r"\d+(?:\\\.\d+)?", r"[\\d.]+", round_re)  # every number may vary
+    shown = [body for _, name, body in _tour_blocks() if name == "train"]
+    assert shown
+    for body in shown:
+        lines = body.splitlines()
+        assert any(re.fullmatch(caption_re, ln) for ln in lines), body
+        assert header in lines, body
+        evaluated = [ln for ln in lines if ln.startswith("round ") and "mean Rank-1" in ln]
+        assert evaluated and all(re.fullmatch(round_re, ln) for ln in evaluated), evaluated
+
+
+def test_every_tool_is_installed_as_a_script():
+    listed = set(re.findall(r'"(tools/\w+\.py)"', (REPO / "setup.py").read_text()))
+    assert listed == {str(p.relative_to(REPO)) for p in (REPO / "tools").glob("*.py")}
