@@ -62,3 +62,23 @@ def test_tensorboard_means_client_charts_and_hparams(tmp_path):
     assert b"client_metrics/[^/]+/train_loss" in layout and b"weights/[^/]+" in layout
     hparams_runs = [p for p in (tmp_path / "tensorboard").rglob("events.*") if "hparams" in str(p)]
     assert hparams_runs  # add_hparams writes its own run beside the scalars
+
+
+def test_an_evaluations_pictures_show_in_the_runs_tensorboard(tmp_path):
+    from PIL import Image
+
+    from fedreid.utils.logging import add_pictures
+
+    pictures = []
+    for name, colour in (("market1501_best_q3", (0, 200, 0)), ("cmc", (200, 0, 0))):
+        pictures.append(tmp_path / f"{name}.png")
+        Image.new("RGB", (12, 8), colour).save(pictures[-1])
+    assert add_pictures(tmp_path, pictures, 9) == 0  # a run without TensorBoard events: nothing written
+    assert not (tmp_path / "tensorboard").exists()
+    (tmp_path / "tensorboard").mkdir()
+    assert add_pictures(tmp_path, pictures, 9) == 2
+    acc = event_accumulator.EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    assert sorted(acc.Tags()["images"]) == ["ranked_lists/cmc", "ranked_lists/market1501_best_q3"]
+    image = acc.Images("ranked_lists/cmc")[0]
+    assert image.step == 9 and (image.width, image.height) == (12, 8)

@@ -115,7 +115,7 @@ from fedreid.eval.report import EVAL_DIR, format_table, write_report
 from fedreid.retrieval.service import add_serve_arguments, run_serve
 from fedreid.utils.cli import add_config_arguments, config_from_args, run_main
 from fedreid.utils.io import claim_output_dir
-from fedreid.utils.logging import METRICS_JSONL, read_metrics
+from fedreid.utils.logging import METRICS_JSONL, add_pictures, read_metrics
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -446,7 +446,9 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     print(f"ranked lists: {len(report['pictures'])} in {out / 'ranked_lists'}")
     run_dir = out.parent
     if out.name == EVAL_DIR and (run_dir / METRICS_JSONL).is_file():
-        print(f"report: {write_report(run_dir, read_metrics(run_dir))}")
+        history = read_metrics(run_dir)
+        add_pictures(run_dir, [*report["pictures"], report["cmc_plot"]], int(history[-1]["round"]) if history else 0)
+        print(f"report: {write_report(run_dir, history)}")
     return 0
 
 

@@ -11,7 +11,9 @@ the record (``eval/market1501/rank1``...) TensorBoard gets the mean Rank-1
 and mAP over the evaluated datasets (``eval_mean/rank1``, ``eval_mean/mAP``),
 a custom-scalars layout that draws every client's loss and aggregation
 weight in one chart each, and, at the end (:meth:`MetricsLogger.log_hparams`),
-the run's config beside its final metrics in the HParams tab.
+the run's config beside its final metrics in the HParams tab; evaluating
+the run with ``tools/eval_reid.py evaluate`` adds its ranked lists and CMC
+plot as images (:func:`add_pictures`).
 
 On resume, :meth:`MetricsLogger.reset` rewrites both files from the
 checkpoint's history, dropping rows of a round that was logged but never
@@ -173,6 +175,34 @@ class MetricsLogger:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+
+
+def add_pictures(run_dir: str | Path, pictures: Sequence[str | Path], step: int, prefix: str = "ranked_lists") -> int:
+    """Show PNG ``pictures`` (an evaluation's ranked lists, its CMC plot) in the run's TensorBoard at ``step``.
+
+    Only for a run that writes TensorBoard events (its ``tensorboard/``
+    folder exists) and when the package is installed; returns how many
+    pictures were added (tag ``<prefix>/<file stem>``).
+    """
+    folder = Path(run_dir) / "tensorboard"
+    if not folder.is_dir() or not pictures:
+        return 0
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        return 0
+    import numpy as np
+    from PIL import Image
+
+    writer = SummaryWriter(str(folder))
+    try:
+        for path in pictures:
+            with Image.open(path) as image:
+                pixels = np.asarray(image.convert("RGB"))
+            writer.add_image(f"{prefix}/{Path(path).stem}", pixels, step, dataformats="HWC")
+    finally:
+        writer.close()
+    return len(pictures)
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
