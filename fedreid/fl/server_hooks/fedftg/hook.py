@@ -109,9 +109,11 @@ class FedFTGHook(ServerHook):
 
     @classmethod
     def context_defaults(cls, context: HookContext) -> dict[str, Any]:
-        """The data's image size and channels; Sec. 4.1's one classifier learning rate, decay and weight
-        decay for the clients and the server alike (the official code passes the same ``lr * lr_decay **
-        round`` to both)."""
+        """The data's image size and channels; the clients' learning rate, decay and weight decay for the
+        global model too (Sec. 4.1 names one classifier learning rate, 0.1). The official code fixes the
+        global model's at 0.1 whatever the clients' (``local_fn_gan.py`` ``train_FedGAN_common``:
+        ``glb_model_lr = 0.1``, times ``lr_decay_per_round ** i``): set the hook's ``global_lr: 0.1``
+        for that; the FedFTG configs' ``train.lr`` is 0.1, so there both agree."""
         train = context.cfg.train
         return {"image_size": context.image_size, "image_channels": context.image_channels,
                 "global_lr": train.lr, "lr_decay": train.lr_round_decay, "global_weight_decay": train.weight_decay}
