@@ -805,8 +805,14 @@ def test_exported_onnx_model_serves_the_same_way(world, tmp_path):
                    data={"k": "3"})
         assert r.status_code == 200 and r.json()["results"][0]["id"] == 4
         assert c.get("/info", headers=AUTH).json()["model"]["backend"] == "onnx"
-    with pytest.raises(ModelMismatchError):  # the PyTorch model is not the exported file's fingerprint
-        svc.create_app(tmp_path / "st", world["loaded"], token=TOKEN)
+    # the PyTorch model of the exported weights computes the same features: it serves that store too
+    with TestClient(svc.create_app(tmp_path / "st", world["loaded"], token=TOKEN)) as c:
+        r = c.post("/search", headers=AUTH, files={"image": ("q.png", paths[4].read_bytes(), "image/png")},
+                   data={"k": "3"})
+        assert r.status_code == 200 and r.json()["results"][0]["id"] == 4
+    other = load_model(save_tiny_model(tmp_path / "other", seed=1), "cpu")
+    with pytest.raises(ModelMismatchError, match="weights_sha256"):  # another model still is refused
+        svc.create_app(tmp_path / "st", other, token=TOKEN)
 
 
 def _free_port() -> int:
