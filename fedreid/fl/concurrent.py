@@ -370,7 +370,7 @@ class ClientPool:
         name = self._name(k) if k is not None else None
         exc: Optional[BaseException] = None
         if body.get("pickled") is not None:
-            try:
+            try:  # bytes our own worker pickled (_error_body) over its private pipe, never a user's file
                 exc = pickle.loads(body["pickled"])
             except Exception:  # a type whose arguments do not round-trip; described below instead
                 exc = None

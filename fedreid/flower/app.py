@@ -53,7 +53,7 @@ from flwr.serverapp import Grid, ServerApp
 from fedreid.config import Config, ConfigError, dump_config, load_config, load_config_text
 from fedreid.errors import FedReIDError
 from fedreid.flower.codec import CodecError, pack, unpack, update_from_plain, update_to_plain
-from fedreid.flower.search import SEARCH_KEYS, SitePolicy, site_reply
+from fedreid.flower.search import SEARCH_KEYS, SitePolicy, run_config_flag, site_reply
 from fedreid.flower.search_codec import is_search_query
 from fedreid.flower.search_session import SESSION_KEYS
 
@@ -69,12 +69,6 @@ NODE_PATHS = {
     "classification-root": "classification.root",
     "device": "run.device",
 }
-
-
-def _flag(value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    return str(value).strip().lower() in {"1", "true", "yes", "on"}
 
 
 @dataclass(frozen=True)
@@ -105,11 +99,11 @@ class ServerSettings:
             config=config,
             overrides=shlex.split(str(run_config.get("overrides", ""))),
             out=Path(str(run_config["out"])),
-            resume=_flag(run_config.get("resume", False)),
+            resume=run_config_flag(run_config.get("resume", False)),
             round_timeout=float(run_config.get("round-timeout", 3600.0)),
             join_timeout=float(run_config.get("join-timeout", 300.0)),
-            secure_aggregation=_flag(run_config.get("secure-aggregation", False)),
-            node_auth=_flag(run_config.get("node-auth", False)),
+            secure_aggregation=run_config_flag(run_config.get("secure-aggregation", False)),
+            node_auth=run_config_flag(run_config.get("node-auth", False)),
         )
 
 
@@ -143,7 +137,8 @@ class NodeSettings:
         except (TypeError, ValueError):
             raise ConfigError(f"flower node config: thumbnail-size: expected pixels (an integer), got "
                               f"{node_config.get('thumbnail-size')!r}") from None
-        policy = SitePolicy(thumbnails=_flag(node_config.get("search-thumbnails", False)), thumbnail_size=size,
+        policy = SitePolicy(thumbnails=run_config_flag(node_config.get("search-thumbnails", False)),
+                            thumbnail_size=size,
                             image_root=Path(root) if root else None)
         return cls(client, state_dir, overrides, None if client is not None else int(partition),
                    gallery_store=Path(store) if store else None, search_policy=policy)

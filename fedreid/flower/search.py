@@ -114,6 +114,7 @@ __all__ = [
     "read_feature_file",
     "read_fingerprint_file",
     "image_query",
+    "run_config_flag",
 ]
 
 RESULT_FORMAT = "fedreid-federated-search"
@@ -521,7 +522,8 @@ def decode_vector(text: str) -> np.ndarray:
     return np.frombuffer(raw, dtype="<f4").astype(np.float32)
 
 
-def _flag(value: Any) -> bool:
+def run_config_flag(value: Any) -> bool:
+    """A yes/no value of a Flower run config (a TOML bool, or text such as ``true``/``1``/``on``)."""
     if isinstance(value, bool):
         return value
     return str(value).strip().lower() in {"1", "true", "yes", "on"}
@@ -582,10 +584,10 @@ class SearchSettings:
             raise ConfigError(f"flower run config: search-timeout: expected seconds > 0, got {timeout}")
         out = str(run_config.get("out", "")).strip()
         return cls(feature=decode_vector(text), k=k, fingerprint=parsed("search-fingerprint"), filters=filters,
-                   timeout=timeout, thumbnails=_flag(run_config.get("search-thumbnails", False)),
+                   timeout=timeout, thumbnails=run_config_flag(run_config.get("search-thumbnails", False)),
                    expect=tuple(shlex.split(str(run_config.get("search-expect", "")))),
                    join_timeout=float(run_config.get("join-timeout", 30.0)), out=Path(out) if out else None,
-                   node_auth=_flag(run_config.get("node-auth", False)))
+                   node_auth=run_config_flag(run_config.get("node-auth", False)))
 
 
 def _check_result_path(path: Path) -> None:

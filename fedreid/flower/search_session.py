@@ -66,6 +66,7 @@ from fedreid.flower.search import (
     federated_search,
     format_result,
     registered_sites,
+    run_config_flag,
 )
 from fedreid.flower.search_codec import MAX_K, SearchCodecError, SearchFilters
 
@@ -94,12 +95,6 @@ POLL_SECONDS = 0.2
 
 class SessionError(FedReIDError, RuntimeError):
     """A session request was refused, or the session could not be reached; the message says which."""
-
-
-def _flag(value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    return str(value).strip().lower() in {"1", "true", "yes", "on"}
 
 
 @dataclass(frozen=True)
@@ -139,7 +134,7 @@ class SessionSettings:
 
         return cls(socket=Path(path), timeout=seconds("search-timeout", 30.0, zero=False),
                    expect=tuple(shlex.split(str(run_config.get("search-expect", "")))),
-                   node_auth=_flag(run_config.get("node-auth", False)),
+                   node_auth=run_config_flag(run_config.get("node-auth", False)),
                    idle_timeout=seconds("session-idle-timeout", 0.0, zero=True))
 
 
