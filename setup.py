@@ -59,6 +59,16 @@ setup(
         # Flower's simulation engine (Ray) for `tools/flower_fed.py simulate`.
         "flower-sim": ["flwr[simulation]>=1.41,<2"],
     },
-    scripts=["tools/prepare_datasets.py", "tools/train_fed.py", "tools/eval_reid.py", "tools/flower_fed.py",
-             "tools/reproduce.py"],
+    # `fedreid <command>` (also `python -m fedreid <command>`) and one `fedreid-<command>` per tool,
+    # the names of fedreid.commands.COMMANDS; tools/*.py run the same code from a checkout.
+    entry_points={
+        "console_scripts": [
+            "fedreid=fedreid.__main__:cli",
+            "fedreid-prepare=fedreid.commands.prepare_datasets:cli",
+            "fedreid-train=fedreid.commands.train_fed:cli",
+            "fedreid-eval=fedreid.commands.eval_reid:cli",
+            "fedreid-reproduce=fedreid.commands.reproduce:cli",
+            "fedreid-flower=fedreid.commands.flower_fed:cli",
+        ],
+    },
 )

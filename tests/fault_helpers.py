@@ -64,6 +64,7 @@ import numpy as np
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
 TOOLS = REPO / "tools"
+COMMANDS = REPO / "fedreid" / "commands"
 PYTHON = sys.executable
 #: A hard limit for one uninterrupted tool run (a hang is a failure, not a wait).
 RUN_TIMEOUT_S = 600
@@ -240,10 +241,10 @@ def _run_hooked(args: Sequence[str]) -> None:
 
 
 def load_tool(name: str):
-    """``tools/<name>.py`` as a module (its ``main(argv)`` runs it in this process)."""
+    """The tool ``<name>`` (``fedreid/commands/<name>.py``) as a module (its ``main(argv)`` runs it in this process)."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location(f"fault_{name}_tool", TOOLS / f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"fault_{name}_tool", COMMANDS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

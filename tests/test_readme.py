@@ -278,7 +278,3 @@ def test_the_documented_training_summary_is_what_the_code_prints():
         evaluated = [ln for ln in lines if ln.startswith("round ") and "mean Rank-1" in ln]
         assert evaluated and all(re.fullmatch(round_re, ln) for ln in evaluated), evaluated
 
-
-def test_every_tool_is_installed_as_a_script():
-    listed = set(re.findall(r'"(tools/\w+\.py)"', (REPO / "setup.py").read_text()))
-    assert listed == {str(p.relative_to(REPO)) for p in (REPO / "tools").glob("*.py")}

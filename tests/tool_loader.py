@@ -1,4 +1,5 @@
-"""Import a script under tools/ as a module, so tests call its ``main`` and parser in-process."""
+"""Import a tool (``fedreid/commands/<name>.py``, run by ``tools/<name>.py``) as a fresh module, so tests
+call its ``main`` and parser in-process."""
 
 from __future__ import annotations
 
@@ -7,12 +8,12 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-TOOLS = Path(__file__).resolve().parents[1] / "tools"
+COMMANDS = Path(__file__).resolve().parents[1] / "fedreid" / "commands"
 
 
 def load_tool(name: str, module_name: str) -> ModuleType:
-    """``tools/<name>.py`` as the module ``module_name`` (registered in ``sys.modules`` for dataclasses)."""
-    spec = importlib.util.spec_from_file_location(module_name, TOOLS / f"{name}.py")
+    """The tool ``<name>`` as the module ``module_name`` (registered in ``sys.modules`` for dataclasses)."""
+    spec = importlib.util.spec_from_file_location(module_name, COMMANDS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules.setdefault(spec.name, module)
     spec.loader.exec_module(module)
