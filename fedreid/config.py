@@ -21,7 +21,15 @@ from typing import Any, Literal, Mapping, Optional, Sequence
 import yaml
 
 from fedreid.data.benchmark import BENCHMARK_DATASETS
-from fedreid.options import ConfigError, check_positive, check_range, dump_options, from_dict, to_dict
+from fedreid.options import (
+    ConfigError,
+    check_positive,
+    check_range,
+    did_you_mean,
+    dump_options,
+    from_dict,
+    to_dict,
+)
 
 #: Kept under their old names for callers of this module.
 _check_positive, _check_range, dump_config = check_positive, check_range, dump_options
@@ -129,10 +137,15 @@ class ScenarioConfig:
 
     #: ``by_dataset``: one client per dataset (Sec. 4.2); ``by_camera``: one per
     #: camera of ``dataset``; ``by_identity``: ``dataset`` split into
-    #: ``num_clients`` with disjoint identities (Sec. 4.1, Table 2).
-    kind: Literal["by_dataset", "by_camera", "by_identity"] = "by_dataset"
+    #: ``num_clients`` with disjoint identities (Sec. 4.1, Table 2);
+    #: ``leave_one_out``: one client per dataset of ``data.datasets`` except
+    #: ``target``, evaluated on ``target`` only (FedDG-ReID Protocol-1).
+    kind: Literal["by_dataset", "by_camera", "by_identity", "leave_one_out"] = "by_dataset"
     #: The dataset that ``by_camera`` / ``by_identity`` split into clients.
     dataset: Optional[str] = None
+    #: ``leave_one_out``: the unseen dataset (one of ``data.datasets``); no client
+    #: trains on it and the evaluation uses only it unless ``eval.datasets`` says otherwise.
+    target: Optional[str] = None
     #: Clients of ``by_identity``; null: the dataset's camera count in the
     #: training split, as the paper (Sec. 4.1: "equal to the number of camera views").
     num_clients: Optional[int] = None
@@ -145,7 +158,14 @@ class ScenarioConfig:
     train_split: Literal["train_all", "train"] = "train_all"
 
     def validate(self, prefix: str) -> None:
-        if self.kind != "by_dataset" and not self.dataset:
+        if self.kind == "leave_one_out":
+            if not self.target:
+                raise ConfigError(f"{prefix}.target: scenario kind 'leave_one_out' needs the unseen target "
+                                  "dataset (one of data.datasets)")
+        elif self.target:
+            raise ConfigError(f"{prefix}.target: only scenario kind 'leave_one_out' has a target, "
+                              f"got kind {self.kind!r}")
+        if self.kind in ("by_camera", "by_identity") and not self.dataset:
             raise ConfigError(
                 f"{prefix}.dataset: scenario kind {self.kind!r} needs the dataset to split"
             )
@@ -547,7 +567,19 @@ class Config:
             for key in ("cdw", "kd"):
                 if getattr(self.fl, key):
                     raise ConfigError(f"fl.{key}: a FedReID method, not available with task=classification")
+        if self.task == "reid" and self.scenario.kind == "leave_one_out":
+            self._check_leave_one_out()
         self._check_hooks()
+
+    def _check_leave_one_out(self) -> None:
+        names = self.data.dataset_names()
+        target = self.scenario.target
+        if target not in names:
+            raise ConfigError(f"scenario.target: {target!r} is not one of data.datasets ({', '.join(names)})"
+                              f"{did_you_mean(str(target), names)}")
+        if len(names) < 2:
+            raise ConfigError(f"data.datasets: leave_one_out needs the target and at least one source "
+                              f"dataset, got {names}")
 
     def hook_specs(self) -> list[tuple[str, dict[str, Any]]]:
         """The run's server hooks in the order they run, as ``(name, options mapping)``.

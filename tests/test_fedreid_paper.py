@@ -422,6 +422,8 @@ def test_every_fedreid_config_runs_one_round_on_tiny_data(path, tmp_path):
     ]
     if cfg.scenario.kind == "by_dataset":
         overrides.append("data.datasets=[dsa,dsb]")
+    elif cfg.scenario.kind == "leave_one_out":  # dsa trains, the unseen dsb is evaluated
+        overrides += ["data.datasets=[dsa,dsb]", "scenario.target=dsb"]
     else:  # the split dataset becomes dsa (4 identities over its 2 cameras)
         overrides += ["data.datasets=[dsa]", "scenario.dataset=dsa"]
     if cfg.data.public_dataset or cfg.fl.kd:
@@ -430,6 +432,8 @@ def test_every_fedreid_config_runs_one_round_on_tiny_data(path, tmp_path):
     history = run_simulation(cfg, tmp_path / "run", progress=False)
     record = history[-1]
     assert record["round"] == 1 and record["eval"]
+    if cfg.scenario.kind == "leave_one_out":
+        assert list(record["eval"]) == ["dsb"] and record["clients"] == ["dsa"]
     metrics = next(iter(record["eval"].values()))
     assert 0 <= metrics["rank1"] <= 1 and 0 <= metrics["mAP"] <= 1
     if "official" in cfg.eval.extra_ap and cfg.eval.ap != "official":

@@ -5,7 +5,14 @@ import pytest
 
 from fedreid.config import load_config
 from fedreid.data.prepared import PreparedDataset, Record, dataset_card
-from fedreid.data.scenarios import ScenarioError, build_clients, by_camera, by_dataset, by_identity
+from fedreid.data.scenarios import (
+    ScenarioError,
+    build_clients,
+    by_camera,
+    by_dataset,
+    by_identity,
+    leave_one_out,
+)
 
 
 def make_dataset(name: str, num_ids: int, cams: int = 3, per_cam: int = 2) -> PreparedDataset:
@@ -108,3 +115,68 @@ def test_build_clients_from_config():
     cfg = load_config(None, ["scenario.kind=by_camera", "scenario.dataset=zzz"]).scenario
     with pytest.raises(ScenarioError, match="scenario.dataset='zzz' is not among"):
         build_clients(cfg, datasets, rng)
+
+
+def test_leave_one_out_trains_every_dataset_but_the_target():
+    datasets = [make_dataset("c2", 3), make_dataset("c3", 4), make_dataset("m", 5), make_dataset("ms", 6)]
+    clients = leave_one_out(datasets, "m")
+    assert [c.name for c in clients] == ["c2", "c3", "ms"]
+    assert all(r.path.parent.name != "m" for c in clients for r in c.records)
+    for c in clients:
+        check_label_space(c)
+    cfg = load_config(None, ["data.datasets=[c2,c3,m,ms]", "scenario.kind=leave_one_out",
+                             "scenario.target=ms"]).scenario
+    names = [c.name for c in build_clients(cfg, {d.name: d for d in datasets}, np.random.default_rng(0))]
+    assert names == ["c2", "c3", "m"]
+    with pytest.raises(ScenarioError, match="scenario.target='zz' is not among the datasets"):
+        leave_one_out(datasets, "zz")
+    with pytest.raises(ScenarioError, match="leaves no source dataset"):
+        leave_one_out(datasets[:1], "c2")
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["scenario.kind=leave_one_out"], "scenario.target: scenario kind 'leave_one_out' needs the unseen target"),
+    (["scenario.target=market1501"], "scenario.target: only scenario kind 'leave_one_out' has a target"),
+    (["data.datasets=[cuhk02,market1501]", "scenario.kind=leave_one_out", "scenario.target=market"],
+     r"scenario.target: 'market' is not one of data.datasets \(cuhk02, market1501\) \(did you mean market1501\?\)"),
+    (["data.datasets=[market1501]", "scenario.kind=leave_one_out", "scenario.target=market1501"],
+     "leave_one_out needs the target and at least one source"),
+])
+def test_leave_one_out_config_errors(overrides, message):
+    from fedreid.config import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)
+
+
+def test_a_leave_one_out_run_never_trains_on_the_target_and_evaluates_only_it(tmp_path):
+    from fl_helpers import tiny_config, write_world
+
+    from fedreid.config import ConfigError
+    from fedreid.fl.federation import build_client, build_federation
+    from fedreid.fl.inputs import MissingInputsError, check_inputs
+    from fedreid.fl.simulation import run_simulation
+
+    names = ("dsa", "dsb", "dsc")
+    world = write_world(tmp_path / "prepared", names=names)
+    cfg = tiny_config(world, ["scenario.kind=leave_one_out", "scenario.target=dsb", "fl.rounds=1"], names=names)
+    fed = build_federation(cfg)
+    assert [c.name for c in fed.clients] == ["dsa", "dsc"]
+    history = run_simulation(cfg, tmp_path / "run", progress=False)
+    assert list(history[-1]["eval"]) == ["dsb"]
+    assert set(history[-1]["clients"]) == {"dsa", "dsc"}
+    # a machine holding one source builds the client the simulation has, at the same position
+    client, _ = build_client(cfg, "dsc")
+    assert client.index == 1 and client.name == "dsc"
+    with pytest.raises(ConfigError, match="not one of the client datasets"):
+        build_client(cfg, "dsb")
+    # KD's public set may not be the unseen target
+    kd_on_target = tiny_config(world, ["scenario.kind=leave_one_out", "scenario.target=dsb", "fl.kd=true",
+                                       "data.public_dataset=dsb"], names=names)
+    with pytest.raises(ConfigError, match="the leave_one_out target, which no client may see"):
+        check_inputs(kd_on_target)
+    # the target is an input too: missing, it is named before anything is written
+    missing = tiny_config(tmp_path / "elsewhere", ["scenario.kind=leave_one_out", "scenario.target=dsb"],
+                          names=names)
+    with pytest.raises(MissingInputsError, match="dsa, dsb, dsc"):
+        check_inputs(missing)

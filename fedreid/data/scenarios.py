@@ -10,6 +10,15 @@ federate person re-identification data:
   as it has cameras, each with the same number of disjoint identities
   (Market-1501: 6 clients of 125 identities).
 
+A fourth comes from the federated domain-generalisation line of work
+(FedDG-ReID; e.g. DACS, Yang et al., AAAI 2024, whose official
+``fed_dg_cls.py`` removes ``--test-dataset`` from the dataset list and trains
+one client per remaining dataset):
+
+* **leave one out**: one client per dataset except the unseen ``target``,
+  which no client trains on; the model is evaluated on the target
+  (Protocol-1 over CUHK02, CUHK03-NP, Market-1501 and MSMT17).
+
 Every client gets its own contiguous label space ``0..num_classes-1`` (its
 identity head is private, so labels never need to agree across clients).
 Evaluation always uses each dataset's own query/gallery.
@@ -67,6 +76,19 @@ def by_dataset(
 ) -> list[ClientSplit]:
     """One client per dataset (the FedReID benchmark's federation)."""
     return [make_client(ds.name, ds.name, ds.split(split)) for ds in datasets]
+
+
+def leave_one_out(
+    datasets: Sequence[PreparedDataset], target: str, split: str = "train_all"
+) -> list[ClientSplit]:
+    """One client per dataset except ``target`` (in the given order); the target trains nowhere."""
+    names = [ds.name for ds in datasets]
+    if target not in names:
+        raise ScenarioError(f"scenario.target={target!r} is not among the datasets ({', '.join(names)})")
+    sources = [ds for ds in datasets if ds.name != target]
+    if not sources:
+        raise ScenarioError(f"scenario.target={target!r} leaves no source dataset to train on")
+    return by_dataset(sources, split)
 
 
 def by_camera(dataset: PreparedDataset, split: str = "train_all") -> list[ClientSplit]:
@@ -140,6 +162,8 @@ def build_clients(
     """
     if cfg.kind == "by_dataset":
         return by_dataset(list(datasets.values()), cfg.train_split)
+    if cfg.kind == "leave_one_out":
+        return leave_one_out(list(datasets.values()), cfg.target, cfg.train_split)
     if cfg.dataset not in datasets:
         raise ScenarioError(
             f"scenario.dataset={cfg.dataset!r} is not among the prepared datasets "

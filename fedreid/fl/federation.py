@@ -132,10 +132,30 @@ def hook_context(cfg: Config, num_clients: int, device: torch.device, **known: A
 
 def load_datasets(cfg: Config) -> dict[str, PreparedDataset]:
     """The prepared datasets the clients train on."""
+    return {name: load_prepared(cfg.data.prepared_root, name) for name in scenario_datasets(cfg)}
+
+
+def scenario_datasets(cfg: Config) -> list[str]:
+    """The prepared datasets the scenario reads: ``data.datasets`` (a leave-one-out target included),
+    or the one dataset that ``by_camera`` / ``by_identity`` split."""
+    if cfg.scenario.kind in ("by_camera", "by_identity") and cfg.scenario.dataset:
+        return [cfg.scenario.dataset]
+    return cfg.data.dataset_names()
+
+
+def client_datasets(cfg: Config) -> list[str]:
+    """One client per dataset (``by_dataset``, ``leave_one_out``): the datasets that train, in client order."""
     names = cfg.data.dataset_names()
-    if cfg.scenario.kind != "by_dataset" and cfg.scenario.dataset:
-        names = [cfg.scenario.dataset]
-    return {name: load_prepared(cfg.data.prepared_root, name) for name in names}
+    return [n for n in names if n != cfg.scenario.target] if cfg.scenario.kind == "leave_one_out" else names
+
+
+def check_public_set(cfg: Config) -> None:
+    """Refuse a KD public set that is the leave-one-out target: it would show the model the unseen domain."""
+    if cfg.scenario.kind != "leave_one_out" or not needs_public_set(cfg):
+        return
+    if public_dataset_name(cfg) == cfg.scenario.target:
+        raise ConfigError(f"fl.public_dataset: the public set for KD is {cfg.scenario.target!r}, the "
+                          "leave_one_out target, which no client may see; choose another public dataset")
 
 
 def public_records(cfg: Config) -> list[Record]:
@@ -155,6 +175,7 @@ def build_reid_federation(
     cfg: Config, *, datasets: Optional[Mapping[str, PreparedDataset]] = None
 ) -> Federation:
     """Datasets -> client splits -> clients, global ReID model, server (nothing trained yet)."""
+    check_public_set(cfg)
     device = resolve_device(cfg.run.device)
     configure_device(cfg, device)
     datasets = dict(datasets) if datasets is not None else load_datasets(cfg)
@@ -175,7 +196,9 @@ def build_reid_federation(
     work_model = copy.deepcopy(global_model)
 
     eval_names = cfg.eval.datasets
-    if eval_names is None:
+    if eval_names is None and cfg.scenario.kind == "leave_one_out":
+        eval_names = [cfg.scenario.target]  # Protocol-1: the unseen domain only
+    elif eval_names is None:
         eval_names = list(dict.fromkeys(s.dataset for s in splits))
     unknown = [n for n in eval_names if n not in datasets]
     if unknown:
@@ -234,10 +257,11 @@ def build_client(cfg: Config, name: str) -> tuple[Client, nn.Module]:
     client's index, and so its seeds, are its position in the whole federation,
     so it trains exactly as in a simulation of the same config.
     """
-    if cfg.task == "reid" and cfg.scenario.kind == "by_dataset":
-        names = cfg.data.dataset_names()
+    if cfg.task == "reid" and cfg.scenario.kind in ("by_dataset", "leave_one_out"):
+        names = client_datasets(cfg)
         if name not in names:
-            raise ConfigError(f"client {name!r} is not one of data.datasets ({', '.join(names)})")
+            raise ConfigError(f"client {name!r} is not one of the client datasets ({', '.join(names)})")
+        check_public_set(cfg)
         split = by_dataset([load_prepared(cfg.data.prepared_root, name)], cfg.scenario.train_split)[0]
         device = resolve_device(cfg.run.device)
         configure_device(cfg, device)
@@ -299,11 +323,14 @@ __all__ = [
     "build_reid_federation",
     "build_server_hooks",
     "check_model_name",
+    "check_public_set",
+    "client_datasets",
     "hook_context",
     "load_datasets",
     "needs_public_set",
     "public_dataset_name",
     "public_records",
+    "scenario_datasets",
     "register_task",
     "reid_model",
     "resolve_device",

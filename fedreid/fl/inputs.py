@@ -15,7 +15,7 @@ from pathlib import Path
 
 from fedreid.config import Config
 from fedreid.errors import FedReIDError
-from fedreid.fl.federation import needs_public_set, public_dataset_name
+from fedreid.fl.federation import check_public_set, needs_public_set, public_dataset_name, scenario_datasets
 from fedreid.utils.io import shown_path
 
 #: Where the ReID releases come from and how they become prepared datasets.
@@ -42,7 +42,7 @@ def missing_inputs(cfg: Config) -> list[str]:
     if cfg.task == "classification":
         return _missing_classification(cfg)
     missing = []
-    names = [cfg.scenario.dataset] if cfg.scenario.kind != "by_dataset" else cfg.data.dataset_names()
+    names = scenario_datasets(cfg)
     public = public_dataset_name(cfg) if needs_public_set(cfg) else None
     root = Path(cfg.data.prepared_root)
     absent = []
@@ -60,6 +60,7 @@ def missing_inputs(cfg: Config) -> list[str]:
 
 def check_inputs(cfg: Config) -> None:
     """Raise :class:`MissingInputsError` naming every missing input of ``cfg``."""
+    check_public_set(cfg)
     missing = missing_inputs(cfg)
     if missing:
         raise MissingInputsError(missing)
