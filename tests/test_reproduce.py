@@ -178,3 +178,14 @@ def test_the_docs_name_exactly_the_rows_that_are_not_implemented():
     missing = {row.label for table in TABLES.values() for row in table.rows
                if row.cells and all(cell.missing == NOT_IMPLEMENTED for cell in row.cells)}
     assert named == missing
+
+
+def test_a_reid_page_says_which_rank_k_convention_it_uses(tmp_path):
+    from fedreid.reproduce.runner import RANK_CONVENTION
+
+    for name in ("feddg-protocol1", "fedlmd-table3-mnist"):
+        table = TABLES[name]
+        outcomes = run_table(table, [0], out=tmp_path / "runs", rounds=1, execute=False)
+        page, _ = write_page(table, outcomes, pages=tmp_path / "pages", seeds=[0], rounds=1, synthetic=False,
+                             command="x")
+        assert (RANK_CONVENTION in page.read_text()) == (table.kind == "reid")

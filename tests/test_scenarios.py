@@ -132,6 +132,10 @@ def test_leave_one_out_trains_every_dataset_but_the_target():
         leave_one_out(datasets, "zz")
     with pytest.raises(ScenarioError, match="leaves no source dataset"):
         leave_one_out(datasets[:1], "c2")
+    train_only = PreparedDataset(Path("/p/t"), [r for r in make_dataset("t", 3).records
+                                                if r.split in ("train", "val")], {})
+    with pytest.raises(ScenarioError, match="scenario.target='t' has no query/gallery split"):
+        leave_one_out([*datasets, train_only], "t")
 
 
 @pytest.mark.parametrize("overrides, message", [

@@ -88,6 +88,10 @@ def leave_one_out(
     sources = [ds for ds in datasets if ds.name != target]
     if not sources:
         raise ScenarioError(f"scenario.target={target!r} leaves no source dataset to train on")
+    unseen = next(ds for ds in datasets if ds.name == target)
+    if not (unseen.split("query") and unseen.split("gallery")):
+        raise ScenarioError(f"scenario.target={target!r} has no query/gallery split to evaluate on "
+                            "(CUHK02, for one, is prepared as training images only); choose another target")
     return by_dataset(sources, split)
 
 

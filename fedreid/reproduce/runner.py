@@ -251,6 +251,12 @@ def _status(outcome: CellOutcome) -> str:
     return ""
 
 
+#: What every ReID page says of its Rank-k columns (fedreid.eval.metrics: ``rank<k>`` and ``rank<k>_official``).
+RANK_CONVENTION = ("Rank-k (ours) divides by the queries that have a valid match in the gallery; the FedReID "
+                   "official evaluate.py divides by all queries. Each run's report has both (the "
+                   "\"Rank-1 (official)\" column); they differ only where a query has no valid match.")
+
+
 def write_page(table: Table, outcomes: list[list[CellOutcome]], *, pages: Path, seeds: Sequence[int],
                rounds: Optional[int], synthetic: bool, command: str) -> tuple[Path, Optional[Path]]:
     """``<pages>/<table>.md`` and, when any run has a history, ``<pages>/<table>.png``."""
@@ -294,6 +300,8 @@ def write_page(table: Table, outcomes: list[list[CellOutcome]], *, pages: Path, 
     ]
     if table.note:
         lines += [table.note, ""]
+    if table.kind == "reid":
+        lines += [RANK_CONVENTION, ""]
     header = ["row"]
     for col in table.columns:
         header += [f"{col} paper", f"{col} ours", "Δ"]

@@ -422,9 +422,11 @@ FEDDG_METRICS = ("mAP", "rank1", "rank5", "rank10")
 
 
 def _feddg_protocol1_table() -> Table:
-    targets = (("cuhk02", "CUHK02"), ("cuhk03np", "CUHK03-NP"), ("market1501", "Market-1501"),
-               ("msmt17", "MSMT17"))
-    others = {name: "+".join(label for n, label in targets if n != name) for name, _ in targets}
+    # CUHK02 is always a source: it has no query/gallery split (the DACS code's -td choices are
+    # cuhk03, market1501 and msmt17; fed_dg_cls.py --test-dataset).
+    labels = {"cuhk02": "CUHK02", "cuhk03np": "CUHK03-NP", "market1501": "Market-1501", "msmt17": "MSMT17"}
+    targets = [(name, label) for name, label in labels.items() if name != "cuhk02"]
+    others = {name: "+".join(label for n, label in labels.items() if n != name) for name, _ in targets}
     rows = tuple(Row(f"{others[name]} -> {label}", name,
                      tuple(Cell(f"configs/fedreid/feddg_{name}.yaml", (), None, metric=metric, dataset=name)
                            for metric in FEDDG_METRICS))
