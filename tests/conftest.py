@@ -1,8 +1,11 @@
+import faulthandler
+import os
 import sys
 from pathlib import Path
 
 # Test helpers (fixture-tree writers) are imported as plain modules.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
 
 
 import pytest  # noqa: E402
@@ -21,6 +24,16 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def pytest_configure(config):
+    """A hard crash (SIGSEGV, SIGABRT in a C extension) prints the crashing thread's Python stack only.
+
+    pytest's own faulthandler plugin (off in pytest.ini) dumps every thread first (torch, grpc,
+    uvicorn), which pushed the crashing test out of the last lines CI keeps when CI once aborted.
+    As that plugin does, the dump goes to a copy of stderr taken before output capture starts.
+    """
+    faulthandler.enable(file=os.dup(sys.__stderr__.fileno()), all_threads=False)
 
 
 def pytest_collection_modifyitems(config, items):
