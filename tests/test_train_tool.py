@@ -94,3 +94,21 @@ def test_a_run_without_its_inputs_names_every_one_and_writes_nothing(tmp_path, m
     assert "weights/resnet50-0676ba61.pth" in err and f"relative to the working directory {tmp_path}" in err
     assert "datasets/README.md" in err
     assert not (tmp_path / "X").exists()
+
+
+@pytest.mark.parametrize("raised, ending", [
+    (ConfigError("fl.rounds: expected >= 1"), "error: fl.rounds: expected >= 1\n"),
+    (KeyboardInterrupt(), "interrupted\n"),
+    (RuntimeError("boom"), "RuntimeError: boom\n"),
+])
+def test_the_error_that_ends_a_run_is_in_its_log(tmp_path, raised, ending):
+    from fedreid.utils.run_log import OutputLog
+
+    log = OutputLog()
+    with pytest.raises(type(raised)), log:
+        log.start(tmp_path / "log.txt", "header\n")
+        print("round 1/2  loss 1.000")
+        raise raised
+    text = (tmp_path / "log.txt").read_text()
+    assert text.startswith("header\nround 1/2  loss 1.000\n") and text.endswith(ending)
+    assert ("Traceback" in text) == isinstance(raised, RuntimeError)

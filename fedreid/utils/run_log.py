@@ -103,8 +103,26 @@ class OutputLog:
     def __enter__(self) -> "OutputLog":
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, exc_type: Any, exc: Optional[BaseException], tb: Any) -> None:
+        # The error that ends a run is printed by the tool after this block (fedreid.utils.cli.run_main),
+        # when the log is closed: it goes into the log here, as the tool will print it.
+        if self._file is not None and exc is not None and not isinstance(exc, SystemExit):
+            self._file.write(_ending(exc, tb))
         self.stop()
+
+
+def _ending(exc: BaseException, tb: Any) -> str:
+    """How the tool reports ``exc``: one line for an input error or an interrupt, else the traceback."""
+    import traceback
+
+    from fedreid.errors import FedReIDError
+
+    if isinstance(exc, KeyboardInterrupt):
+        return "interrupted\n"
+    if isinstance(exc, (FedReIDError, FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError,
+                        NotADirectoryError)):
+        return f"error: {exc}\n"
+    return "".join(traceback.format_exception(type(exc), exc, tb))
 
 
 __all__ = ["LOG_FILE", "OutputLog", "git_commit", "log_header"]
