@@ -109,11 +109,14 @@ def _copy_store(world, tmp_path) -> Path:
 
 
 def _table(folder: Path) -> list[tuple]:
-    con = sqlite3.connect(folder / "meta.sqlite")
-    try:
-        return con.execute("SELECT id, path, camera, site, timestamp, identity FROM gallery ORDER BY id").fetchall()
-    finally:
-        con.close()
+    out = []
+    for table in sorted(folder.glob("seg-*.sqlite")):  # one table per segment
+        con = sqlite3.connect(f"file:{table}?mode=ro", uri=True)
+        try:
+            out += con.execute("SELECT id, path, camera, site, timestamp, identity FROM gallery ORDER BY id").fetchall()
+        finally:
+            con.close()
+    return sorted(out)
 
 
 # --------------------------------------------------------------------------
