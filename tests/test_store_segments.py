@@ -96,6 +96,15 @@ def test_a_remove_rewrites_only_the_segments_it_hits_and_leaves_no_trace(tmp_pat
 @pytest.mark.parametrize("factory", ["Flat", "IVF8,Flat", "IVF8,PQ4x4", "IVF8,PQ4x4fs", "HNSW16", "PQ4x4", "SQ8",
                                      "OPQ4,IVF8,PQ4x4"])
 def test_updated_store_searches_as_one_built_in_one_go(tmp_path, small_segments, factory):
+    """Ids and scores equal those of one index over the same items and training, ranked by (score desc, id asc).
+
+    For every kind, quantised ones included: each segment scores an item as the
+    one-go index does (same template; every list probed), so the only freedom is
+    which of several items tying at place k FAISS keeps, and the store keeps the
+    lower ids. The reference therefore ranks all items of the one-go index by
+    the same rule (its own top-k cut may keep a higher id: fast-scan scores are
+    quantised, so such ties happen).
+    """
     feats = unit(700, seed=1)
     queries = unit(30, seed=2)
     store = GalleryStore.create(tmp_path / "st", feats[:450], rows(450), factory=factory, seed=0)
@@ -111,10 +120,15 @@ def test_updated_store_searches_as_one_built_in_one_go(tmp_path, small_segments,
         ref = GalleryStore.create(tmp_path / "one", feats[keep], rows(len(keep))).search(queries, 10)
         ref_ids = keep[ref.ids]
         ref_scores = ref.scores
-    else:  # the same training (the store's template), all items in one index
+    else:  # the same training (the store's template), all items in one index, ranked by the store's rule
         one = store_mod._rebuilt_index(store.template, feats[keep], keep)
-        scores, ids = one.search(queries, 10, params=store_mod._search_params(store.kind, dict(params)))
-        order = np.lexsort((ids, -scores), axis=-1)
+        plain_pq = not store_mod._accepts_search_parameters(store.template)  # a plain PQ takes no parameters
+        search_params = None if plain_pq else store_mod._search_params(store.kind, dict(params))
+        # every item's score (nprobe 8 of 8 lists, a PQ or SQ scan all items): FAISS keeps an arbitrary one of
+        # items tying at place k, the store the lower id (fast-scan scores are quantised: ties happen)
+        scores, ids = one.search(queries, len(keep), params=search_params)
+        assert (ids >= 0).all() if store.kind != "hnsw" else (ids >= 0).sum(1).min() >= 10
+        order = np.lexsort((ids, -scores), axis=-1)[:, :10]
         ref_ids, ref_scores = np.take_along_axis(ids, order, 1), np.take_along_axis(scores, order, 1)
     np.testing.assert_array_equal(got.ids, ref_ids)
     np.testing.assert_allclose(got.scores, ref_scores, rtol=1e-5, atol=1e-6)
@@ -123,6 +137,18 @@ def test_updated_store_searches_as_one_built_in_one_go(tmp_path, small_segments,
     np.testing.assert_array_equal(exact.ids, keep[np.argsort(-brute, axis=1, kind="stable")[:, :10]])
     filtered = store.search(queries, 5, cameras=[1])
     assert (np.asarray([r["camera"] for r in store.rows(filtered.ids.ravel())]) == 1).all()
+
+
+@pytest.mark.parametrize("factory", ["HNSW16", "IVF4,Flat", "SQ8"])
+def test_items_tying_at_place_k_are_cut_by_id(tmp_path, small_segments, factory):
+    feats = unit(260, seed=3)
+    copies = np.sort(np.random.default_rng(4).permutation(260)[:40])
+    feats[copies] = feats[copies[0]]  # 40 items with the same vector: equal scores for any query
+    store = GalleryStore.create(tmp_path / "st", feats, rows(260), factory=factory)
+    assert len(store.segments) == 3
+    got = store.search(feats[copies[:1]], 5, search_params={"efSearch": 16} if store.kind == "hnsw" else None)
+    assert got.ids[0].tolist() == copies[:5].tolist()  # FAISS alone may keep any 5 of the 40 (HNSW16 does)
+    assert np.unique(got.scores[0]).size == 1
 
 
 def test_a_reopen_hashes_no_unchanged_file(tmp_path, small_segments, monkeypatch):

@@ -1041,7 +1041,7 @@ class GalleryStore:
         parts = []
         for seg in self.segments:
             if seg.ntotal:
-                parts.append(seg.index.search(queries, min(want, seg.ntotal), params=p))
+                parts.append(_segment_topk(seg.index, queries, min(want, seg.ntotal), seg.ntotal, p))
         merged = _merge_topk(parts, nq, want)
         if refine <= 1:
             return merged
@@ -1278,6 +1278,32 @@ class GalleryStore:
 # --------------------------------------------------------------------------
 # Helpers
 # --------------------------------------------------------------------------
+
+
+def _segment_topk(index: Any, queries: np.ndarray, k: int, n: int, params: Any) -> tuple[np.ndarray, np.ndarray]:
+    """A segment index's top-``k`` by (score descending, id ascending); -1 pads (score -inf) last.
+
+    FAISS keeps an arbitrary one of several items that tie at place k (common
+    with quantised scores, e.g. a fast-scan PQ's): one extra result shows such
+    a tie, and that query is searched again, deeper, until every item with the
+    k-th score is in, so the segment's cut follows the store's tie rule.
+    """
+    deep = min(k + 1, n)
+    scores, ids = index.search(queries, deep, params=params)
+    out_s, out_i = np.array(scores[:, :k]), np.array(ids[:, :k])
+    if deep > k:
+        for r in np.flatnonzero((ids[:, k] >= 0) & (scores[:, k - 1] == scores[:, k])):
+            row_s, row_i, depth = scores[r : r + 1], ids[r : r + 1], deep
+            while depth < n and row_i[0, -1] >= 0 and row_s[0, -1] == scores[r, k - 1]:
+                depth = min(2 * depth, n)
+                row_s, row_i = index.search(queries[r : r + 1], depth, params=params)
+            best = _merge_topk([(row_s, row_i)], 1, k)
+            out_s[r], out_i[r] = best.scores[0], best.ids[0]
+    valid = out_i >= 0
+    order = np.lexsort((np.where(valid, out_i, np.iinfo(np.int64).max), -out_s, ~valid), axis=-1)
+    out_s, out_i = np.take_along_axis(out_s, order, axis=1), np.take_along_axis(out_i, order, axis=1)
+    out_s[out_i < 0] = -np.inf
+    return out_s, out_i
 
 
 def _capped_k(k: Any, ntotal: int) -> int:
