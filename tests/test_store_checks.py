@@ -8,6 +8,7 @@ import tracemalloc
 import numpy as np
 import pytest
 
+from fedreid.retrieval import store as store_mod
 from fedreid.retrieval.store import GalleryStore, GalleryStoreError, check_factory_string
 
 N, D = 84, 16
@@ -147,6 +148,7 @@ def test_a_store_under_a_folder_named_with_uri_characters_works(tmp_path, feats,
     assert GalleryStore.open(parent / "st").rows([7]) == [None]
     assert sorted(p.name for p in tmp_path.rglob("*") if not p.name.startswith("seg-")) == before  # no stray database file
     assert len(list((parent / "st").glob("seg-*"))) == segment_files  # the compacted segment replaced the old one
+    assert all(store_mod._SEGMENT_FILE.match(p.name) for p in tmp_path.rglob("seg-*"))  # no journal beside a table
 
 
 # --------------------------------------------------------------------------
