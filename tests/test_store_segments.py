@@ -151,6 +151,26 @@ def test_items_tying_at_place_k_are_cut_by_id(tmp_path, small_segments, factory)
     assert np.unique(got.scores[0]).size == 1
 
 
+def test_a_stale_store_whose_table_was_compacted_away_says_to_reopen(tmp_path, small_segments):
+    feats = unit(300)
+    folder = tmp_path / "st"
+    GalleryStore.create(folder, feats, rows(300))
+    stale = GalleryStore.open(folder)
+    GalleryStore.open(folder).remove([150])  # another object (process): seg-000001 is rewritten as seg-000003
+    assert not (folder / "seg-000001.sqlite").exists()
+    assert stale.rows([5])[0]["path"] == "/gallery/secret_00005.jpg"  # a kept segment still answers
+    for call in (lambda: stale.rows([160]), lambda: stale.search(feats[:2], 3, cameras=[1]),
+                 lambda: stale.find_paths(["/gallery/secret_00007.jpg"])):
+        with pytest.raises(store_mod.GalleryStoreError) as caught:
+            call()
+        message = str(caught.value)
+        assert "changed on disk" in message and "seg-000001.sqlite" in message and "open the store again" in message
+        assert "\n" not in message and "unable to open" not in message
+    with pytest.raises(store_mod.GalleryStoreError, match="changed on disk since it was opened"):
+        stale.add(unit(1, seed=8), [{"path": "/gallery/late.jpg"}])  # an update from it is refused as before
+    assert GalleryStore.open(folder).rows([160])[0]["path"] == "/gallery/secret_00160.jpg"
+
+
 def test_a_reopen_hashes_no_unchanged_file(tmp_path, small_segments, monkeypatch):
     feats = unit(400)
     folder = tmp_path / "st"

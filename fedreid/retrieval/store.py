@@ -763,14 +763,17 @@ class GalleryStore:
             template = _rebuilt_index(segments[0].index, np.empty((0, header["dim"]), np.float32), np.empty(0, np.int64))
         return cls(folder, header, segments, template)
 
-    def check_files(self) -> None:
+    def check_files(self) -> dict[str, int]:
         """Hash every file of the store against its header now, whatever this process verified before.
 
         Raises :class:`GalleryStoreError` naming the first file that differs
-        (``index --check``). The files are those of the last save this object read or wrote.
+        (``index --check``). The files are those of the last save this object
+        read or wrote. Returns ``{"files": number checked, "bytes": their total size}``.
         """
         for name in self.header["files"]:
             _check_file(self.folder, name, self.header, full=True)
+        records = self.header["files"].values()
+        return {"files": len(records), "bytes": int(sum(int(r["bytes"]) for r in records))}
 
     # -- updates ------------------------------------------------------------
 
@@ -878,7 +881,7 @@ class GalleryStore:
         """The table rows of ``ids`` (held by ``seg``), ordered by id, as insert tuples."""
         wanted = [int(i) for i in ids]
         out = []
-        with _connect_ro(self.folder / seg.files["rows"]) as conn:
+        with self._table(seg) as conn:
             for chunk in range(0, len(wanted), 500):
                 part = wanted[chunk : chunk + 500]
                 q = f"SELECT {', '.join(_COLUMNS)} FROM gallery WHERE id IN ({','.join('?' * len(part))}) ORDER BY id"
@@ -901,10 +904,23 @@ class GalleryStore:
 
     # -- queries ------------------------------------------------------------
 
+    def _table(self, seg: _Segment) -> _Conn:
+        """A read-only connection to ``seg``'s table; a table another process's update removed is a one-line error."""
+        path = self.folder / seg.files["rows"]
+        try:
+            return _connect_ro(path)
+        except sqlite3.OperationalError:
+            if path.is_file():
+                raise
+            raise GalleryStoreError(
+                f"store {self.folder} changed on disk since this object read it (another process updated it and "
+                f"its segment table {path.name} is gone): open the store again"
+            ) from None
+
     def _query_segments(self, sql: str, args: Sequence[Any], segments: Optional[Sequence[_Segment]] = None) -> list[tuple]:
         out: list[tuple] = []
         for seg in self.segments if segments is None else segments:
-            with _connect_ro(self.folder / seg.files["rows"]) as conn:
+            with self._table(seg) as conn:
                 out += conn.execute(sql, list(args)).fetchall()
         return out
 
