@@ -35,7 +35,11 @@ other file of the new save is a hard link to the current one, so it is
 neither written nor hashed again (a file system without hard links gets a
 copy: correct, not cheap). When there are more than :data:`MAX_SEGMENTS`
 segments, adjacent ones are merged, the smallest pair first. Searches run
-each segment's index and merge the top-k by (score descending, id ascending).
+each segment's index and merge the top-k by (score descending, id ascending);
+where items tie at a segment's place k (FAISS keeps any of them; quantised
+scores such as a fast-scan PQ's tie often) the segment is searched deeper, so
+the lower ids are kept. With every IVF list probed, a store therefore ranks as
+one index over all its items (same training) ranked by that rule.
 
 The header holds no wall-clock time: the same inputs give the same files.
 
