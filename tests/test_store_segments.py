@@ -290,6 +290,7 @@ KILLER = textwrap.dedent("""
                 os.kill(os.getpid(), signal.SIGKILL)
             return real(*args, **kwargs)
         return wrapped
+    store_mod.SEGMENT_ITEMS = 100  # as the test's stores: several segments, some kept (linked), some rewritten
     store = store_mod.GalleryStore.open(folder)
     os.link, os.replace, os.unlink, os.rmdir = (step(n, f) for n, f in
         (("link", os.link), ("replace", os.replace), ("unlink", os.unlink), ("rmdir", os.rmdir)))
@@ -322,7 +323,7 @@ def _run_killer(work: Path, nth: int, action: str) -> tuple[bool, list[str]]:
 
 
 @pytest.mark.parametrize("action", ["add", "remove"])
-def test_a_kill_at_each_write_step_leaves_the_previous_or_the_new_store(tmp_path, action):
+def test_a_kill_at_each_write_step_leaves_the_previous_or_the_new_store(tmp_path, small_segments, action):
     feats = unit(300)
     reference = tmp_path / "reference"
     reference.mkdir()
