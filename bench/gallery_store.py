@@ -7,9 +7,10 @@ queries from the same distribution. For each factory, a
 
 * build    - seconds of ``GalleryStore.create`` (training, adding, writing the
              whole store: index, vectors, SQLite table, header with checksums);
-* index MB - size of ``index.faiss`` on disk (``--refine`` re-scores PQ candidates
-             from ``vectors.npy``, which is not counted) (the store also keeps the raw
-             vectors, ``vectors.npy``, for exact verification and HNSW rebuilds);
+* index MB - size of the segments' indexes on disk (every ``seg-<n>.faiss``; ``--refine``
+             re-scores PQ candidates from the stored vectors, which are not counted) (the
+             store also keeps the raw vectors, ``seg-<n>.vectors.npy``, for exact
+             verification and HNSW rebuilds);
 * recall   - recall@10 against exact search on ``--sample`` stored vectors
              (``GalleryStore.recall``), at the default parameters and after
              ``tune(--target)`` (the parameter it picked is shown); "held-out" is
@@ -18,7 +19,7 @@ queries from the same distribution. For each factory, a
 * q/s batch- queries per second, all queries in one call, all threads;
 * x exact  - both throughputs over the first factory's (list Flat first);
 * q/s cold - with ``--refine``: single-thread queries per second right after the
-             store is reopened and ``vectors.npy`` is dropped from the page cache
+             store is reopened and every ``seg-<n>.vectors.npy`` is dropped from the page cache
              (``posix_fadvise(DONTNEED)``), so re-scoring reads its rows from disk;
 * remove   - with ``--remove N``: one more line per factory, the seconds of
              ``GalleryStore.remove`` of N seeded items (the whole update: index,
@@ -143,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
             refine = args.refine if "PQ" in factory else 1
             store = GalleryStore.create(folder, gallery, rows, factory=factory, seed=args.seed, refine=refine)
             build = time.perf_counter() - t0
-            size_mb = (folder / "index.faiss").stat().st_size / 2**20
+            size_mb = sum((folder / seg.files["index"]).stat().st_size for seg in store.segments) / 2**20
             default = store.recall(args.sample, 10, args.seed)["recall"]
             tuned = store.tune(args.target, args.sample, 10, args.seed)
             chosen = ", ".join(f"{k}={v}" for k, v in store.search_params.items()) or "exact"
@@ -160,8 +161,9 @@ def main(argv: list[str] | None = None) -> int:
             cold = "-"
             if refine > 1:
                 del store
-                store = GalleryStore.open(folder)  # maps vectors.npy; no page of it is mapped in yet
-                drop_from_page_cache(folder / "vectors.npy")
+                store = GalleryStore.open(folder)  # maps the segments' vectors; no page of them is mapped in yet
+                for seg in store.segments:
+                    drop_from_page_cache(folder / seg.files["vectors"])
                 faiss.omp_set_num_threads(1)
                 cold = f"{single_thread_qps(store, queries, n1):.0f}"
                 faiss.omp_set_num_threads(threads)

@@ -585,8 +585,18 @@ class TrainTool(Tool):
 
 # -- index -----------------------------------------------------------------
 
-#: The gallery store's files (fedreid.retrieval.store), as ``eval_reid.py index`` writes them.
-INDEX_FILES = ("header.json", "index.faiss", "vectors.npy", "ids.npy", "meta.sqlite")
+#: The gallery store's files (fedreid.retrieval.store), as ``eval_reid.py index`` writes them: the header,
+#: the template and each segment's files (``seg-<n>.*``, whose names the header lists).
+INDEX_FILES = ("header.json", "template.faiss")
+_SEGMENT_FILE = re.compile(r"seg-\d{6,}\.(faiss|vectors\.npy|ids\.npy|sqlite)")
+
+
+def _index_file_names(*folders: Path) -> list[str]:
+    names = set(INDEX_FILES)
+    for folder in folders:
+        if folder.is_dir():
+            names |= {p.name for p in folder.iterdir() if _SEGMENT_FILE.fullmatch(p.name)}
+    return sorted(names)
 
 
 class IndexTool(Tool):
@@ -648,7 +658,7 @@ class IndexTool(Tool):
     def index_digest(folder: Path) -> dict[str, Any]:
         """The store's files (None where missing): header as JSON, the others' bytes."""
         out: dict[str, Any] = {}
-        for name in INDEX_FILES:
+        for name in _index_file_names(folder):
             path = folder / name
             if not path.is_file():
                 out[name] = None
@@ -680,9 +690,10 @@ class IndexTool(Tool):
             if old:
                 return "swapping folders (nothing in place)", []
             return "building (no index yet)" if staging else "before output", []
-        new = [n for n in INDEX_FILES if got[n] == ref[n]]
-        old = [n for n in INDEX_FILES if got[n] is not None and got[n] == self.previous_digest[n]]
-        missing = [n for n in INDEX_FILES if got[n] is None]
+        names = sorted(set(got) | set(ref) | set(self.previous_digest))
+        new = [n for n in names if got.get(n) is not None and got.get(n) == ref.get(n)]
+        old = [n for n in names if got.get(n) is not None and got.get(n) == self.previous_digest.get(n) and n not in new]
+        missing = [n for n in names if got.get(n) is None]
         return "mid-save", [
             f"{folder} is half written: new {new or '-'}, earlier {old or '-'}, missing {missing or '-'}"
         ]

@@ -97,6 +97,11 @@ def index_dir(world):
     return folder
 
 
+#: A version-3 store's file names -> the files of the one segment of a small version-4 store.
+SEGMENT_FILES = {"index.faiss": "seg-000000.faiss", "vectors.npy": "seg-000000.vectors.npy",
+                 "ids.npy": "seg-000000.ids.npy", "meta.sqlite": "seg-000000.sqlite"}
+
+
 def _vouch(folder: Path, name: str) -> None:
     """Rewrite header.json so its size/SHA-256 record vouches for ``name`` as it is now."""
     header = json.loads((folder / "header.json").read_text())
@@ -173,7 +178,7 @@ def test_a_planted_pickle_in_an_index_folder_runs_nothing(world, index_dir, tmp_
     sentinel = tmp_path / "SENTINEL"
     folder = tmp_path / "index"
     shutil.copytree(index_dir, folder)
-    file = name.split()[0]
+    file = SEGMENT_FILES.get(name.split()[0], name.split()[0])
     if name.endswith("object arrays"):
         np.save(folder / file, np.array([Planted(sentinel)] * 6, dtype=object), allow_pickle=True)
         np.load(folder / file, allow_pickle=True)  # control
@@ -248,7 +253,7 @@ def test_index_rebuilds_its_own_folder_and_adopts_one_of_an_earlier_version(worl
     assert "version 1" in err and "build the index again" in err and "earlier version" in err
     assert tool.main(_index(world, old)) == 0
     header = json.loads((old / "header.json").read_text())
-    assert (old / ".fedreid-index.json").is_file() and header["version"] == 3
+    assert (old / ".fedreid-index.json").is_file() and header["version"] == 4
     assert header["format"] == "fedreid-gallery-store" and not (old / "meta.npz").exists()
     assert tool.main(_query(world, old)) == 0
     capsys.readouterr()
@@ -350,14 +355,15 @@ def test_a_damaged_index_file_is_named_before_faiss_reads_it(world, index_dir, t
 
     folder = tmp_path / "index"
     shutil.copytree(index_dir, folder)
-    data = bytearray((folder / "index.faiss").read_bytes())
+    damaged = folder / SEGMENT_FILES["index.faiss"]
+    data = bytearray(damaged.read_bytes())
     data[60] ^= 0xFF  # one flipped byte among the vectors: same size
-    (folder / "index.faiss").write_bytes(bytes(data))
+    damaged.write_bytes(bytes(data))
     read = []
     real = faiss.read_index
     monkeypatch.setattr(faiss, "read_index", lambda p: read.append(p) or real(p))
     err = _cli_error(_query(world, folder), capsys)
-    assert str(folder / "index.faiss") in err and "does not match the SHA-256" in err
+    assert str(damaged) in err and "does not match the SHA-256" in err
     assert read == []
 
 

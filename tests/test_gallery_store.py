@@ -51,7 +51,7 @@ def test_each_factory_builds_searches_and_reopens(tmp_path, feats, factory):
     assert again.factory == factory and again.kind == s.kind
     np.testing.assert_array_equal(again.search(feats[:20], 5).ids, res.ids)
     header = json.loads((tmp_path / "st" / "header.json").read_text())
-    assert header["version"] == 3 and header["ntotal"] == N and header["dim"] == D
+    assert header["version"] == 4 and header["ntotal"] == N and header["dim"] == D
 
 
 def test_flat_recall_is_one_and_verify_is_recorded(tmp_path, feats):
@@ -117,9 +117,12 @@ def test_add_then_remove_leaves_no_trace_and_ids_are_stable(tmp_path, feats, fac
         # ids stable: untouched items keep their ids and metadata
         assert st.rows([4, 1999])[0]["path"] == "/gallery/img_00004.jpg"
         assert st.rows([1999])[0]["camera"] == 1999 % CAMERAS
-    con = sqlite3.connect(tmp_path / "st" / "meta.sqlite")
-    assert con.execute("SELECT COUNT(*) FROM gallery WHERE id IN (3, 1700, 1701)").fetchone()[0] == 0
-    con.close()
+    tables = sorted((tmp_path / "st").glob("seg-*.sqlite"))
+    assert tables
+    for table in tables:
+        con = sqlite3.connect(f"file:{table}?mode=ro", uri=True)
+        assert con.execute("SELECT COUNT(*) FROM gallery WHERE id IN (3, 1700, 1701)").fetchone()[0] == 0
+        con.close()
     for f in (tmp_path / "st").iterdir():
         data = f.read_bytes()
         assert secret.encode() not in data and b"img_00003.jpg" not in data, f.name
@@ -212,7 +215,7 @@ def test_a_kill_between_the_renames_is_repaired_by_the_next_update(tmp_path, fea
     monkeypatch.undo()
     assert calls and not (tmp_path / "st").exists()
     assert [p for p in tmp_path.iterdir() if p.name.startswith(".st.old-")]
-    GalleryStore(tmp_path / "st", s.header, s.index, s.vectors, s.ids).add(
+    GalleryStore(tmp_path / "st", s.header, s.segments, s.template).add(
         feats[300:310], make_rows(10, start=300)
     )
     assert GalleryStore.open(tmp_path / "st").ntotal == 310
@@ -242,13 +245,13 @@ def test_tampering_is_refused_with_a_clear_error(tmp_path, feats):
     folder = tmp_path / "st"
     header = json.loads((folder / "header.json").read_text())
 
-    h = dict(header, ntotal=299)
+    h = dict(header, ntotal=299, segments=[dict(header["segments"][0], ntotal=299)])
     (folder / "header.json").write_text(json.dumps(h))
-    with pytest.raises(GalleryStoreError, match="ids.npy: expected ids of shape"):
+    with pytest.raises(GalleryStoreError, match=r"seg-000000\.ids\.npy: expected ids of shape"):
         GalleryStore.open(folder)
 
     (folder / "header.json").write_text(json.dumps(dict(header, version=2)))
-    with pytest.raises(GalleryStoreError, match="version 2; this code reads 3"):
+    with pytest.raises(GalleryStoreError, match="version 2; this code reads 4"):
         GalleryStore.open(folder)
 
     (folder / "header.json").write_text("{not json")
@@ -256,23 +259,24 @@ def test_tampering_is_refused_with_a_clear_error(tmp_path, feats):
         GalleryStore.open(folder)
 
     (folder / "header.json").write_text(json.dumps(header))
-    good = (folder / "index.faiss").read_bytes()
+    good = (folder / "seg-000000.faiss").read_bytes()
     data = bytearray(good)
     data[-5] ^= 0xFF
-    (folder / "index.faiss").write_bytes(bytes(data))
-    with pytest.raises(GalleryStoreError, match=r"index\.faiss does not match the SHA-256"):
+    (folder / "seg-000000.faiss").write_bytes(bytes(data))
+    with pytest.raises(GalleryStoreError, match=r"seg-000000\.faiss does not match the SHA-256"):
         GalleryStore.open(folder)
-    (folder / "index.faiss").write_bytes(good)
+    (folder / "seg-000000.faiss").write_bytes(good)
     GalleryStore.open(folder)  # restored: loads again
 
     # a planted pickle with a matching header is refused before anything parses it
     import pickle
 
-    (folder / "vectors.npy").write_bytes(pickle.dumps({"x": 1}))
-    rec = {"bytes": (folder / "vectors.npy").stat().st_size, "sha256": store_mod.sha256_file(folder / "vectors.npy")}
-    header["files"]["vectors.npy"] = rec
+    vectors = folder / "seg-000000.vectors.npy"
+    vectors.write_bytes(pickle.dumps({"x": 1}))
+    rec = {"bytes": vectors.stat().st_size, "sha256": store_mod.sha256_file(vectors)}
+    header["files"][vectors.name] = rec
     (folder / "header.json").write_text(json.dumps(header))
-    with pytest.raises(GalleryStoreError, match="vectors.npy is not a NumPy .npy file"):
+    with pytest.raises(GalleryStoreError, match="seg-000000.vectors.npy is not a NumPy .npy file"):
         GalleryStore.open(folder)
 
 
@@ -295,14 +299,13 @@ def test_a_planted_index_file_never_reaches_faiss(tmp_path, feats, monkeypatch):
     GalleryStore.create(tmp_path / "st", feats[:100], make_rows(100))
     folder = tmp_path / "st"
     header = json.loads((folder / "header.json").read_text())
-    (folder / "index.faiss").write_bytes(pickle.dumps([1, 2, 3]))
-    header["files"]["index.faiss"] = {
-        "bytes": (folder / "index.faiss").stat().st_size, "sha256": store_mod.sha256_file(folder / "index.faiss"),
-    }
+    planted = folder / "seg-000000.faiss"
+    planted.write_bytes(pickle.dumps([1, 2, 3]))
+    header["files"][planted.name] = {"bytes": planted.stat().st_size, "sha256": store_mod.sha256_file(planted)}
     (folder / "header.json").write_text(json.dumps(header))
     seen = []
     monkeypatch.setattr(store_mod.faiss, "read_index", lambda *a: seen.append(a))
-    with pytest.raises(GalleryStoreError, match="index.faiss is not a faiss IndexIDMap2"):
+    with pytest.raises(GalleryStoreError, match="seg-000000.faiss is not a faiss IndexIDMap2"):
         GalleryStore.open(folder)
     assert seen == []
 
@@ -345,9 +348,10 @@ def test_refine_with_fewer_items_than_k_returns_every_item(tmp_path, feats):
 def test_an_opened_store_maps_its_vectors_instead_of_reading_them(tmp_path, feats):
     GalleryStore.create(tmp_path / "st", feats, make_rows(N), factory="Flat")
     s = GalleryStore.open(tmp_path / "st")
-    assert isinstance(s.vectors, np.memmap) and not s.vectors.flags.writeable
+    assert all(isinstance(seg.vectors, np.memmap) and not seg.vectors.flags.writeable for seg in s.segments)
     s.add(feats[5:10], make_rows(5, start=N))
-    assert isinstance(s.vectors, np.memmap) and s.vectors.shape == (N + 5, D)
+    assert all(isinstance(seg.vectors, np.memmap) and not seg.vectors.flags.writeable for seg in s.segments)
+    assert s.vectors.shape == (N + 5, D) and len(s.segments) == 2
 
 
 def test_an_update_from_a_stale_store_object_is_refused(tmp_path, feats):

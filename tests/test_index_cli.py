@@ -109,11 +109,14 @@ def _copy_store(world, tmp_path) -> Path:
 
 
 def _table(folder: Path) -> list[tuple]:
-    con = sqlite3.connect(folder / "meta.sqlite")
-    try:
-        return con.execute("SELECT id, path, camera, site, timestamp, identity FROM gallery ORDER BY id").fetchall()
-    finally:
-        con.close()
+    out = []
+    for table in sorted(folder.glob("seg-*.sqlite")):  # one table per segment
+        con = sqlite3.connect(f"file:{table}?mode=ro", uri=True)
+        try:
+            out += con.execute("SELECT id, path, camera, site, timestamp, identity FROM gallery ORDER BY id").fetchall()
+        finally:
+            con.close()
+    return sorted(out)
 
 
 # --------------------------------------------------------------------------
@@ -431,3 +434,30 @@ def test_an_out_of_range_file_name_value_is_refused_before_extraction(world, tmp
     assert name in err and words in err and "from its file name" in err
     err = _cli_error(_index(world["run"], tmp_path / "store", "--gallery", world["gallery"], "--site", " "), capsys)
     assert "--site must be a name of 1 to 200 characters" in err
+
+
+def test_check_hashes_every_file_even_those_this_process_trusts(world, tmp_path, capsys):
+    folder = _copy_store(world, tmp_path)
+    old = 1_000_000_000  # long before any check: a verified file is then trusted while unchanged
+    for p in folder.iterdir():
+        os.utime(p, (old, old))
+    header = json.loads((folder / "header.json").read_text())
+    assert tool.main(_index(None, folder, "--check")) == 0
+    out = capsys.readouterr().out.strip()
+    size = sum(r["bytes"] for r in header["files"].values()) / 2**20
+    assert out == (f"check: all {len(header['files'])} files of {folder} match the SHA-256 in its header.json "
+                   f"({size:.1f} MiB hashed)")
+    assert len(header["files"]) == 1 + 4 * len(header["segments"])
+
+    # a flipped byte that keeps the size and the modification time: a plain reopen trusts the file, --check does not
+    damaged = folder / f"{header['segments'][0]['name']}.vectors.npy"
+    data = bytearray(damaged.read_bytes())
+    data[-1] ^= 0xFF
+    damaged.write_bytes(bytes(data))
+    os.utime(damaged, (old, old))
+    assert tool.main(_index(None, folder, "--verify", "--verify-sample", "5")) == 0  # (opens it: no hash)
+    capsys.readouterr()
+    err = _cli_error(_index(None, folder, "--check"), capsys)
+    assert str(damaged) in err and "does not match the SHA-256" in err and "\n" not in err.strip()
+    err = _cli_error(_index(world["run"], folder, "--check"), capsys)
+    assert "--model does not apply to --verify / --target-recall / --check alone" in err

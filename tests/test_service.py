@@ -566,11 +566,11 @@ def test_a_reopen_that_meets_the_next_save_is_repeated_and_errors_name_no_server
         assert r.status_code == 200 and r.json()["results"][0]["id"] == 25, r.text
         monkeypatch.setattr(store_module, "_check_file", check_file)
 
-        vectors = store_copy / "vectors.npy"  # now damaged for good: a 503 that names no server folder
+        outside.add(_unit_rows(1, dim, 4), _outside_rows("third"))
+        vectors = store_copy / outside.segments[-1].files["vectors"]  # the third add's segment (seg-<n>.vectors.npy)
         data = bytearray(vectors.read_bytes())
         data[-1] ^= 0xFF
-        outside.add(_unit_rows(1, dim, 4), _outside_rows("third"))
-        vectors.write_bytes(bytes(data))
+        vectors.write_bytes(bytes(data))  # now damaged for good: a 503 that names no server folder
         r = c.post("/search", headers=AUTH, data={"item": "0", "k": "3"})
         error = r.json()["error"]
         assert r.status_code == 503 and "vectors.npy" in error and "header.json" in error, error

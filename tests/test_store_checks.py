@@ -8,6 +8,7 @@ import tracemalloc
 import numpy as np
 import pytest
 
+from fedreid.retrieval import store as store_mod
 from fedreid.retrieval.store import GalleryStore, GalleryStoreError, check_factory_string
 
 N, D = 84, 16
@@ -135,7 +136,8 @@ def test_a_store_under_a_folder_named_with_uri_characters_works(tmp_path, feats,
     parent = tmp_path / name
     parent.mkdir()
     s = GalleryStore.create(parent / "st", feats, rows(N))
-    before = sorted(p.name for p in tmp_path.rglob("*"))
+    before = sorted(p.name for p in tmp_path.rglob("*") if not p.name.startswith("seg-"))
+    segment_files = len(list((parent / "st").glob("seg-*")))
     again = GalleryStore.open(parent / "st")
     assert again.rows([3])[0]["path"] == "/gallery/img_00003.jpg"
     assert again.find_paths(["/gallery/img_00004.jpg"]) == {"/gallery/img_00004.jpg": 4}
@@ -144,7 +146,9 @@ def test_a_store_under_a_folder_named_with_uri_characters_works(tmp_path, feats,
     assert got.ids[0, 0] == 0 and got.ids[1, 0] == 1
     s.remove([7])
     assert GalleryStore.open(parent / "st").rows([7]) == [None]
-    assert sorted(p.name for p in tmp_path.rglob("*")) == before  # no stray database file beside the store
+    assert sorted(p.name for p in tmp_path.rglob("*") if not p.name.startswith("seg-")) == before  # no stray database file
+    assert len(list((parent / "st").glob("seg-*"))) == segment_files  # the compacted segment replaced the old one
+    assert all(store_mod._SEGMENT_FILE.match(p.name) for p in tmp_path.rglob("seg-*"))  # no journal beside a table
 
 
 # --------------------------------------------------------------------------

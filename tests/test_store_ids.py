@@ -38,7 +38,7 @@ def rows(n: int, start: int = 0) -> list[dict]:
 def _wide_search(store: GalleryStore) -> dict:
     """Search parameters that look everywhere (every IVF list, a wide HNSW beam): what is left is the ids."""
     if store.kind == "ivf":
-        return {"nprobe": int(store_mod._inner_ivf(store.index).nlist)}
+        return {"nprobe": int(store_mod._inner_ivf(store.template).nlist)}
     return {"efSearch": 256} if store.kind == "hnsw" else {}
 
 
@@ -68,8 +68,9 @@ def test_after_removals_each_item_finds_itself_with_its_own_id(tmp_path, factory
     store.remove([1, 2, N + 3, N + 99])
     for st in (store, GalleryStore.open(tmp_path / "st")):
         assert st.ntotal == N + 100 - 10
-        assert np.array_equal(faiss.vector_to_array(st.index.id_map), st.ids)
-        assert store_mod._inner_ids_match_positions(st.index)
+        for seg in st.segments:
+            assert np.array_equal(faiss.vector_to_array(seg.index.id_map), seg.ids)
+            assert store_mod._inner_ids_match_positions(seg.index)
         _check_every_item_finds_itself(st, vectors_by_id)
         after = st.recall(sample=200, k=10, seed=0, search_params=params)["recall"]
         assert after == pytest.approx(before["wide"], abs=0.05), (factory, before, after)
@@ -81,13 +82,13 @@ def test_a_store_whose_removal_shifted_ids_is_repaired_when_opened(tmp_path):
     feats = clustered(300, D, seed=1)
     store = GalleryStore.create(tmp_path / "st", feats, rows(300), factory="IVF4,Flat", seed=0)
     # What the earlier removal wrote: IndexIDMap2.remove_ids alone, the IVF's inner ids left as they were.
-    shifted = store_mod._copy_index(store.index)
+    shifted = store_mod._copy_index(store.segments[0].index)
     shifted.remove_ids(faiss.IDSelectorBatch(np.array([5])))
     assert not store_mod._inner_ids_match_positions(shifted)
     kept = np.delete(np.arange(300), 5)
     folder = tmp_path / "st"
-    store._commit(shifted, feats[kept], kept, lambda conn: conn.execute("DELETE FROM gallery WHERE id = 5"),
-                  dict(store.header, ntotal=299))
+    segment = store_mod._NewSegment(kept, feats[kept], shifted, store._segment_rows(store.segments[0], kept))
+    store._commit([segment], dict(store.header, ntotal=299))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         reopened = GalleryStore.open(folder)
@@ -97,4 +98,4 @@ def test_a_store_whose_removal_shifted_ids_is_repaired_when_opened(tmp_path):
     reopened.add(feats[:1] * 0.5, [{"path": "/gallery/new.jpg"}])  # the next update saves the repaired index
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert store_mod._inner_ids_match_positions(GalleryStore.open(folder).index)
+        assert all(store_mod._inner_ids_match_positions(seg.index) for seg in GalleryStore.open(folder).segments)

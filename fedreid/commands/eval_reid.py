@@ -190,6 +190,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ix.add_argument("--verify", action="store_true", help="recall@k against exact search, printed and stored")
     ix.add_argument(
+        "--check", action="store_true",
+        help="hash every file of the store (SHA-256) against header.json, whatever was checked before; one line",
+    )
+    ix.add_argument(
         "--target-recall", type=float, metavar="R",
         help="choose the smallest nprobe (IVF) / efSearch (HNSW) whose recall@k reaches R; printed and stored",
     )
@@ -253,14 +257,21 @@ INDEX_HELP = """Build, extend or prune a gallery store of image folders (fedreid
       store already (the error names them; nothing changes)
   index --index DIR --remove ID_OR_PATH [...]
       erase items: no trace of them stays in the store's files (no model needed)
-  index --index DIR --verify | --target-recall R
+  index --index DIR --verify | --target-recall R | --check
       check or tune an existing store (no model needed)
 
-The store (--index DIR): index.faiss (the FAISS index), vectors.npy, ids.npy,
-meta.sqlite (one row per item: id, path, camera, site, timestamp, identity),
-header.json (factory, search parameters, model fingerprint, last verify, file
-checksums), skipped.csv with --skip-bad-images. Items keep their ids for the
-store's lifetime; ids are never reused.
+The store (--index DIR) is a set of segments, each four files written once:
+seg-<n>.faiss (its FAISS index), seg-<n>.vectors.npy, seg-<n>.ids.npy and
+seg-<n>.sqlite (one row per item: id, path, camera, site, timestamp,
+identity); template.faiss (the trained, empty index new segments copy);
+header.json (factory, search parameters, model fingerprint, last verify, the
+segments, file checksums); skipped.csv with --skip-bad-images. --add writes
+new segments only; --remove rewrites only the segments holding the removed
+items. Items keep their ids for the store's lifetime; ids are never reused.
+
+--check: hash every file against the SHA-256 in header.json (reading a store
+hashes a file only the first time a process reads it) and print one line; a
+file that differs is an error naming it.
 
 --factory: a FAISS factory string (inner product). Flat (default) is exact
 search: the ranking of an exact IndexFlatIP over the features. IVF<n>,... and
@@ -454,15 +465,15 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 def _check_index_arguments(args: argparse.Namespace) -> str:
     """What ``index`` is asked to do (build, add, remove, check), after the flags' consistency is checked."""
     action = "build" if args.gallery else "add" if args.add else "remove" if args.remove else "check"
-    if action == "check" and not (args.verify or args.target_recall is not None):
+    if action == "check" and not (args.verify or args.check or args.target_recall is not None):
         raise pl.EvalInputError(
             "index: give --gallery DIR (a new store), --add DIR, --remove ID_OR_PATH..., or --verify / "
-            "--target-recall R (an existing store)"
+            "--target-recall R / --check (an existing store)"
         )
     if action in ("build", "add") and not args.model:
         raise pl.EvalInputError(f"--{'gallery' if action == 'build' else 'add'} needs --model (the features' model)")
     if action in ("remove", "check") and args.model:
-        what = "--remove" if action == "remove" else "--verify / --target-recall alone"
+        what = "--remove" if action == "remove" else "--verify / --target-recall / --check alone"
         raise pl.EvalInputError(f"--model does not apply to {what} (no image is read)")
     if args.factory is not None and action != "build":
         raise pl.EvalInputError("--factory applies to --gallery: a store keeps the factory it was built with")
@@ -485,7 +496,11 @@ def _search_words(params: dict) -> str:
 
 
 def _print_check(store, args: argparse.Namespace) -> None:
-    """--target-recall (tune) or --verify on ``store``; the result is printed and stored in its header."""
+    """--check, then --target-recall (tune) or --verify on ``store``; a tune or verify result is stored in its header."""
+    if args.check:
+        c = store.check_files()
+        print(f"check: all {c['files']} files of {args.index} match the SHA-256 in its header.json "
+              f"({c['bytes'] / 2**20:.1f} MiB hashed)")
     if args.target_recall is not None:
         t = store.tune(args.target_recall, sample=args.verify_sample, k=args.verify_k, seed=args.seed)
         outcome = "reached" if t["reached"] else "not reached: kept the largest value tried"

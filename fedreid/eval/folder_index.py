@@ -367,10 +367,12 @@ def _index_own_names() -> set[str]:
 
 def _refuse_foreign_files(index_dir: Path) -> None:
     """An index folder is replaced as a whole: refuse (changing nothing) when it holds anyone else's files."""
+    from fedreid.retrieval.store import _is_own_name
+
     own = _index_own_names()
     foreign = sorted(
         p.name for p in index_dir.iterdir()
-        if p.name not in own and not (p.name.startswith(".") and p.name.endswith(".tmp"))
+        if p.name not in own and not _is_own_name(p.name) and not (p.name.startswith(".") and p.name.endswith(".tmp"))
     )
     if foreign:
         shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")

@@ -158,7 +158,7 @@ TOOL = "tools/eval_reid.py serve"
 READ_ATTEMPTS = 5
 #: Writes of one request: how often the service reopens the store and repeats its own update.
 WRITE_ATTEMPTS = 3
-#: Pause before the first repeated read, doubled each time (a swap is two renames; a reopen hashes the files).
+#: Pause before the first repeated read, doubled each time (a swap is two renames; a reopen reads the new segments).
 RETRY_PAUSE_S = 0.05
 #: PIL format name -> file suffix of the uploads accepted (what the index tool reads: jpg/png/bmp).
 UPLOAD_FORMATS = {"JPEG": ".jpg", "PNG": ".png", "BMP": ".bmp"}
@@ -382,7 +382,7 @@ class _Service:
                 return
             if stamp is not None:
                 try:
-                    store = GalleryStore.open(folder)
+                    store = GalleryStore.open(folder, previous=self.store)  # unchanged segments taken over
                     problem = check_index_model(store.header, self.loaded, store.folder,
                                                 allow_mismatch=self.allow_model_mismatch)
                 except (OSError, ValueError, FedReIDError) as exc:

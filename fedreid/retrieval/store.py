@@ -1,36 +1,60 @@
 """A gallery store: a FAISS index chosen by factory string, stable 64-bit ids, SQLite metadata.
 
-A store is a folder::
+A store is a folder of immutable segments (format version 4)::
 
-    <folder>/index.faiss     faiss.write_index of an ``IndexIDMap2`` over the factory's index
-                             (inner-product metric); the ids are the store's int64 ids
-    <folder>/vectors.npy     the stored float32 features [ntotal, d], row i has id ids[i]
-    <folder>/ids.npy         int64 ids, increasing (exact search for verify/filters, HNSW rebuilds)
-    <folder>/meta.sqlite     table ``gallery(id INTEGER PRIMARY KEY, path TEXT UNIQUE NOT NULL,
-                             camera INTEGER, site TEXT, timestamp REAL, identity)``
-    <folder>/header.json     format ``fedreid-gallery-store``, version 3: factory, dim, ntotal,
-                             next_id, search parameters, the last verify result, ``meta`` (the
-                             caller's: the model fingerprint is ``meta.model_fingerprint``, where
-                             :func:`fedreid.eval.model_io.check_index_model` reads it), and the
-                             size and SHA-256 of every data file
+    <folder>/header.json        the manifest: format ``fedreid-gallery-store``, version 4, factory, kind, dim,
+                                ntotal, next_id, search parameters, the last verify result, ``meta`` (the
+                                caller's: the model fingerprint is ``meta.model_fingerprint``, where
+                                :func:`fedreid.eval.model_io.check_index_model` reads it), ``segments`` (name and
+                                item count of each, in id order), ``next_segment`` (the next segment number) and
+                                ``files``: the size and SHA-256 of every data file below
+    <folder>/template.faiss     the trained, empty ``IndexIDMap2`` (inner-product metric) every segment's index is
+                                a copy of
+    <folder>/seg-<n>.faiss      one segment's index: the template filled with the segment's items under their ids
+    <folder>/seg-<n>.vectors.npy   its float32 features [items, d], row i has id ids[i]
+    <folder>/seg-<n>.ids.npy    its int64 ids, increasing, all above the previous segment's
+    <folder>/seg-<n>.sqlite     its rows: table ``gallery(id INTEGER PRIMARY KEY, path TEXT UNIQUE NOT NULL,
+                                camera INTEGER, site TEXT, timestamp REAL, identity)``
     <folder>/.fedreid-index.json   the folder's marker (:func:`fedreid.utils.io.claim_output_dir`)
-    <folder>/skipped.csv     optional (:data:`SIDE_FILES`): the index tool's list of unreadable
-                             images; carried over by updates unless the update replaces it
+    <folder>/skipped.csv        optional (:data:`SIDE_FILES`): the index tool's list of unreadable
+                                images; carried over by updates unless the update replaces it
+
+A segment's files are never changed: a name (``seg-<n>``, numbered from
+``next_segment``, never reused) always holds the same bytes. A path is unique
+across the store (checked before an add). Version 3 (one ``index.faiss``,
+``vectors.npy``, ``ids.npy``, ``meta.sqlite``) still opens and searches, read as
+one segment; its first update converts it (those files become ``seg-<n>`` by
+hard links, ``template.faiss`` is written). Other versions are refused with a
+one-line error that says how to rebuild the store.
+
+Updates cost what they change. :meth:`GalleryStore.add` writes the new items
+as new segments (of at most :data:`SEGMENT_ITEMS`, indexed with the
+template: no retraining); :meth:`GalleryStore.remove` rewrites only the segments
+holding a removed item, without it (a segment left empty is dropped); every
+other file of the new save is a hard link to the current one, so it is
+neither written nor hashed again (a file system without hard links gets a
+copy: correct, not cheap). When there are more than :data:`MAX_SEGMENTS`
+segments, adjacent ones are merged, the smallest pair first. Searches run
+each segment's index and merge the top-k by (score descending, id ascending);
+where items tie at a segment's place k (FAISS keeps any of them; quantised
+scores such as a fast-scan PQ's tie often) the segment is searched deeper, so
+the lower ids are kept. With every IVF list probed, a store therefore ranks as
+one index over all its items (same training) ranked by that rule.
 
 The header holds no wall-clock time: the same inputs give the same files.
 
 Ids are assigned increasing from ``next_id`` and never reused, so an id names one
-gallery item for the store's lifetime; :meth:`GalleryStore.add` and
-:meth:`GalleryStore.remove` change the index in place (``add_with_ids`` /
-``remove_ids``) without retraining. The index is trained once, on the first
+gallery item for the store's lifetime. The index is trained once, on the first
 gallery (:meth:`GalleryStore.create`); later additions are encoded with that
-training. After a removal every remaining item keeps its id in the index, for
-every kind: an IVF's inverted lists hold ``IndexIDMap2`` positions, which
-``remove_ids`` shifts, so they are renumbered (O(items), about 0.01 s at 100k);
-HNSW cannot remove ids in FAISS, so removal rebuilds the graph from the stored
-vectors of the remaining items (cost: a full HNSW build). :meth:`GalleryStore.open`
-checks that the index maps each item to its id and, where an earlier version's
-removal shifted them, searches an index rebuilt in memory from the stored vectors.
+training (the template). After a removal every remaining item keeps its id, for
+every kind: the rewritten segment's index comes from ``remove_ids`` on a copy
+(an IVF's inverted lists hold ``IndexIDMap2`` positions, which ``remove_ids``
+shifts, so they are renumbered: O(items)); HNSW cannot remove ids in FAISS, so
+the segment's graph is rebuilt from its remaining stored vectors (cost: an HNSW
+build of that segment). :meth:`GalleryStore.open` checks that each segment's
+index maps each item to its id and, where an earlier version's removal shifted
+them, searches an index rebuilt in memory from the stored vectors (saved by the
+next update).
 
 Index kinds (:data:`SUPPORTED_FACTORIES`): Flat; IVF with Flat, PQ (also fast-scan)
 or SQ codes; HNSW over Flat or SQ; PQ; SQ; each optionally behind a pre-transform
@@ -40,11 +64,13 @@ refused when the store is built, before any training. ``header.json``'s search
 parameters (``nprobe``, ``efSearch``, ``refine``: integers >= 1, the kind's own
 keys only) are checked when the store opens.
 
-Erasure: :meth:`GalleryStore.remove` deletes the items from the index, the
-stored vectors and the table, and the new database file is rewritten with
-``VACUUM`` (``secure_delete`` on), so no byte of a removed item's path or
-vector remains in the store's files. (Copies outside the store, e.g.
-backups or the file system's free blocks, are not addressed.)
+Erasure: :meth:`GalleryStore.remove` rewrites the segments holding the items
+into new files without them (a fresh table, written by inserts of the kept
+rows only: no deleted record, journal or free page of the removed ones), and
+the new save replaces the folder before ``remove`` returns; the previous
+segment files are unlinked with the set-aside copy. So no byte of a removed
+item's path or vector remains in the store's files. (Copies outside the store,
+e.g. backups or the file system's free blocks, are not addressed.)
 
 Refinement: a store created with ``refine=R`` (a search parameter, like
 ``nprobe``) asks the index for ``R * k`` candidates and orders them by their
@@ -63,8 +89,9 @@ columns, whatever k is asked). Unfiltered search of a Flat store is exact with t
 :func:`fedreid.eval.retrieval.search` (equal scores: lower id first), so it
 ranks exactly as an ``IndexFlatIP`` over the same vectors does.
 
-Crash safety: every update of the items writes a complete new copy of the
-store into a hidden sibling (``.<name>.tmp-<hex>``) and swaps it in with
+Crash safety: every update of the items stages the complete new save in a
+hidden sibling (``.<name>.tmp-<hex>``: hard links to the kept files, the new
+segment files, the new header) and swaps it in with
 :func:`fedreid.utils.io.replace_dir_atomically`, so a kill leaves the previous
 store or the new one, never a mix; the in-memory store changes only after the
 swap. :meth:`GalleryStore.verify` and :meth:`GalleryStore.tune` change only
@@ -84,15 +111,24 @@ process updated the store since): no update is lost to a stale copy.
 then update), so a long-lived process can update the store without losing
 that race to another process.
 
-Memory: an opened store maps ``vectors.npy`` read-only (``mmap``) rather than
-reading it into RAM; refinement and filtered search read the rows they need.
+Memory: an opened store maps each segment's vectors read-only (``mmap``)
+rather than reading them into RAM; refinement and filtered search read the rows they need.
 
 Loading (:meth:`GalleryStore.open`) reads the header as JSON, checks every
-file's size and SHA-256 against it before parsing any of them, reads the
+file's size against it and its SHA-256 before parsing any of them, reads the
 NumPy files without pickles, checks the SQLite and faiss file signatures, and
-only then gives ``index.faiss`` to ``faiss.read_index``. Nothing is ever
-unpickled. As for the v2 index, the checksums detect damage and mix-ups, not
-forgery.
+only then gives the index files to ``faiss.read_index``. Nothing is ever
+unpickled. Checksums are verified once per file and process: when the store
+writes the file, or the first time this process reads it. A verified file is
+then trusted while its device, inode, size and modification time are the ones
+seen at that check, and that time was more than :data:`RACY_NS` before it (a
+same-size rewrite within a coarse timestamp's tick is still hashed). Hard
+links keep a kept segment's inode, so a reopen after an update hashes only the
+new files; ``open(folder, previous=store)`` (the search service) also takes
+over the unchanged segments as they are, without reading them.
+:meth:`GalleryStore.check_files` (``index --verify`` is about recall, not
+files) hashes every file again whatever was trusted. As for the v2 index, the
+checksums detect damage and mix-ups, not forgery.
 """
 
 from __future__ import annotations
@@ -144,11 +180,24 @@ __all__ = [
 ]
 
 STORE_FORMAT = "fedreid-gallery-store"
-STORE_VERSION = 3
-INDEX_FILE, VECTORS_FILE, IDS_FILE, DB_FILE, HEADER_FILE = (
-    "index.faiss", "vectors.npy", "ids.npy", "meta.sqlite", "header.json",
-)
-DATA_FILES = (INDEX_FILE, VECTORS_FILE, IDS_FILE, DB_FILE)
+STORE_VERSION = 4
+#: The earlier single-segment format this code still opens and searches (its first update converts it).
+LEGACY_VERSION = 3
+HEADER_FILE, TEMPLATE_FILE = "header.json", "template.faiss"
+#: A version-3 store's data files, which a version-4 store reads as its one segment.
+INDEX_FILE, VECTORS_FILE, IDS_FILE, DB_FILE = "index.faiss", "vectors.npy", "ids.npy", "meta.sqlite"
+LEGACY_FILES = (INDEX_FILE, VECTORS_FILE, IDS_FILE, DB_FILE)
+#: A segment's files: role -> suffix after the segment's name (``seg-000003.faiss`` ...).
+SEGMENT_SUFFIXES = {"index": ".faiss", "vectors": ".vectors.npy", "ids": ".ids.npy", "rows": ".sqlite"}
+_SEGMENT_NAME = re.compile(r"^seg-\d{6,}$")
+_SEGMENT_FILE = re.compile(r"^seg-\d{6,}(\.faiss|\.vectors\.npy|\.ids\.npy|\.sqlite)$")
+#: A build or an add writes segments of at most this many items (a removal rewrites only the segments it hits).
+SEGMENT_ITEMS = 65_536
+#: After an update, adjacent segments are merged (the smallest pair first) while there are more than this.
+MAX_SEGMENTS = 32
+#: A file verified less than this long after its modification time is hashed again when next read (see
+#: :func:`_check_file`): a file system's coarse timestamps could hide a same-size rewrite within that window.
+RACY_NS = 2_000_000_000
 #: Files a store folder may hold besides its own, carried over by updates unless replaced.
 SIDE_FILES = ("skipped.csv",)
 MARKER_KIND = "index"
@@ -424,15 +473,144 @@ def _normalise_rows(rows: Sequence[Mapping[str, Any]], n: int) -> list[tuple]:
 # --------------------------------------------------------------------------
 
 
+@dataclass
+class _Segment:
+    """One immutable segment in memory: its files (role -> file name), ids, mapped vectors and FAISS index.
+
+    ``dirty``: its index was rebuilt in memory (an earlier version's shifted ids); the next update writes it.
+    """
+
+    name: str
+    files: dict[str, str]
+    ids: np.ndarray
+    vectors: Any
+    index: Any
+    dirty: bool = False
+
+    @property
+    def ntotal(self) -> int:
+        return int(self.ids.size)
+
+
+@dataclass
+class _NewSegment:
+    """A segment to write: ids, vectors, its filled index and its table rows ``(id, path, camera, ...)``."""
+
+    ids: np.ndarray
+    vectors: np.ndarray
+    index: Any
+    rows: list[tuple]
+
+
+def _segment_files(name: str) -> dict[str, str]:
+    return {role: name + suffix for role, suffix in SEGMENT_SUFFIXES.items()}
+
+
+class _Rows:
+    """The stored vectors of every segment as one read-only ``[ntotal, d]`` array-like (row i: id ``ids[i]``).
+
+    Indexing with an int, a slice, an integer or boolean array gathers the
+    rows from the segments' memory maps; ``np.asarray`` concatenates them all.
+    """
+
+    def __init__(self, parts: Sequence[Any], dim: int):
+        self._parts = list(parts)
+        self._starts = np.cumsum([0] + [int(p.shape[0]) for p in self._parts])
+        self.shape = (int(self._starts[-1]), int(dim))
+        self.dtype = np.dtype(np.float32)
+        self.ndim = 2
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        if not self._parts:
+            out = np.empty(self.shape, np.float32)
+        elif len(self._parts) == 1:
+            out = np.asarray(self._parts[0])
+        else:
+            out = np.concatenate([np.asarray(p) for p in self._parts])
+        return out if dtype is None else out.astype(dtype, copy=False)
+
+    def __getitem__(self, key: Any) -> np.ndarray:
+        if len(self._parts) == 1:
+            return self._parts[0][key]
+        n = self.shape[0]
+        if isinstance(key, (int, np.integer)):
+            row = int(key) + (n if int(key) < 0 else 0)
+            if not 0 <= row < n:
+                raise IndexError(f"row {key} out of range for {n} stored vectors")
+            s = int(np.searchsorted(self._starts, row, side="right")) - 1
+            return self._parts[s][row - self._starts[s]]
+        if isinstance(key, slice):
+            rows = np.arange(*key.indices(n), dtype=np.int64)
+        else:
+            rows = np.asarray(key)
+            rows = np.flatnonzero(rows) if rows.dtype == bool else rows.astype(np.int64)
+            rows = np.where(rows < 0, rows + n, rows)
+            if rows.size and (rows.min() < 0 or rows.max() >= n):
+                raise IndexError(f"rows out of range for {n} stored vectors")
+        flat = rows.ravel()
+        out = np.empty((flat.size, self.shape[1]), np.float32)
+        seg = np.searchsorted(self._starts, flat, side="right") - 1
+        for s in np.unique(seg):
+            sel = seg == s
+            out[sel] = self._parts[s][flat[sel] - self._starts[s]]
+        return out.reshape(*rows.shape, self.shape[1])
+
+
+def _merge_topk(parts: Sequence[tuple[np.ndarray, np.ndarray]], nq: int, k: int) -> SearchResult:
+    """The best ``k`` of per-segment results ``(scores, ids)`` by score (descending), then id; -1 pads last."""
+    out = _empty_result(nq, k)
+    if not parts or k == 0:
+        return out
+    if len(parts) == 1 and parts[0][1].shape[1] <= k:
+        scores, ids = parts[0]
+    else:
+        scores = np.concatenate([p[0] for p in parts], axis=1)
+        ids = np.concatenate([p[1] for p in parts], axis=1)
+    valid = ids >= 0
+    order = np.lexsort((np.where(valid, ids, np.iinfo(np.int64).max), -scores, ~valid), axis=-1)[:, :k]
+    width = order.shape[1]
+    taken_ids = np.take_along_axis(ids, order, axis=1)
+    out.scores[:, :width] = np.take_along_axis(scores, order, axis=1)
+    out.ids[:, :width] = np.where(taken_ids >= 0, taken_ids, -1)
+    return out
+
+
+def _link_or_copy(src: Path, dst: Path) -> None:
+    """``dst`` as a second name of ``src`` (a hard link: nothing written); a copy where links are not possible."""
+    try:
+        os.link(src, dst)
+    except OSError:  # a file system without hard links (or across devices): correct, but it costs a copy
+        shutil.copyfile(src, dst)
+
+
+def _write_segment(stage: Path, files: dict[str, str], seg: _NewSegment) -> None:
+    """Write a new segment's four files into ``stage`` (a fresh table: only the segment's own rows)."""
+    faiss.write_index(seg.index, str(stage / files["index"]))
+    np.save(stage / files["vectors"], np.ascontiguousarray(seg.vectors, dtype=np.float32), allow_pickle=False)
+    np.save(stage / files["ids"], np.ascontiguousarray(seg.ids, dtype=np.int64), allow_pickle=False)
+    with _connect_rw(stage / files["rows"]) as conn:
+        conn.execute("PRAGMA secure_delete = ON")
+        conn.execute(_SCHEMA)
+        conn.executemany(
+            "INSERT INTO gallery (id, path, camera, site, timestamp, identity) VALUES (?, ?, ?, ?, ?, ?)", seg.rows,
+        )
+    if _db_ids(stage / files["rows"]).size != seg.ids.size:
+        raise GalleryStoreError(f"internal error: a segment table would hold other items than its {seg.ids.size}")
+
+
 class GalleryStore:
     """An updatable gallery index in a folder (see the module docstring for the files and guarantees)."""
 
-    def __init__(self, folder: Path, header: dict, index: Any, vectors: np.ndarray, ids: np.ndarray):
+    def __init__(self, folder: Path, header: dict, segments: Sequence[_Segment], template: Any):
         self.folder = folder
         self.header = header
-        self.index = index
-        self.vectors = vectors
-        self.ids = ids
+        self.segments = list(segments)
+        self.template = template
+        self._ids: Optional[np.ndarray] = None
+        self._flat: Any = None
 
     # -- properties ---------------------------------------------------------
 
@@ -460,6 +638,19 @@ class GalleryStore:
     def model_fingerprint(self) -> Optional[dict[str, Any]]:
         """The fingerprint of the model the features came from (``header["meta"]["model_fingerprint"]``)."""
         return (self.header.get("meta") or {}).get("model_fingerprint")
+
+    @property
+    def ids(self) -> np.ndarray:
+        """Every item's id, increasing (the segments' ids in order)."""
+        if self._ids is None:
+            parts = [s.ids for s in self.segments]
+            self._ids = np.concatenate(parts) if parts else np.empty(0, np.int64)
+        return self._ids
+
+    @property
+    def vectors(self) -> _Rows:
+        """The stored vectors, row i of id ``ids[i]`` (a read-only view over the segments' memory maps)."""
+        return _Rows([s.vectors for s in self.segments], self.dim)
 
     # -- building -----------------------------------------------------------
 
@@ -495,71 +686,98 @@ class GalleryStore:
         file at the path it is given}. ``refine`` R > 1: searches take the
         index's top ``R * k`` and re-score them exactly from the stored vectors
         (search parameter ``refine``; for compressed factories such as PQ,
-        whose codes alone lose the order of close neighbours).
+        whose codes alone lose the order of close neighbours). The items are
+        written as segments of at most :data:`SEGMENT_ITEMS`.
         """
         _with_refine({}, refine)
         folder = Path(os.path.abspath(folder))
         features = _as_features("features", features)
         values = _normalise_rows(rows, features.shape[0])
-        index = _new_index(factory, features.shape[1])
-        _train(index, features, factory, seed, clustering_index)
-        ids = np.arange(features.shape[0], dtype=np.int64)
-        index.add_with_ids(features, ids)
-        kind = _index_kind(index)
+        template = _new_index(factory, features.shape[1])
+        _train(template, features, factory, seed, clustering_index)
+        kind = _index_kind(template)
         meta = dict(meta or {})
         if model_fingerprint:
             if meta.get("model_fingerprint") not in (None, dict(model_fingerprint)):
                 raise GalleryStoreError("model_fingerprint and meta['model_fingerprint'] differ: give one fingerprint")
             meta["model_fingerprint"] = dict(model_fingerprint)
+        ids = np.arange(features.shape[0], dtype=np.int64)
         header = {
             "format": STORE_FORMAT, "version": STORE_VERSION, "factory": factory, "kind": kind,
             "metric": "inner_product", "dim": int(features.shape[1]), "ntotal": int(features.shape[0]),
-            "next_id": int(features.shape[0]), "seed": int(seed), "search": _with_refine(_set_default_params(kind, index), refine),
-            "verify": None, "meta": meta,
+            "next_id": int(features.shape[0]), "seed": int(seed),
+            "search": _with_refine(_set_default_params(kind, template), refine), "verify": None, "meta": meta,
         }
-
-        def fill(conn: sqlite3.Connection) -> None:
-            conn.executemany(
-                "INSERT INTO gallery (id, path, camera, site, timestamp, identity) VALUES (?, ?, ?, ?, ?, ?)",
-                [(int(i), *v) for i, v in zip(ids, values)],
-            )
-
-        store = cls(folder, header, index, features, ids)
-        store._commit(index, features, ids, fill, header, fresh=True, side_files=side_files, replaces=replaces)
+        store = cls(folder, header, [], template)
+        plan = store._new_segments(features, ids, values)
+        store._commit(plan, header, fresh=True, side_files=side_files, replaces=replaces)
         return store
 
+    def _new_segments(self, features: np.ndarray, ids: np.ndarray, values: Sequence[tuple]) -> list[_NewSegment]:
+        """``features`` under ``ids`` as new segments of at most :data:`SEGMENT_ITEMS`, indexed with the template."""
+        out = []
+        for start in range(0, int(ids.size), SEGMENT_ITEMS):
+            part = slice(start, start + SEGMENT_ITEMS)
+            vectors, seg_ids = np.ascontiguousarray(features[part]), ids[part]
+            out.append(_NewSegment(seg_ids, vectors, _rebuilt_index(self.template, vectors, seg_ids),
+                                   [(int(i), *v) for i, v in zip(seg_ids, values[part])]))
+        return out
+
     @classmethod
-    def open(cls, folder: str | Path) -> "GalleryStore":
-        """Read a store folder after checking every file against its header (see the module docstring).
+    def open(cls, folder: str | Path, *, previous: Optional["GalleryStore"] = None) -> "GalleryStore":
+        """Read a store folder after checking its files against the header (see the module docstring).
 
         First, when no update is under way, what a killed update left beside the
-        folder is cleaned up (:func:`clean_swap_leftovers`).
+        folder is cleaned up (:func:`clean_swap_leftovers`). A file this process
+        verified before and that has not changed since (same inode, size and
+        modification time) is not hashed again. ``previous``: an open store of
+        the same folder (e.g. the one a service searches) whose unchanged
+        segments are taken over as they are, without reading them again.
         """
         folder = Path(os.path.abspath(folder))
         clean_swap_leftovers(folder)
         header = _read_header(folder)
-        for name in DATA_FILES:
+        for name in header["files"]:
             _check_file(folder, name, header)
-        ids = _read_npy(folder / IDS_FILE, "ids", np.int64, (header["ntotal"],))
-        vectors = _read_npy(folder / VECTORS_FILE, "vectors", np.float32, (header["ntotal"], header["dim"]), mmap=True)
-        if ids.size and (np.any(np.diff(ids) <= 0) or ids[0] < 0 or ids[-1] >= header["next_id"]):
-            raise GalleryStoreError(f"{folder / IDS_FILE}: ids are not increasing ids below next_id")
-        db_ids = _db_ids(folder / DB_FILE)
-        if not np.array_equal(db_ids, ids):
+        reuse = {}
+        if previous is not None and previous.folder == folder and previous.dim == header["dim"] \
+                and previous.kind == header["kind"] and previous.factory == header["factory"]:
+            for seg in previous.segments:
+                if not seg.dirty:
+                    reuse[_segment_key(folder, seg.files)] = seg
+        segments, last = [], -1
+        for name, files, n in _segment_layout(header):
+            key = _segment_key(folder, files)
+            if key is not None and key in reuse and reuse[key].ntotal == n:
+                seg = reuse[key]
+                segments.append(_Segment(name, files, seg.ids, seg.vectors, seg.index))
+                last = int(seg.ids[-1]) if n else last
+                continue
+            seg = _read_segment(folder, header, name, files, n, last)
+            last = int(seg.ids[-1]) if n else last
+            segments.append(seg)
+        if sum(s.ntotal for s in segments) != header["ntotal"]:
             raise GalleryStoreError(
-                f"{folder / DB_FILE} lists {db_ids.size} items but {folder / IDS_FILE} {ids.size}, or other ids: "
-                "the store is inconsistent"
+                f"{folder / HEADER_FILE} says {header['ntotal']} items but its segments hold "
+                f"{sum(s.ntotal for s in segments)}: it is damaged"
             )
-        index = _read_faiss(folder / INDEX_FILE, header)
-        if not np.array_equal(faiss.vector_to_array(index.id_map), ids) or not _inner_ids_match_positions(index):
-            # An IVF store whose removal shifted its ids (fixed since): its vectors and ids are right, its index not.
-            warnings.warn(
-                f"{folder / INDEX_FILE} maps its items to the wrong ids (a removal by an earlier version shifted "
-                f"them): searching an index rebuilt in memory from {VECTORS_FILE}; the next update of the store "
-                "saves it", UserWarning, stacklevel=2,
-            )
-            index = _rebuilt_index(index, np.asarray(vectors), ids)
-        return cls(folder, header, index, vectors, ids)
+        if TEMPLATE_FILE in header["files"]:
+            template = _read_faiss(folder / TEMPLATE_FILE, header, 0)
+        else:  # a version-3 store: its index, emptied, is the template of new segments
+            template = _rebuilt_index(segments[0].index, np.empty((0, header["dim"]), np.float32), np.empty(0, np.int64))
+        return cls(folder, header, segments, template)
+
+    def check_files(self) -> dict[str, int]:
+        """Hash every file of the store against its header now, whatever this process verified before.
+
+        Raises :class:`GalleryStoreError` naming the first file that differs
+        (``index --check``). The files are those of the last save this object
+        read or wrote. Returns ``{"files": number checked, "bytes": their total size}``.
+        """
+        for name in self.header["files"]:
+            _check_file(self.folder, name, self.header, full=True)
+        records = self.header["files"].values()
+        return {"files": len(records), "bytes": int(sum(int(r["bytes"]) for r in records))}
 
     # -- updates ------------------------------------------------------------
 
@@ -571,48 +789,60 @@ class GalleryStore:
         meta: Optional[Mapping[str, Any]] = None,
         side_files: Optional[Mapping[str, Any]] = None,
     ) -> np.ndarray:
-        """Add items (features [n, d] and their metadata rows); returns their new ids.
+        """Add items (features [n, d] and their metadata rows) as new segments; returns their new ids.
 
-        The index is not retrained. A path already in the store, or twice in
-        ``rows``, raises :class:`GalleryStoreError` before anything changes.
-        ``meta`` updates the header's ``meta`` (key by key); ``side_files`` as
-        in :meth:`create` (None for a name deletes that file; names not given are kept).
+        The index is not retrained: the new segments' indexes are the store's
+        trained template filled with the new items. The existing segments'
+        files are kept as they are (hard links into the new save). A path
+        already in the store, or twice in ``rows``, raises
+        :class:`GalleryStoreError` before anything changes. ``meta`` updates
+        the header's ``meta`` (key by key); ``side_files`` as in :meth:`create`
+        (None for a name deletes that file; names not given are kept).
         """
         features = _as_features("features", features, self.dim)
         values = _normalise_rows(rows, features.shape[0])
+        with _writer_lock(self.folder):
+            self._before_update()
+            return self._add(features, values, meta, side_files)
+
+    def _add(self, features: np.ndarray, values: list[tuple], meta: Optional[Mapping[str, Any]],
+             side_files: Optional[Mapping[str, Any]]) -> np.ndarray:
         existing = self._lookup_paths([v[0] for v in values])
         if existing:
             shown = ", ".join(sorted(existing)[:5])
             raise GalleryStoreError(f"store {self.folder} already holds {len(existing)} of these paths ({shown})")
         start = int(self.header["next_id"])
         new_ids = np.arange(start, start + features.shape[0], dtype=np.int64)
-        index = _copy_index(self.index)
-        index.add_with_ids(features, new_ids)
-        vectors = np.concatenate([self.vectors, features])
-        ids = np.concatenate([self.ids, new_ids])
-        header = dict(self.header, ntotal=int(ids.size), next_id=int(new_ids[-1]) + 1, verify=None)
+        plan: list[Any] = list(self.segments) + self._new_segments(features, new_ids, values)
+        header = dict(self.header, ntotal=self.ntotal + int(new_ids.size), next_id=int(new_ids[-1]) + 1, verify=None)
         if meta:
             header["meta"] = dict(self.header.get("meta") or {}, **meta)
-
-        def insert(conn: sqlite3.Connection) -> None:
-            conn.executemany(
-                "INSERT INTO gallery (id, path, camera, site, timestamp, identity) VALUES (?, ?, ?, ?, ?, ?)",
-                [(int(i), *v) for i, v in zip(new_ids, values)],
-            )
-
-        self._commit(index, vectors, ids, insert, header, side_files=side_files)
+        self._commit(self._merged(plan), header, side_files=side_files)
         return new_ids
 
     def remove(self, ids_or_paths: Iterable[int | str]) -> np.ndarray:
-        """Erase items given by id (int) or path (str) from the index, the vectors and the table.
+        """Erase items given by id (int) or path (str): the segments holding them are rewritten without them.
 
         Unknown ids or paths raise :class:`GalleryStoreError` naming them, and
-        nothing changes. Returns the removed ids (sorted). HNSW stores rebuild
-        the graph from the remaining stored vectors (FAISS cannot remove from HNSW).
+        nothing changes. Returns the removed ids (sorted). Only the segments
+        holding a removed item are rewritten (their index, vectors, ids and
+        table, fresh files); the others are kept as they are. HNSW segments
+        are rebuilt from their remaining stored vectors (FAISS cannot remove from HNSW).
         """
         wanted = list(ids_or_paths)
         if not wanted:
             raise GalleryStoreError("nothing to remove: give ids or paths")
+        with _writer_lock(self.folder):
+            self._before_update()
+            return self._remove(wanted)
+
+    def _before_update(self) -> None:
+        """(The update lock held.) Refuse a foreign or changed folder; clean up what a killed update left."""
+        _check_store_location(self.folder, fresh=False)
+        _remove_leftovers(self.folder)
+        self._check_unchanged_on_disk()
+
+    def _remove(self, wanted: list[Any]) -> np.ndarray:
         paths = [w for w in wanted if isinstance(w, str)]
         numbers = [int(w) for w in wanted if not isinstance(w, str)]
         found = self._lookup_paths(paths)
@@ -622,16 +852,47 @@ class GalleryStore:
             shown = ", ".join(str(u) for u in unknown[:5]) + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else "")
             raise GalleryStoreError(f"store {self.folder} holds no item {shown} (nothing was removed)")
         gone = np.unique(np.array(numbers + list(found.values()), dtype=np.int64))
-        keep = ~np.isin(self.ids, gone)
-        vectors, ids = np.ascontiguousarray(self.vectors[keep]), self.ids[keep]
-        index = _index_without(self.index, self.kind, gone, vectors, ids)
-        header = dict(self.header, ntotal=int(ids.size), verify=None)
-
-        def delete(conn: sqlite3.Connection) -> None:
-            conn.executemany("DELETE FROM gallery WHERE id = ?", [(int(i),) for i in gone])
-
-        self._commit(index, vectors, ids, delete, header)
+        plan: list[Any] = []
+        for seg in self.segments:
+            hit = np.isin(seg.ids, gone)
+            if not hit.any():
+                plan.append(seg)
+                continue
+            keep = ~hit
+            if not keep.any():
+                continue  # the whole segment goes
+            ids, vectors = seg.ids[keep], np.ascontiguousarray(seg.vectors[keep])
+            index = _index_without(seg.index, self.kind, seg.ids[hit], vectors, ids)
+            plan.append(_NewSegment(ids, vectors, index, self._segment_rows(seg, ids)))
+        header = dict(self.header, ntotal=self.ntotal - int(gone.size), verify=None)
+        self._commit(self._merged(plan), header)
         return gone
+
+    def _merged(self, plan: list[Any]) -> list[Any]:
+        """``plan`` with adjacent segments merged (the smallest pair first) while it has more than :data:`MAX_SEGMENTS`."""
+        plan = list(plan)
+        while len(plan) > MAX_SEGMENTS:
+            sizes = [int(p.ids.size) for p in plan]
+            j = int(np.argmin([a + b for a, b in zip(sizes, sizes[1:])]))
+            a, b = plan[j], plan[j + 1]
+            ids = np.concatenate([a.ids, b.ids])
+            vectors = np.concatenate([np.asarray(a.vectors), np.asarray(b.vectors)])
+            rows = [r for p in (a, b) for r in (p.rows if isinstance(p, _NewSegment) else self._segment_rows(p, p.ids))]
+            plan[j : j + 2] = [_NewSegment(ids, vectors, _rebuilt_index(self.template, vectors, ids), rows)]
+        return plan
+
+    def _segment_rows(self, seg: _Segment, ids: np.ndarray) -> list[tuple]:
+        """The table rows of ``ids`` (held by ``seg``), ordered by id, as insert tuples."""
+        wanted = [int(i) for i in ids]
+        out = []
+        with self._table(seg) as conn:
+            for chunk in range(0, len(wanted), 500):
+                part = wanted[chunk : chunk + 500]
+                q = f"SELECT {', '.join(_COLUMNS)} FROM gallery WHERE id IN ({','.join('?' * len(part))}) ORDER BY id"
+                out += conn.execute(q, part).fetchall()
+        if len(out) != len(wanted):
+            raise GalleryStoreError(f"{self.folder / seg.files['rows']} lacks rows of its segment: the store is inconsistent")
+        return [tuple(r) for r in out]
 
     def update_lock(self, timeout: Optional[float] = None) -> contextlib.AbstractContextManager[None]:
         """The store's update lock, held for a block: other processes' (and threads') updates wait until it ends.
@@ -647,16 +908,39 @@ class GalleryStore:
 
     # -- queries ------------------------------------------------------------
 
+    def _table(self, seg: _Segment) -> _Conn:
+        """A read-only connection to ``seg``'s table; a table another process's update removed is a one-line error."""
+        path = self.folder / seg.files["rows"]
+        try:
+            return _connect_ro(path)
+        except sqlite3.OperationalError:
+            if path.is_file():
+                raise
+            raise GalleryStoreError(
+                f"store {self.folder} changed on disk since this object read it (another process updated it and "
+                f"its segment table {path.name} is gone): open the store again"
+            ) from None
+
+    def _query_segments(self, sql: str, args: Sequence[Any], segments: Optional[Sequence[_Segment]] = None) -> list[tuple]:
+        out: list[tuple] = []
+        for seg in self.segments if segments is None else segments:
+            with self._table(seg) as conn:
+                out += conn.execute(sql, list(args)).fetchall()
+        return out
+
     def rows(self, ids: Iterable[int]) -> list[Optional[dict[str, Any]]]:
         """The metadata rows of ``ids`` in that order (None for -1 or an unknown id)."""
         ids = [int(i) for i in ids]
-        with _connect_ro(self.folder / DB_FILE) as conn:
-            found = {}
-            wanted = sorted({i for i in ids if i >= 0})
-            for chunk in range(0, len(wanted), 500):
-                part = wanted[chunk : chunk + 500]
-                q = f"SELECT {', '.join(_COLUMNS)} FROM gallery WHERE id IN ({','.join('?' * len(part))})"
-                for r in conn.execute(q, part):
+        wanted = np.array(sorted({i for i in ids if i >= 0}), dtype=np.int64)
+        found = {}
+        for seg in self.segments:
+            if not seg.ntotal or not wanted.size:
+                continue
+            part = wanted[(wanted >= seg.ids[0]) & (wanted <= seg.ids[-1])].tolist()
+            for chunk in range(0, len(part), 500):
+                some = part[chunk : chunk + 500]
+                q = f"SELECT {', '.join(_COLUMNS)} FROM gallery WHERE id IN ({','.join('?' * len(some))})"
+                for r in self._query_segments(q, some, [seg]):
                     found[r[0]] = dict(zip(_COLUMNS, r))
         return [found.get(i) for i in ids]
 
@@ -694,9 +978,8 @@ class GalleryStore:
                         args.append(value)
         if not where:
             return None
-        with _connect_ro(self.folder / DB_FILE) as conn:
-            got = conn.execute(f"SELECT id FROM gallery WHERE {' AND '.join(where)} ORDER BY id", args).fetchall()
-        return np.array([r[0] for r in got], dtype=np.int64)
+        got = self._query_segments(f"SELECT id FROM gallery WHERE {' AND '.join(where)}", args)
+        return np.unique(np.array([r[0] for r in got], dtype=np.int64))
 
     def search(
         self,
@@ -713,7 +996,7 @@ class GalleryStore:
 
         ``search_params`` overrides the stored ``nprobe``/``efSearch`` for this call.
         ``flat_index``: for a Flat store, an index to run unfiltered searches on
-        instead of :meth:`flat_faiss_index` (e.g. a GPU copy of it; same vectors, same order).
+        instead of the segments' (e.g. a GPU copy of :meth:`flat_faiss_index`; same vectors, same order).
         """
         queries = _as_features("queries", queries, self.dim)
         k = _capped_k(k, self.ntotal)
@@ -724,39 +1007,65 @@ class GalleryStore:
             return self._index_search(queries, k, params, flat_index=flat_index)
         if allowed.size == 0 or self.ntotal == 0:
             return _empty_result(queries.shape[0], k)
-        if allowed.size <= EXACT_FILTER_MAX or self.kind == "hnsw" or not _accepts_search_parameters(self.index):
+        if allowed.size <= EXACT_FILTER_MAX or self.kind == "hnsw" or not _accepts_search_parameters(self.template):
             # Only ids this object holds: the table on disk may be a newer store's (another process's update).
-            rows = np.minimum(np.searchsorted(self.ids, allowed), max(self.ids.size - 1, 0))
-            held = self.ids[rows] == allowed
+            ids = self.ids
+            rows = np.minimum(np.searchsorted(ids, allowed), max(ids.size - 1, 0))
+            held = ids[rows] == allowed
             if not held.any():
                 return _empty_result(queries.shape[0], k)
             return _exact_search(queries, self.vectors[rows[held]], allowed[held], k)
         return self._index_search(queries, k, params, selector=faiss.IDSelectorBatch(allowed))
 
     def flat_faiss_index(self) -> Any:
-        """The ``IndexFlatIP`` inside a Flat store's ``IndexIDMap2`` (row i holds id ``ids[i]``)."""
+        """An ``IndexFlatIP`` over a Flat store's vectors (row i holds id ``ids[i]``).
+
+        With one segment, the segment's own index; with several, one index
+        built over all their vectors (a copy, made once per store object).
+        """
         if self.kind != "flat":
             raise GalleryStoreError(f"store {self.folder} holds a {self.kind} index ({self.factory}), not a flat one")
-        return faiss.downcast_index(self.index.index)
+        if len(self.segments) == 1:
+            return faiss.downcast_index(self.segments[0].index.index)
+        if self._flat is None:
+            flat = faiss.IndexFlatIP(self.dim)
+            for seg in self.segments:
+                if seg.ntotal:
+                    flat.add(np.ascontiguousarray(seg.vectors, dtype=np.float32))
+            self._flat = flat
+        return self._flat
 
     def _index_search(self, queries: np.ndarray, k: int, params: Mapping[str, int], selector: Any = None,
                       flat_index: Any = None) -> SearchResult:
+        """Each segment's index searched, the results merged by (score desc, id asc)."""
+        nq = queries.shape[0]
         if self.ntotal == 0:
-            return _empty_result(queries.shape[0], k)
+            return _empty_result(nq, k)
         if self.kind == "flat" and selector is None:
             from fedreid.eval.retrieval import search
 
-            scores, rows = search(flat_index if flat_index is not None else self.flat_faiss_index(), queries, k)
-            out = _empty_result(queries.shape[0], k)
-            out.scores[:, : rows.shape[1]], out.ids[:, : rows.shape[1]] = scores, self.ids[rows]
-            return out
-        p = _search_params(self.kind, params, selector) if _accepts_search_parameters(self.index) else None
+            if flat_index is not None:
+                scores, rows = search(flat_index, queries, k)
+                out = _empty_result(nq, k)
+                out.scores[:, : rows.shape[1]], out.ids[:, : rows.shape[1]] = scores, self.ids[rows]
+                return out
+            parts = []
+            for seg in self.segments:
+                if seg.ntotal:
+                    scores, rows = search(faiss.downcast_index(seg.index.index), queries, min(k, seg.ntotal))
+                    parts.append((scores, seg.ids[rows]))
+            return _merge_topk(parts, nq, k)
+        p = _search_params(self.kind, params, selector) if _accepts_search_parameters(self.template) else None
         refine = int(params.get("refine", 1) or 1)
+        want = k if refine <= 1 else min(k * refine, self.ntotal)
+        parts = []
+        for seg in self.segments:
+            if seg.ntotal:
+                parts.append(_segment_topk(seg.index, queries, min(want, seg.ntotal), seg.ntotal, p))
+        merged = _merge_topk(parts, nq, want)
         if refine <= 1:
-            scores, ids = self.index.search(queries, k, params=p)
-            return SearchResult(scores=scores, ids=ids)
-        _, candidates = self.index.search(queries, min(k * refine, self.ntotal), params=p)
-        return self._rescore(queries, candidates, k)
+            return merged
+        return self._rescore(queries, merged.ids, k)
 
     def _rescore(self, queries: np.ndarray, candidates: np.ndarray, k: int) -> SearchResult:
         """Exact inner products of ``candidates`` (ids, -1 pads) from the stored vectors; the best ``k`` of each row.
@@ -767,12 +1076,13 @@ class GalleryStore:
         out = _empty_result(queries.shape[0], k)
         nq, nc = candidates.shape
         kk = min(k, nc)
+        ids, vectors = self.ids, self.vectors
         block = max(1, (64 << 20) // max(1, nc * self.dim * 4))
         for s in range(0, nq, block):
             cand = candidates[s : s + block]
             valid = cand >= 0
-            rows = np.searchsorted(self.ids, np.where(valid, cand, self.ids[0] if self.ids.size else 0))
-            gathered = np.asarray(self.vectors[rows.ravel()], dtype=np.float32).reshape(*cand.shape, self.dim)
+            rows = np.searchsorted(ids, np.where(valid, cand, ids[0] if ids.size else 0))
+            gathered = np.asarray(vectors[rows.ravel()], dtype=np.float32).reshape(*cand.shape, self.dim)
             scores = np.einsum("qcd,qd->qc", gathered, queries[s : s + block])
             scores[~valid] = -np.inf
             order = np.lexsort((np.where(valid, cand, np.iinfo(np.int64).max), -scores), axis=-1)[:, :kk]
@@ -784,11 +1094,18 @@ class GalleryStore:
 
     def exact_search(self, queries: Any, k: int) -> SearchResult:
         """Exact top-``k`` over the stored vectors (the reference :meth:`verify` compares with)."""
+        from fedreid.eval.retrieval import block_topk
+
         queries = _as_features("queries", queries, self.dim)
         k = _capped_k(k, self.ntotal)
         if k == 0:
             return _empty_result(queries.shape[0], 0)
-        return _exact_search(queries, self.vectors, self.ids, k)
+        parts = []
+        for seg in self.segments:
+            if seg.ntotal:
+                scores, rows = block_topk(queries, seg.vectors, min(k, seg.ntotal))
+                parts.append((scores, seg.ids[rows]))
+        return _merge_topk(parts, queries.shape[0], k)
 
     # -- verification and tuning -------------------------------------------
 
@@ -804,7 +1121,7 @@ class GalleryStore:
         rng = np.random.default_rng(int(seed))
         n = min(int(sample), self.ntotal)
         rows = np.sort(rng.choice(self.ntotal, size=n, replace=False))
-        queries = self.vectors[rows]
+        queries = np.ascontiguousarray(self.vectors[rows], dtype=np.float32)
         k = min(int(k), self.ntotal)
         exact = self.exact_search(queries, k).ids
         params = dict(self.search_params, **_check_search_params(self.kind, search_params or {}, "search_params",
@@ -830,7 +1147,7 @@ class GalleryStore:
         if not 0 < float(target_recall) <= 1:
             raise GalleryStoreError(f"target recall must be in (0, 1], got {target_recall}")
         if self.kind == "ivf":
-            nlist = int(faiss.try_extract_index_ivf(faiss.downcast_index(self.index.index)).nlist)
+            nlist = int(_inner_ivf(self.template).nlist)
             name, values = "nprobe", sorted({min(v, nlist) for v in NPROBE_CANDIDATES})
         elif self.kind == "hnsw":
             name, values = "efSearch", list(EF_SEARCH_CANDIDATES)
@@ -859,31 +1176,25 @@ class GalleryStore:
         """``(id, path)`` of the items whose path ends with the file name ``name`` (sorted by id)."""
         if not name or "/" in name or os.sep in name:
             raise GalleryStoreError(f"{name!r} is not a bare file name")
-        with _connect_ro(self.folder / DB_FILE) as conn:
-            got = conn.execute(
-                "SELECT id, path FROM gallery WHERE path = ?1 OR substr(path, -length(?2)) = ?2 ORDER BY id",
-                (name, os.sep + name),
-            ).fetchall()
-        return [(int(i), str(p)) for i, p in got]
+        got = self._query_segments(
+            "SELECT id, path FROM gallery WHERE path = ?1 OR substr(path, -length(?2)) = ?2", (name, os.sep + name),
+        )
+        return sorted((int(i), str(p)) for i, p in got)
 
     def _lookup_paths(self, paths: Sequence[str]) -> dict[str, int]:
-        if not paths or not (self.folder / DB_FILE).exists():
-            return {}
-        found = {}
-        with _connect_ro(self.folder / DB_FILE) as conn:
-            for chunk in range(0, len(paths), 500):
-                part = list(paths[chunk : chunk + 500])
-                q = f"SELECT path, id FROM gallery WHERE path IN ({','.join('?' * len(part))})"
-                found.update(dict(conn.execute(q, part).fetchall()))
+        found: dict[str, int] = {}
+        for chunk in range(0, len(paths), 500):
+            part = list(paths[chunk : chunk + 500])
+            q = f"SELECT path, id FROM gallery WHERE path IN ({','.join('?' * len(part))})"
+            found.update(dict(self._query_segments(q, part)))
         return found
 
-    def _commit(self, index: Any, vectors: np.ndarray, ids: np.ndarray, change: Any, header: dict,
-                *, fresh: bool = False, side_files: Optional[Mapping[str, Any]] = None,
-                replaces: Sequence[str] = ()) -> None:
-        """Write the whole new store into a hidden sibling, swap it in, then adopt it in memory.
+    def _commit(self, plan: list[Any], header: dict, *, fresh: bool = False,
+                side_files: Optional[Mapping[str, Any]] = None, replaces: Sequence[str] = ()) -> None:
+        """Stage the new save (kept segments linked, new ones written), swap it in, then adopt it in memory.
 
         Side files: those in ``side_files`` are written by their function (None:
-        left out); the others are copied from the current folder (not on ``fresh``).
+        left out); the others are carried over from the current folder (not on ``fresh``).
         """
         folder = self.folder
         side_files = dict(side_files or {})
@@ -895,45 +1206,69 @@ class GalleryStore:
             _remove_leftovers(folder)
             if not fresh:
                 self._check_unchanged_on_disk()
-            self._write_and_swap(index, vectors, ids, change, header, fresh=fresh, side_files=side_files)
+            self._write_and_swap(plan, header, fresh=fresh, side_files=side_files)
 
-    def _write_and_swap(self, index: Any, vectors: np.ndarray, ids: np.ndarray, change: Any, header: dict,
-                        *, fresh: bool, side_files: dict[str, Any]) -> None:
+    def _write_and_swap(self, plan: list[Any], header: dict, *, fresh: bool, side_files: dict[str, Any]) -> None:
+        """Build the new save in a hidden sibling and swap it in (:func:`replace_dir_atomically`).
+
+        Unchanged files (the template, kept segments, carried side files) are
+        hard links to the current ones: nothing of them is written or hashed;
+        their records are copied from the header. New segment files get fresh
+        names (``seg-<n>``, ``next_segment`` counts up), so no name ever holds
+        two contents.
+        """
         folder = self.folder
         stage = swap_sibling(folder, "tmp")
+        next_segment = 0 if fresh else int(self.header.get("next_segment", 0))
+        old_files = {} if fresh else self.header["files"]
+        files: dict[str, dict[str, Any]] = {}
+        segments, entries = [], []
         try:
             claim_output_dir(stage, MARKER_KIND, tool=TOOL)
-            db = stage / DB_FILE
-            if fresh:
-                with _connect_rw(db) as conn:
-                    conn.execute(_SCHEMA)
+            if TEMPLATE_FILE in old_files:
+                _link_or_copy(folder / TEMPLATE_FILE, stage / TEMPLATE_FILE)
+                files[TEMPLATE_FILE] = old_files[TEMPLATE_FILE]
             else:
-                shutil.copyfile(folder / DB_FILE, db)
-            with _connect_rw(db) as conn:
-                conn.execute("PRAGMA secure_delete = ON")
-                if change is not None:
-                    change(conn)
-                    conn.commit()
-                    conn.execute("VACUUM")
-            if _db_ids(db).size != ids.size:
-                raise GalleryStoreError(f"internal error: the table would hold {_db_ids(db).size} items, the index {ids.size}")
-            faiss.write_index(index, str(stage / INDEX_FILE))
-            np.save(stage / VECTORS_FILE, np.ascontiguousarray(vectors, dtype=np.float32), allow_pickle=False)
-            np.save(stage / IDS_FILE, np.ascontiguousarray(ids, dtype=np.int64), allow_pickle=False)
+                faiss.write_index(self.template, str(stage / TEMPLATE_FILE))
+                files[TEMPLATE_FILE] = _written_record(stage / TEMPLATE_FILE)
+            for item in plan:
+                if isinstance(item, _Segment) and not item.dirty:
+                    name = item.name
+                    if not _SEGMENT_NAME.match(name):  # a version-3 store's files: linked under segment names
+                        name, next_segment = f"seg-{next_segment:06d}", next_segment + 1
+                    seg_files = _segment_files(name)
+                    for role, old in item.files.items():
+                        _link_or_copy(folder / old, stage / seg_files[role])
+                        files[seg_files[role]] = old_files[old]
+                    segments.append(_Segment(name, seg_files, item.ids, item.vectors, item.index))
+                else:
+                    if isinstance(item, _Segment):  # rebuilt in memory when opened: saved now
+                        item = _NewSegment(item.ids, np.asarray(item.vectors), item.index,
+                                           self._segment_rows(item, item.ids))
+                    name, next_segment = f"seg-{next_segment:06d}", next_segment + 1
+                    seg_files = _segment_files(name)
+                    _write_segment(stage, seg_files, item)
+                    for fname in seg_files.values():
+                        files[fname] = _written_record(stage / fname)
+                    segments.append(_Segment(name, seg_files, item.ids, None, item.index))
+                entries.append({"name": name, "ntotal": int(item.ids.size)})
             for name in SIDE_FILES:
                 if name in side_files:
                     if side_files[name] is not None:
                         side_files[name](stage / name)
                 elif not fresh and (folder / name).is_file():
-                    shutil.copyfile(folder / name, stage / name)
-            header = dict(header, files={name: _file_record(stage / name) for name in DATA_FILES})
+                    _link_or_copy(folder / name, stage / name)
+            header = dict(header, version=STORE_VERSION, segments=entries, next_segment=next_segment, files=files)
             write_json_atomic(stage / HEADER_FILE, header)
             replace_dir_atomically(stage, folder, aside=swap_sibling(folder, "old"))
         finally:
             if stage.exists():
                 _delete_marker_last(stage)
-        mapped = _read_npy(folder / VECTORS_FILE, "vectors", np.float32, vectors.shape, mmap=True)
-        self.header, self.index, self.vectors, self.ids = header, index, mapped, ids
+        for seg in segments:
+            if seg.vectors is None:
+                seg.vectors = _read_npy(folder / seg.files["vectors"], "vectors", np.float32, (seg.ntotal, self.dim),
+                                        mmap=True)
+        self.header, self.segments, self._ids, self._flat = header, segments, None, None
 
     def _check_unchanged_on_disk(self) -> None:
         """Refuse to update from a store object whose folder another process has changed since."""
@@ -963,6 +1298,32 @@ class GalleryStore:
 # --------------------------------------------------------------------------
 # Helpers
 # --------------------------------------------------------------------------
+
+
+def _segment_topk(index: Any, queries: np.ndarray, k: int, n: int, params: Any) -> tuple[np.ndarray, np.ndarray]:
+    """A segment index's top-``k`` by (score descending, id ascending); -1 pads (score -inf) last.
+
+    FAISS keeps an arbitrary one of several items that tie at place k (common
+    with quantised scores, e.g. a fast-scan PQ's): one extra result shows such
+    a tie, and that query is searched again, deeper, until every item with the
+    k-th score is in, so the segment's cut follows the store's tie rule.
+    """
+    deep = min(k + 1, n)
+    scores, ids = index.search(queries, deep, params=params)
+    out_s, out_i = np.array(scores[:, :k]), np.array(ids[:, :k])
+    if deep > k:
+        for r in np.flatnonzero((ids[:, k] >= 0) & (scores[:, k - 1] == scores[:, k])):
+            row_s, row_i, depth = scores[r : r + 1], ids[r : r + 1], deep
+            while depth < n and row_i[0, -1] >= 0 and row_s[0, -1] == scores[r, k - 1]:
+                depth = min(2 * depth, n)
+                row_s, row_i = index.search(queries[r : r + 1], depth, params=params)
+            best = _merge_topk([(row_s, row_i)], 1, k)
+            out_s[r], out_i[r] = best.scores[0], best.ids[0]
+    valid = out_i >= 0
+    order = np.lexsort((np.where(valid, out_i, np.iinfo(np.int64).max), -out_s, ~valid), axis=-1)
+    out_s, out_i = np.take_along_axis(out_s, order, axis=1), np.take_along_axis(out_i, order, axis=1)
+    out_s[out_i < 0] = -np.inf
+    return out_s, out_i
 
 
 def _capped_k(k: Any, ntotal: int) -> int:
@@ -1127,8 +1488,40 @@ def _index_without(index: Any, kind: str, gone: np.ndarray, vectors: np.ndarray,
     return fresh
 
 
-def _file_record(path: Path) -> dict[str, Any]:
-    return {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
+#: Files this process has verified: (device, inode) -> (size, mtime ns, SHA-256, when verified in ns). See
+#: :func:`_check_file`.
+_VERIFIED: dict[tuple[int, int], tuple[int, int, str, int]] = {}
+_VERIFIED_LOCK = threading.Lock()
+
+
+def _remember(path: Path, sha256: str) -> None:
+    st = path.stat()
+    with _VERIFIED_LOCK:
+        _VERIFIED[(st.st_dev, st.st_ino)] = (st.st_size, st.st_mtime_ns, sha256, time.time_ns())
+
+
+def _trusted(path: Path, record: Mapping[str, Any]) -> bool:
+    """Whether ``path`` was verified against ``record``'s SHA-256 by this process and has not changed since.
+
+    Unchanged: the same device, inode, size and modification time, and that
+    time more than :data:`RACY_NS` before the verification (otherwise a rewrite
+    within the file system's timestamp granularity could keep it).
+    """
+    try:
+        st = path.stat()
+    except OSError:
+        return False
+    with _VERIFIED_LOCK:
+        seen = _VERIFIED.get((st.st_dev, st.st_ino))
+    return seen is not None and seen[0] == st.st_size and seen[1] == st.st_mtime_ns and seen[2] == record["sha256"] \
+        and st.st_mtime_ns < seen[3] - RACY_NS
+
+
+def _written_record(path: Path) -> dict[str, Any]:
+    """Size and SHA-256 of a file the store has just written (hashed from disk; verified as written)."""
+    record = {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
+    _remember(path, record["sha256"])
+    return record
 
 
 class _Conn:
@@ -1176,7 +1569,12 @@ def is_store_folder(folder: str | Path) -> bool:
 
 
 def _own_names() -> set[str]:
-    return {HEADER_FILE, *DATA_FILES, *SIDE_FILES, marker_path(".", MARKER_KIND).name}
+    """The fixed names a store folder may hold (besides its segments' files, :data:`_SEGMENT_FILE`)."""
+    return {HEADER_FILE, TEMPLATE_FILE, *LEGACY_FILES, *SIDE_FILES, marker_path(".", MARKER_KIND).name}
+
+
+def _is_own_name(name: str) -> bool:
+    return name in _own_names() or _SEGMENT_FILE.match(name) is not None
 
 
 def _check_store_location(folder: Path, *, fresh: bool, replaces: Sequence[str] = ()) -> None:
@@ -1193,8 +1591,10 @@ def _check_store_location(folder: Path, *, fresh: bool, replaces: Sequence[str] 
         )
     if fresh is False and not is_store_folder(folder):
         raise GalleryStoreError(f"{folder} is not a gallery store (no store header.json)")
-    own = _own_names() | (set(replaces) if fresh else set())
-    foreign = sorted(p.name for p in folder.iterdir() if p.name not in own and not _HEADER_TEMP.match(p.name))
+    own = set(replaces) if fresh else set()
+    foreign = sorted(
+        p.name for p in folder.iterdir() if not _is_own_name(p.name) and p.name not in own and not _HEADER_TEMP.match(p.name)
+    )
     if foreign:
         raise GalleryStoreError(
             f"store folder {folder} also holds files that are not the store's ({', '.join(foreign[:5])}); an "
@@ -1203,17 +1603,16 @@ def _check_store_location(folder: Path, *, fresh: bool, replaces: Sequence[str] 
 
 
 #: SQLite's own files beside a database it was writing (a kill during VACUUM leaves them in a staging folder).
-_SQLITE_SIDE_FILES = tuple(DB_FILE + suffix for suffix in ("-journal", "-wal", "-shm"))
+_SQLITE_SIDE = re.compile(r"^(meta\.sqlite|seg-\d{6,}\.sqlite)-(journal|wal|shm)$")
 _ATOMIC_TEMP = re.compile(r"^\.(?P<name>.+)\.[A-Za-z0-9_]+\.tmp$")  # fedreid.utils.io.atomic_path's temporaries
 
 
 def _is_store_entry_name(name: str) -> bool:
     """Whether ``name`` is a file a store folder, or the staging of one, holds (its own, or a writer's temporary)."""
-    own = _own_names()
-    if name in own or name in _SQLITE_SIDE_FILES:
+    if _is_own_name(name) or _SQLITE_SIDE.match(name):
         return True
     temporary = _ATOMIC_TEMP.match(name)
-    return temporary is not None and temporary.group("name") in own
+    return temporary is not None and _is_own_name(temporary.group("name"))
 
 
 def _is_swap_leftover(path: Path) -> bool:
@@ -1232,7 +1631,14 @@ def _is_swap_leftover(path: Path) -> bool:
 
 
 def _is_whole_store(path: Path) -> bool:
-    return owns_folder(path, MARKER_KIND) and all((path / name).is_file() for name in (HEADER_FILE, *DATA_FILES))
+    if not owns_folder(path, MARKER_KIND):
+        return False
+    try:
+        header = json.loads((path / HEADER_FILE).read_text())
+        names = list(header["files"])
+    except (OSError, ValueError, TypeError, KeyError):
+        return False
+    return all(isinstance(name, str) and _is_own_name(name) and (path / name).is_file() for name in names)
 
 
 def _delete_marker_last(path: Path) -> None:
@@ -1284,15 +1690,33 @@ def clean_swap_leftovers(folder: str | Path) -> None:
 
 
 def _read_header(folder: Path) -> dict:
+    """The checked header of the store at ``folder``: version 4 (segments), or version 3 (one set of files)."""
     path = folder / HEADER_FILE
     header = read_format_header(path, STORE_FORMAT, GalleryStoreError, f"no gallery store at {folder}: {path} is missing")
-    if header.get("version") != STORE_VERSION:
-        raise GalleryStoreError(f"{path} has version {header.get('version')!r}; this code reads {STORE_VERSION}")
+    version = header.get("version")
+    if version not in (STORE_VERSION, LEGACY_VERSION):
+        raise GalleryStoreError(
+            f"{path} has version {version!r}; this code reads {STORE_VERSION} (and {LEGACY_VERSION}, converted by "
+            f"its first update): rebuild the store with {TOOL} --model MODEL --gallery GALLERY --index {folder}"
+        )
     bad = [key for key in ("dim", "ntotal", "next_id") if type(header.get(key)) is not int or header[key] < 0]
     if not isinstance(header.get("factory"), str) or header.get("kind") not in ("flat", "ivf", "hnsw", "other"):
         bad.append("factory/kind")
     files = header.get("files")
-    for name in DATA_FILES:
+    if version == STORE_VERSION:
+        segments = header.get("segments")
+        ok = isinstance(segments, list) and type(header.get("next_segment")) is int and all(
+            isinstance(e, dict) and isinstance(e.get("name"), str) and _SEGMENT_NAME.match(e["name"])
+            and type(e.get("ntotal")) is int and e["ntotal"] >= 0 for e in segments
+        ) and len({e["name"] for e in segments}) == len(segments)
+        if not ok:
+            bad.append("segments")
+        names = [TEMPLATE_FILE] + ([f for e in segments for f in _segment_files(e["name"]).values()] if ok else [])
+        if isinstance(files, dict) and set(files) != set(names):
+            bad.append("files (exactly the template's and the segments')")
+    else:
+        names = list(LEGACY_FILES)
+    for name in names:
         rec = files.get(name) if isinstance(files, dict) else None
         if not isinstance(rec, dict) or type(rec.get("bytes")) is not int or not isinstance(rec.get("sha256"), str) \
                 or not _SHA256_HEX.match(rec["sha256"]):
@@ -1303,11 +1727,66 @@ def _read_header(folder: Path) -> dict:
     return header
 
 
-def _check_file(folder: Path, name: str, header: dict) -> None:
+def _segment_layout(header: dict) -> list[tuple[str, dict[str, str], int]]:
+    """``(name, files by role, item count)`` of each segment, in id order (a version-3 store: its one set of files)."""
+    if header["version"] == LEGACY_VERSION:
+        return [("v3", dict(zip(SEGMENT_SUFFIXES, LEGACY_FILES)), int(header["ntotal"]))]
+    return [(e["name"], _segment_files(e["name"]), int(e["ntotal"])) for e in header["segments"]]
+
+
+def _segment_key(folder: Path, files: Mapping[str, str]) -> Optional[tuple]:
+    """What identifies a segment's files on disk: (name, device, inode, size, mtime) of each; None if one is missing."""
+    out = []
+    for role in SEGMENT_SUFFIXES:
+        try:
+            st = (folder / files[role]).stat()
+        except OSError:
+            return None
+        out.append((files[role], st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns))
+    return tuple(out)
+
+
+def _read_segment(folder: Path, header: dict, name: str, files: Mapping[str, str], n: int, last: int) -> _Segment:
+    """A segment's files read (already checked against the header): ids, mapped vectors, table ids, index."""
+    ids_path = folder / files["ids"]
+    ids = _read_npy(ids_path, "ids", np.int64, (n,))
+    vectors = _read_npy(folder / files["vectors"], "vectors", np.float32, (n, header["dim"]), mmap=True)
+    if ids.size and (np.any(np.diff(ids) <= 0) or ids[0] <= last or ids[-1] >= header["next_id"]):
+        raise GalleryStoreError(f"{ids_path}: ids are not increasing ids below next_id, after the previous segment's")
+    db_ids = _db_ids(folder / files["rows"])
+    if not np.array_equal(db_ids, ids):
+        raise GalleryStoreError(
+            f"{folder / files['rows']} lists {db_ids.size} items but {ids_path} {ids.size}, or other ids: "
+            "the store is inconsistent"
+        )
+    index_path = folder / files["index"]
+    index = _read_faiss(index_path, header, n)
+    dirty = False
+    if not np.array_equal(faiss.vector_to_array(index.id_map), ids) or not _inner_ids_match_positions(index):
+        # An IVF store whose removal shifted its ids (fixed since): its vectors and ids are right, its index not.
+        warnings.warn(
+            f"{index_path} maps its items to the wrong ids (a removal by an earlier version shifted "
+            f"them): searching an index rebuilt in memory from {files['vectors']}; the next update of the store "
+            "saves it", UserWarning, stacklevel=3,
+        )
+        index, dirty = _rebuilt_index(index, np.asarray(vectors), ids), True
+    return _Segment(name, dict(files), ids, vectors, index, dirty)
+
+
+def _check_file(folder: Path, name: str, header: dict, *, full: bool = False) -> None:
+    """``folder/name`` against its record: the size always; the SHA-256 unless this process verified it unchanged.
+
+    ``full``: hash it whatever was verified before. A file that matches is
+    remembered as verified (see :func:`_trusted`).
+    """
+    path, record = folder / name, header["files"][name]
+    if not full and path.is_file() and path.stat().st_size == record["bytes"] and _trusted(path, record):
+        return
     check_recorded_file(
-        folder / name, header["files"][name], folder / HEADER_FILE, GalleryStoreError,
+        path, record, folder / HEADER_FILE, GalleryStoreError,
         what="gallery store file", fix="after the store was saved",
     )
+    _remember(path, record["sha256"])
 
 
 def _read_npy(path: Path, what: str, dtype: Any, shape: tuple, mmap: bool = False) -> np.ndarray:
@@ -1329,7 +1808,7 @@ def _read_npy(path: Path, what: str, dtype: Any, shape: tuple, mmap: bool = Fals
     return arr
 
 
-def _read_faiss(path: Path, header: dict) -> Any:
+def _read_faiss(path: Path, header: dict, ntotal: int) -> Any:
     with open(path, "rb") as f:
         tag = f.read(4)
     if tag != _IDMAP2_TAG:
@@ -1339,10 +1818,10 @@ def _read_faiss(path: Path, header: dict) -> Any:
     except RuntimeError as exc:
         text = str(exc).strip().splitlines()
         raise GalleryStoreError(f"{path} is not a readable faiss index: {text[-1] if text else exc}") from None
-    if not isinstance(index, faiss.IndexIDMap2) or index.ntotal != header["ntotal"] or index.d != header["dim"] \
+    if not isinstance(index, faiss.IndexIDMap2) or index.ntotal != ntotal or index.d != header["dim"] \
             or index.metric_type != faiss.METRIC_INNER_PRODUCT or _index_kind(index) != header["kind"]:
         raise GalleryStoreError(
             f"{path} holds a {type(index).__name__} of dim {index.d} with {index.ntotal} vectors; "
-            f"{path.parent / HEADER_FILE} says a {header['kind']} index of dim {header['dim']} with {header['ntotal']}"
+            f"{path.parent / HEADER_FILE} says a {header['kind']} index of dim {header['dim']} with {ntotal}"
         )
     return index
