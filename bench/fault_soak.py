@@ -8,7 +8,10 @@ previous or complete (never half), no raw or user file changed, and a re-run
 * ``train-reid``: ``tools/train_fed.py``, FedPav + CDW + KD (4 rounds, tiny ResNet, two clients + public set);
 * ``train-cls``: ``tools/train_fed.py``, SCAFFOLD + FedFTG on scikit-learn's digits (4 rounds, 4 clients);
 * ``index``: ``tools/eval_reid.py index``, a 96-image gallery, into a new folder (even
-  points) or over an earlier index of another gallery (odd points).
+  points) or over an earlier index of another gallery (odd points);
+* ``index-add`` / ``index-remove``: ``index --add`` (a new segment) and ``index --remove``
+  (a compaction) on a two-segment store; after a removal's recovery no byte of the erased
+  items' vectors or file names may be left in or beside the store.
 
 Per tool: one uninterrupted reference run (its wall time bounds the kill
 delays), then ``--points`` kill points, each in a fresh folder with user files
@@ -50,7 +53,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from fault_helpers import TOOL_NAMES, FaultHarness, make_tool, summary_row  # noqa: E402
+from fault_helpers import SOAK_TOOL_NAMES, FaultHarness, make_tool, summary_row  # noqa: E402
 
 COLUMNS = (
     ("tool", "tool"), ("reference_s", "ref s"), ("random_points", "random points"),
@@ -66,14 +69,15 @@ def main() -> int:
     parser.add_argument("--write-points", type=int, default=10,
                         help="kills right before a seeded os.replace call, per tool (default 10; 0: none)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--tools", default=",".join(TOOL_NAMES), help="comma-separated, from " + ", ".join(TOOL_NAMES))
+    parser.add_argument("--tools", default=",".join(SOAK_TOOL_NAMES),
+                        help="comma-separated, from " + ", ".join(SOAK_TOOL_NAMES))
     parser.add_argument("--workdir", help="keep the work folders here (default: a temporary folder, removed)")
     parser.add_argument("--out", help="write the figures and every point's outcome as JSON here")
     args = parser.parse_args()
     tools = [t.strip() for t in args.tools.split(",") if t.strip()]
-    unknown = [t for t in tools if t not in TOOL_NAMES]
+    unknown = [t for t in tools if t not in SOAK_TOOL_NAMES]
     if unknown:
-        parser.error(f"unknown tool {unknown[0]!r}; choose from {', '.join(TOOL_NAMES)}")
+        parser.error(f"unknown tool {unknown[0]!r}; choose from {', '.join(SOAK_TOOL_NAMES)}")
     if args.points < 1 or args.write_points < 0:
         parser.error("--points must be >= 1 and --write-points >= 0")
 

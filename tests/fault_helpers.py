@@ -699,6 +699,97 @@ class IndexTool(Tool):
         ]
 
 
+class IndexUpdateTool(IndexTool):
+    """``eval_reid.py index --add`` (a segment write) or ``--remove`` (a compaction) on a two-segment store.
+
+    The store holds the 96-image gallery, then the 10-image one added as a second
+    segment. ``add`` adds 12 more images; ``remove`` erases five images of the second
+    segment, and after the recovery no byte of their vectors or paths may remain
+    in any file of the store or beside it (crash leftovers included).
+    """
+
+    cleaned_temporaries = re.compile(r"\.index\.(tmp|old)-[0-9a-f]{8}")
+
+    def __init__(self, mode: str) -> None:
+        if mode not in ("add", "remove"):
+            raise ValueError(f"mode must be 'add' or 'remove', got {mode!r}")
+        self.mode = mode
+        self.name = f"index-{mode}"
+
+    def setup_inputs(self, inputs: Path) -> None:
+        import cv2
+
+        super().setup_inputs(inputs)  # the model, both galleries, and previous_index (the small gallery)
+        rng = np.random.default_rng(1)
+        self.new_images = inputs / "new_gallery"
+        for k in range(12):
+            path = self.new_images / f"{100 + k:04d}_c1s1_{k:06d}_00.jpg"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            cv2.imwrite(str(path), rng.integers(0, 256, (64, 32, 3), dtype=np.uint8))
+        # The store every point starts from: the big gallery, then the small one as a second segment.
+        self.previous = inputs.parent / "store_before_update"
+        with contextlib.redirect_stdout(io.StringIO()):
+            tool = load_tool("eval_reid")
+            codes = [tool.main(self._argv(self.gallery, self.previous)[2:]),
+                     tool.main(["index", "--model", str(self.model), "--index", str(self.previous),
+                                "--add", str(self.old_gallery), "--device", "cpu", "--batch-size", "16"])]
+        if codes != [0, 0]:
+            raise RuntimeError(f"building the store to update failed (exit codes {codes})")
+        from fedreid.retrieval import GalleryStore
+
+        store = GalleryStore.open(self.previous)
+        # By path: the two galleries share file names, and the big gallery's twins must stay.
+        self.erased_paths = sorted(str(p) for p in self.old_gallery.iterdir())[:5]
+        by_id = {int(i): np.asarray(seg.vectors[k], dtype=np.float32)
+                 for seg in store.segments for k, i in enumerate(seg.ids)}
+        ids = store.find_paths(self.erased_paths)
+        if sorted(ids) != self.erased_paths:
+            raise RuntimeError(f"the items to erase are not stored under their paths: {ids}")
+        self.erased_vectors = [by_id[ids[p]].tobytes() for p in self.erased_paths]
+        self.previous_digest = self.index_digest(self.previous)
+
+    def setup_point(self, work: Path, point: int) -> None:
+        _write_user_files(work / "indexes")
+        shutil.copytree(self.previous, self.output_root(work))
+
+    def command(self, work: Path) -> list[str]:
+        index = ["--index", str(self.output_root(work))]
+        if self.mode == "add":
+            return [PYTHON, str(TOOLS / "eval_reid.py"), "index", "--model", str(self.model), *index,
+                    "--add", str(self.new_images), "--device", "cpu", "--batch-size", "16"]
+        return [PYTHON, str(TOOLS / "eval_reid.py"), "index", *index, "--remove", *self.erased_paths]
+
+    def recovery(self, work: Path) -> tuple[str, list[str]]:
+        """Rerun the update, unless a killed add had already finished: its rerun is refused (the images
+        are there), so the user checks the store instead (``--check`` reads and hashes, writes nothing)."""
+        header = self.output_root(work) / "header.json"
+        if self.mode == "add" and header.is_file():
+            try:
+                done = json.loads(header.read_text()).get("ntotal") == self.previous_digest["header.json"]["ntotal"] + 12
+            except ValueError:
+                done = False
+            if done:
+                return "check", [PYTHON, str(TOOLS / "eval_reid.py"), "index", "--index", str(self.output_root(work)),
+                                 "--check"]
+        return "rerun", self.command(work)
+
+    def erased_traces(self, work: Path) -> list[str]:
+        """Files in or beside the store that still hold an erased item's vector or path."""
+        folder = self.output_root(work)
+        files = [p for p in folder.rglob("*") if p.is_file()] if folder.is_dir() else []
+        for sibling in folder.parent.iterdir():
+            if sibling.name.startswith(f".{folder.name}.") and sibling.is_dir():
+                files += [p for p in sibling.rglob("*") if p.is_file()]
+        needles = self.erased_vectors + [p.encode() for p in self.erased_paths]
+        return sorted(str(p.relative_to(work)) for p in files if any(x in p.read_bytes() for x in needles))
+
+    def result(self, work: Path) -> dict[str, Any]:
+        out = super().result(work)
+        if self.mode == "remove":
+            out["erased traces"] = self.erased_traces(work)
+        return out
+
+
 def make_tool(name: str) -> Tool:
     if name == "prepare":
         return PrepareTool()
@@ -709,10 +800,15 @@ def make_tool(name: str) -> Tool:
                          reid=False)
     if name == "index":
         return IndexTool()
-    raise ValueError(f"unknown tool {name!r}; choose from {', '.join(TOOL_NAMES)}")
+    if name in ("index-add", "index-remove"):
+        return IndexUpdateTool(name.split("-", 1)[1])
+    raise ValueError(f"unknown tool {name!r}; choose from {', '.join(SOAK_TOOL_NAMES)}")
 
 
+#: The tools tests/test_fault_injection.py kills at random times (a module fixture each).
 TOOL_NAMES = ("prepare", "train-reid", "train-cls", "index")
+#: Every tool bench/fault_soak.py can soak: also the store's segment write and compaction.
+SOAK_TOOL_NAMES = (*TOOL_NAMES, "index-add", "index-remove")
 
 
 # ---------------------------------------------------------------------------

@@ -211,3 +211,18 @@ def test_a_kill_while_a_removal_deletes_its_old_copy_leaves_no_trace_after_the_n
             assert vector not in data and path not in data, f"point {nth}: {f} keeps the erased item"
         assert GalleryStore.open(work / "store").ntotal == 39
     assert unmarked_copies, "no kill point left a set-aside copy without its marker: the case is not exercised"
+
+
+def test_a_removal_killed_between_its_renames_is_recovered_without_a_trace(tmp_path):
+    """``index --remove`` killed before its last os.replace: the store sits set aside beside its folder.
+
+    The rerun puts it back and removes again (it once answered "index folder does not exist"),
+    and afterwards no byte of the erased items' vectors or paths is left in or beside the store.
+    """
+    harness = FaultHarness(make_tool("index-remove"), tmp_path / "h", seed=SEED)
+    assert harness.reference["erased traces"] == []
+    last = len(harness.replaces)
+    assert harness.replaces[-1] == "index"
+    outcome = harness.kill_point(0, before_replace=last)
+    assert outcome.killed and outcome.phase == "swapping folders (nothing in place)", outcome.describe()
+    assert outcome.ok, outcome.describe()

@@ -207,6 +207,10 @@ def open_gallery_store(index_dir: str | Path) -> GalleryStore:
 
     folder = Path(index_dir)
     if not folder.is_dir():
+        # An update killed between the two renames of its swap leaves the store set aside beside the
+        # folder: put it back (the store's own repair) before calling the folder missing.
+        clean_swap_leftovers(folder)
+    if not folder.is_dir():
         raise FileNotFoundError(f"index folder {folder} does not exist: build it with {_TOOL_INDEX}")
     try:
         header = json.loads((folder / "header.json").read_text())
