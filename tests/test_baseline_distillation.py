@@ -170,7 +170,12 @@ def test_server_generator_loss_is_the_hand_computed_weighted_ce():
 def test_generator_training_moves_only_the_generator():
     gen = FeatureGenerator(3, 2, z_dim=4, embed_dim=8, seed=0)
     opt = torch.optim.Adam(gen.parameters(), lr=0.01)
-    heads = [nn.Linear(2, 3) for _ in range(2)]
+    # Seeded teachers: drawn from the global RNG as it happened to be, they made this test depend on
+    # which tests ran before it (it failed once in CI). For 29 of 30 seeds of the heads the
+    # generator's accuracy on them rises over 60 steps; seed 0 is one of them.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        heads = [nn.Linear(2, 3) for _ in range(2)]
     frozen = [copy.deepcopy(h.state_dict()) for h in heads]
     counts = torch.tensor([[5.0, 1.0, 0.0], [0.0, 1.0, 5.0]])
     rng = torch.Generator().manual_seed(0)
