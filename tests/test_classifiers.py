@@ -231,7 +231,7 @@ def test_count_parameters_trainable_only():
 
 
 def test_register_classifier(monkeypatch):
-    monkeypatch.setattr(classifiers, "_REGISTRY", dict(classifiers._REGISTRY))
+    monkeypatch.setattr(classifiers, "_REGISTRY", classifiers._REGISTRY.copy())
 
     @register_classifier("tiny_mlp")
     def _tiny(*, in_channels, image_size, width=16):

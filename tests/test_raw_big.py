@@ -113,7 +113,7 @@ def test_missing_release_names_the_path(tmp_path):
 
 
 def test_parsers_are_registered():
-    from fedreid.data.raw import _REGISTRY
+    from fedreid.data.raw import PARSERS as _REGISTRY
 
     for cls in (Market1501, DukeMTMCreID, CUHK03NP, MSMT17):
         assert _REGISTRY[cls.name] is cls

@@ -130,6 +130,7 @@ from fedreid.models.backbones import (
     resolve_weights_path,
 )
 from fedreid.models.reid import _seeded_cpu_rng
+from fedreid.registry import Registry
 
 __all__ = [
     "BODY_PREFIX",
@@ -242,7 +243,8 @@ class _CheckedFlatten(nn.Flatten):
 
 
 _Builder = TypeVar("_Builder", bound=Callable[..., tuple[nn.Module, int]])
-_REGISTRY: dict[str, Callable[..., tuple[nn.Module, int]]] = {}
+#: Our architectures' body builders by name (timm's resolve after these, see :func:`create_classifier`).
+_REGISTRY: Registry[Callable[..., tuple[nn.Module, int]]] = Registry("classifier", name_of=lambda fn: fn.__name__)
 
 
 @overload
@@ -269,8 +271,7 @@ def register_classifier(name_or_fn=None):  # type: ignore[no-untyped-def]
             raise ValueError(f"classifier {name!r} is already registered")
         if name.startswith(TIMM_PREFIX):
             raise ValueError(f"classifier names may not start with {TIMM_PREFIX!r}: {name!r}")
-        _REGISTRY[name] = fn
-        return fn
+        return _REGISTRY.register(fn, name=name)
 
     if callable(name_or_fn):
         return add(name_or_fn, name_or_fn.__name__)
@@ -279,7 +280,7 @@ def register_classifier(name_or_fn=None):  # type: ignore[no-untyped-def]
 
 def list_classifiers() -> list[str]:
     """Our architectures' names, sorted (timm's come on top of these)."""
-    return sorted(_REGISTRY)
+    return _REGISTRY.names()
 
 
 # ---------------------------------------------------------------------------

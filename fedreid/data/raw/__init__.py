@@ -13,11 +13,11 @@ A parser's options are the fields of its ``Options`` dataclass
 from __future__ import annotations
 
 import dataclasses
-import importlib
 from pathlib import Path
 from typing import Any, Mapping, Optional, Type
 
 from fedreid.data.benchmark import BENCHMARK_DATASETS, PUBLIC_DATASET
+from fedreid.registry import Registry
 
 from .base import (
     SPLIT_NAMES,
@@ -31,56 +31,32 @@ from .base import (
     build_parser_options,
 )
 
-_REGISTRY: dict[str, Type[RawDataset]] = {}
-
-#: The modules that register parsers, imported on first use.
-_PARSER_MODULES = (
-    "market1501",
-    "dukemtmc",
-    "cuhk03np",
-    "msmt17",
-    "viper",
-    "cuhk01",
-    "prid2011",
-    "threedpes",
-    "ilids",
-    "cuhk02",
+#: Raw-layout parsers by dataset name; the modules listed register them on first use.
+PARSERS: Registry[Type[RawDataset]] = Registry(
+    "dataset",
+    locations=tuple(f"{__name__}.{module}" for module in (
+        "market1501", "dukemtmc", "cuhk03np", "msmt17", "viper", "cuhk01", "prid2011", "threedpes", "ilids", "cuhk02",
+    )),
 )
 
-
-def register(cls: Type[RawDataset]) -> Type[RawDataset]:
-    """Class decorator adding a parser to the registry under ``cls.name``."""
-    if cls.name in _REGISTRY and _REGISTRY[cls.name] is not cls:
-        raise ValueError(f"two raw parsers are registered as {cls.name!r}")
-    _REGISTRY[cls.name] = cls
-    return cls
-
-
-def _load_all() -> None:
-    for module in _PARSER_MODULES:
-        importlib.import_module(f"{__name__}.{module}")
+#: Class decorator adding a parser to :data:`PARSERS` under ``cls.name``.
+register = PARSERS.register
 
 
 def list_raw_datasets() -> list[str]:
-    _load_all()
-    return sorted(_REGISTRY)
+    return PARSERS.names()
 
 
 def get_raw_dataset(name: str) -> Type[RawDataset]:
-    _load_all()
-    try:
-        return _REGISTRY[name]
-    except KeyError:
-        raise KeyError(
-            f"unknown dataset {name!r}; known: {', '.join(sorted(_REGISTRY))}"
-        ) from None
+    """The parser class of dataset ``name``; an :class:`~fedreid.registry.UnknownNameError` (also a KeyError) otherwise."""
+    return PARSERS.get(name)
 
 
 LAYOUTS: tuple[str, ...] = ("raw", "fedreid")
 
 
 def parser_class(name: str, layout: str = "raw") -> Type[RawDataset]:
-    """The class that reads dataset ``name`` in ``layout`` (a :class:`KeyError` for an unknown name)."""
+    """The class that reads dataset ``name`` in ``layout`` (an :class:`~fedreid.registry.UnknownNameError` for an unknown name)."""
     if layout == "fedreid":
         from .fedreid_layout import FedReIDLayout
 
@@ -132,6 +108,7 @@ __all__ = [
     "SPLITS",
     "SPLIT_NAMES",
     "LAYOUTS",
+    "PARSERS",
     "ExpectedCounts",
     "ParseResult",
     "RawDataset",

@@ -70,6 +70,7 @@ from torch import Tensor, nn
 
 from fedreid.errors import FedReIDError
 from fedreid.options import NoOptions
+from fedreid.registry import Registry
 
 TensorDict = "OrderedDict[str, Tensor]"
 
@@ -297,16 +298,14 @@ class LocalObjective:
 
 FedAvg = LocalObjective
 
-#: Objective classes by registry name.
-OBJECTIVES: dict[str, type[LocalObjective]] = {}
+#: Objective classes by name (``train.objective``); the built-ins register when
+#: :mod:`fedreid.fl.local.objectives` is imported.
+OBJECTIVES: Registry[type[LocalObjective]] = Registry("client objective", locations=("fedreid.fl.local.objectives",))
 
 
 def register_objective(cls: type[LocalObjective]) -> type[LocalObjective]:
     """Class decorator: make ``cls`` available as ``train.objective: <cls.name>``."""
-    if cls.name in OBJECTIVES and OBJECTIVES[cls.name] is not cls:
-        raise ValueError(f"client objective name {cls.name!r} is taken by {OBJECTIVES[cls.name].__name__}")
-    OBJECTIVES[cls.name] = cls
-    return cls
+    return OBJECTIVES.register(cls)
 
 
 register_objective(FedAvg)

@@ -29,7 +29,6 @@ subclass decorated with :func:`~fedreid.fl.local.base.register_objective`, impor
 from __future__ import annotations
 
 import dataclasses
-import difflib
 from typing import Any, Mapping, Optional, Sequence
 
 from fedreid.fl.local.base import OBJECTIVES, FedAvg, LocalObjective, ObjectiveError, register_objective
@@ -46,13 +45,8 @@ from fedreid.options import ConfigError, build_options
 
 
 def objective_class(name: str, *, where: str = "train.objective") -> type[LocalObjective]:
-    """The registered objective ``name``; a :class:`~fedreid.options.ConfigError` listing close names otherwise."""
-    try:
-        return OBJECTIVES[name]
-    except KeyError:
-        close = difflib.get_close_matches(name, list(OBJECTIVES), n=3)
-        hint = f" (did you mean {', '.join(close)}?)" if close else ""
-        raise ConfigError(f"{where}: unknown {name!r}{hint}; allowed: {', '.join(OBJECTIVES)}") from None
+    """The registered objective ``name``; an :class:`~fedreid.registry.UnknownNameError` (a ConfigError) otherwise."""
+    return OBJECTIVES.get(name, where=where)
 
 
 def objective_options(name: str, values: Mapping[str, Any], *, where: str = "train.objective_options") -> Any:
@@ -66,9 +60,10 @@ def build_objective(name: str, *, class_counts: Optional[Sequence[float]] = None
     ``class_counts``: the client's training images per class, for objectives
     with ``needs_class_counts`` (FedLMD); ignored by the others.
     """
-    if name not in OBJECTIVES:
-        raise ObjectiveError(f"unknown client objective {name!r}; choose one of {', '.join(OBJECTIVES)}")
-    cls = OBJECTIVES[name]
+    try:
+        cls = OBJECTIVES.get(name)
+    except ConfigError as exc:
+        raise ObjectiveError(str(exc)) from None
     try:
         values = dataclasses.asdict(objective_options(name, options, where=f"client objective {name!r}"))
     except ConfigError as exc:

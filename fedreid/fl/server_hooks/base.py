@@ -28,7 +28,6 @@ makes one from its options and a :class:`HookContext`.
 
 from __future__ import annotations
 
-import difflib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping, Optional, Sequence
 
@@ -36,7 +35,8 @@ import torch
 from torch import Tensor, nn
 
 from fedreid.fl.update import Update
-from fedreid.options import ConfigError, NoOptions, build_options
+from fedreid.options import NoOptions, build_options
+from fedreid.registry import Registry
 from fedreid.utils.precision import FP32, Precision, resolve_precision
 
 if TYPE_CHECKING:
@@ -167,30 +167,19 @@ def hook_problem(hook: ServerHook, round_index: int, update: Update, model: nn.M
     return f"{hook.name}: {problem}" if problem else None
 
 
-#: Server hook classes by registry name (built-ins register when :mod:`fedreid.fl.server_hooks` is imported).
-SERVER_HOOKS: dict[str, type[ServerHook]] = {}
+#: Server hook classes by name (``fl.hooks``); the built-ins register when
+#: :mod:`fedreid.fl.server_hooks` is imported.
+SERVER_HOOKS: Registry[type[ServerHook]] = Registry("server hook", locations=("fedreid.fl.server_hooks",))
 
 
 def register_hook(cls: type[ServerHook]) -> type[ServerHook]:
     """Class decorator: make ``cls`` available as ``fl.hooks: [{name: cls.name}]``."""
-    if not cls.name:
-        raise ValueError(f"{cls.__name__} has no registry name")
-    if cls.name in SERVER_HOOKS and SERVER_HOOKS[cls.name] is not cls:
-        raise ValueError(f"server hook name {cls.name!r} is taken by {SERVER_HOOKS[cls.name].__name__}")
-    SERVER_HOOKS[cls.name] = cls
-    return cls
+    return SERVER_HOOKS.register(cls)
 
 
 def hook_class(name: str, *, where: str = "fl.hooks") -> type[ServerHook]:
-    """The registered hook ``name``; a :class:`~fedreid.options.ConfigError` listing close names otherwise."""
-    try:
-        return SERVER_HOOKS[name]
-    except KeyError:
-        close = difflib.get_close_matches(name, list(SERVER_HOOKS), n=3)
-        hint = f" (did you mean {', '.join(close)}?)" if close else ""
-        raise ConfigError(
-            f"{where}: unknown server hook {name!r}{hint}; registered: {', '.join(sorted(SERVER_HOOKS))}"
-        ) from None
+    """The registered hook ``name``; an :class:`~fedreid.registry.UnknownNameError` (a ConfigError) otherwise."""
+    return SERVER_HOOKS.get(name, where=where)
 
 
 def hook_options(name: str, values: Mapping[str, Any], *, where: str = "fl.hooks") -> Any:
