@@ -4,9 +4,9 @@ One ReID model (``--backbone``, random ImageNet-free weights, ``--bottleneck``
 dims) at ``--height`` x ``--width``; each backend computes the same index
 feature (embed of image + flipped image, L2-normalised) of one batch of
 ``--batch`` random normalised images. PyTorch eager is
-:func:`fedreid.eval.model_io.model_features` (what ``index``/``query`` run);
-the others are :func:`fedreid.eval.export.load_extractor` of files written by
-:func:`fedreid.eval.export.export_model`. Torch and ONNX Runtime both get
+:func:`fedreid.inference.model_io.model_features` (what ``index``/``query`` run);
+the others are :func:`fedreid.inference.export.load_extractor` of files written by
+:func:`fedreid.inference.export.export_model`. Torch and ONNX Runtime both get
 ``--threads`` threads. Figures: images/s, median over ``--repeats`` timed
 calls after one warm-up, and the max abs difference to the eager features.
 
@@ -24,8 +24,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fedreid.eval.export import EXPORT_FORMATS, OnnxExtractor, export_model, load_extractor
-from fedreid.eval.model_io import LoadedModel, model_features, model_fingerprint
+from fedreid.inference.export import EXPORT_FORMATS, OnnxExtractor, export_model, load_extractor
+from fedreid.inference.model_io import LoadedModel, model_features, model_fingerprint
 from fedreid.models.reid import create_reid_model
 
 

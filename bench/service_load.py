@@ -39,7 +39,7 @@ def build(root: Path, backbone: str, height: int, width: int, gallery: int, seed
     import torch
 
     from fedreid.config import ModelConfig, to_dict
-    from fedreid.eval.model_io import load_model
+    from fedreid.inference.model_io import load_model
     from fedreid.models.reid import create_reid_model, shared_state
     from fedreid.retrieval.store import GalleryStore
 

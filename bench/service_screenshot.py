@@ -27,8 +27,8 @@ import torch
 
 from fedreid.config import ModelConfig, to_dict
 from fedreid.data.synthetic import RELEASE_DIRS, generate_world
-from fedreid.eval.image_folders import image_features, parse_market_name
-from fedreid.eval.model_io import load_model
+from fedreid.inference.images import image_features, parse_market_name
+from fedreid.inference.model_io import load_model
 from fedreid.models.reid import create_reid_model, shared_state
 from fedreid.retrieval import service as svc
 from fedreid.retrieval.gallery_rows import GALLERY_ROOTS_KEY, gallery_roots

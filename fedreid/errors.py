@@ -8,6 +8,10 @@ callers can catch either and the tools print it as one line
 OSErrors about a path the user gave (missing, already existing, not permitted,
 a folder where a file was expected or the reverse) are printed the same way
 without wrapping (``fedreid.utils.cli.USER_PATH_ERRORS``).
+
+:class:`EvalDataError` (bad features, ids or evaluation options) is defined
+here because both feature extraction (:mod:`fedreid.inference`) and the
+metrics (:mod:`fedreid.eval`) raise it.
 """
 
 from __future__ import annotations
@@ -17,4 +21,13 @@ class FedReIDError(Exception):
     """Bad input; the message names the file, key or value and what was expected."""
 
 
-__all__ = ["FedReIDError"]
+class EvalDataError(FedReIDError, ValueError):
+    """Bad evaluation input (empty sets, mismatched lengths, NaN/inf features, no query with a match...).
+
+    A :class:`~fedreid.errors.FedReIDError`, so the tools print it as one
+    line, and a ``ValueError``, so library callers catching that keep working.
+    The message names the array or option and what was expected.
+    """
+
+
+__all__ = ["EvalDataError", "FedReIDError"]

@@ -420,7 +420,7 @@ def test_a_collapsed_model_is_an_error_on_every_path(world, tmp_path, capsys, bi
 
 @pytest.mark.parametrize("kind", ["zero", "constant", "nan"])
 def test_degenerate_feature_files_are_an_error_naming_the_file(tmp_path, capsys, kind):
-    from fedreid.eval.features import save_features
+    from fedreid.inference.features import save_features
 
     rng = np.random.default_rng(0)
     feats = rng.standard_normal((12, 8)).astype(np.float32)
@@ -441,13 +441,14 @@ def test_degenerate_feature_files_are_an_error_naming_the_file(tmp_path, capsys,
 
 
 def test_degenerate_features_in_memory_are_refused_by_evaluate_dataset():
-    from fedreid.eval import pipeline as pl
-    from fedreid.eval.features import DegenerateFeaturesError, FeatureSet
+    from fedreid.eval.protocols import evaluate_dataset
+    from fedreid.inference.dataset_features import DatasetFeatures
+    from fedreid.inference.features import DegenerateFeaturesError, FeatureSet
 
     ids = np.repeat(np.arange(1, 4), 2)
     part = FeatureSet(np.zeros((6, 4), np.float32), ids, np.arange(6) % 2, [f"{i}.jpg" for i in range(6)])
     with pytest.raises(DegenerateFeaturesError, match="dataset 'mem' \\(test source\\): query: all 6 feature rows"):
-        pl.evaluate_dataset(pl.DatasetFeatures("mem", part, part, source="test source"))
+        evaluate_dataset(DatasetFeatures("mem", part, part, source="test source"))
 
 
 # --------------------------------------------------------------------------

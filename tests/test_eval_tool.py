@@ -131,10 +131,11 @@ def test_index_and_query_round_trip(world, capsys):
     assert len(lines) == 1 + 5 + 1 and lines[1].endswith(" +")
     assert len(list(pics.glob("*.png"))) == 1
 
-    from fedreid.eval import pipeline as pl
+    from fedreid.eval.folder_index import query_index
+    from fedreid.inference.model_io import load_model
 
-    loaded = pl.load_model(world["run"])
-    results = pl.query_index(loaded, index, gallery, top_k=3)
+    loaded = load_model(world["run"])
+    results = query_index(loaded, index, gallery, top_k=3)
     assert len(results) == 13
     unnamed = next(r for r in results if r.path.endswith("unnamed.jpg.png"))
     assert unnamed.pid == -1 and all(m["correct"] is None for m in unnamed.matches)
@@ -143,13 +144,13 @@ def test_index_and_query_round_trip(world, capsys):
 
 
 def test_checkpoint_format_loads(world, tmp_path):
-    from fedreid.eval import pipeline as pl
+    from fedreid.inference.model_io import load_model
 
     payload = torch.load(world["run"] / "model_final.pt", weights_only=True)
     cfg = load_config(world["run"] / "config.yaml", ["model.bottleneck_dim=32"])
     torch.save({"format": "fedreid.fl.checkpoint", "version": 1, "round": 2, "config": to_dict(cfg),
                 "server": {"global_state": payload["state"]}}, tmp_path / "checkpoint.pt")
-    a, b = pl.load_model(tmp_path), pl.load_model(world["run"])
+    a, b = load_model(tmp_path), load_model(world["run"])
     assert a.source.name == "checkpoint.pt" and b.source.name == "model_final.pt"
     x = torch.randn(2, 3, 32, 16)
     assert torch.equal(a.model.embed(x), b.model.embed(x))
@@ -177,13 +178,15 @@ def test_bad_inputs_give_one_line(world, tmp_path, capsys):
     torch.save({"format": "something"}, bad)
     assert str(bad) in _cli_error(["index", "--model", str(bad), "--gallery", str(empty), "--index", "x"], capsys)
     # the error types are ones run_main prints
-    from fedreid.eval import pipeline as pl
+    from fedreid.inference.errors import EvalInputError
+    from fedreid.inference.images import parse_market_name
+    from fedreid.inference.model_io import find_model_file
 
-    assert issubclass(pl.EvalInputError, ConfigError) and issubclass(PreparedDatasetError, ValueError)
+    assert issubclass(EvalInputError, ConfigError) and issubclass(PreparedDatasetError, ValueError)
     with pytest.raises(FileNotFoundError):
-        pl.find_model_file(missing)
-    assert pl.parse_market_name("0002_c3s1_000451_01.jpg") == (2, 2)
-    assert pl.parse_market_name("-1_c1s1_x.jpg") == (-1, 0) and pl.parse_market_name("a_b.png") == (-1, -1)
+        find_model_file(missing)
+    assert parse_market_name("0002_c3s1_000451_01.jpg") == (2, 2)
+    assert parse_market_name("-1_c1s1_x.jpg") == (-1, 0) and parse_market_name("a_b.png") == (-1, -1)
 
 
 def test_local_baseline_needs_a_client(world, tmp_path, capsys):
@@ -198,12 +201,12 @@ def test_local_baseline_needs_a_client(world, tmp_path, capsys):
     assert "has no client 'x'" in _cli_error(["evaluate", "--model", str(run), "--client", "x"], capsys)
     assert "drop --client" in _cli_error(["evaluate", "--model", str(world["run"]), "--client", "tiny"], capsys)
 
-    from fedreid.eval import pipeline as pl
+    from fedreid.inference.model_io import load_model
 
     x = torch.randn(2, 3, 32, 16)
-    own = pl.load_model(run, client="tiny").model.embed(x)
-    assert not torch.equal(own, pl.load_model(world["run"]).model.embed(x))
-    assert torch.equal(pl.load_model(run, client="tiny2").model.embed(x), pl.load_model(world["run"]).model.embed(x))
+    own = load_model(run, client="tiny").model.embed(x)
+    assert not torch.equal(own, load_model(world["run"]).model.embed(x))
+    assert torch.equal(load_model(run, client="tiny2").model.embed(x), load_model(world["run"]).model.embed(x))
     assert tool.main(["evaluate", "--model", str(run), "--client", "tiny", "--out", str(tmp_path / "ev")]) == 0
 
 
@@ -216,8 +219,8 @@ def _random_features(seed: int, n_q: int, n_g: int, *, dim: int = 8, exact: bool
     """In-memory DatasetFeatures: clustered ids, 3 cameras, junk and distractors in the gallery."""
     import numpy as np
 
-    from fedreid.eval import pipeline as pl
-    from fedreid.eval.features import FeatureSet
+    from fedreid.inference.dataset_features import DatasetFeatures
+    from fedreid.inference.features import FeatureSet
 
     rng = np.random.default_rng(seed)
     n_ids = max(2, n_q // 3)
@@ -235,23 +238,24 @@ def _random_features(seed: int, n_q: int, n_g: int, *, dim: int = 8, exact: bool
     def part(pids, side):
         return FeatureSet(feats(pids), pids, rng.integers(0, 3, pids.size), [f"{side}/{i}.jpg" for i in range(pids.size)])
 
-    return pl.DatasetFeatures("rand", part(q_pids, "q"), part(g_pids, "g"), source="test")
+    return DatasetFeatures("rand", part(q_pids, "q"), part(g_pids, "g"), source="test")
 
 
 @pytest.mark.parametrize("exact", [False, True])
 def test_ranked_lists_equal_the_full_matrix_approach(exact):
     import numpy as np
 
-    from fedreid.eval import pipeline as pl
     from fedreid.eval.metrics import gallery_masks, ranking_order
+    from fedreid.eval.protocols import evaluate_dataset
+    from fedreid.eval.query_picking import ranked_lists
 
     for seed in range(8):
         feats = _random_features(seed, 40, 150, exact=exact)
         q, g = feats.query, feats.gallery
-        result, reranked = pl.evaluate_dataset(feats)
+        result, reranked = evaluate_dataset(feats)
         assert reranked is None  # no query x gallery matrix is kept (or built)
         chosen = [3, 0, 17]
-        lists = pl.ranked_lists(feats, result, pictures=5, queries=chosen, top_k=10)
+        lists = ranked_lists(feats, result, pictures=5, queries=chosen, top_k=10)
 
         # The full-matrix way: every score, a full stable sort of every filtered row.
         sim = q.features @ g.features.T
@@ -286,15 +290,16 @@ def test_evaluation_and_pictures_stay_far_below_a_score_matrix():
     import tracemalloc
 
     import fedreid.eval.visualize  # noqa: F401 - imported before tracing: cv2/matplotlib module memory is no score
-    from fedreid.eval import pipeline as pl
+    from fedreid.eval.protocols import evaluate_dataset
+    from fedreid.eval.query_picking import ranked_lists
 
     n_q, n_g = 1500, 12000
     feats = _random_features(0, n_q, n_g, dim=16)
     matrix_bytes = 4 * n_q * n_g  # 72 MB
     tracemalloc.start()
     try:
-        result, reranked = pl.evaluate_dataset(feats, max_block_bytes=2 * 2**20)
-        lists = pl.ranked_lists(feats, result, pictures=6, queries=[5, 7])
+        result, reranked = evaluate_dataset(feats, max_block_bytes=2 * 2**20)
+        lists = ranked_lists(feats, result, pictures=6, queries=[5, 7])
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
@@ -310,14 +315,15 @@ def test_evaluation_and_pictures_stay_far_below_a_score_matrix():
 @pytest.fixture(scope="module")
 def cache(world):
     """tiny.npz: the features of the tiny dataset (6 queries, 12 gallery images)."""
-    from fedreid.eval import pipeline as pl
+    from fedreid.inference.dataset_features import dataset_features, save_dataset_features
+    from fedreid.inference.model_io import load_model
 
-    feats = pl.dataset_features(pl.load_model(world["run"]), world["prepared"], "tiny", batch_size=8)
-    return pl.save_dataset_features(world["root"] / "cache", feats), feats
+    feats = dataset_features(load_model(world["run"]), world["prepared"], "tiny", batch_size=8)
+    return save_dataset_features(world["root"] / "cache", feats), feats
 
 
 def _write_cache(path, feats, *, query_rows=None, gallery_rows=None, query_pids=None):
-    from fedreid.eval import pipeline as pl
+    from fedreid.inference.dataset_features import save_dataset_features
 
     def cut(fs, rows):
         return fs if rows is None else fs._replace(
@@ -327,7 +333,7 @@ def _write_cache(path, feats, *, query_rows=None, gallery_rows=None, query_pids=
     q, g = cut(feats.query, query_rows), cut(feats.gallery, gallery_rows)
     if query_pids is not None:
         q = q._replace(pids=query_pids)
-    return pl.save_dataset_features(path.parent, dataclasses.replace(feats, name=path.stem, query=q, gallery=g))
+    return save_dataset_features(path.parent, dataclasses.replace(feats, name=path.stem, query=q, gallery=g))
 
 
 def test_bad_feature_files_give_one_line_naming_the_file(cache, tmp_path, capsys):
@@ -351,7 +357,9 @@ def test_bad_feature_files_give_one_line_naming_the_file(cache, tmp_path, capsys
 
 
 def test_chosen_queries_are_drawn(cache, tmp_path, capsys):
-    from fedreid.eval import pipeline as pl
+    from fedreid.eval.query_picking import chosen_queries
+    from fedreid.inference.dataset_features import DatasetFeatures
+    from fedreid.inference.errors import EvalInputError
 
     path, feats = cache
     qpaths = feats.query.paths
@@ -364,15 +372,15 @@ def test_chosen_queries_are_drawn(cache, tmp_path, capsys):
     results = json.loads((out / "results.json").read_text())
     assert len(results["pictures"]) == 2 and results["protocol"] == "standard"
 
-    assert pl.chosen_queries(feats, ["2", str(Path(qpaths[3]).resolve()), Path(qpaths[0]).name]) == [2, 3, 0]
+    assert chosen_queries(feats, ["2", str(Path(qpaths[3]).resolve()), Path(qpaths[0]).name]) == [2, 3, 0]
     err = _cli_error(["evaluate", "--features", str(path), "--out", str(out), "--queries", "6"], capsys)
     assert "--queries 6" in err and "6 queries (indices 0-5)" in err
     err = _cli_error(["evaluate", "--features", str(path), "--out", str(out), "--queries", "nobody.jpg"], capsys)
     assert "--queries nobody.jpg" in err and "'tiny'" in err
-    twins = pl.DatasetFeatures("t", feats.query._replace(paths=["a/x.png", "b/x.png"] + qpaths[2:]), feats.gallery)
-    with pytest.raises(pl.EvalInputError, match="2 query images of dataset 't' have that file name"):
-        pl.chosen_queries(twins, ["x.png"])
-    assert pl.chosen_queries(twins, ["b/x.png"]) == [1]
+    twins = DatasetFeatures("t", feats.query._replace(paths=["a/x.png", "b/x.png"] + qpaths[2:]), feats.gallery)
+    with pytest.raises(EvalInputError, match="2 query images of dataset 't' have that file name"):
+        chosen_queries(twins, ["x.png"])
+    assert chosen_queries(twins, ["b/x.png"]) == [1]
 
 
 def test_cuhk03_protocol(cache, tmp_path, capsys):
@@ -409,29 +417,31 @@ def test_cuhk03_protocol(cache, tmp_path, capsys):
 
 
 def test_speedup_defaults_follow_the_device():
-    from fedreid.eval import pipeline as pl
+    from fedreid.inference.devices import resolve_speedups
+    from fedreid.inference.errors import EvalInputError
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    assert pl.resolve_speedups(cuda) == (True, True)
-    assert pl.resolve_speedups(cuda, False, None) == (False, True)
-    assert pl.resolve_speedups(cpu) == (False, False)
-    assert pl.resolve_speedups(cpu, False, False) == (False, False)
-    with pytest.raises(pl.EvalInputError, match="--amp and --channels-last only apply on a CUDA device"):
-        pl.resolve_speedups(cpu, True, True)
+    assert resolve_speedups(cuda) == (True, True)
+    assert resolve_speedups(cuda, False, None) == (False, True)
+    assert resolve_speedups(cpu) == (False, False)
+    assert resolve_speedups(cpu, False, False) == (False, False)
+    with pytest.raises(EvalInputError, match="--amp and --channels-last only apply on a CUDA device"):
+        resolve_speedups(cpu, True, True)
 
 
 def test_speedup_flags_reach_the_extraction(world, tmp_path, monkeypatch, capsys):
-    from fedreid.eval import pipeline as pl
+    from fedreid.inference import devices
+    from fedreid.inference.features import extract_features
 
     seen = []
-    real = pl.extract_features
+    real = extract_features
 
     def recording(*args, **kwargs):
         seen.append((kwargs["amp"], kwargs["channels_last"]))
         with pytest.warns(UserWarning, match="ignored: only used on CUDA") if any(seen[-1]) else nullcontext():
             return real(*args, **kwargs)
 
-    monkeypatch.setattr("fedreid.eval.model_io.extract_features", recording)
+    monkeypatch.setattr("fedreid.inference.model_io.extract_features", recording)
     base = ["evaluate", "--model", str(world["run"]), "--datasets", "tiny", "--pictures", "0", "--device", "cpu"]
     assert tool.main(base + ["--out", str(tmp_path / "a")]) == 0
     assert seen == [(False, False)] * 2  # query and gallery, CPU defaults
@@ -443,7 +453,7 @@ def test_speedup_flags_reach_the_extraction(world, tmp_path, monkeypatch, capsys
 
     # What the resolution decides (on for CUDA) is what extraction gets, in every command.
     seen.clear()
-    monkeypatch.setattr(pl, "resolve_speedups", lambda device, amp, cl: (True, True))
+    monkeypatch.setattr(devices, "resolve_speedups", lambda device, amp, cl: (True, True))
     assert tool.main(base + ["--out", str(tmp_path / "c")]) == 0
     gallery = world["root"] / "gallery_speed"
     _market_gallery(world, gallery)
@@ -455,8 +465,8 @@ def test_speedup_flags_reach_the_extraction(world, tmp_path, monkeypatch, capsys
 
 
 def test_faiss_gpu_flag(world, tmp_path, monkeypatch, capsys):
-    from fedreid.eval import pipeline as pl
     from fedreid.eval import retrieval
+    from fedreid.retrieval.faiss_gpu import resolve_faiss_gpu
 
     gallery = world["root"] / "gallery_faiss"
     _market_gallery(world, gallery)
@@ -478,16 +488,16 @@ def test_faiss_gpu_flag(world, tmp_path, monkeypatch, capsys):
         assert tool.main(index_args + ["--index", str(folder), "--faiss-gpu", mode]) == 0
         assert tool.main(query_args + ["--index", str(folder), "--faiss-gpu", mode]) == 0
         assert placed == [expected], mode
-    assert pl.resolve_faiss_gpu("auto", torch.device("cuda")) is True
-    assert pl.resolve_faiss_gpu("auto", torch.device("cpu")) is False
+    assert resolve_faiss_gpu("auto", torch.device("cuda")) is True
+    assert resolve_faiss_gpu("auto", torch.device("cpu")) is False
     monkeypatch.setattr(retrieval, "faiss_gpu_available", lambda: False)
-    assert pl.resolve_faiss_gpu("auto", torch.device("cuda")) is False
+    assert resolve_faiss_gpu("auto", torch.device("cuda")) is False
     capsys.readouterr()
 
 
 def test_an_unknown_dataset_under_a_relative_root_names_the_working_directory(tmp_path, monkeypatch):
     from fedreid.data.prepared import PreparedDatasetError
-    from fedreid.eval.dataset_features import resolve_datasets
+    from fedreid.inference.dataset_features import resolve_datasets
 
     monkeypatch.chdir(tmp_path)
     with pytest.raises(PreparedDatasetError) as info:

@@ -1,4 +1,4 @@
-"""Exported extractors (fedreid.eval.export, tools/eval_reid.py export): parity, dynamic batch, refusals."""
+"""Exported extractors (fedreid.inference.export, tools/eval_reid.py export): parity, dynamic batch, refusals."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 from tiny_runs import save_tiny_run
 from tool_loader import cli_error, load_tool
 
-from fedreid.eval.export import (
+from fedreid.inference.export import (
     ExportError,
     OnnxExtractor,
     TorchScriptExtractor,
@@ -21,7 +21,7 @@ from fedreid.eval.export import (
     read_sidecar,
     sidecar_path,
 )
-from fedreid.eval.model_io import load_model, model_features
+from fedreid.inference.model_io import load_model, model_features
 from fedreid.models.reid import create_reid_model
 
 tool = load_tool("eval_reid", "eval_reid_tool")
@@ -183,7 +183,7 @@ def test_corrupt_or_foreign_files_are_refused(world, fmt, tmp_path):
     garbage = tmp_path / f"garbage.{fmt}"  # a sidecar that matches, over a file that is no model at all
     garbage.write_bytes(b"\x00garbage" * 64)
     meta = json.loads(sidecar_path(good).read_text())
-    from fedreid.eval.filecheck import sha256_file
+    from fedreid.utils.filecheck import sha256_file
 
     meta.update(file_bytes=garbage.stat().st_size, file_sha256=sha256_file(garbage))
     sidecar_path(garbage).write_text(json.dumps(meta))
@@ -209,9 +209,10 @@ def test_corrupt_or_foreign_files_are_refused(world, fmt, tmp_path):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_index_and_query_with_an_exported_model(world, fmt, tmp_path):
-    from fedreid.eval import pipeline as pl
-    from fedreid.eval.export import load_exported_model
-    from fedreid.eval.model_io import ModelMismatchError
+    from fedreid.eval.folder_index import build_gallery_index, query_index
+    from fedreid.inference.export import load_exported_model
+    from fedreid.inference.images import image_features
+    from fedreid.inference.model_io import ModelMismatchError
 
     gallery = world["root"] / "images"
     path = export_model(world["loaded"], tmp_path / f"m.{fmt}", fmt, (HEIGHT, WIDTH))
@@ -219,28 +220,28 @@ def test_index_and_query_with_an_exported_model(world, fmt, tmp_path):
     assert exported.fingerprint["backend"] == fmt and exported.fingerprint["export_sha256"] == read_sidecar(path)[
         "file_sha256"]
     paths = sorted(gallery.glob("*.png"))
-    fs = pl.image_features(exported, paths)
-    ref = pl.image_features(world["loaded"], paths)
+    fs = image_features(exported, paths)
+    ref = image_features(world["loaded"], paths)
     assert np.abs(fs.features - ref.features).max() <= TOLERANCE
 
     index = tmp_path / "index"
-    pl.build_gallery_index(exported, gallery, index)
-    results = pl.query_index(load_exported_model(path), index, gallery, top_k=2)
+    build_gallery_index(exported, gallery, index)
+    results = query_index(load_exported_model(path), index, gallery, top_k=2)
     assert len(results) == 7 and all(r.matches[0]["score"] == pytest.approx(1.0, abs=1e-4) for r in results)
     assert all(Path(r.matches[0]["path"]).name == Path(r.path).name for r in results)
 
     # the PyTorch model of the same weights: the same features, accepted; and the reverse
-    assert len(pl.query_index(world["loaded"], index, gallery, top_k=2)) == 7
+    assert len(query_index(world["loaded"], index, gallery, top_k=2)) == 7
     torch_index = tmp_path / "torch-index"
-    pl.build_gallery_index(world["loaded"], gallery, torch_index)
-    assert len(pl.query_index(load_exported_model(path), torch_index, gallery, top_k=2)) == 7
+    build_gallery_index(world["loaded"], gallery, torch_index)
+    assert len(query_index(load_exported_model(path), torch_index, gallery, top_k=2)) == 7
     resized = export_model(world["loaded"], tmp_path / f"r.{fmt}", fmt, (HEIGHT * 2, WIDTH * 2))
     with pytest.raises(ModelMismatchError, match="height"):  # same weights, another input size
-        pl.query_index(load_exported_model(resized), torch_index, gallery)
+        query_index(load_exported_model(resized), torch_index, gallery)
     other = create_reid_model("resnet18", 0, bottleneck_dim=32, seed=5)
     other_path = export_model(other, tmp_path / f"other.{fmt}", fmt, (HEIGHT, WIDTH))
     with pytest.raises(ModelMismatchError) as exc:  # another exported file (no weights digest recorded)
-        pl.query_index(load_exported_model(other_path), index, gallery)
+        query_index(load_exported_model(other_path), index, gallery)
     assert "export_sha256" in str(exc.value)
 
 
@@ -289,7 +290,7 @@ def _foreign_onnx(path: Path, *, output: str = "features", batch: int | None = N
     or a 1-D output (``flat``); ``declare``: the sidecar states that shape/name (else it claims the usual ones)."""
     import warnings
 
-    from fedreid.eval.filecheck import sha256_file
+    from fedreid.utils.filecheck import sha256_file
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

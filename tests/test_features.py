@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from fedreid.errors import FedReIDError
-from fedreid.eval.features import (
+from fedreid.inference.features import (
     DegenerateFeaturesError,
     FeatureSet,
     channels_last_model,

@@ -622,8 +622,8 @@ def test_image_query_gives_the_evaluation_feature_and_the_model_fingerprint(tmp_
     import torch
 
     from fedreid.config import ModelConfig, to_dict
-    from fedreid.eval.model_io import load_model
     from fedreid.flower.search import image_query
+    from fedreid.inference.model_io import load_model
     from fedreid.models.reid import create_reid_model, shared_state
 
     run = tmp_path / "run"

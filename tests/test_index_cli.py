@@ -125,21 +125,23 @@ def _table(folder: Path) -> list[tuple]:
 
 
 def test_flat_store_ranks_as_exact_search(world, capsys):
-    from fedreid.eval import pipeline as pl
+    from fedreid.eval.folder_index import query_index
     from fedreid.eval.retrieval import build_index, search
+    from fedreid.inference.images import image_features, list_images
+    from fedreid.inference.model_io import check_index_model, load_model
     from fedreid.retrieval import GalleryStore
 
     store = GalleryStore.open(world["store"])
-    loaded = pl.load_model(world["run"])
+    loaded = load_model(world["run"])
     assert store.factory == "Flat" and store.ntotal == N_GALLERY + 1
-    assert pl.check_index_model(store.header, loaded, store.folder) is None  # the fingerprint where it is read
+    assert check_index_model(store.header, loaded, store.folder) is None  # the fingerprint where it is read
     assert store.header["meta"]["model_fingerprint"] == loaded.fingerprint
 
-    paths = pl.list_images(world["gallery"])
-    fs = pl.image_features(loaded, paths)
+    paths = list_images(world["gallery"])
+    fs = image_features(loaded, paths)
     scores, rows = search(build_index(fs.features, use_gpu=False), fs.features, 6)
     want = [[str(paths[r].resolve()) for r in row] for row in rows]
-    results = pl.query_index(loaded, world["store"], world["gallery"], top_k=6)
+    results = query_index(loaded, world["store"], world["gallery"], top_k=6)
     assert [[m["path"] for m in r.matches] for r in results] == want
     np.testing.assert_allclose([[m["score"] for m in r.matches] for r in results], scores, atol=1e-6)
 

@@ -27,8 +27,8 @@ from tool_loader import load_tool
 
 from fedreid.data.datasets import read_image
 from fedreid.data.transforms import build_test_transform
-from fedreid.eval.export import export_model, load_exported_model
-from fedreid.eval.model_io import load_model
+from fedreid.inference.export import export_model, load_exported_model
+from fedreid.inference.model_io import load_model
 from fedreid.retrieval.store import GalleryStore
 
 pytest.importorskip("onnxruntime")
@@ -195,10 +195,10 @@ def test_index_add_remove_and_query_match_the_torch_process(world, tmp_path, cap
 
 
 def test_search_service_without_torch(world, tmp_path):
-    from fedreid.eval import pipeline as pl
+    from fedreid.eval.folder_index import build_gallery_store
 
     store = tmp_path / "store"
-    pl.build_gallery_store(load_exported_model(world["onnx"]), world["root"] / "gallery", store, skipped=[])
+    build_gallery_store(load_exported_model(world["onnx"]), world["root"] / "gallery", store, skipped=[])
     query = world["root"] / "query" / "0003_c1_901.png"
     feature = reference_features(world["onnx"], [query])[str(query)]
     expected = GalleryStore.open(store).search(feature[None], 5).ids[0].tolist()
@@ -206,7 +206,7 @@ def test_search_service_without_torch(world, tmp_path):
     body = f"""
 import json, runpy
 from fastapi.testclient import TestClient
-from fedreid.eval.export import load_feature_model
+from fedreid.inference.export import load_feature_model
 from fedreid.retrieval.service import create_app
 
 loaded = load_feature_model({str(world["onnx"])!r}, "onnx")

@@ -17,9 +17,9 @@ from fastapi.testclient import TestClient
 from tiny_runs import save_tiny_run
 
 from fedreid.data.datasets import read_image
-from fedreid.eval.errors import EvalInputError
-from fedreid.eval.image_folders import array_features, decode_image_bytes, image_features
-from fedreid.eval.model_io import ModelMismatchError, load_model
+from fedreid.inference.errors import EvalInputError
+from fedreid.inference.images import array_features, decode_image_bytes, image_features
+from fedreid.inference.model_io import ModelMismatchError, load_model
 from fedreid.retrieval import service as svc
 from fedreid.retrieval.gallery_rows import GALLERY_ROOTS_KEY, gallery_roots
 from fedreid.retrieval.store import GalleryStore
@@ -795,7 +795,7 @@ def test_a_store_of_another_model_is_refused(world, tmp_path):
 
 def test_exported_onnx_model_serves_the_same_way(world, tmp_path):
     pytest.importorskip("onnxruntime")
-    from fedreid.eval.export import export_model, load_exported_model
+    from fedreid.inference.export import export_model, load_exported_model
 
     onnx = load_exported_model(export_model(world["loaded"], tmp_path / "m.onnx", "onnx", (HEIGHT, WIDTH)))
     paths = world["paths"][:9]

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 from test_service import HEIGHT, SITES, T0, TOKEN, build_store, person_image, save_tiny_model, write_png
 
-from fedreid.eval.image_folders import image_features
-from fedreid.eval.model_io import load_model
+from fedreid.inference.images import image_features
+from fedreid.inference.model_io import load_model
 from fedreid.retrieval import service as svc
 from fedreid.retrieval.store import GalleryStore
 

@@ -108,9 +108,30 @@ import argparse
 from pathlib import Path
 
 from fedreid.config import load_config
-from fedreid.eval import pipeline as pl
-from fedreid.eval.export import BACKENDS
+from fedreid.eval.folder_index import (
+    add_to_gallery_store,
+    build_gallery_store,
+    draw_query_pictures,
+    open_gallery_store,
+    query_index,
+    remove_from_gallery_store,
+)
+from fedreid.eval.pipeline import claim_eval_dir, evaluate_and_report
+from fedreid.eval.protocols import PROTOCOLS
 from fedreid.eval.report import EVAL_DIR, format_table, write_report
+from fedreid.inference import devices
+from fedreid.inference.dataset_features import (
+    claim_features_dir,
+    dataset_features,
+    load_dataset_features,
+    resolve_datasets,
+    save_dataset_features,
+)
+from fedreid.inference.errors import EvalInputError
+from fedreid.inference.export import BACKENDS
+from fedreid.inference.images import SKIPPED_FILE, SkippedImage, write_skipped_csv
+from fedreid.inference.model_io import find_model_file, load_model, run_config_path
+from fedreid.retrieval.faiss_gpu import FAISS_GPU_MODES, resolve_faiss_gpu
 from fedreid.retrieval.service import add_serve_arguments, run_serve
 from fedreid.utils.cli import add_config_arguments, config_from_args, run_main
 from fedreid.utils.io import claim_output_dir
@@ -142,7 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="also draw these queries: indices and/or query image paths or file names (comma-separated or repeated)",
     )
     ev.add_argument(
-        "--protocol", choices=pl.PROTOCOLS, default="standard",
+        "--protocol", choices=PROTOCOLS, default="standard",
         help="standard (default) or cuhk03: single-gallery-shot CMC, 10 seeded samplings",
     )
     ev.add_argument("--seed", type=int, metavar="N", help="seed of --protocol cuhk03 (default: the config's seed)")
@@ -202,7 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
     ix.add_argument("--batch-size", type=int, default=128, metavar="N")
     ix.add_argument("--device", default="auto")
     ix.add_argument("--client", metavar="NAME", help="a local-training baseline run: whose model to use")
-    _add_skip_argument(ix, f"the index folder's {pl.SKIPPED_FILE}")
+    _add_skip_argument(ix, f"the index folder's {SKIPPED_FILE}")
     _add_speed_arguments(ix)
     _add_backend_argument(ix)
 
@@ -223,7 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--allow-model-mismatch", action="store_true",
         help="search even when --model is not the model the index was built with (prints a WARNING line)",
     )
-    _add_skip_argument(qu, f"--out/{pl.SKIPPED_FILE} (printed without --out)")
+    _add_skip_argument(qu, f"--out/{SKIPPED_FILE} (printed without --out)")
     _add_speed_arguments(qu)
     _add_backend_argument(qu)
 
@@ -362,7 +383,7 @@ def _add_backend_argument(parser: argparse.ArgumentParser) -> None:
 
 def _load_for_features(args: argparse.Namespace, device):
     """The model of index/query: a run/model file (--backend pytorch) or an exported file."""
-    from fedreid.eval.export import load_feature_model
+    from fedreid.inference.export import load_feature_model
 
     return load_feature_model(args.model, args.backend, device, client=args.client)
 
@@ -387,14 +408,14 @@ def _add_speed_arguments(parser: argparse.ArgumentParser, faiss: bool = True) ->
     )
     if faiss:
         parser.add_argument(
-            "--faiss-gpu", choices=pl.FAISS_GPU_MODES, default="auto",
+            "--faiss-gpu", choices=FAISS_GPU_MODES, default="auto",
             help="FAISS on the GPU (index: IVF training; query: Flat stores): auto (faiss-gpu sees a GPU and the "
             "device is CUDA), on, off",
         )
 
 
 def _speedups(args: argparse.Namespace, device) -> dict:
-    amp, channels_last = pl.resolve_speedups(device, args.amp, args.channels_last)
+    amp, channels_last = devices.resolve_speedups(device, args.amp, args.channels_last)
     return {"amp": amp, "channels_last": channels_last}
 
 
@@ -413,39 +434,39 @@ def _feature_files(items: list[str]) -> list[tuple[str | None, str]]:
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
     if args.features:
-        feats = [pl.load_dataset_features(f, name) for name, f in _feature_files(args.features)]
+        feats = [load_dataset_features(f, name) for name, f in _feature_files(args.features)]
         source = ", ".join(f for _, f in _feature_files(args.features))
         out = Path(args.out or Path(_feature_files(args.features)[0][1]).parent / "eval")
-        pl.claim_eval_dir(out)
+        claim_eval_dir(out)
         cfg = config_from_args(args)
     else:
-        model_file = pl.find_model_file(args.model)
-        run_cfg = pl.run_config_path(args.model)
+        model_file = find_model_file(args.model)
+        run_cfg = run_config_path(args.model)
         cfg = load_config(run_cfg, args.overrides) if run_cfg and not args.config else config_from_args(args)
         root = args.prepared_root or cfg.data.prepared_root
         names = args.datasets.split(",") if args.datasets else (cfg.eval.datasets or cfg.data.dataset_names())
-        names = pl.resolve_datasets([n.strip() for n in names if n.strip()], root)
-        device = pl.resolve_device(args.device)
+        names = resolve_datasets([n.strip() for n in names if n.strip()], root)
+        device = devices.resolve_device(args.device)
         speed = _speedups(args, device)
-        loaded = pl.load_model(model_file, device, client=args.client)
+        loaded = load_model(model_file, device, client=args.client)
         out = Path(args.out or model_file.parent / EVAL_DIR)
-        pl.claim_eval_dir(out)  # both refused before any extraction when they hold the user's files
+        claim_eval_dir(out)  # both refused before any extraction when they hold the user's files
         if args.save_features:
-            pl.claim_features_dir(args.save_features)
+            claim_features_dir(args.save_features)
         feats = []
         batch_size = args.batch_size or cfg.eval.batch_size
         for name in names:
             print(f"extracting features: {name}", flush=True)
-            fs = pl.dataset_features(loaded, root, name, batch_size=batch_size, device=device, **speed)
+            fs = dataset_features(loaded, root, name, batch_size=batch_size, device=device, **speed)
             if args.save_features:
-                print(f"  saved {pl.save_dataset_features(args.save_features, fs)}")
+                print(f"  saved {save_dataset_features(args.save_features, fs)}")
             feats.append(fs)
         source = str(model_file)
     # --protocol cuhk03 has the standard AP only: an explicit --ap official is refused there,
     # a config's eval.ap is not the user's request for this protocol.
     ap = args.ap or (cfg.eval.ap if args.protocol == "standard" else "standard")
     seed = cfg.seed if args.seed is None else args.seed
-    report = pl.evaluate_and_report(
+    report = evaluate_and_report(
         feats, out, ap=ap, rerank=args.rerank, pictures=args.pictures, queries=_comma_list(args.queries),
         protocol=args.protocol, seed=seed, source=source,
     )
@@ -466,26 +487,26 @@ def _check_index_arguments(args: argparse.Namespace) -> str:
     """What ``index`` is asked to do (build, add, remove, check), after the flags' consistency is checked."""
     action = "build" if args.gallery else "add" if args.add else "remove" if args.remove else "check"
     if action == "check" and not (args.verify or args.check or args.target_recall is not None):
-        raise pl.EvalInputError(
+        raise EvalInputError(
             "index: give --gallery DIR (a new store), --add DIR, --remove ID_OR_PATH..., or --verify / "
             "--target-recall R / --check (an existing store)"
         )
     if action in ("build", "add") and not args.model:
-        raise pl.EvalInputError(f"--{'gallery' if action == 'build' else 'add'} needs --model (the features' model)")
+        raise EvalInputError(f"--{'gallery' if action == 'build' else 'add'} needs --model (the features' model)")
     if action in ("remove", "check") and args.model:
         what = "--remove" if action == "remove" else "--verify / --target-recall / --check alone"
-        raise pl.EvalInputError(f"--model does not apply to {what} (no image is read)")
+        raise EvalInputError(f"--model does not apply to {what} (no image is read)")
     if args.factory is not None and action != "build":
-        raise pl.EvalInputError("--factory applies to --gallery: a store keeps the factory it was built with")
+        raise EvalInputError("--factory applies to --gallery: a store keeps the factory it was built with")
     if args.refine is not None and (action != "build" or args.refine < 1):
-        raise pl.EvalInputError("--refine R (R >= 1) applies to --gallery: a store keeps the search it was built with")
+        raise EvalInputError("--refine R (R >= 1) applies to --gallery: a store keeps the search it was built with")
     for flag, value in (("--site", args.site), ("--metadata", args.metadata)):
         if value is not None and action not in ("build", "add"):
-            raise pl.EvalInputError(f"{flag} applies to the images of --gallery or --add")
+            raise EvalInputError(f"{flag} applies to the images of --gallery or --add")
     if args.target_recall is not None and not 0 < args.target_recall <= 1:
-        raise pl.EvalInputError(f"--target-recall must be in (0, 1], got {args.target_recall}")
+        raise EvalInputError(f"--target-recall must be in (0, 1], got {args.target_recall}")
     if args.verify_sample < 1 or args.verify_k < 1:
-        raise pl.EvalInputError(
+        raise EvalInputError(
             f"--verify-sample and --verify-k must be >= 1, got {args.verify_sample}, {args.verify_k}"
         )
     return action
@@ -515,34 +536,34 @@ def _print_check(store, args: argparse.Namespace) -> None:
 def cmd_index(args: argparse.Namespace) -> int:
     action = _check_index_arguments(args)
     if action == "remove":
-        store, gone = pl.remove_from_gallery_store(args.index, args.remove)
+        store, gone = remove_from_gallery_store(args.index, args.remove)
         print(f"removed {len(gone)} items from {args.index}: ids {', '.join(str(i) for i in gone)} "
               f"({store.ntotal} items left)")
         _print_check(store, args)
         return 0
     if action == "check":
-        _print_check(pl.open_gallery_store(args.index), args)
+        _print_check(open_gallery_store(args.index), args)
         return 0
-    device = pl.resolve_backend_device(args.device, args.backend)
+    device = devices.resolve_backend_device(args.device, args.backend)
     speed = _speedups(args, device)
-    faiss_gpu = pl.resolve_faiss_gpu(args.faiss_gpu, device)
+    faiss_gpu = resolve_faiss_gpu(args.faiss_gpu, device)
     loaded = _load_for_features(args, device)
-    skipped: list[pl.SkippedImage] | None = [] if args.skip_bad_images else None
+    skipped: list[SkippedImage] | None = [] if args.skip_bad_images else None
     common = dict(batch_size=args.batch_size, device=device, skipped=skipped, site=args.site,
                   metadata=args.metadata, **speed)
     if action == "build":
-        store, n = pl.build_gallery_store(
+        store, n = build_gallery_store(
             loaded, args.gallery, args.index, faiss_gpu=faiss_gpu, factory=args.factory or "Flat", seed=args.seed,
             refine=args.refine or 1, **common,
         )
         print(f"indexed {n} images of {args.gallery} into {args.index}")
     else:
-        store, ids = pl.add_to_gallery_store(loaded, args.index, args.add, **common)
+        store, ids = add_to_gallery_store(loaded, args.index, args.add, **common)
         print(f"added {len(ids)} images of {args.add} to {args.index}: ids {ids[0]}-{ids[-1]} "
               f"({store.ntotal} items)")
     print(f"store: {store.factory} ({_search_words(store.search_params)}), {store.ntotal} items")
     if skipped:
-        print(f"skipped {len(skipped)} unreadable images: listed in {Path(args.index) / pl.SKIPPED_FILE}")
+        print(f"skipped {len(skipped)} unreadable images: listed in {Path(args.index) / SKIPPED_FILE}")
     _print_check(store, args)
     return 0
 
@@ -556,7 +577,7 @@ def _shown(path: str) -> str:
 
 
 def _query_filters(args: argparse.Namespace) -> dict:
-    """The filters of ``query`` (--cameras, --sites, --since, --until) as :func:`pl.query_index` takes them.
+    """The filters of ``query`` (--cameras, --sites, --since, --until) as :func:`~fedreid.eval.folder_index.query_index` takes them.
 
     Checked by the rules the metadata CSV and the service use (:mod:`fedreid.retrieval.fields`).
     """
@@ -566,12 +587,12 @@ def _query_filters(args: argparse.Namespace) -> dict:
     if args.cameras:
         cams = fields.camera_list(",".join(args.cameras), "--cameras")
         if not cams:
-            raise pl.EvalInputError(f"--cameras expects camera numbers like 1,2, got {','.join(args.cameras)!r}")
+            raise EvalInputError(f"--cameras expects camera numbers like 1,2, got {','.join(args.cameras)!r}")
         filters["cameras"] = cams
     if args.sites:
         sites = fields.site_list(",".join(args.sites), "--sites")
         if not sites:
-            raise pl.EvalInputError(f"--sites expects site names like north,south, got {','.join(args.sites)!r}")
+            raise EvalInputError(f"--sites expects site names like north,south, got {','.join(args.sites)!r}")
         filters["sites"] = sites
     window = fields.time_window(args.since, args.until, "--")
     if window is not None:
@@ -590,29 +611,29 @@ def _match_line(m: dict) -> str:
 
 def cmd_query(args: argparse.Namespace) -> int:
     if args.top_k < 1:
-        raise pl.EvalInputError(f"--top-k must be >= 1, got {args.top_k}")
+        raise EvalInputError(f"--top-k must be >= 1, got {args.top_k}")
     filters = _query_filters(args)
-    device = pl.resolve_backend_device(args.device, args.backend)
+    device = devices.resolve_backend_device(args.device, args.backend)
     speed = _speedups(args, device)
-    faiss_gpu = pl.resolve_faiss_gpu(args.faiss_gpu, device)
+    faiss_gpu = resolve_faiss_gpu(args.faiss_gpu, device)
     loaded = _load_for_features(args, device)
     if args.out:  # refused before any work when it holds files of the user's
         claim_output_dir(args.out, "query", tool="tools/eval_reid.py query --out")
-    skipped: list[pl.SkippedImage] | None = [] if args.skip_bad_images else None
-    results = pl.query_index(
+    skipped: list[SkippedImage] | None = [] if args.skip_bad_images else None
+    results = query_index(
         loaded, args.index, args.images, top_k=args.top_k, batch_size=args.batch_size, device=device,
         faiss_gpu=faiss_gpu, allow_model_mismatch=args.allow_model_mismatch,
         warn=lambda message: print(f"WARNING: {message}", flush=True), skipped=skipped, **filters, **speed,
     )
     if skipped:
         if args.out:
-            listed = pl.write_skipped_csv(Path(args.out) / pl.SKIPPED_FILE, skipped)
+            listed = write_skipped_csv(Path(args.out) / SKIPPED_FILE, skipped)
             print(f"skipped {len(skipped)} unreadable images: listed in {listed}")
         else:
             for s in skipped:
                 print(f"skipped {s.path}: {s.reason}")
-    elif args.out and (Path(args.out) / pl.SKIPPED_FILE).is_file():
-        (Path(args.out) / pl.SKIPPED_FILE).unlink()  # from an earlier query into this folder
+    elif args.out and (Path(args.out) / SKIPPED_FILE).is_file():
+        (Path(args.out) / SKIPPED_FILE).unlink()  # from an earlier query into this folder
     for r in results:
         print(f"{r.path}")
         for m in r.matches:
@@ -620,15 +641,15 @@ def cmd_query(args: argparse.Namespace) -> int:
         if not r.matches:
             print("  (no item passes the filters)" if filters else "  (the store is empty)")
     if args.out:
-        pictures = pl.draw_query_pictures(results, args.out)
+        pictures = draw_query_pictures(results, args.out)
         print(f"pictures: {len(pictures)} in {args.out}")
     return 0
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from fedreid.eval.export import export_model, sidecar_path
+    from fedreid.inference.export import export_model, sidecar_path
 
-    loaded = pl.load_model(args.model, "cpu", client=args.client)
+    loaded = load_model(args.model, "cpu", client=args.client)
     height = args.height or int(loaded.config.get("height", 256))
     width = args.width or int(loaded.config.get("width", 128))
     out = export_model(loaded, args.out, args.format, (height, width), opset=args.opset)

@@ -4,7 +4,7 @@
 also handles non-ASCII paths), then BGR -> RGB. A file that is missing or
 cannot be decoded raises :class:`ImageReadError` naming it. The training
 datasets (:mod:`fedreid.data.datasets`, which re-exports both names) and the
-evaluation tool's image folders (:mod:`fedreid.eval.image_folders`) read
+evaluation tool's image folders (:mod:`fedreid.inference.images`) read
 images here.
 """
 

@@ -6,7 +6,7 @@ string (default ``Flat``: exact, ranking as an ``IndexFlatIP`` does), stable
 item ids, and an SQLite table of each item's path, camera, site, timestamp and
 identity (:mod:`fedreid.retrieval.gallery_rows`). The header's
 ``meta.model_fingerprint`` is the model the features came from
-(:func:`~fedreid.eval.model_io.check_index_model` reads it there).
+(:func:`~fedreid.inference.model_io.check_index_model` reads it there).
 
 Index folders (:func:`build_gallery_store`): written only into a new, empty
 or fedreid-marked folder (:func:`fedreid.utils.io.claim_output_dir`, kind
@@ -20,7 +20,7 @@ Queries (:func:`query_index`) check the store's recorded model fingerprint
 first. An index folder of the earlier format (``fedreid-faiss-index``, of
 :mod:`fedreid.eval.retrieval`) is not read: the error asks to rebuild it.
 This module does not import torch: with an exported ONNX model
-(:func:`fedreid.eval.export.load_exported_model`) stores are built, updated
+(:func:`fedreid.inference.export.load_exported_model`) stores are built, updated
 and searched without PyTorch.
 """
 
@@ -36,10 +36,10 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import numpy as np
 
-from fedreid.eval.devices import _faiss_gpu_id
-from fedreid.eval.errors import EvalInputError
-from fedreid.eval.image_folders import SKIPPED_FILE, SkippedImage, image_features, list_images, write_skipped_csv
-from fedreid.eval.model_io import LoadedModel, check_index_model
+from fedreid.inference.errors import EvalInputError
+from fedreid.inference.images import SKIPPED_FILE, SkippedImage, image_features, list_images, write_skipped_csv
+from fedreid.inference.model_io import LoadedModel, check_index_model
+from fedreid.retrieval.faiss_gpu import _faiss_gpu_id
 from fedreid.retrieval.gallery_rows import (
     GALLERY_ROOTS_KEY,
     apply_metadata,
@@ -252,7 +252,7 @@ def add_to_gallery_store(
 
     Checked before any image is read, each raising and changing nothing: the
     store's model is ``loaded``'s (:func:`check_index_model`:
-    :class:`~fedreid.eval.model_io.ModelMismatchError`), the index folder does
+    :class:`~fedreid.inference.model_io.ModelMismatchError`), the index folder does
     not lie inside ``images``, the metadata CSV (relative paths relative to
     ``images``) is valid, and no image is in the store already (an
     :class:`EvalInputError` naming them). The index is not retrained
@@ -434,7 +434,7 @@ def query_index(
 
     The store must have been built with ``loaded``'s model (equal
     fingerprints, :func:`check_index_model`), checked before any image is
-    read: otherwise :class:`~fedreid.eval.model_io.ModelMismatchError`, or, with
+    read: otherwise :class:`~fedreid.inference.model_io.ModelMismatchError`, or, with
     ``allow_model_mismatch``, ``warn`` (default :func:`warnings.warn`) gets
     the differences and the search goes on. ``cameras``/``sites``/``time_window``
     (``(since, until)`` in seconds since the epoch, inclusive, either end None)

@@ -50,7 +50,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-from fedreid.errors import FedReIDError
+from fedreid.errors import EvalDataError
 
 #: torch, once an input needs it (:func:`_load_torch`). Numpy inputs never import it: a process that only
 #: reads a gallery store (a federated search site's ClientApp, started per query) saves a second of start-up.
@@ -85,15 +85,6 @@ _FINITE_CHECK_ELEMENTS = 1 << 22  # elements per chunk of the NaN/inf check
 # Above this share of candidates per block, sorting whole rows beats compacting
 # them first (numpy's SIMD sort ~2 ns/score vs compaction ~1-2 ns/kept score).
 _DENSE_SORT_FRACTION = 0.5
-
-
-class EvalDataError(FedReIDError, ValueError):
-    """Bad evaluation input (empty sets, mismatched lengths, NaN/inf features, no query with a match...).
-
-    A :class:`~fedreid.errors.FedReIDError`, so the tools print it as one
-    line, and a ``ValueError``, so library callers catching that keep working.
-    The message names the array or option and what was expected.
-    """
 
 
 # --------------------------------------------------------------------------

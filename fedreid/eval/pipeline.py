@@ -1,29 +1,19 @@
-"""Evaluation glue for ``tools/eval_reid.py``: model files -> features -> metrics, indexes, queries.
+"""The evaluation run of ``tools/eval_reid.py evaluate``: dataset features -> metrics, ``results.json``, pictures.
 
-This module runs a whole evaluation (:func:`evaluate_and_report`: metrics,
-``results.json``, ``cmc.png``, ranked-list pictures) and claims its output
-folder (:func:`claim_eval_dir`). Each step lives in a module of its own, and
-every name is re-exported here (``from fedreid.eval import pipeline as pl``):
+:func:`evaluate_and_report` evaluates each dataset's features
+(:func:`fedreid.eval.protocols.evaluate_dataset`), then writes
+``results.json``, ``cmc.png`` and ranked-list pictures
+(:func:`fedreid.eval.query_picking.draw_dataset_pictures`);
+:func:`claim_eval_dir` claims its output folder. The features come from
+:mod:`fedreid.inference.dataset_features` (a model over a prepared dataset,
+or a feature cache); the tool's other steps (model files, devices, image
+folders, gallery stores) live in :mod:`fedreid.inference` and the gallery
+modules, and the tool imports them from there.
 
-* :mod:`fedreid.eval.errors`: :class:`EvalInputError`, the tool's input error;
-* :mod:`fedreid.eval.devices`: the device, CUDA speedups, FAISS on GPU or CPU;
-* :mod:`fedreid.eval.model_io`: run folder / model file -> model, fingerprint;
-* :mod:`fedreid.eval.dataset_features`: prepared datasets -> features, ``.npz`` cache;
-* :mod:`fedreid.eval.protocols`: CMC/mAP of one dataset (standard, re-ranked, CUHK03);
-* :mod:`fedreid.eval.query_picking`: which queries are drawn, their ranked lists, pictures;
-* :mod:`fedreid.eval.image_folders`: image files -> features, unreadable images;
-* :mod:`fedreid.eval.folder_index`: a gallery store (:mod:`fedreid.retrieval`) of an image folder:
-  build, add, remove, and queries of it.
-
-Importing this module imports no torch (the modules above import it where a
-PyTorch model or TorchScript file is read or run), so ``tools/eval_reid.py``
-indexes, queries and serves with an ONNX file (``--backend onnx``) where
-PyTorch is not installed.
-
-Features come from :func:`fedreid.eval.features.extract_features`, search
-from :mod:`fedreid.eval.retrieval`, pictures from :mod:`fedreid.eval.visualize`.
-How the pieces fit: ``docs/evaluation.md``; what the tool guarantees about
-the files it reads and writes: ``docs/retrieval-safety.md``.
+Importing this module imports no torch, so ``tools/eval_reid.py`` indexes,
+queries and serves with an ONNX file (``--backend onnx``) where PyTorch is
+not installed. How the pieces fit: ``docs/evaluation.md``; what the tool
+guarantees about the files it reads and writes: ``docs/retrieval-safety.md``.
 """
 
 from __future__ import annotations
@@ -34,125 +24,12 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import numpy as np
 
-from fedreid.eval.dataset_features import (
-    DatasetFeatures,
-    claim_features_dir,
-    dataset_features,
-    load_dataset_features,
-    resolve_datasets,
-    save_dataset_features,
-)
-from fedreid.eval.devices import (
-    FAISS_GPU_MODES,
-    resolve_backend_device,
-    resolve_device,
-    resolve_faiss_gpu,
-    resolve_speedups,
-)
-from fedreid.eval.errors import EvalInputError
-from fedreid.eval.features import extract_features
-from fedreid.eval.folder_index import (
-    QueryResult,
-    add_to_gallery_store,
-    build_gallery_index,
-    build_gallery_store,
-    draw_query_picture,
-    draw_query_pictures,
-    open_gallery_store,
-    query_index,
-    remove_from_gallery_store,
-    resolve_store_items,
-)
-from fedreid.eval.image_folders import (
-    IMAGE_EXTENSIONS,
-    SKIPPED_FILE,
-    SkippedImage,
-    image_features,
-    list_images,
-    parse_market_name,
-    write_skipped_csv,
-)
-from fedreid.eval.model_io import (
-    CHECKPOINT_FILE,
-    FEATURE_KIND,
-    MODEL_FILE,
-    MODEL_FORMAT,
-    LoadedModel,
-    ModelMismatchError,
-    check_index_model,
-    find_model_file,
-    load_model,
-    model_fingerprint,
-    run_config_path,
-)
-from fedreid.eval.protocols import CMC_RANKS, CUHK03_REPEATS, PROTOCOLS, _check_protocol, evaluate_dataset, summary_row
-from fedreid.eval.query_picking import (
-    RankedList,
-    chosen_queries,
-    draw_dataset_pictures,
-    picked_queries,
-    query_scores,
-    ranked_lists,
-)
+from fedreid.eval.protocols import CUHK03_REPEATS, _check_protocol, evaluate_dataset, summary_row
+from fedreid.eval.query_picking import chosen_queries, draw_dataset_pictures
+from fedreid.inference.dataset_features import DatasetFeatures
+from fedreid.inference.errors import EvalInputError
 
-__all__ = [
-    "EvalInputError",
-    "ModelMismatchError",
-    "LoadedModel",
-    "SkippedImage",
-    "SKIPPED_FILE",
-    "DatasetFeatures",
-    "QueryResult",
-    "PROTOCOLS",
-    "CUHK03_REPEATS",
-    "FAISS_GPU_MODES",
-    "resolve_device",
-    "resolve_backend_device",
-    "resolve_speedups",
-    "resolve_faiss_gpu",
-    "query_scores",
-    "chosen_queries",
-    "find_model_file",
-    "load_model",
-    "model_fingerprint",
-    "check_index_model",
-    "write_skipped_csv",
-    "run_config_path",
-    "resolve_datasets",
-    "dataset_features",
-    "save_dataset_features",
-    "load_dataset_features",
-    "evaluate_dataset",
-    "draw_dataset_pictures",
-    "plot_cmc_curves",
-    "list_images",
-    "parse_market_name",
-    "image_features",
-    "build_gallery_index",
-    "build_gallery_store",
-    "add_to_gallery_store",
-    "remove_from_gallery_store",
-    "resolve_store_items",
-    "open_gallery_store",
-    "query_index",
-    "draw_query_picture",
-    "draw_query_pictures",
-    "evaluate_and_report",
-    "claim_eval_dir",
-    "claim_features_dir",
-    "picked_queries",
-    "RankedList",
-    "ranked_lists",
-    "summary_row",
-    # Module attributes before the split into modules, still importable from here.
-    "IMAGE_EXTENSIONS",
-    "MODEL_FORMAT",
-    "MODEL_FILE",
-    "CHECKPOINT_FILE",
-    "CMC_RANKS",
-    "FEATURE_KIND",
-    "extract_features",
-]
+__all__ = ["claim_eval_dir", "evaluate_and_report", "plot_cmc_curves"]
 
 
 def plot_cmc_curves(results: Mapping[str, Mapping[str, Any]], out_path: str | Path, title: str = "CMC") -> Path:
@@ -181,7 +58,7 @@ def evaluate_and_report(
 ) -> dict[str, Any]:
     """Evaluate each dataset, then write ``results.json``, ``cmc.png`` and ranked-list PNGs to ``out_dir``.
 
-    ``pictures``: best/worst queries by AP per dataset (:func:`picked_queries`);
+    ``pictures``: best/worst queries by AP per dataset (:func:`~fedreid.eval.query_picking.picked_queries`);
     ``queries``: specs of :func:`chosen_queries` drawn as well (an index
     applies to every dataset, a path or file name to the datasets holding it;
     one no dataset holds is an error, raised before anything is evaluated).

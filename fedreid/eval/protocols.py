@@ -18,9 +18,9 @@ from typing import Any, Mapping, Optional
 
 import numpy as np
 
-from fedreid.eval.dataset_features import DatasetFeatures, _check_dataset_features
-from fedreid.eval.errors import EvalInputError
 from fedreid.eval.metrics import DEFAULT_BLOCK_BYTES, EvalDataError
+from fedreid.inference.dataset_features import DatasetFeatures, _check_dataset_features
+from fedreid.inference.errors import EvalInputError
 
 __all__ = ["CMC_RANKS", "PROTOCOLS", "CUHK03_REPEATS", "evaluate_dataset", "summary_row"]
 
@@ -68,7 +68,7 @@ def evaluate_dataset(
 
     Bad features or ids raise :class:`~fedreid.eval.metrics.EvalDataError`
     naming the dataset and :attr:`DatasetFeatures.source`; degenerate
-    features (:func:`~fedreid.eval.features.check_features`) are among them.
+    features (:func:`~fedreid.inference.features.check_features`) are among them.
     """
     from fedreid.eval.metrics import evaluate, evaluate_cuhk03_single_shot, evaluate_scores
 

@@ -16,8 +16,8 @@ from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
-from fedreid.eval.dataset_features import DatasetFeatures
-from fedreid.eval.errors import EvalInputError
+from fedreid.inference.dataset_features import DatasetFeatures
+from fedreid.inference.errors import EvalInputError
 
 __all__ = [
     "picked_queries",

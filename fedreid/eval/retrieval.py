@@ -40,7 +40,6 @@ import faiss
 import numpy as np
 
 from fedreid.errors import FedReIDError
-from fedreid.eval.filecheck import check_recorded_file, describe_kind, file_kind, read_format_header, sha256_file
 from fedreid.eval.metrics import (
     DEFAULT_BLOCK_BYTES,
     EvalDataError,
@@ -52,6 +51,7 @@ from fedreid.eval.metrics import (
     _score_blocks,
     _top_k_rows,
 )
+from fedreid.utils.filecheck import check_recorded_file, describe_kind, file_kind, read_format_header, sha256_file
 from fedreid.utils.io import atomic_path, write_json_atomic
 
 __all__ = [

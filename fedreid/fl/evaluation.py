@@ -1,6 +1,6 @@
 """Evaluation during training: features of query/gallery sets -> CMC/mAP.
 
-Wiring only: features come from :func:`fedreid.eval.features.extract_features`
+Wiring only: features come from :func:`fedreid.inference.features.extract_features`
 (flip-averaged, L2-normalised ``embed`` output in eval mode) and metrics from
 :func:`fedreid.eval.metrics.evaluate`. Loaders are built once per dataset and
 reused every evaluation.
@@ -24,36 +24,11 @@ import torch
 from torch import Tensor, nn
 
 from fedreid.data.prepared import PreparedDataset
+from fedreid.inference.embed import EmbedModule, FeatureBatches
 
 #: The metric keys kept in round records (``num_queries_without_match``: queries
 #: the standard protocol skips and the official one scores 0).
 KEEP_KEYS = ("mAP", "num_valid_queries", "num_queries", "num_queries_without_match")
-
-
-class EmbedModule(nn.Module):
-    """A module whose ``forward`` is ``model.embed`` (what feature extraction calls)."""
-
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.model.embed(x)
-
-
-class FeatureBatches:
-    """Adapts dataset batches (``image``/``pid``/``camid``) to the loader contract of
-    :func:`fedreid.eval.features.extract_features` (``images``/``pids``/``camids``)."""
-
-    def __init__(self, loader: Iterable[Mapping[str, Any]]) -> None:
-        self.loader = loader
-
-    def __iter__(self):
-        for batch in self.loader:
-            yield {"images": batch["image"], "pids": batch["pid"], "camids": batch["camid"]}
-
-    def __len__(self) -> int:
-        return len(self.loader)
 
 
 class Evaluator:
@@ -128,7 +103,7 @@ class Evaluator:
         :func:`~fedreid.eval.metrics.evaluate` ranks on the GPU and copies no
         scores back; elsewhere it is a CPU tensor (the numpy ranking path).
         """
-        from fedreid.eval.features import extract_features
+        from fedreid.inference.features import extract_features
 
         out = extract_features(
             EmbedModule(model), FeatureBatches(loader), flip=self.flip, normalize=True, device=self.device

@@ -721,10 +721,10 @@ def image_query(image: str | Path, model: str | Path, device: str = "cpu") -> tu
     """The query feature of ``image`` by ``model`` (a run folder or model file) and the model's fingerprint.
 
     The feature is the evaluation one (flip-averaged, L2-normalised
-    :func:`fedreid.eval.model_io.model_features`), as the sites' stores hold.
+    :func:`fedreid.inference.model_io.model_features`), as the sites' stores hold.
     """
-    from fedreid.eval.image_folders import image_features
-    from fedreid.eval.model_io import load_model
+    from fedreid.inference.images import image_features
+    from fedreid.inference.model_io import load_model
 
     loaded = load_model(model, device)
     if not loaded.fingerprint:

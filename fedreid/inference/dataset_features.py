@@ -1,12 +1,12 @@
 """Prepared datasets -> query and gallery features (:class:`DatasetFeatures`), and their ``.npz`` cache.
 
 Features from every source (a model over a prepared dataset, a feature file)
-pass :func:`fedreid.eval.features.check_features` before any figure is made
+pass :func:`fedreid.inference.features.check_features` before any figure is made
 from them: NaN/inf, all-zero or all-identical features are an error naming
 their source, not plausible-looking numbers from ties.
 
 Feature caches (:func:`save_dataset_features`): one ``.npz`` per dataset in
-the :func:`fedreid.eval.features.save_features` format, query rows first,
+the :func:`fedreid.inference.features.save_features` format, query rows first,
 then gallery rows; ``meta`` holds ``dataset`` and ``num_query``. Their folder
 is claimed with :func:`claim_features_dir`.
 """
@@ -20,10 +20,10 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import numpy as np
 
-from fedreid.eval.errors import EvalInputError
-from fedreid.eval.features import FeatureSet, check_features, load_features, save_features
-from fedreid.eval.filecheck import file_kind
-from fedreid.eval.model_io import LoadedModel, model_features
+from fedreid.inference.errors import EvalInputError
+from fedreid.inference.features import FeatureSet, check_features, load_features, save_features
+from fedreid.inference.model_io import LoadedModel, model_features
+from fedreid.utils.filecheck import file_kind
 from fedreid.utils.io import shown_path
 
 if TYPE_CHECKING:
@@ -81,7 +81,7 @@ def resolve_datasets(names: Sequence[str], prepared_root: str | Path) -> list[st
 def _split_loader(records: Sequence[Any], height: int, width: int, batch_size: int):
     from fedreid.data.datasets import ReIDImageDataset, make_loader
     from fedreid.data.transforms import build_test_transform
-    from fedreid.fl.evaluation import FeatureBatches
+    from fedreid.inference.embed import FeatureBatches
 
     dataset = ReIDImageDataset(records, None, transform=build_test_transform(height, width))
     return FeatureBatches(make_loader(dataset, batch_size, shuffle=False, seed=0))
@@ -100,8 +100,8 @@ def dataset_features(
     """Features of the query and gallery splits of prepared dataset ``name``.
 
     ``amp`` / ``channels_last``: CUDA speedups of the extraction (see
-    :func:`~fedreid.eval.devices.resolve_speedups`). Degenerate features (NaN/inf, all zero, all
-    identical; :func:`~fedreid.eval.features.check_features`) raise an error
+    :func:`~fedreid.inference.devices.resolve_speedups`). Degenerate features (NaN/inf, all zero, all
+    identical; :func:`~fedreid.inference.features.check_features`) raise an error
     naming the model and the dataset.
     """
     from fedreid.data.prepared import PreparedDatasetError, load_prepared
@@ -145,8 +145,8 @@ def save_dataset_features(folder: str | Path, feats: DatasetFeatures) -> Path:
 def load_dataset_features(path: str | Path, name: Optional[str] = None) -> DatasetFeatures:
     """Read a cache written by :func:`save_dataset_features` (``name`` defaults to its meta).
 
-    Besides :func:`~fedreid.eval.features.load_features`'s checks, each split
-    passes :func:`~fedreid.eval.features.check_features`: NaN/inf, all-zero or
+    Besides :func:`~fedreid.inference.features.load_features`'s checks, each split
+    passes :func:`~fedreid.inference.features.check_features`: NaN/inf, all-zero or
     all-identical features are an error naming the file (and the split, row
     and image of a NaN).
     """
@@ -175,7 +175,7 @@ def _check_dataset_features(feats: DatasetFeatures, where: Optional[str] = None)
 
 
 def _is_feature_cache(path: Path) -> bool:
-    from fedreid.eval.features import FEATURE_KEYS
+    from fedreid.inference.features import FEATURE_KEYS
 
     if path.suffix != ".npz" or not path.is_file() or path.is_symlink():
         return False
@@ -193,7 +193,7 @@ def claim_features_dir(folder: str | Path) -> Path:
 
     New, empty and marked folders are taken, and an unmarked one that holds
     only feature caches (``.npz`` files with the arrays of
-    :func:`~fedreid.eval.features.save_features`); a folder of anyone else's
+    :func:`~fedreid.inference.features.save_features`); a folder of anyone else's
     files raises :class:`~fedreid.utils.io.OutputDirError`.
     """
     from fedreid.utils.io import claim_output_dir

@@ -1,26 +1,25 @@
-"""Where evaluation runs: the torch device, its CUDA speedups and the FAISS index's placement.
+"""Where feature extraction runs: the torch device and its CUDA speedups.
 
-The ``resolve_*`` functions turn ``tools/eval_reid.py``'s ``--device``,
-``--amp`` / ``--channels-last`` and ``--faiss-gpu`` options into decisions,
-refusing what cannot apply (:class:`~fedreid.eval.errors.EvalInputError`)
+The ``resolve_*`` functions turn ``tools/eval_reid.py``'s ``--device`` and
+``--amp`` / ``--channels-last`` options into decisions,
+refusing what cannot apply (:class:`~fedreid.inference.errors.EvalInputError`)
 instead of running silently slower. The ``onnx`` backend runs on the CPU
 without torch (:func:`resolve_backend_device`); the other functions take a
 ``torch.device`` or a device string such as ``"cpu"``, and only
-:func:`resolve_device` imports torch.
+:func:`resolve_device` imports torch. Where the FAISS index runs
+(``--faiss-gpu``): :mod:`fedreid.retrieval.faiss_gpu`.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Optional
 
-from fedreid.eval.errors import EvalInputError
+from fedreid.inference.errors import EvalInputError
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["FAISS_GPU_MODES", "resolve_backend_device", "resolve_device", "resolve_speedups", "resolve_faiss_gpu"]
-
-FAISS_GPU_MODES = ("auto", "on", "off")
+__all__ = ["resolve_backend_device", "resolve_device", "resolve_speedups"]
 
 
 def resolve_device(device: str = "auto") -> torch.device:
@@ -72,7 +71,7 @@ def resolve_speedups(
 ) -> tuple[bool, bool]:
     """``(amp, channels_last)`` for extraction on ``device``; None means on for CUDA, off elsewhere.
 
-    Both only speed up CUDA kernels (:func:`fedreid.eval.features.extract_features`
+    Both only speed up CUDA kernels (:func:`fedreid.inference.features.extract_features`
     ignores them elsewhere), so asking for one explicitly on another device
     is an error rather than a silently slower run.
     """
@@ -84,27 +83,3 @@ def resolve_speedups(
             "drop them or use --device cuda"
         )
     return (on_cuda if amp is None else bool(amp)), (on_cuda if channels_last is None else bool(channels_last))
-
-
-def resolve_faiss_gpu(mode: str, device: str | torch.device) -> bool:
-    """Whether the FAISS index goes to a GPU: ``auto`` / ``on`` / ``off``.
-
-    ``auto``: when faiss has GPU support, sees a GPU and the tool's device is
-    CUDA; ``on``: required (:class:`~fedreid.eval.retrieval.FaissGpuUnavailableError`
-    naming what is missing when it cannot be); ``off``: the CPU index.
-    """
-    from fedreid.eval import retrieval
-
-    if mode not in FAISS_GPU_MODES:
-        raise EvalInputError(f"--faiss-gpu {mode!r}: expected one of {', '.join(FAISS_GPU_MODES)}")
-    if mode == "off":
-        return False
-    if mode == "on":
-        retrieval.require_faiss_gpu()
-        return True
-    return _device_parts(device)[0] == "cuda" and retrieval.faiss_gpu_available()
-
-
-def _faiss_gpu_id(device: str | torch.device) -> int:
-    kind, index = _device_parts(device)
-    return (index or 0) if kind == "cuda" else 0

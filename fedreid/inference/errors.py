@@ -1,8 +1,8 @@
-"""The evaluation tool's input error, shared by the modules behind ``tools/eval_reid.py``.
+"""The input error of the evaluation tool and the modules behind it (model files, images, devices, exports).
 
 Errors for bad inputs are :class:`FileNotFoundError` (a missing path),
 :class:`EvalInputError` (a :class:`~fedreid.config.ConfigError`) or
-:class:`~fedreid.eval.metrics.EvalDataError` (bad features or ids, re-raised
+:class:`~fedreid.errors.EvalDataError` (bad features or ids, re-raised
 with the dataset and the file or model they came from); all are printed
 as one line by ``run_main`` and name the offending path or value.
 """
@@ -16,4 +16,3 @@ __all__ = ["EvalInputError"]
 
 class EvalInputError(ConfigError):
     """A bad input of the evaluation tool (unreadable model, unknown dataset, empty folder...)."""
-

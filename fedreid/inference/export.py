@@ -1,9 +1,9 @@
 """Exported feature extractors: ONNX and TorchScript files of a model's retrieval feature, and their runners.
 
-What is exported. :func:`fedreid.eval.model_io.model_features` computes an
+What is exported. :func:`fedreid.inference.model_io.model_features` computes an
 image's feature as ``embed(x) + embed(flip_lr(x))``, L2-normalised; the flip
 and the normalisation happen *outside* the network, in
-:func:`fedreid.eval.features.extract_features`. The exported graph
+:func:`fedreid.inference.features.extract_features`. The exported graph
 (:func:`feature_graph`) holds all of it, using the same two operations
 (``features._flip_lr``, ``nn.functional.normalize``): its output
 ``features`` [B, d] float32 *is* the index feature, so a consumer without
@@ -13,7 +13,7 @@ float32, the output of :func:`fedreid.data.transforms.build_test_transform`
 
 Each exported file ``F`` has a sidecar ``F.json`` (:data:`EXPORT_FORMAT`):
 backend, input size, feature size, the model fingerprint
-(:func:`~fedreid.eval.model_io.model_fingerprint`, with the exported input
+(:func:`~fedreid.inference.model_io.model_fingerprint`, with the exported input
 size) and the file's size and SHA-256. :func:`load_extractor` reads the
 sidecar first and checks the file against it before any reader sees the
 file; the sidecar's declared input and output, and an ONNX graph's own, must
@@ -31,7 +31,7 @@ untouched.
 Exporting needs torch; running an ONNX file does not. This module imports
 neither torch nor onnxruntime at import time, :class:`OnnxExtractor` needs
 only numpy and onnxruntime, and :func:`load_exported_model` gives a
-:class:`~fedreid.eval.model_io.LoadedModel` whose ``extractor`` computes the
+:class:`~fedreid.inference.model_io.LoadedModel` whose ``extractor`` computes the
 features (no torch module around it). So ``tools/eval_reid.py index``,
 ``query`` and ``serve`` with ``--backend onnx`` (and
 :func:`fedreid.retrieval.service.create_app` with such a model) run where
@@ -51,12 +51,12 @@ from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 import numpy as np
 
-from fedreid.eval.errors import EvalInputError
-from fedreid.eval.filecheck import sha256_file
+from fedreid.inference.errors import EvalInputError
+from fedreid.utils.filecheck import sha256_file
 from fedreid.utils.io import atomic_path, write_json_atomic
 
 if TYPE_CHECKING:
-    from fedreid.eval.model_io import LoadedModel
+    from fedreid.inference.model_io import LoadedModel
 
 __all__ = [
     "EXPORT_FORMAT",
@@ -100,7 +100,7 @@ def _graph_class():
     import torch
     from torch import nn
 
-    from fedreid.eval.features import _flip_lr
+    from fedreid.inference.features import _flip_lr
 
     class FeatureGraph(nn.Module):
         """``normalize(embed(x) + embed(flip_lr(x)))``: the feature of ``model_features``, as one module."""
@@ -192,7 +192,7 @@ def export_model(
     """Write ``model``'s retrieval feature (:func:`feature_graph`) to ``path`` as ``onnx`` or ``torchscript``.
 
     ``model``: a :class:`~fedreid.models.reid.ReIDModel` (anything with
-    ``embed``) or a :class:`~fedreid.eval.model_io.LoadedModel` (then
+    ``embed``) or a :class:`~fedreid.inference.model_io.LoadedModel` (then
     ``fingerprint`` and ``source`` default to its own, with ``input_size``
     as height and width). ``input_size``: (height, width) of the images
     the file is traced with and will expect. The model is exported on the
@@ -435,7 +435,7 @@ def load_extractor(path: str | Path, **kwargs: Any) -> OnnxExtractor | TorchScri
 
 
 def load_exported_model(path: str | Path, **kwargs: Any) -> LoadedModel:
-    """An exported file as a :class:`~fedreid.eval.model_io.LoadedModel` for ``index`` / ``query``.
+    """An exported file as a :class:`~fedreid.inference.model_io.LoadedModel` for ``index`` / ``query``.
 
     Its ``fingerprint`` is the one recorded at export plus ``backend`` (``onnx`` /
     ``torchscript``) and ``export_sha256`` (the file's SHA-256). An index built
@@ -446,7 +446,7 @@ def load_exported_model(path: str | Path, **kwargs: Any) -> LoadedModel:
     computes the features: ``model_features`` runs the file on the CPU, an ONNX
     file without torch.
     """
-    from fedreid.eval.model_io import LoadedModel
+    from fedreid.inference.model_io import LoadedModel
 
     extractor = load_extractor(path, **kwargs)
     fp = dict(extractor.fingerprint, backend=extractor.backend, export_sha256=extractor.file_sha256)
@@ -458,10 +458,10 @@ def load_exported_model(path: str | Path, **kwargs: Any) -> LoadedModel:
 def load_feature_model(
     path: str | Path, backend: str, device: Any = "cpu", *, client: Optional[str] = None
 ) -> LoadedModel:
-    """The :class:`~fedreid.eval.model_io.LoadedModel` that computes features for ``backend``.
+    """The :class:`~fedreid.inference.model_io.LoadedModel` that computes features for ``backend``.
 
     ``pytorch``: ``path`` is a run folder, ``model_final.pt`` or ``checkpoint.pt``
-    (:func:`~fedreid.eval.model_io.load_model`, on ``device``; ``client`` picks a
+    (:func:`~fedreid.inference.model_io.load_model`, on ``device``; ``client`` picks a
     local-training baseline's model). ``onnx`` / ``torchscript``: ``path`` is a file
     written by :func:`export_model` in that format (:func:`load_exported_model`, CPU);
     ``client`` does not apply. Raises :class:`ExportError` for a file of the other format.
@@ -469,7 +469,7 @@ def load_feature_model(
     if backend not in BACKENDS:
         raise ExportError(f"backend {backend!r}: expected one of {', '.join(BACKENDS)}")
     if backend == "pytorch":
-        from fedreid.eval.model_io import load_model
+        from fedreid.inference.model_io import load_model
 
         return load_model(path, device, client=client)
     if client:

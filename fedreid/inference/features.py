@@ -18,7 +18,7 @@ so retrieval by inner product is retrieval by cosine similarity.
 
 :func:`extract_features` runs a PyTorch model; :func:`collect_features` runs
 any function of a batch of images (an exported file's extractor,
-:mod:`fedreid.eval.export`) over the same loader contract, and then
+:mod:`fedreid.inference.export`) over the same loader contract, and then
 ``images`` may be numpy arrays. This module imports torch only inside the
 functions that run a PyTorch model.
 """
@@ -34,8 +34,8 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, NamedTuple,
 
 import numpy as np
 
-from fedreid.eval.filecheck import describe_kind, file_kind
-from fedreid.eval.metrics import EvalDataError
+from fedreid.errors import EvalDataError
+from fedreid.utils.filecheck import describe_kind, file_kind
 from fedreid.utils.io import atomic_path
 
 if TYPE_CHECKING:
@@ -150,7 +150,7 @@ def collect_features(loader: Iterable[Any], run: Callable[[Any], Any]) -> Featur
     ``[B, d, 1, 1]``; an array or anything ``np.asarray`` reads), e.g. an
     exported file's extractor; rows are kept as float32 ``[B, d]``. No torch is
     needed unless the loader or ``run`` use it. Raises
-    :class:`~fedreid.eval.metrics.EvalDataError` when the loader yields no
+    :class:`~fedreid.errors.EvalDataError` when the loader yields no
     batches, when batches differ in their fields, or when a field's length is
     not the number of images.
     """
@@ -355,7 +355,7 @@ def load_features(path: str | Path) -> tuple[FeatureSet, dict]:
     The file is read with ``allow_pickle=False``: a pickle, or an archive
     holding object arrays, is refused and nothing in it runs. Raises
     FileNotFoundError for a missing file and
-    :class:`~fedreid.eval.metrics.EvalDataError` (a ValueError) naming the
+    :class:`~fedreid.errors.EvalDataError` (a ValueError) naming the
     file and what was expected for anything else: not an .npz, missing keys,
     arrays of the wrong kind or length, unreadable meta.
     """

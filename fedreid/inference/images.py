@@ -8,7 +8,7 @@ Images already in memory (an upload's bytes, a PIL image, an RGB array) get
 the same preprocessing and features as image files: :func:`decode_image_bytes`
 decodes as :func:`fedreid.data.images.read_image` does, and
 :func:`array_features` feeds the arrays through the same test transform and
-:func:`~fedreid.eval.model_io.model_features` as :func:`image_features`.
+:func:`~fedreid.inference.model_io.model_features` as :func:`image_features`.
 
 A PyTorch model gets tensor batches (:func:`fedreid.data.transforms.build_test_transform`);
 an exported model (``loaded.extractor``) gets the same values as numpy
@@ -27,10 +27,10 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence
 
 import numpy as np
 
-from fedreid.eval.errors import EvalInputError
-from fedreid.eval.features import FeatureSet, check_features
-from fedreid.eval.metrics import EvalDataError
-from fedreid.eval.model_io import LoadedModel, model_features
+from fedreid.errors import EvalDataError
+from fedreid.inference.errors import EvalInputError
+from fedreid.inference.features import FeatureSet, check_features
+from fedreid.inference.model_io import LoadedModel, model_features
 
 if TYPE_CHECKING:
     import torch
@@ -117,7 +117,7 @@ def _preprocessing(loaded: LoadedModel) -> tuple[Callable[[np.ndarray], Any], Ca
 def _image_batches(
     loaded: LoadedModel, paths: Sequence[Path], batch_size: int, skipped: Optional[list[SkippedImage]]
 ) -> Iterator[dict[str, Any]]:
-    """Batches of ``loaded``'s input in the loader contract of :mod:`fedreid.eval.features`, in ``paths`` order.
+    """Batches of ``loaded``'s input in the loader contract of :mod:`fedreid.inference.features`, in ``paths`` order.
 
     An unreadable image is appended to ``skipped`` and left out, or, when
     ``skipped`` is None, an :class:`EvalInputError` naming it.
@@ -163,7 +163,7 @@ def image_features(
     :class:`EvalInputError` naming it); a list collects them
     (:class:`SkippedImage`, in ``paths`` order) and the features cover the
     readable images only, in order (none readable is an error). The features
-    pass :func:`~fedreid.eval.features.check_features`, whose errors name the
+    pass :func:`~fedreid.inference.features.check_features`, whose errors name the
     model and ``where`` (e.g. ``"gallery photos/"``); ``identical_ok``
     allows all-identical rows (query images may be copies of one another).
     """
@@ -227,7 +227,7 @@ def array_features(
 
     The preprocessing and model call of :func:`image_features` (the test
     transform: resize to the model's height x width, ImageNet mean/std; then
-    :func:`~fedreid.eval.model_io.model_features`: flip-averaged,
+    :func:`~fedreid.inference.model_io.model_features`: flip-averaged,
     L2-normalised, or the exported file's own feature), so an image gives
     the same feature from memory as from a file. PIL images are converted to
     RGB first; decode bytes with :func:`decode_image_bytes` to match files

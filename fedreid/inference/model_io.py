@@ -6,15 +6,15 @@ fedreid.model``) or a ``checkpoint.pt`` (``config`` + ``server.global_state``).
 Models come from :func:`fedreid.models.reid.create_reid_model` +
 :func:`~fedreid.models.reid.load_shared_state`. Model files are read with
 ``torch.load(weights_only=True)`` only, and only once their first bytes show
-a PyTorch file (:func:`fedreid.eval.filecheck.file_kind`): a pickle of other
+a PyTorch file (:func:`fedreid.utils.filecheck.file_kind`): a pickle of other
 objects is refused without running anything. A loaded model carries a
 fingerprint (:func:`model_fingerprint`) that index folders record and
 queries check (:func:`check_index_model`).
 
 :func:`model_features` runs a loaded model over a loader: the flip-averaged,
-L2-normalised embeddings of :class:`fedreid.fl.evaluation.EmbedModule`
-through :func:`fedreid.eval.features.extract_features`, or for an exported
-file (:func:`fedreid.eval.export.load_exported_model`) the file's own
+L2-normalised embeddings of :class:`fedreid.inference.embed.EmbedModule`
+through :func:`fedreid.inference.features.extract_features`, or for an exported
+file (:func:`fedreid.inference.export.load_exported_model`) the file's own
 feature. Torch is imported only where a PyTorch model file is read, hashed
 or run: :class:`LoadedModel`, :func:`check_index_model` and the features of
 an ONNX file need no torch.
@@ -30,9 +30,9 @@ from typing import TYPE_CHECKING, Any, Iterable, Mapping, Optional
 
 import numpy as np
 
-from fedreid.eval.errors import EvalInputError
-from fedreid.eval.features import FeatureSet, collect_features, extract_features
-from fedreid.eval.filecheck import describe_kind, file_kind
+from fedreid.inference.errors import EvalInputError
+from fedreid.inference.features import FeatureSet, collect_features, extract_features
+from fedreid.utils.filecheck import describe_kind, file_kind
 
 if TYPE_CHECKING:
     import torch
@@ -73,7 +73,7 @@ class LoadedModel:
     round: Optional[int] = None
     #: :func:`model_fingerprint` of the loaded weights and config (empty when built by hand).
     fingerprint: dict[str, Any] = field(default_factory=dict)
-    #: An exported-file runner (:func:`fedreid.eval.export.load_exported_model`): a function of images
+    #: An exported-file runner (:func:`fedreid.inference.export.load_exported_model`): a function of images
     #: [B, 3, H, W] (numpy or torch) to features [B, d]; :func:`model_features` takes them as they are.
     extractor: Any = None
 
@@ -307,14 +307,14 @@ def model_features(
     """Features of ``loader``'s images by ``loaded``: ``embed`` of image + flipped image, L2-normalised, float32.
 
     For an exported model (``loaded.extractor`` set) the exported file computes
-    the flip-averaged, normalised feature itself (:func:`~fedreid.eval.features.collect_features`:
+    the flip-averaged, normalised feature itself (:func:`~fedreid.inference.features.collect_features`:
     no torch needed, the batches' images may be numpy arrays); it runs on the
     CPU, ``device``, ``amp`` and ``channels_last`` do not apply.
     """
     if loaded.extractor is not None:
         out = collect_features(loader, loaded.extractor)
         return out._replace(features=np.ascontiguousarray(out.features, dtype=np.float32))
-    from fedreid.fl.evaluation import EmbedModule
+    from fedreid.inference.embed import EmbedModule
 
     out = extract_features(
         EmbedModule(loaded.model), loader, flip=True, normalize=True, device=device, amp=amp,

@@ -5,7 +5,7 @@ A row (what :meth:`fedreid.retrieval.GalleryStore.create` and ``add`` take) is
 
 * ``path``: the image's absolute path with symbolic links resolved;
 * ``camera`` and ``identity``: from a Market-1501-style file name
-  (:func:`fedreid.eval.image_folders.parse_market_name`):
+  (:func:`fedreid.inference.images.parse_market_name`):
   ``0002_c3s1_000451_01.jpg`` is identity 2, camera 3 (the number as written in
   the name; the 0-based ``camid`` of evaluation is ``camera - 1``); both None
   when the name does not parse;
@@ -110,7 +110,7 @@ def image_rows(paths: Sequence[str | Path], *, site: Optional[str] = None) -> li
     Two paths naming one file (through a symbolic link) raise
     :class:`GalleryMetadataError` naming both: a store keeps one item per file.
     """
-    from fedreid.eval.image_folders import parse_market_name
+    from fedreid.inference.images import parse_market_name
 
     if site is not None:
         site = fields.site(site, "--site")

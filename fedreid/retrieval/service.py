@@ -2,9 +2,9 @@
 
 :func:`create_app` builds the application over a store folder
 (:class:`~fedreid.retrieval.store.GalleryStore`) and a loaded model
-(:func:`fedreid.eval.model_io.load_model`, or an exported file through
-:func:`fedreid.eval.export.load_exported_model`: the service only calls
-:func:`fedreid.eval.image_folders.array_features`, which runs either; an
+(:func:`fedreid.inference.model_io.load_model`, or an exported file through
+:func:`fedreid.inference.export.load_exported_model`: the service only calls
+:func:`fedreid.inference.images.array_features`, which runs either; an
 ONNX file without torch).
 :func:`add_serve_arguments` / :func:`run_serve` are the command line
 (``tools/eval_reid.py serve``; also ``python -m fedreid.retrieval.service``).
@@ -117,11 +117,11 @@ except ImportError as exc:  # the options and checks still work; serving says wh
     _MISSING_EXTRA = str(exc)
 
 from fedreid.errors import FedReIDError
-from fedreid.eval.export import BACKENDS
+from fedreid.inference.export import BACKENDS
 from fedreid.retrieval import fields as field_rules
 
 if TYPE_CHECKING:
-    from fedreid.eval.model_io import LoadedModel
+    from fedreid.inference.model_io import LoadedModel
     from fedreid.retrieval.store import GalleryStore
 
 __all__ = [
@@ -372,7 +372,7 @@ class _Service:
         give features of its size, or requests get a 503 (without server
         paths) until the service is restarted.
         """
-        from fedreid.eval.model_io import check_index_model
+        from fedreid.inference.model_io import check_index_model
         from fedreid.retrieval.store import GalleryStore
 
         folder = self.store.folder
@@ -470,8 +470,8 @@ class _Service:
         """The upload as an RGB array and its file suffix, or a 400 naming what is wrong with it."""
         from PIL import Image, UnidentifiedImageError
 
-        from fedreid.eval.errors import EvalInputError
-        from fedreid.eval.image_folders import decode_image_bytes
+        from fedreid.inference.errors import EvalInputError
+        from fedreid.inference.images import decode_image_bytes
 
         what = f"the uploaded file {upload.name!r}" if upload.name else "the uploaded file"
         if not upload.data:
@@ -502,7 +502,7 @@ class _Service:
         return image, UPLOAD_FORMATS[fmt]
 
     def features(self, image: np.ndarray) -> np.ndarray:
-        from fedreid.eval.image_folders import array_features
+        from fedreid.inference.images import array_features
 
         return array_features(self.loaded, [image], device=self.device)
 
@@ -854,7 +854,7 @@ def create_app(
     constant time); None is accepted only with ``insecure_local`` (the
     caller binds a loopback host: :func:`check_serve_security`). The store is
     opened (:meth:`GalleryStore.open`) and must have been built by
-    ``loaded``'s model (:func:`fedreid.eval.model_io.check_index_model`;
+    ``loaded``'s model (:func:`fedreid.inference.model_io.check_index_model`;
     ``allow_model_mismatch`` turns the refusal into a ``warn``) and give
     features of the store's size. ``uploads``: the folder ``POST /items``
     writes into, claimed with :func:`fedreid.utils.io.claim_output_dir`
@@ -868,8 +868,8 @@ def create_app(
     file without torch.
     """
     _require_serve_extra()
-    from fedreid.eval.errors import EvalInputError
-    from fedreid.eval.model_io import check_index_model
+    from fedreid.inference.errors import EvalInputError
+    from fedreid.inference.model_io import check_index_model
     from fedreid.retrieval.store import GalleryStore, GalleryStoreError
     from fedreid.utils.io import claim_output_dir
 
@@ -889,7 +889,7 @@ def create_app(
 
         device = torch.device(device)
     probe = np.zeros((int(loaded.config["height"]), int(loaded.config["width"]), 3), dtype=np.uint8)
-    from fedreid.eval.image_folders import array_features
+    from fedreid.inference.images import array_features
 
     dim = int(array_features(loaded, [probe], device=device).shape[1])  # also warms the model up
     if dim != store.dim:
@@ -1099,8 +1099,8 @@ def background_server(app: FastAPI, host: str = "127.0.0.1", port: int = 0, *, l
 
 
 def load_service_model(args: argparse.Namespace, device: Any) -> LoadedModel:
-    """The model named by ``args.model`` for ``args.backend`` (:func:`fedreid.eval.export.load_feature_model`)."""
-    from fedreid.eval.export import load_feature_model
+    """The model named by ``args.model`` for ``args.backend`` (:func:`fedreid.inference.export.load_feature_model`)."""
+    from fedreid.inference.export import load_feature_model
 
     return load_feature_model(
         args.model, getattr(args, "backend", "pytorch"), device, client=getattr(args, "client", None)
@@ -1167,7 +1167,7 @@ def run_serve(
     off the loopback interface, a store built by another model, an uploads
     folder holding other files.
     """
-    from fedreid.eval.devices import resolve_backend_device
+    from fedreid.inference.devices import resolve_backend_device
 
     token = check_serve_security(args.host, _token_from(args), bool(args.insecure_local))
     if bool(args.ssl_certfile) != bool(args.ssl_keyfile):

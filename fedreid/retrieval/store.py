@@ -5,7 +5,7 @@ A store is a folder of immutable segments (format version 4)::
     <folder>/header.json        the manifest: format ``fedreid-gallery-store``, version 4, factory, kind, dim,
                                 ntotal, next_id, search parameters, the last verify result, ``meta`` (the
                                 caller's: the model fingerprint is ``meta.model_fingerprint``, where
-                                :func:`fedreid.eval.model_io.check_index_model` reads it), ``segments`` (name and
+                                :func:`fedreid.inference.model_io.check_index_model` reads it), ``segments`` (name and
                                 item count of each, in id order), ``next_segment`` (the next segment number) and
                                 ``files``: the size and SHA-256 of every data file below
     <folder>/template.faiss     the trained, empty ``IndexIDMap2`` (inner-product metric) every segment's index is
@@ -152,8 +152,8 @@ import faiss
 import numpy as np
 
 from fedreid.errors import FedReIDError
-from fedreid.eval.filecheck import check_recorded_file, describe_kind, file_kind, read_format_header, sha256_file
 from fedreid.retrieval import fields
+from fedreid.utils.filecheck import check_recorded_file, describe_kind, file_kind, read_format_header, sha256_file
 from fedreid.utils.io import (
     claim_output_dir,
     marker_path,
