@@ -251,7 +251,7 @@ def test_check_features_refuses_what_would_rank_by_ties_alone():
 
 
 def test_check_features_works_in_chunks(monkeypatch):
-    from fedreid.eval import features as features_module
+    from fedreid.inference import features as features_module
 
     monkeypatch.setattr(features_module, "_CHECK_ELEMENTS", 8)  # 2 rows of 4 per chunk
     x = np.tile(np.arange(4, dtype=np.float32), (7, 1))
