@@ -31,7 +31,7 @@ ties between a match and a negative are detected and recounted with the index
 rule. bench/eval_speed.py measures this against a bare matmul and a
 full-sort implementation.
 
-On a GPU the same rules run in torch (:mod:`fedreid.eval.ranking_torch`,
+On a GPU the same rules run in torch (:mod:`fedreid.eval.ranking`,
 ``evaluate(..., backend="torch")``, the default for CUDA features): a stable
 descending sort of each score row, removed items at ``-inf``, blocks sized
 from the free device memory, and only per-query results copied back.
@@ -364,21 +364,21 @@ def _torch_block_rows(
     device: Any, n_gallery: int, block_size: int | None, max_block_bytes: int | None
 ) -> int:
     """Query rows per block of the torch backend (see :func:`evaluate`)."""
-    from fedreid.eval import ranking_torch
+    from fedreid.eval import ranking
 
     if block_size is not None:
         return _block_rows(n_gallery, block_size, DEFAULT_BLOCK_BYTES)
     if max_block_bytes is not None:
-        rows = ranking_torch.rows_within(n_gallery, max_block_bytes)
+        rows = ranking.rows_within(n_gallery, max_block_bytes)
         if rows < 1:
             raise EvalDataError(
                 f"max_block_bytes={max_block_bytes} cannot hold one query row of {n_gallery} scores "
-                f"on the torch backend ({ranking_torch.BYTES_PER_SCORE} bytes a score while ranking)"
+                f"on the torch backend ({ranking.BYTES_PER_SCORE} bytes a score while ranking)"
             )
         return rows
-    budget = ranking_torch.device_budget(device)
+    budget = ranking.device_budget(device)
     # At least one row: if even that does not fit the device, its allocator's error says so.
-    return max(1, ranking_torch.rows_within(n_gallery, DEFAULT_BLOCK_BYTES if budget is None else budget))
+    return max(1, ranking.rows_within(n_gallery, DEFAULT_BLOCK_BYTES if budget is None else budget))
 
 
 def _given_score_blocks(scores: np.ndarray, rows: int) -> Iterator[tuple[int, np.ndarray]]:
@@ -720,7 +720,7 @@ def evaluate(
     ``backend``: ``"numpy"`` ranks on the host (torch features on a GPU are
     scored there and each score block is copied back); ``"torch"`` scores,
     ranks and computes first-match ranks, AP and INP on the features' device
-    (:mod:`fedreid.eval.ranking_torch`; numpy inputs run on the CPU), and
+    (:mod:`fedreid.eval.ranking`; numpy inputs run on the CPU), and
     only per-query numbers come back; ``"auto"`` (default) is ``"torch"`` for
     CUDA features and ``"numpy"`` otherwise. Both follow the same rules,
     ties included; their results agree to float64 rounding of the AP sums.
@@ -728,7 +728,7 @@ def evaluate(
     ``block_size`` (queries per block) or ``max_block_bytes`` bounds memory:
     with ``"numpy"`` the bytes of one float32 score block (default
     :data:`DEFAULT_BLOCK_BYTES`), with ``"torch"`` the working set of one
-    block (:data:`~fedreid.eval.ranking_torch.BYTES_PER_SCORE` per score;
+    block (:data:`~fedreid.eval.ranking.BYTES_PER_SCORE` per score;
     default: a share of the free memory on CUDA, :data:`DEFAULT_BLOCK_BYTES`
     elsewhere). ``num_threads`` threads (default: the usable CPUs, at most 8)
     share the numpy backend's per-query counting (the torch backend uses
@@ -755,13 +755,13 @@ def evaluate(
     if backend == "auto":
         backend = "torch" if _is_torch(qf) else "numpy"  # torch features here live on a GPU
     if backend == "torch":
-        from fedreid.eval import ranking_torch
+        from fedreid.eval import ranking
 
-        qf, gf = ranking_torch.as_device_features(qf, gf)
+        qf, gf = ranking.as_device_features(qf, gf)
         rows = min(qf.shape[0], _torch_block_rows(qf.device, gf.shape[0], block_size, max_block_bytes))
         index = _build_match_index(q_pids, g_pids, q_camids, g_camids)
         terms = functools.partial(_ap_terms, ap=ap)
-        per_query = ranking_torch.per_query_metrics(qf, gf, index, rows, terms)
+        per_query = ranking.per_query_metrics(qf, gf, index, rows, terms)
         workers = torch.get_num_threads()
     else:
         budget = DEFAULT_BLOCK_BYTES if max_block_bytes is None else max_block_bytes
