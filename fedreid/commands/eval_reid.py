@@ -109,6 +109,7 @@ from pathlib import Path
 
 from fedreid.config import load_config
 from fedreid.eval import pipeline as pl
+from fedreid.eval import protocols
 from fedreid.eval.export import BACKENDS
 from fedreid.eval.report import EVAL_DIR, format_table, write_report
 from fedreid.retrieval.service import add_serve_arguments, run_serve
@@ -142,8 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="also draw these queries: indices and/or query image paths or file names (comma-separated or repeated)",
     )
     ev.add_argument(
-        "--protocol", choices=pl.PROTOCOLS, default="standard",
-        help="standard (default) or cuhk03: single-gallery-shot CMC, 10 seeded samplings",
+        "--protocol", choices=protocols.EVAL_PROTOCOLS.keys(), default="standard", help=protocols.protocol_help(),
     )
     ev.add_argument("--seed", type=int, metavar="N", help="seed of --protocol cuhk03 (default: the config's seed)")
     ev.add_argument("--out", metavar="DIR", help="output folder (default: <run folder>/eval)")
@@ -441,15 +441,16 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
                 print(f"  saved {pl.save_dataset_features(args.save_features, fs)}")
             feats.append(fs)
         source = str(model_file)
-    # --protocol cuhk03 has the standard AP only: an explicit --ap official is refused there,
-    # a config's eval.ap is not the user's request for this protocol.
-    ap = args.ap or (cfg.eval.ap if args.protocol == "standard" else "standard")
+    # A protocol may report some AP forms only (cuhk03: the standard AP): an explicit --ap is
+    # refused there, a config's eval.ap is not the user's request for this protocol.
+    protocol = protocols.EVAL_PROTOCOLS.get(args.protocol, where="--protocol")
+    ap = args.ap or protocol.default_ap(cfg.eval.ap)
     seed = cfg.seed if args.seed is None else args.seed
     report = pl.evaluate_and_report(
         feats, out, ap=ap, rerank=args.rerank, pictures=args.pictures, queries=_comma_list(args.queries),
         protocol=args.protocol, seed=seed, source=source,
     )
-    what = f"{report['ap']} AP" + (f", CUHK03 single-gallery-shot CMC, seed {seed}" if args.protocol == "cuhk03" else "")
+    what = f"{report['ap']} AP" + protocols.build_protocol(args.protocol).describe(seed)
     print(f"\n{'Re-ranked r' if args.rerank else 'R'}esults ({what}), in %:\n")
     print(format_table(report["datasets"]))
     print(f"results: {out / 'results.json'}\ncmc plot: {report['cmc_plot']}")
