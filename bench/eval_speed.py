@@ -54,7 +54,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fedreid.eval.metrics import DEFAULT_BLOCK_BYTES, JUNK_PID, _block_rows, evaluate  # noqa: E402
+from fedreid.eval.metrics import evaluate  # noqa: E402
+from fedreid.eval.ranking import DEFAULT_BLOCK_BYTES, JUNK_PID, block_rows  # noqa: E402
 
 # name: (queries, gallery, identities, cameras, junk fraction, distractor fraction)
 SIZES = {
@@ -144,7 +145,7 @@ def run_ours(qf, gf, q_pids, g_pids, q_camids, g_camids) -> tuple[float, float]:
 
 def run_matmul(qf, gf, *_ids) -> None:
     """The same block matmuls evaluate() does, into one reused buffer, results discarded."""
-    rows = min(qf.shape[0], _block_rows(gf.shape[0], None, DEFAULT_BLOCK_BYTES))
+    rows = min(qf.shape[0], block_rows(gf.shape[0], None, DEFAULT_BLOCK_BYTES))
     buffer = np.empty((rows, gf.shape[0]), dtype=np.float32)
     for a in range(0, qf.shape[0], rows):
         b = min(rows, qf.shape[0] - a)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-import fedreid.eval.metrics as metrics
+import fedreid.eval.ranking as ranking
 from fedreid.errors import FedReIDError
 from fedreid.eval.metrics import (
     EvalDataError,
@@ -261,7 +261,7 @@ def test_gather_and_whole_row_sort_paths_agree(monkeypatch, dense_fraction):
     for seed in range(20):
         case = random_case(seed, exact_ties=seed % 2 == 0)
         expected = evaluate(*case, return_per_query=True)["per_query"]
-        monkeypatch.setattr(metrics, "_DENSE_SORT_FRACTION", dense_fraction)
+        monkeypatch.setattr(ranking, "_DENSE_SORT_FRACTION", dense_fraction)
         got = evaluate(*case, return_per_query=True)["per_query"]
         monkeypatch.undo()
         for key in expected:
@@ -420,7 +420,7 @@ def test_bad_inputs_raise_clear_errors(position, value, message):
 
 
 def test_nan_error_names_the_first_bad_row(monkeypatch):
-    monkeypatch.setattr(metrics, "_FINITE_CHECK_ELEMENTS", 100)  # 50-row chunks: the row is found inside one
+    monkeypatch.setattr(ranking, "_FINITE_CHECK_ELEMENTS", 100)  # 50-row chunks: the row is found inside one
     qf = np.zeros((5000, 2), np.float32)
     qf[4321, 1] = np.nan
     with pytest.raises(EvalDataError, match="qf contains NaN or inf values \\(first at row 4321\\)"):

@@ -1,4 +1,4 @@
-"""The torch backend of evaluate() (fedreid.eval.ranking_torch) against the numpy path and the oracles.
+"""The torch backend of evaluate() (fedreid.eval.ranking) against the numpy path and the oracles.
 
 On this CPU-only machine the torch backend runs on CPU tensors; the same code
 runs on CUDA, where the ``gpu``-marked tests compare it with the numpy path.
@@ -14,7 +14,7 @@ import test_metrics
 import torch
 from test_metrics import random_case
 
-from fedreid.eval import ranking_torch
+from fedreid.eval import ranking as ranking_torch
 from fedreid.eval.metrics import EvalDataError, evaluate
 
 PER_QUERY_EXACT = ("first_match_rank", "num_matches", "valid")

@@ -108,6 +108,7 @@ import argparse
 from pathlib import Path
 
 from fedreid.config import load_config
+from fedreid.eval import protocols
 from fedreid.eval.folder_index import (
     add_to_gallery_store,
     build_gallery_store,
@@ -117,7 +118,6 @@ from fedreid.eval.folder_index import (
     remove_from_gallery_store,
 )
 from fedreid.eval.pipeline import claim_eval_dir, evaluate_and_report
-from fedreid.eval.protocols import PROTOCOLS
 from fedreid.eval.report import EVAL_DIR, format_table, write_report
 from fedreid.inference import devices
 from fedreid.inference.dataset_features import (
@@ -163,8 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="also draw these queries: indices and/or query image paths or file names (comma-separated or repeated)",
     )
     ev.add_argument(
-        "--protocol", choices=PROTOCOLS, default="standard",
-        help="standard (default) or cuhk03: single-gallery-shot CMC, 10 seeded samplings",
+        "--protocol", choices=protocols.EVAL_PROTOCOLS.keys(), default="standard", help=protocols.protocol_help(),
     )
     ev.add_argument("--seed", type=int, metavar="N", help="seed of --protocol cuhk03 (default: the config's seed)")
     ev.add_argument("--out", metavar="DIR", help="output folder (default: <run folder>/eval)")
@@ -462,15 +461,16 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
                 print(f"  saved {save_dataset_features(args.save_features, fs)}")
             feats.append(fs)
         source = str(model_file)
-    # --protocol cuhk03 has the standard AP only: an explicit --ap official is refused there,
-    # a config's eval.ap is not the user's request for this protocol.
-    ap = args.ap or (cfg.eval.ap if args.protocol == "standard" else "standard")
+    # A protocol may report some AP forms only (cuhk03: the standard AP): an explicit --ap is
+    # refused there, a config's eval.ap is not the user's request for this protocol.
+    protocol = protocols.EVAL_PROTOCOLS.get(args.protocol, where="--protocol")
+    ap = args.ap or protocol.default_ap(cfg.eval.ap)
     seed = cfg.seed if args.seed is None else args.seed
     report = evaluate_and_report(
         feats, out, ap=ap, rerank=args.rerank, pictures=args.pictures, queries=_comma_list(args.queries),
         protocol=args.protocol, seed=seed, source=source,
     )
-    what = f"{report['ap']} AP" + (f", CUHK03 single-gallery-shot CMC, seed {seed}" if args.protocol == "cuhk03" else "")
+    what = f"{report['ap']} AP" + protocols.build_protocol(args.protocol).describe(seed)
     print(f"\n{'Re-ranked r' if args.rerank else 'R'}esults ({what}), in %:\n")
     print(format_table(report["datasets"]))
     print(f"results: {out / 'results.json'}\ncmc plot: {report['cmc_plot']}")

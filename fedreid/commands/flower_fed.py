@@ -50,30 +50,13 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Optional
 
-from fedreid.config import ConfigError, load_config
+from fedreid.commands.flower_search import add_search_commands, ca_option
+from fedreid.config import ConfigError
 from fedreid.utils.cli import add_override_arguments, run_main
-
-#: What `local` and `simulate` (and earlier versions of them) write in their work folder.
-WORK_ENTRIES = ("flwr_home", "flwr_state", "logs", "state", "fedreid_state", "tls", "keys", "flwr_run.log",
-                "superlink.db")
-WORK_KIND = "flower-work"
-
-
-def _security(args: argparse.Namespace, what: str) -> Optional[Path]:
-    """The CA file, or None with --insecure; refuses to guess."""
-    ca = getattr(args, "ca", None)
-    if ca and args.insecure:
-        raise ConfigError(f"{what}: give either --ca or --insecure, not both")
-    if not ca and not args.insecure:
-        raise ConfigError(f"{what}: pass --ca CA_FILE for TLS (see `certs`), or --insecure for plain "
-                          "HTTP on a trusted network")
-    return Path(ca) if ca else None
 
 
 def cmd_certs(args: argparse.Namespace) -> int:
@@ -106,379 +89,83 @@ def _exec(cmd: list[str], print_only: bool) -> int:
 
 
 def cmd_superlink(args: argparse.Namespace) -> int:
-    from fedreid.flower.launch import TLSFiles, superlink_command
+    from fedreid.flower.deployment import superlink_launch
 
-    if not args.tls and not args.insecure:
-        raise ConfigError("superlink: pass --tls DIR (from `certs`) or --insecure for plain HTTP on a trusted network")
-    tls = TLSFiles.from_dir(args.tls) if args.tls else None
-    cmd = superlink_command(port=args.port, host=args.host, tls=tls, node_auth=args.node_auth,
-                            database=Path(args.database) if args.database else None)
-    return _exec(cmd, args.print_only)
+    return _exec(superlink_launch(tls_dir=args.tls, insecure=args.insecure, port=args.port, host=args.host,
+                                  node_auth=args.node_auth, database=args.database), args.print_only)
 
 
 def cmd_node(args: argparse.Namespace) -> int:
-    from fedreid.flower.launch import supernode_command
+    from fedreid.flower.deployment import supernode_launch
 
-    ca = _security(args, "node")
-    # Absolute paths: the node's ClientApp processes do not run in this folder.
-    local = {"prepared_root": args.prepared_root and str(Path(args.prepared_root).resolve()),
-             "classification_root": args.classification_root and str(Path(args.classification_root).resolve()),
-             "device": args.device,
-             "gallery_store": args.gallery_store and str(Path(args.gallery_store).resolve()),
-             "gallery_root": args.gallery_root and str(Path(args.gallery_root).resolve()),
+    local = {"prepared_root": args.prepared_root, "classification_root": args.classification_root,
+             "device": args.device, "gallery_store": args.gallery_store, "gallery_root": args.gallery_root,
              "search_thumbnails": "true" if args.search_thumbnails else None}
-    key = Path(args.key).resolve() if args.key else None
-    if key is not None and not key.is_file():
-        raise FileNotFoundError(f"node key {key} not found (make it with `node-key`)")
-    if not args.print_only:  # refused here, before the SuperNode starts, rather than in its ClientApp's log
-        from fedreid.flower.node import claim_state_dir
-
-        claim_state_dir(args.state_dir)
-        if args.gallery_store:
-            from fedreid.retrieval.store import GalleryStore
-
-            GalleryStore.open(args.gallery_store)  # every file checked, as each search will
-    cmd = supernode_command(args.superlink, args.client, Path(args.state_dir).resolve(), port=args.port,
-                            root_cert=ca.resolve() if ca else None, private_key=key,
-                            **{k: v for k, v in local.items() if v})
+    cmd = supernode_launch(client=args.client, superlink=args.superlink, ca=ca_option(args, "node"), key=args.key,
+                           state_dir=args.state_dir, port=args.port, local=local, check=not args.print_only)
     return _exec(cmd, args.print_only)
 
 
 def cmd_register(args: argparse.Namespace) -> int:
-    from fedreid.flower.launch import FlowerCli
+    from fedreid.flower.deployment import register_node_key
 
-    ca = _security(args, "register")
-    if not Path(args.public_key).is_file():
-        raise FileNotFoundError(f"public key {args.public_key} not found (make it with `node-key`)")
-    FlowerCli(args.superlink, root_cert=ca).register(Path(args.public_key), name=args.site)
+    register_node_key(args.public_key, superlink=args.superlink, ca=ca_option(args, "register"), site=args.site)
     print(f"registered {args.public_key} on {args.superlink}" + (f" as site {args.site}" if args.site else ""))
     return 0
 
 
-def _search_query(args: argparse.Namespace) -> tuple[object, dict]:
-    """The query feature and its model fingerprint: computed here from --image, or read from --feature."""
-    from fedreid.flower.search import image_query, read_feature_file, read_fingerprint_file
+def _prepare(args: argparse.Namespace):  # -> PreparedRun
+    from fedreid.flower.deployment import prepare_run
 
-    if args.image:
-        if not args.model:
-            raise ConfigError("search: --image needs --model (the sites' model: a run folder or model file)")
-        if args.fingerprint:
-            raise ConfigError("search: with --image the fingerprint is the model's; leave out --fingerprint")
-        return image_query(args.image, args.model, args.device)
-    if args.model:
-        raise ConfigError("search: --model goes with --image; with --feature give --fingerprint")
-    if not args.fingerprint:
-        raise ConfigError("search: --feature needs --fingerprint (a JSON model fingerprint, or the header.json / "
-                          "sidecar of the store or model that made the feature): the sites check it")
-    return read_feature_file(args.feature), read_fingerprint_file(args.fingerprint)
-
-
-def cmd_search(args: argparse.Namespace) -> int:
-    import json
-    import tempfile
-
-    from fedreid.flower.launch import FlowerCli, search_run_config_string
-    from fedreid.flower.search import RESULT_FORMAT, encode_vector
-    from fedreid.flower.search_codec import SearchFilters
-
-    if args.session:
-        if args.superlink or args.ca or args.insecure or args.node_auth or args.join_timeout is not None:
-            raise ConfigError("search: with --session the session's own SuperLink, TLS and node authentication "
-                              "apply; leave out --superlink, --ca, --insecure, --node-auth and --join-timeout")
-        ca = None
-    else:
-        if not args.superlink:
-            raise ConfigError("search: give --superlink HOST:PORT (a single search run), or --session SOCKET "
-                              "(a search session started with `session`)")
-        ca = _security(args, "search")
-        if args.node_auth and ca is None:
-            raise ConfigError("search: --node-auth needs --ca: Flower authenticates SuperNodes over TLS only")
-    join_timeout = 30.0 if args.join_timeout is None else args.join_timeout
-    if not 1 <= args.k <= 1000:
-        raise ConfigError(f"search: --k must be in 1..1000, got {args.k}")
-    if args.timeout <= 0:
-        raise ConfigError(f"search: --timeout must be > 0 seconds, got {args.timeout}")
-    filters = {"cameras": args.camera, "sites": args.site,
-               "time_window": None if args.since is None and args.until is None else [args.since, args.until]}
-    SearchFilters.from_plain(filters)  # refused here, in words, before anything runs
-    out = Path(args.out).resolve() if args.out else None
-    if out is not None and (out.is_dir() or out.is_symlink()):
-        raise ConfigError(f"--out {out}: expected a JSON file path, it is a folder or a link")
-    if out is not None and out.exists():  # refused before anything runs
-        try:
-            earlier = json.loads(out.read_text()).get("format")
-        except (OSError, UnicodeDecodeError, ValueError, AttributeError):
-            earlier = None
-        if earlier != RESULT_FORMAT:
-            raise ConfigError(f"--out {out} exists and is not a federated search result; choose another file")
-    feature, fingerprint = _search_query(args)
-    if args.session:
-        from fedreid.flower.search_session import SessionClient
-
-        plain = SessionClient(args.session).search(feature, args.k, fingerprint=fingerprint, filters=filters,
-                                                   thumbnails=args.thumbnails, timeout=args.timeout,
-                                                   expect=args.expect)
-        return _show_result(plain, out)
-    with tempfile.TemporaryDirectory(prefix="fedreid-search-") as tmp:
-        # The ServerApp writes the result into this fresh folder when it runs on this host (the SuperLink's),
-        # so an older file can never pass for this search's result; on another host it writes nothing.
-        result_path = Path(tmp) / "result.json"
-        text = search_run_config_string(encode_vector(feature), k=args.k, fingerprint=fingerprint, filters=filters,
-                                        timeout=args.timeout, thumbnails=args.thumbnails, expect=args.expect or (),
-                                        out=result_path, join_timeout=join_timeout,
-                                        node_auth=args.node_auth)
-        log = Path(tmp) / "flwr_run.log"
-        rc = FlowerCli(args.superlink, root_cert=ca, home=Path(tmp) / "flwr_home").run(
-            text, log=log, timeout=join_timeout + args.timeout + 600)
-        if not result_path.is_file():  # the run failed, or its ServerApp runs on another host than this one
-            from fedreid.utils.text import printable
-
-            # The log may quote what a site sent (a ClientApp's error): one escaped line per line, no terminal control.
-            for line in log.read_text(errors="replace")[-8000:].splitlines():
-                print(printable(line, 2000), file=sys.stderr)
-            why = ("the search failed" if rc != 0 else
-                   "the SuperLink runs on another host: its ServerApp logged the result above; run `search` on "
-                   "the SuperLink's host for the JSON")
-            print(f"search: no result file (flwr exit code {rc}): {why}", file=sys.stderr)
-            return 1
-        plain = json.loads(result_path.read_text())
-    return _show_result(plain, out)
-
-
-def _show_result(plain: dict, out: Optional[Path]) -> int:
-    """Print a search result (site texts escaped, see format_result), write it to ``out``; 0 if any site answered."""
-    from fedreid.flower.search import format_result
-    from fedreid.utils.io import write_json_atomic
-
-    for line in format_result(plain):
-        print(line)
-    if out is not None:
-        write_json_atomic(out, plain)
-        print(f"result: {out}")
-    return 0 if plain["answered"] else 1
-
-
-def cmd_session(args: argparse.Namespace) -> int:
-    """Open a search session (a long-lived run) on the SuperLink, serve until Ctrl-C / SIGTERM, then close it."""
-    import tempfile
-
-    from fedreid.flower.launch import FlowerCli, session_run_config_string, stop_group
-    from fedreid.flower.search_session import SessionClient, SessionError
-
-    ca = _security(args, "session")
-    if args.node_auth and ca is None:
-        raise ConfigError("session: --node-auth needs --ca: Flower authenticates SuperNodes over TLS only")
-    if not args.timeout > 0:
-        raise ConfigError(f"session: --timeout must be > 0 seconds, got {args.timeout}")
-    sock = Path(args.socket).resolve()
-    client = SessionClient(sock)  # refuses a path too long for a socket, before anything runs
-    if not sock.parent.is_dir():
-        raise ConfigError(f"session: --socket {sock}: its folder does not exist (the session runs on this host, "
-                          "the SuperLink's)")
-    if sock.exists() or sock.is_symlink():
-        raise ConfigError(f"session: --socket {sock} exists; is another session running? (remove a stale socket "
-                          "or choose another path)")
-    text = session_run_config_string(sock, timeout=args.timeout, expect=args.expect or (), node_auth=args.node_auth,
-                                     idle_timeout=args.idle_timeout)
-    with tempfile.TemporaryDirectory(prefix="fedreid-session-") as tmp:
-        log = Path(args.log).resolve() if args.log else Path(tmp) / "flwr_run.log"
-        proc = FlowerCli(args.superlink, root_cert=ca, home=Path(tmp) / "flwr_home").start(text, log=log)
-        opened = False
-        try:
-            status = client.wait_ready(args.join_timeout, alive=lambda: proc.poll() is None)
-            opened = True
-            print(f"search session open at {sock}: {len(status['nodes'])} nodes connected; site names "
-                  f"{'authenticated' if status['node_auth'] else 'as the nodes declare them'}", flush=True)
-            print(f"  query it on this host: python tools/flower_fed.py search --session {sock} --feature Q.npy "
-                  "--fingerprint FP.json   (Ctrl-C here closes the session)", flush=True)
-            while proc.poll() is None:  # the session serves until closed, idle, or stopped
-                time.sleep(0.5)
-            print(f"search session ended (flwr exit code {proc.returncode})", file=sys.stderr)
-            return 0 if proc.returncode == 0 else 1
-        except SessionError as exc:
-            from fedreid.utils.text import printable
-
-            for line in log.read_text(errors="replace")[-6000:].splitlines() if log.exists() else []:
-                print(printable(line, 2000), file=sys.stderr)
-            raise ConfigError(f"session: {exc}") from None
-        finally:
-            if proc.poll() is None:
-                if opened or sock.exists():
-                    try:  # the run ends with its ServerApp; stopping flwr alone would leave it on the SuperLink
-                        queries = client.close_session()
-                        print(f"search session closed after {queries} queries", file=sys.stderr)
-                    except SessionError:
-                        pass
-                try:
-                    proc.wait(timeout=60)
-                except subprocess.TimeoutExpired:
-                    stop_group(proc, wait=10.0)
+    return prepare_run(out=args.out, config=args.config, overrides=args.overrides, resume=args.resume,
+                       round_timeout=args.round_timeout, join_timeout=args.join_timeout,
+                       node_auth=bool(getattr(args, "node_auth", False)))
 
 
 def _finish(out: Path, rounds: int, rc: int, log: Optional[Path]) -> int:
-    from fedreid.utils.checkpoint import latest_checkpoint, load_checkpoint
+    from fedreid.flower.deployment import rounds_done
 
-    ckpt_path = latest_checkpoint(out)
-    done = len(load_checkpoint(ckpt_path)["history"]) if ckpt_path is not None else 0
-    where = f" (flwr's output: {log})" if log else ""
+    done = rounds_done(out)
     if rc == 0 and done >= rounds:
         print(f"run finished: {done} rounds, report: {out / 'report.md'}")
         return 0
+    where = f" (flwr's output: {log})" if log else ""
     print(f"run stopped after {done} of {rounds} rounds, flwr exit code {rc}{where}; "
           f"continue it with --resume", file=sys.stderr)
     return 1
 
 
-def _run_config(args: argparse.Namespace) -> tuple[Path, str, int]:
-    from fedreid.flower.launch import run_config_string
-
-    out = Path(args.out)
-    if args.resume:
-        if args.config:
-            raise ConfigError("--resume uses the run's own config.yaml; pass overrides only")
-        config = out / "config.yaml"
-        if not config.is_file():
-            raise FileNotFoundError(f"{config} not found: nothing to resume in {out}")
-    else:
-        if not args.config:
-            raise ConfigError("--config is required (or --resume)")
-        config = Path(args.config)
-    cfg = load_config(config, args.overrides)  # fails here, clearly, before any process starts
-    text = run_config_string(config, out, args.overrides, resume=args.resume, round_timeout=args.round_timeout,
-                             join_timeout=args.join_timeout, node_auth=bool(getattr(args, "node_auth", False)))
-    return out, text, cfg.fl.rounds
-
-
 def cmd_run(args: argparse.Namespace) -> int:
     from fedreid.flower.launch import FlowerCli
 
-    ca = _security(args, "run")
-    out, text, rounds = _run_config(args)
-    rc = FlowerCli(args.superlink, root_cert=ca).run(text)
-    return _finish(out, rounds, rc, None)
-
-
-def _claim_local_folders(args: argparse.Namespace, out: Path) -> Path:
-    """Check and claim the run folder and the work folder of `local` / `simulate`; returns the work folder.
-
-    Nothing is started and nothing in a refused folder changes: the run
-    folder as :func:`fedreid.fl.simulation.claim_run_dir`, the work folder
-    new, empty, marked, or holding only what these commands write there
-    (:data:`WORK_ENTRIES`).
-    """
-    from fedreid.fl.simulation import claim_run_dir
-    from fedreid.utils.io import claim_output_dir
-
-    work = Path(args.workdir) if args.workdir else out.parent / f"{out.name}_flower"
-    if work.resolve() == out.resolve():
-        raise ConfigError(f"--workdir {work} is the run folder --out; give them different folders")
-    adopt = work.is_dir() and not work.is_symlink() and all(
-        p.name.startswith(WORK_ENTRIES) or (p.name.startswith(".") and p.name.endswith(".tmp"))
-        for p in work.iterdir())
-    if work.exists() or work.is_symlink():  # a refusal here comes before --out is made
-        claim_output_dir(work, WORK_KIND, tool="flower_fed", adopt=adopt)
-    claim_run_dir(out, resume=args.resume, tool="flower_fed")
-    claim_output_dir(work, WORK_KIND, tool="flower_fed", adopt=adopt)
-    return work
+    ca = ca_option(args, "run")
+    run = _prepare(args)
+    return _finish(run.out, run.rounds, FlowerCli(args.superlink, root_cert=ca).run(run.run_config), None)
 
 
 def cmd_local(args: argparse.Namespace) -> int:
-    from fedreid.fl.federation import build_federation
-    from fedreid.flower.launch import LocalDeployment, TLSFiles
-    from fedreid.flower.security import make_node_key, make_tls_files
+    from fedreid.flower.deployment import check_one_host_security, claim_local_folders, run_on_one_host
 
-    if args.node_auth and not args.tls:
-        raise ConfigError("--node-auth needs --tls: Flower authenticates SuperNodes over TLS only")
-    out, text, rounds = _run_config(args)
-    work = _claim_local_folders(args, out)
-    cfg = load_config(out / "config.yaml" if args.resume else args.config, args.overrides)
-    clients = build_federation(cfg).server.client_names
-    tls = None
-    if args.tls:
-        if not (work / "tls" / "ca.crt").exists():
-            make_tls_files(work / "tls")
-        tls = TLSFiles.from_dir(work / "tls")
-    keys = {}
-    if args.node_auth:
-        for i, name in enumerate(clients):
-            key = work / "keys" / f"node{i}"
-            keys[name] = key if key.exists() else make_node_key(work / "keys", f"node{i}")["private"]
-    print(f"one host: SuperLink + {len(clients)} SuperNodes ({', '.join(clients)}); logs in {work / 'logs'}",
-          flush=True)
-    with LocalDeployment(work, clients, tls=tls, node_keys=keys) as dep:
-        log = work / "flwr_run.log"
-        rc = dep.cli.run(text, log=log)
-    return _finish(out, rounds, rc, log)
+    check_one_host_security(args.tls, args.node_auth)
+    run = _prepare(args)
+    work = claim_local_folders(run.out, args.workdir, args.resume)
+    rc, log = run_on_one_host(run, work, tls=args.tls, node_auth=args.node_auth, announce=lambda clients: print(
+        f"one host: SuperLink + {len(clients)} SuperNodes ({', '.join(clients)}); logs in {work / 'logs'}",
+        flush=True))
+    return _finish(run.out, run.rounds, rc, log)
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    from fedreid.fl.federation import build_federation
-    from fedreid.flower.launch import LocalDeployment, simulation_federation_config
+    from fedreid.flower import deployment
 
-    simulation_federation_config(1, client_cpus=args.client_cpus, client_gpus=args.client_gpus)  # refused here
-    out, text, rounds = _run_config(args)
-    work = _claim_local_folders(args, out)
-    cfg = load_config(out / "config.yaml" if args.resume else args.config, args.overrides)
-    clients = build_federation(cfg).server.client_names
-    print(f"Flower simulation engine: {len(clients)} virtual SuperNodes ({', '.join(clients)}); "
-          f"node state in {work / 'fedreid_state'}", flush=True)
-    with LocalDeployment(work, clients, simulation=True, client_cpus=args.client_cpus,
-                         client_gpus=args.client_gpus) as dep:
-        log = work / "flwr_run.log"
-        rc = dep.cli.run(text, log=log)
-    return _finish(out, rounds, rc, log)
-
-
-def _time_arg(text: str) -> float:
-    from fedreid.retrieval.gallery_rows import GalleryMetadataError, parse_time
-
-    try:
-        return parse_time(text, "--since/--until")
-    except GalleryMetadataError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-SEARCH_HELP = """Federated search: the query's feature goes to every site's SuperNode as a Flower
-query message (the training deployment's TLS and node authentication); each site
-searches its own gallery store (node --gallery-store) and answers with its top k
-(ids, scores, cameras, times, file names; small thumbnails only where the site
-runs with --search-thumbnails). The merged list is ranked by score. Gallery
-images never leave a site. A site that does not answer within --timeout is
-listed as missing; the search still returns the others' results. With
---node-auth (SuperLink started with --node-auth, each site's key registered
-with `register KEY --site NAME`) an answer counts only under the site name its
-node's key was registered with; without it, names are as the nodes declare them.
-
-Examples:
-  # on each site, the SuperNode with its store (beside the usual node flags)
-  python tools/flower_fed.py node ... --gallery-store /data/site_a/store --search-thumbnails
-  # on the SuperLink's host: a query image, the sites' model, two sites expected
-  python tools/flower_fed.py search --superlink 127.0.0.1:9093 --ca certs/ca.crt --node-auth \\
-      --image query.jpg --model runs/fedpav --k 20 --expect site_a --expect site_b --out result.json
-  # a precomputed feature and the fingerprint of the model that made it
-  python tools/flower_fed.py search --superlink 127.0.0.1:9093 --ca certs/ca.crt \\
-      --feature q.npy --fingerprint store/header.json --camera 1 --since 2024-05-01
-"""
-
-
-SESSION_HELP = """Search session: one long-lived Flower run on the SuperLink whose ServerApp
-takes query after query from a Unix socket on this host. A query then costs what
-the sites' answers cost, not a run's start-up (`flwr run`, the ServerApp process,
-waiting for nodes). Nodes are read from the SuperLink for every query: a site that
-leaves is listed as missing, and searched again once its SuperNode is back, without
-restarting the session. The same checks as `search` apply to every query.
-
-Run it on the SuperLink's host (the socket is made there, mode 0600); Ctrl-C or
-SIGTERM closes the session and ends its run. A session left without queries for
---idle-timeout seconds ends by itself.
-
-Example:
-  python tools/flower_fed.py session --superlink 127.0.0.1:9093 --ca certs/ca.crt --node-auth \\
-      --socket /run/user/1000/fedreid-search.sock --expect site_a --expect site_b
-  # another terminal, same host
-  python tools/flower_fed.py search --session /run/user/1000/fedreid-search.sock \\
-      --feature q.npy --fingerprint store/header.json --k 20
-"""
+    deployment.check_simulation_resources(args.client_cpus, args.client_gpus)
+    run = _prepare(args)
+    work = deployment.claim_local_folders(run.out, args.workdir, args.resume)
+    rc, log = deployment.run_on_simulation_engine(
+        run, work, client_cpus=args.client_cpus, client_gpus=args.client_gpus, announce=lambda clients: print(
+            f"Flower simulation engine: {len(clients)} virtual SuperNodes ({', '.join(clients)}); "
+            f"node state in {work / 'fedreid_state'}", flush=True))
+    return _finish(run.out, run.rounds, rc, log)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -555,60 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
     run_arguments(p)
     p.set_defaults(func=cmd_run)
 
-    p = sub.add_parser(
-        "search", help="federated search: every site searches its own gallery store, one merged list",
-        description=SEARCH_HELP, formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument("--superlink", metavar="HOST:PORT", help="the SuperLink's address (one search, one Flower run)")
-    p.add_argument("--session", metavar="SOCKET", help="query the search session listening at SOCKET on this host "
-                   "(`session`) instead of starting a run: no run start-up per query")
-    security(p)
-    q = p.add_mutually_exclusive_group(required=True)
-    q.add_argument("--image", help="query image; its feature is computed here with --model")
-    q.add_argument("--feature", help="query feature, a .npy of float32 [d] (with --fingerprint)")
-    p.add_argument("--model", help="with --image: the sites' model (run folder, model_final.pt or checkpoint.pt)")
-    p.add_argument("--fingerprint", help="with --feature: JSON model fingerprint, or a store header.json / model "
-                   "sidecar holding one")
-    p.add_argument("--device", default="cpu", help="device for --image's feature (cpu)")
-    p.add_argument("--k", type=int, default=10, help="length of the merged list; each site sends at most k (10)")
-    p.add_argument("--camera", type=int, action="append", help="only these cameras (repeat)")
-    p.add_argument("--site", action="append", help="only items whose store site column is this (repeat)")
-    p.add_argument("--since", type=_time_arg, help="only items with timestamp >= SINCE (seconds or ISO date/time, UTC)")
-    p.add_argument("--until", type=_time_arg, help="only items with timestamp <= UNTIL (seconds or ISO date/time, UTC)")
-    p.add_argument("--timeout", type=float, default=30.0, help="seconds the sites have to answer (30)")
-    p.add_argument("--join-timeout", type=float,
-                   help="seconds to wait for the --expect sites' nodes (else one node) to be connected (30; not "
-                        "with --session)")
-    p.add_argument("--expect", action="append", help="a site that should answer (repeat): listed as missing if none "
-                   "answers as it")
-    p.add_argument("--thumbnails", action="store_true", help="ask for thumbnails (only sites allowing them send)")
-    p.add_argument("--node-auth", action="store_true",
-                   help="the SuperLink authenticates SuperNodes (superlink --node-auth): each answer counts only "
-                        "under the site name its node's key was registered with (register --site); others are "
-                        "listed as wrong-site or unbound")
-    p.add_argument("--out", help="write the result (ranked list with thumbnails, missing sites) as JSON here; "
-                   "needs this tool on the SuperLink's host, where the ServerApp runs")
-    p.set_defaults(func=cmd_search)
-
-    p = sub.add_parser(
-        "session", help="open a search session: one long-lived run answering `search --session` queries",
-        description=SESSION_HELP, formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument("--superlink", required=True, metavar="HOST:PORT", help="the SuperLink's address")
-    security(p)
-    p.add_argument("--socket", required=True, help="the session's Unix socket, a new path on this host (the "
-                   "SuperLink's, where the ServerApp runs); made with mode 0600")
-    p.add_argument("--node-auth", action="store_true",
-                   help="the SuperLink authenticates SuperNodes: answers count only under the site name their "
-                        "node's key was registered with (register --site)")
-    p.add_argument("--timeout", type=float, default=30.0, help="seconds the sites have per query (30)")
-    p.add_argument("--expect", action="append", help="a site every query should hear from (repeat)")
-    p.add_argument("--idle-timeout", type=float, default=3600.0,
-                   help="close the session after this many seconds without a query (3600; 0: never)")
-    p.add_argument("--join-timeout", type=float, default=120.0,
-                   help="seconds to wait for the session's run to start and open its socket (120)")
-    p.add_argument("--log", help="file for the run's log (flwr run --stream); default a temporary file")
-    p.set_defaults(func=cmd_session)
+    add_search_commands(sub, security)
 
     p = sub.add_parser("local", help="SuperLink, one SuperNode per client and the run, all on 127.0.0.1")
     run_arguments(p)

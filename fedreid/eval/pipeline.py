@@ -24,7 +24,7 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import numpy as np
 
-from fedreid.eval.protocols import CUHK03_REPEATS, _check_protocol, evaluate_dataset, summary_row
+from fedreid.eval.protocols import _check_protocol, evaluate_dataset, summary_row
 from fedreid.eval.query_picking import chosen_queries, draw_dataset_pictures
 from fedreid.inference.dataset_features import DatasetFeatures
 from fedreid.inference.errors import EvalInputError
@@ -73,7 +73,7 @@ def evaluate_and_report(
     feature_sets = list(feature_sets)
     if not feature_sets:
         raise EvalInputError("nothing to evaluate: no datasets given")
-    _check_protocol(protocol, ap, rerank)
+    proto = _check_protocol(protocol, ap, rerank)
     chosen = {f.name: chosen_queries(f, queries, missing_ok=True) for f in feature_sets}
     for spec in queries:
         if not (spec.isascii() and spec.isdigit()) and not any(
@@ -93,7 +93,7 @@ def evaluate_and_report(
             feats, result, out_dir / "ranked_lists", pictures, queries=chosen[feats.name], reranked=reranked
         )
         del reranked  # a Q x G matrix: do not keep one per dataset
-    title = "CMC (re-ranked)" if rerank else "CMC (CUHK03 single-gallery-shot)" if protocol == "cuhk03" else "CMC"
+    title = "CMC (re-ranked)" if rerank else proto.title
     cmc_path = plot_cmc_curves(results, out_dir / "cmc.png", title=title)
     report = {
         "source": source,
@@ -105,8 +105,7 @@ def evaluate_and_report(
         "pictures": [str(p) for p in drawn],
         "cmc_plot": str(cmc_path),
     }
-    if protocol == "cuhk03":
-        report.update(seed=int(seed), repeats=CUHK03_REPEATS)
+    report.update(proto.report_fields(seed))
     write_json_atomic(out_dir / "results.json", report)
     return report
 

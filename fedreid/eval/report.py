@@ -408,9 +408,10 @@ def _retrieval_section(run_dir: Path) -> list[str]:
         return Path(os.path.relpath(Path(path).resolve(), run_dir.resolve())).as_posix()
 
     reranked = ", k-reciprocal re-ranking" if results.get("rerank") else ""
-    if results.get("protocol") == "cuhk03":
-        repeats, seed = results.get("repeats", "?"), results.get("seed", "?")
-        reranked += f", CUHK03 single-gallery-shot CMC ({repeats} samplings, seed {seed})"
+    if results.get("protocol"):
+        from fedreid.eval.protocols import report_note
+
+        reranked += report_note(results)
     lines = [
         "## Retrieval evaluation (tools/eval_reid.py)",
         "",

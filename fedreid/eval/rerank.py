@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from fedreid.errors import FedReIDError
-from fedreid.eval.metrics import EvalDataError, _is_torch, _prepare_features, _top_k_rows
+from fedreid.eval.ranking import EvalDataError, is_torch, prepare_features, top_k_rows
 
 __all__ = ["RerankMemoryError", "estimate_rerank_bytes", "k_reciprocal_rerank"]
 
@@ -78,7 +78,7 @@ def _nearest(dist: np.ndarray, k: int) -> np.ndarray:
     """Indices of each row's k smallest distances, nearest first (ties: lower index)."""
     out = np.empty((dist.shape[0], min(k, dist.shape[1])), dtype=np.int64)
     for start in range(0, dist.shape[0], _ROW_CHUNK):
-        out[start : start + _ROW_CHUNK] = _top_k_rows(-dist[start : start + _ROW_CHUNK], k)[1]
+        out[start : start + _ROW_CHUNK] = top_k_rows(-dist[start : start + _ROW_CHUNK], k)[1]
     return out
 
 
@@ -158,8 +158,8 @@ def k_reciprocal_rerank(
         raise EvalDataError(f"k1 and k2 must be >= 1, got k1={k1}, k2={k2}")
     if not 0.0 <= lambda_value <= 1.0:
         raise EvalDataError(f"lambda_value must be in [0, 1], got {lambda_value}")
-    qf, gf = _prepare_features(qf, gf)
-    if _is_torch(qf):
+    qf, gf = prepare_features(qf, gf)
+    if is_torch(qf):
         qf, gf = qf.cpu().numpy(), gf.cpu().numpy()
     n_q, n_g = qf.shape[0], gf.shape[0]
     needed = estimate_rerank_bytes(n_q, n_g, k1, k2)

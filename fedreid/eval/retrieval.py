@@ -40,16 +40,16 @@ import faiss
 import numpy as np
 
 from fedreid.errors import FedReIDError
-from fedreid.eval.metrics import (
+from fedreid.eval.ranking import (
     DEFAULT_BLOCK_BYTES,
     EvalDataError,
-    _as_features,
-    _block_rows,
-    _is_torch,
-    _order_by_rule,
-    _prepare_features,
-    _score_blocks,
-    _top_k_rows,
+    as_features,
+    block_rows,
+    is_torch,
+    order_by_rule,
+    prepare_features,
+    score_rows,
+    top_k_rows,
 )
 from fedreid.utils.filecheck import check_recorded_file, describe_kind, file_kind, read_format_header, sha256_file
 from fedreid.utils.io import atomic_path, write_json_atomic
@@ -113,8 +113,8 @@ def faiss_gpu_available() -> bool:
 
 
 def _as_float32_rows(name: str, x: Any) -> np.ndarray:
-    x = _as_features(name, x)
-    if _is_torch(x):  # a GPU tensor: faiss takes host memory
+    x = as_features(name, x)
+    if is_torch(x):  # a GPU tensor: faiss takes host memory
         x = x.cpu().numpy()
     return np.ascontiguousarray(x, dtype=np.float32)
 
@@ -192,11 +192,11 @@ def search(
         block = queries[start : start + int(block_size)]
         d, i = index.search(block, k_probe)
         straddling = np.flatnonzero(d[:, k - 1] == d[:, k]) if k_probe > k else np.empty(0, np.int64)
-        d, i = _order_by_rule(d[:, :k], i[:, :k])
+        d, i = order_by_rule(d[:, :k], i[:, :k])
         for r in straddling:
             cpu_index = cpu_index if cpu_index is not None else _cpu_index(index)
             full_d, full_i = cpu_index.search(block[r : r + 1], n_total)
-            full_d, full_i = _order_by_rule(full_d, full_i)
+            full_d, full_i = order_by_rule(full_d, full_i)
             d[r], i[r] = full_d[0, :k], full_i[0, :k]
         scores[start : start + len(block)], indices[start : start + len(block)] = d, i
     return scores, indices
@@ -215,16 +215,16 @@ def block_topk(
     Same output and tie rule as :func:`search`; memory is bounded by
     ``max_block_bytes`` per query block.
     """
-    qf, gf = _prepare_features(queries, gallery)
+    qf, gf = prepare_features(queries, gallery)
     if int(k) < 1:
         raise EvalDataError(f"k must be >= 1, got {k}")
     k = min(int(k), gf.shape[0])
-    rows = _block_rows(gf.shape[0], block_size, max_block_bytes)
+    rows = block_rows(gf.shape[0], block_size, max_block_bytes)
     scores = np.empty((qf.shape[0], k), dtype=np.float32)
     indices = np.empty((qf.shape[0], k), dtype=np.int64)
-    for start, block in _score_blocks(qf, gf, rows):
+    for start, block in score_rows(qf, gf, rows):
         stop = start + block.shape[0]
-        scores[start:stop], indices[start:stop] = _top_k_rows(block, k)
+        scores[start:stop], indices[start:stop] = top_k_rows(block, k)
     return scores, indices
 
 

@@ -28,7 +28,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from fedreid.eval.metrics import EvalDataError, gallery_masks, ranking_order
+from fedreid.eval.ranking import EvalDataError, gallery_masks, ranking_order
 from fedreid.utils.io import atomic_path
 
 __all__ = [

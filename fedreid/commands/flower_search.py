@@ -1,0 +1,194 @@
+"""The federated-search commands of ``flower_fed.py``: ``search`` (one query) and ``session`` (a long-lived run).
+
+They take the deployment's TLS and node-authentication options; the work is
+:mod:`fedreid.flower.search_client`'s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Callable, Optional
+
+from fedreid.config import ConfigError
+
+
+def ca_option(args: argparse.Namespace, what: str) -> Optional[Path]:
+    """The --ca file, or None with --insecure (one of them is required)."""
+    from fedreid.flower.deployment import checked_ca
+
+    return checked_ca(getattr(args, "ca", None), args.insecure, what)
+
+
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr)
+
+
+def cmd_search(args: argparse.Namespace) -> int:
+    from fedreid.flower import search_client as sc
+    from fedreid.flower.search import format_result
+
+    if args.session:
+        if args.superlink or args.ca or args.insecure or args.node_auth or args.join_timeout is not None:
+            raise ConfigError("search: with --session the session's own SuperLink, TLS and node authentication "
+                              "apply; leave out --superlink, --ca, --insecure, --node-auth and --join-timeout")
+        ca = None
+    else:
+        if not args.superlink:
+            raise ConfigError("search: give --superlink HOST:PORT (a single search run), or --session SOCKET "
+                              "(a search session started with `session`)")
+        ca = ca_option(args, "search")
+        if args.node_auth and ca is None:
+            raise ConfigError("search: --node-auth needs --ca: Flower authenticates SuperNodes over TLS only")
+    filters, out = sc.check_search_options(k=args.k, timeout=args.timeout, cameras=args.camera, sites=args.site,
+                                           since=args.since, until=args.until, out=args.out)
+    feature, fingerprint = sc.query_feature(image=args.image, feature=args.feature, model=args.model,
+                                            fingerprint=args.fingerprint, device=args.device)
+    request = sc.SearchRequest(feature, fingerprint, args.k, filters, args.timeout, args.thumbnails,
+                               tuple(args.expect or ()))
+    if args.session:
+        plain = sc.search_in_session(args.session, request)
+    else:
+        plain = sc.search_in_one_run(request, superlink=args.superlink, ca=ca, node_auth=args.node_auth,
+                                     join_timeout=30.0 if args.join_timeout is None else args.join_timeout,
+                                     report=_stderr)
+        if plain is None:
+            return 1
+    for line in format_result(plain):
+        print(line)
+    if out is not None:
+        sc.save_result(plain, out)
+        print(f"result: {out}")
+    return 0 if plain["answered"] else 1
+
+
+def cmd_session(args: argparse.Namespace) -> int:
+    """Open a search session (a long-lived run) on the SuperLink, serve until Ctrl-C / SIGTERM, then close it."""
+    from fedreid.flower.search_client import check_session, run_session
+
+    ca = ca_option(args, "session")
+    sock = check_session(ca=ca, node_auth=args.node_auth, timeout=args.timeout, socket=args.socket)
+
+    def opened(status: dict) -> None:
+        print(f"search session open at {sock}: {len(status['nodes'])} nodes connected; site names "
+              f"{'authenticated' if status['node_auth'] else 'as the nodes declare them'}", flush=True)
+        print(f"  query it on this host: python tools/flower_fed.py search --session {sock} --feature Q.npy "
+              "--fingerprint FP.json   (Ctrl-C here closes the session)", flush=True)
+
+    rc = run_session(superlink=args.superlink, ca=ca, socket=sock, node_auth=args.node_auth, timeout=args.timeout,
+                     expect=args.expect or (), idle_timeout=args.idle_timeout, join_timeout=args.join_timeout,
+                     log=args.log, on_open=opened, report=_stderr)
+    print(f"search session ended (flwr exit code {rc})", file=sys.stderr)
+    return 0 if rc == 0 else 1
+
+
+def _time_arg(text: str) -> float:
+    from fedreid.retrieval.gallery_rows import GalleryMetadataError, parse_time
+
+    try:
+        return parse_time(text, "--since/--until")
+    except GalleryMetadataError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+SEARCH_HELP = """Federated search: the query's feature goes to every site's SuperNode as a Flower
+query message (the training deployment's TLS and node authentication); each site
+searches its own gallery store (node --gallery-store) and answers with its top k
+(ids, scores, cameras, times, file names; small thumbnails only where the site
+runs with --search-thumbnails). The merged list is ranked by score. Gallery
+images never leave a site. A site that does not answer within --timeout is
+listed as missing; the search still returns the others' results. With
+--node-auth (SuperLink started with --node-auth, each site's key registered
+with `register KEY --site NAME`) an answer counts only under the site name its
+node's key was registered with; without it, names are as the nodes declare them.
+
+Examples:
+  # on each site, the SuperNode with its store (beside the usual node flags)
+  python tools/flower_fed.py node ... --gallery-store /data/site_a/store --search-thumbnails
+  # on the SuperLink's host: a query image, the sites' model, two sites expected
+  python tools/flower_fed.py search --superlink 127.0.0.1:9093 --ca certs/ca.crt --node-auth \\
+      --image query.jpg --model runs/fedpav --k 20 --expect site_a --expect site_b --out result.json
+  # a precomputed feature and the fingerprint of the model that made it
+  python tools/flower_fed.py search --superlink 127.0.0.1:9093 --ca certs/ca.crt \\
+      --feature q.npy --fingerprint store/header.json --camera 1 --since 2024-05-01
+"""
+
+
+SESSION_HELP = """Search session: one long-lived Flower run on the SuperLink whose ServerApp
+takes query after query from a Unix socket on this host. A query then costs what
+the sites' answers cost, not a run's start-up (`flwr run`, the ServerApp process,
+waiting for nodes). Nodes are read from the SuperLink for every query: a site that
+leaves is listed as missing, and searched again once its SuperNode is back, without
+restarting the session. The same checks as `search` apply to every query.
+
+Run it on the SuperLink's host (the socket is made there, mode 0600); Ctrl-C or
+SIGTERM closes the session and ends its run. A session left without queries for
+--idle-timeout seconds ends by itself.
+
+Example:
+  python tools/flower_fed.py session --superlink 127.0.0.1:9093 --ca certs/ca.crt --node-auth \\
+      --socket /run/user/1000/fedreid-search.sock --expect site_a --expect site_b
+  # another terminal, same host
+  python tools/flower_fed.py search --session /run/user/1000/fedreid-search.sock \\
+      --feature q.npy --fingerprint store/header.json --k 20
+"""
+
+
+def add_search_commands(sub: argparse._SubParsersAction,
+                        security: Callable[[argparse.ArgumentParser], None]) -> None:
+    """Add ``search`` and ``session`` to the ``flower_fed`` command's subcommands (``security`` adds --ca/--insecure)."""
+    p = sub.add_parser(
+        "search", help="federated search: every site searches its own gallery store, one merged list",
+        description=SEARCH_HELP, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--superlink", metavar="HOST:PORT", help="the SuperLink's address (one search, one Flower run)")
+    p.add_argument("--session", metavar="SOCKET", help="query the search session listening at SOCKET on this host "
+                   "(`session`) instead of starting a run: no run start-up per query")
+    security(p)
+    q = p.add_mutually_exclusive_group(required=True)
+    q.add_argument("--image", help="query image; its feature is computed here with --model")
+    q.add_argument("--feature", help="query feature, a .npy of float32 [d] (with --fingerprint)")
+    p.add_argument("--model", help="with --image: the sites' model (run folder, model_final.pt or checkpoint.pt)")
+    p.add_argument("--fingerprint", help="with --feature: JSON model fingerprint, or a store header.json / model "
+                   "sidecar holding one")
+    p.add_argument("--device", default="cpu", help="device for --image's feature (cpu)")
+    p.add_argument("--k", type=int, default=10, help="length of the merged list; each site sends at most k (10)")
+    p.add_argument("--camera", type=int, action="append", help="only these cameras (repeat)")
+    p.add_argument("--site", action="append", help="only items whose store site column is this (repeat)")
+    p.add_argument("--since", type=_time_arg, help="only items with timestamp >= SINCE (seconds or ISO date/time, UTC)")
+    p.add_argument("--until", type=_time_arg, help="only items with timestamp <= UNTIL (seconds or ISO date/time, UTC)")
+    p.add_argument("--timeout", type=float, default=30.0, help="seconds the sites have to answer (30)")
+    p.add_argument("--join-timeout", type=float,
+                   help="seconds to wait for the --expect sites' nodes (else one node) to be connected (30; not "
+                        "with --session)")
+    p.add_argument("--expect", action="append", help="a site that should answer (repeat): listed as missing if none "
+                   "answers as it")
+    p.add_argument("--thumbnails", action="store_true", help="ask for thumbnails (only sites allowing them send)")
+    p.add_argument("--node-auth", action="store_true",
+                   help="the SuperLink authenticates SuperNodes (superlink --node-auth): each answer counts only "
+                        "under the site name its node's key was registered with (register --site); others are "
+                        "listed as wrong-site or unbound")
+    p.add_argument("--out", help="write the result (ranked list with thumbnails, missing sites) as JSON here; "
+                   "needs this tool on the SuperLink's host, where the ServerApp runs")
+    p.set_defaults(func=cmd_search)
+
+    p = sub.add_parser(
+        "session", help="open a search session: one long-lived run answering `search --session` queries",
+        description=SESSION_HELP, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--superlink", required=True, metavar="HOST:PORT", help="the SuperLink's address")
+    security(p)
+    p.add_argument("--socket", required=True, help="the session's Unix socket, a new path on this host (the "
+                   "SuperLink's, where the ServerApp runs); made with mode 0600")
+    p.add_argument("--node-auth", action="store_true",
+                   help="the SuperLink authenticates SuperNodes: answers count only under the site name their "
+                        "node's key was registered with (register --site)")
+    p.add_argument("--timeout", type=float, default=30.0, help="seconds the sites have per query (30)")
+    p.add_argument("--expect", action="append", help="a site every query should hear from (repeat)")
+    p.add_argument("--idle-timeout", type=float, default=3600.0,
+                   help="close the session after this many seconds without a query (3600; 0: never)")
+    p.add_argument("--join-timeout", type=float, default=120.0,
+                   help="seconds to wait for the session's run to start and open its socket (120)")
+    p.add_argument("--log", help="file for the run's log (flwr run --stream); default a temporary file")
+    p.set_defaults(func=cmd_session)
