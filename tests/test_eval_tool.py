@@ -132,9 +132,10 @@ def test_index_and_query_round_trip(world, capsys):
     assert len(list(pics.glob("*.png"))) == 1
 
     from fedreid.eval import pipeline as pl
+    from fedreid.retrieval import folders
 
     loaded = pl.load_model(world["run"])
-    results = pl.query_index(loaded, index, gallery, top_k=3)
+    results = folders.query_index(loaded, index, gallery, top_k=3)
     assert len(results) == 13
     unnamed = next(r for r in results if r.path.endswith("unnamed.jpg.png"))
     assert unnamed.pid == -1 and all(m["correct"] is None for m in unnamed.matches)
@@ -455,8 +456,9 @@ def test_speedup_flags_reach_the_extraction(world, tmp_path, monkeypatch, capsys
 
 
 def test_faiss_gpu_flag(world, tmp_path, monkeypatch, capsys):
+    from fedreid.eval import devices
     from fedreid.eval import pipeline as pl
-    from fedreid.eval import retrieval
+    from fedreid.retrieval import exact as retrieval
 
     gallery = world["root"] / "gallery_faiss"
     _market_gallery(world, gallery)
@@ -470,7 +472,7 @@ def test_faiss_gpu_flag(world, tmp_path, monkeypatch, capsys):
     # Plumbing, with faiss pretending to have a GPU: the decision reaches the query's search index (a Flat
     # store's; building a Flat store uses no GPU).
     placed = []
-    monkeypatch.setattr(retrieval, "faiss_gpu_available", lambda: True)
+    monkeypatch.setattr(devices, "faiss_gpu_available", lambda: True)
     monkeypatch.setattr(retrieval, "_maybe_to_gpu", lambda index, use_gpu, gpu_id=0: placed.append(use_gpu) or index)
     for mode, expected in (("on", True), ("off", False), ("auto", False)):  # auto: the device is the CPU
         placed.clear()
@@ -480,7 +482,7 @@ def test_faiss_gpu_flag(world, tmp_path, monkeypatch, capsys):
         assert placed == [expected], mode
     assert pl.resolve_faiss_gpu("auto", torch.device("cuda")) is True
     assert pl.resolve_faiss_gpu("auto", torch.device("cpu")) is False
-    monkeypatch.setattr(retrieval, "faiss_gpu_available", lambda: False)
+    monkeypatch.setattr(devices, "faiss_gpu_available", lambda: False)
     assert pl.resolve_faiss_gpu("auto", torch.device("cuda")) is False
     capsys.readouterr()
 

@@ -212,6 +212,7 @@ def test_index_and_query_with_an_exported_model(world, fmt, tmp_path):
     from fedreid.eval import pipeline as pl
     from fedreid.eval.export import load_exported_model
     from fedreid.eval.model_io import ModelMismatchError
+    from fedreid.retrieval import folders
 
     gallery = world["root"] / "images"
     path = export_model(world["loaded"], tmp_path / f"m.{fmt}", fmt, (HEIGHT, WIDTH))
@@ -224,23 +225,23 @@ def test_index_and_query_with_an_exported_model(world, fmt, tmp_path):
     assert np.abs(fs.features - ref.features).max() <= TOLERANCE
 
     index = tmp_path / "index"
-    pl.build_gallery_index(exported, gallery, index)
-    results = pl.query_index(load_exported_model(path), index, gallery, top_k=2)
+    folders.build_gallery_index(exported, gallery, index)
+    results = folders.query_index(load_exported_model(path), index, gallery, top_k=2)
     assert len(results) == 7 and all(r.matches[0]["score"] == pytest.approx(1.0, abs=1e-4) for r in results)
     assert all(Path(r.matches[0]["path"]).name == Path(r.path).name for r in results)
 
     # the PyTorch model of the same weights: the same features, accepted; and the reverse
-    assert len(pl.query_index(world["loaded"], index, gallery, top_k=2)) == 7
+    assert len(folders.query_index(world["loaded"], index, gallery, top_k=2)) == 7
     torch_index = tmp_path / "torch-index"
-    pl.build_gallery_index(world["loaded"], gallery, torch_index)
-    assert len(pl.query_index(load_exported_model(path), torch_index, gallery, top_k=2)) == 7
+    folders.build_gallery_index(world["loaded"], gallery, torch_index)
+    assert len(folders.query_index(load_exported_model(path), torch_index, gallery, top_k=2)) == 7
     resized = export_model(world["loaded"], tmp_path / f"r.{fmt}", fmt, (HEIGHT * 2, WIDTH * 2))
     with pytest.raises(ModelMismatchError, match="height"):  # same weights, another input size
-        pl.query_index(load_exported_model(resized), torch_index, gallery)
+        folders.query_index(load_exported_model(resized), torch_index, gallery)
     other = create_reid_model("resnet18", 0, bottleneck_dim=32, seed=5)
     other_path = export_model(other, tmp_path / f"other.{fmt}", fmt, (HEIGHT, WIDTH))
     with pytest.raises(ModelMismatchError) as exc:  # another exported file (no weights digest recorded)
-        pl.query_index(load_exported_model(other_path), index, gallery)
+        folders.query_index(load_exported_model(other_path), index, gallery)
     assert "export_sha256" in str(exc.value)
 
 

@@ -126,8 +126,8 @@ def _table(folder: Path) -> list[tuple]:
 
 def test_flat_store_ranks_as_exact_search(world, capsys):
     from fedreid.eval import pipeline as pl
-    from fedreid.eval.retrieval import build_index, search
-    from fedreid.retrieval import GalleryStore
+    from fedreid.retrieval import GalleryStore, folders
+    from fedreid.retrieval.exact import build_index, search
 
     store = GalleryStore.open(world["store"])
     loaded = pl.load_model(world["run"])
@@ -139,7 +139,7 @@ def test_flat_store_ranks_as_exact_search(world, capsys):
     fs = pl.image_features(loaded, paths)
     scores, rows = search(build_index(fs.features, use_gpu=False), fs.features, 6)
     want = [[str(paths[r].resolve()) for r in row] for row in rows]
-    results = pl.query_index(loaded, world["store"], world["gallery"], top_k=6)
+    results = folders.query_index(loaded, world["store"], world["gallery"], top_k=6)
     assert [[m["path"] for m in r.matches] for r in results] == want
     np.testing.assert_allclose([[m["score"] for m in r.matches] for r in results], scores, atol=1e-6)
 
@@ -302,7 +302,9 @@ def test_after_a_removal_an_ivf_store_answers_each_image_with_its_own_id(world, 
 
 
 def test_an_index_of_the_earlier_format_is_not_updated(world, tmp_path, capsys):
-    from fedreid.eval.retrieval import build_index, save_index
+    from old_index_format import save_index
+
+    from fedreid.retrieval.exact import build_index
 
     old = tmp_path / "old"
     save_index(old, build_index(np.eye(3, dtype=np.float32), use_gpu=False), ids=[1, 2, 3], cameras=[0, 0, 0],
@@ -407,7 +409,7 @@ def test_metadata_csv_overrides_the_defaults(world, tmp_path, capsys):
     ("", "has no header row"),
 ])
 def test_bad_metadata_csv_is_an_error_naming_the_file_and_row(world, tmp_path, capsys, monkeypatch, content, words):
-    from fedreid.eval import folder_index
+    from fedreid.retrieval import folders as folder_index
 
     names = [p.name for p in world["images"][:2]]
     table = tmp_path / "meta.csv"
@@ -425,7 +427,7 @@ def test_bad_metadata_csv_is_an_error_naming_the_file_and_row(world, tmp_path, c
 ])
 def test_an_out_of_range_file_name_value_is_refused_before_extraction(world, tmp_path, capsys, monkeypatch,
                                                                       name, words):
-    from fedreid.eval import folder_index
+    from fedreid.retrieval import folders as folder_index
 
     folder = tmp_path / "odd"
     _images(folder, [name], np.random.default_rng(3), T0)

@@ -195,10 +195,10 @@ def test_index_add_remove_and_query_match_the_torch_process(world, tmp_path, cap
 
 
 def test_search_service_without_torch(world, tmp_path):
-    from fedreid.eval import pipeline as pl
+    from fedreid.retrieval import folders
 
     store = tmp_path / "store"
-    pl.build_gallery_store(load_exported_model(world["onnx"]), world["root"] / "gallery", store, skipped=[])
+    folders.build_gallery_store(load_exported_model(world["onnx"]), world["root"] / "gallery", store, skipped=[])
     query = world["root"] / "query" / "0003_c1_901.png"
     feature = reference_features(world["onnx"], [query])[str(query)]
     expected = GalleryStore.open(store).search(feature[None], 5).ids[0].tolist()

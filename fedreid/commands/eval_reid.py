@@ -111,6 +111,7 @@ from fedreid.config import load_config
 from fedreid.eval import pipeline as pl
 from fedreid.eval.export import BACKENDS
 from fedreid.eval.report import EVAL_DIR, format_table, write_report
+from fedreid.retrieval import folders
 from fedreid.retrieval.service import add_serve_arguments, run_serve
 from fedreid.utils.cli import add_config_arguments, config_from_args, run_main
 from fedreid.utils.io import claim_output_dir
@@ -515,13 +516,13 @@ def _print_check(store, args: argparse.Namespace) -> None:
 def cmd_index(args: argparse.Namespace) -> int:
     action = _check_index_arguments(args)
     if action == "remove":
-        store, gone = pl.remove_from_gallery_store(args.index, args.remove)
+        store, gone = folders.remove_from_gallery_store(args.index, args.remove)
         print(f"removed {len(gone)} items from {args.index}: ids {', '.join(str(i) for i in gone)} "
               f"({store.ntotal} items left)")
         _print_check(store, args)
         return 0
     if action == "check":
-        _print_check(pl.open_gallery_store(args.index), args)
+        _print_check(folders.open_gallery_store(args.index), args)
         return 0
     device = pl.resolve_backend_device(args.device, args.backend)
     speed = _speedups(args, device)
@@ -531,13 +532,13 @@ def cmd_index(args: argparse.Namespace) -> int:
     common = dict(batch_size=args.batch_size, device=device, skipped=skipped, site=args.site,
                   metadata=args.metadata, **speed)
     if action == "build":
-        store, n = pl.build_gallery_store(
+        store, n = folders.build_gallery_store(
             loaded, args.gallery, args.index, faiss_gpu=faiss_gpu, factory=args.factory or "Flat", seed=args.seed,
             refine=args.refine or 1, **common,
         )
         print(f"indexed {n} images of {args.gallery} into {args.index}")
     else:
-        store, ids = pl.add_to_gallery_store(loaded, args.index, args.add, **common)
+        store, ids = folders.add_to_gallery_store(loaded, args.index, args.add, **common)
         print(f"added {len(ids)} images of {args.add} to {args.index}: ids {ids[0]}-{ids[-1]} "
               f"({store.ntotal} items)")
     print(f"store: {store.factory} ({_search_words(store.search_params)}), {store.ntotal} items")
@@ -556,7 +557,7 @@ def _shown(path: str) -> str:
 
 
 def _query_filters(args: argparse.Namespace) -> dict:
-    """The filters of ``query`` (--cameras, --sites, --since, --until) as :func:`pl.query_index` takes them.
+    """The filters of ``query`` (--cameras, --sites, --since, --until) as :func:`folders.query_index` takes them.
 
     Checked by the rules the metadata CSV and the service use (:mod:`fedreid.retrieval.fields`).
     """
@@ -599,7 +600,7 @@ def cmd_query(args: argparse.Namespace) -> int:
     if args.out:  # refused before any work when it holds files of the user's
         claim_output_dir(args.out, "query", tool="tools/eval_reid.py query --out")
     skipped: list[pl.SkippedImage] | None = [] if args.skip_bad_images else None
-    results = pl.query_index(
+    results = folders.query_index(
         loaded, args.index, args.images, top_k=args.top_k, batch_size=args.batch_size, device=device,
         faiss_gpu=faiss_gpu, allow_model_mismatch=args.allow_model_mismatch,
         warn=lambda message: print(f"WARNING: {message}", flush=True), skipped=skipped, **filters, **speed,
@@ -620,7 +621,7 @@ def cmd_query(args: argparse.Namespace) -> int:
         if not r.matches:
             print("  (no item passes the filters)" if filters else "  (the store is empty)")
     if args.out:
-        pictures = pl.draw_query_pictures(results, args.out)
+        pictures = folders.draw_query_pictures(results, args.out)
         print(f"pictures: {len(pictures)} in {args.out}")
     return 0
 

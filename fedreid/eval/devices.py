@@ -13,12 +13,22 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Optional
 
+from fedreid.errors import FedReIDError
 from fedreid.eval.errors import EvalInputError
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["FAISS_GPU_MODES", "resolve_backend_device", "resolve_device", "resolve_speedups", "resolve_faiss_gpu"]
+__all__ = [
+    "FAISS_GPU_MODES",
+    "FaissGpuUnavailableError",
+    "faiss_gpu_available",
+    "require_faiss_gpu",
+    "resolve_backend_device",
+    "resolve_device",
+    "resolve_speedups",
+    "resolve_faiss_gpu",
+]
 
 FAISS_GPU_MODES = ("auto", "on", "off")
 
@@ -86,23 +96,44 @@ def resolve_speedups(
     return (on_cuda if amp is None else bool(amp)), (on_cuda if channels_last is None else bool(channels_last))
 
 
+class FaissGpuUnavailableError(FedReIDError, RuntimeError):
+    """A GPU index was required (``use_gpu=True``) but faiss has no GPU support or sees no GPU."""
+
+
+def faiss_gpu_available() -> bool:
+    """True when this faiss build has GPU support and sees at least one GPU."""
+    import faiss
+
+    return hasattr(faiss, "StandardGpuResources") and faiss.get_num_gpus() > 0
+
+
+def require_faiss_gpu() -> None:
+    """Raise :class:`FaissGpuUnavailableError`, saying what is missing, unless a GPU index can be made."""
+    import faiss
+
+    if not faiss_gpu_available():
+        why = "sees no GPU" if hasattr(faiss, "StandardGpuResources") else "has no GPU support (faiss-cpu)"
+        raise FaissGpuUnavailableError(
+            f"a GPU faiss index was required but this faiss build {why}; "
+            "install the [gpu] extra (faiss-gpu) on a CUDA machine, or use the CPU index"
+        )
+
+
 def resolve_faiss_gpu(mode: str, device: str | torch.device) -> bool:
     """Whether the FAISS index goes to a GPU: ``auto`` / ``on`` / ``off``.
 
     ``auto``: when faiss has GPU support, sees a GPU and the tool's device is
-    CUDA; ``on``: required (:class:`~fedreid.eval.retrieval.FaissGpuUnavailableError`
+    CUDA; ``on``: required (:class:`FaissGpuUnavailableError`
     naming what is missing when it cannot be); ``off``: the CPU index.
     """
-    from fedreid.eval import retrieval
-
     if mode not in FAISS_GPU_MODES:
         raise EvalInputError(f"--faiss-gpu {mode!r}: expected one of {', '.join(FAISS_GPU_MODES)}")
     if mode == "off":
         return False
     if mode == "on":
-        retrieval.require_faiss_gpu()
+        require_faiss_gpu()
         return True
-    return _device_parts(device)[0] == "cuda" and retrieval.faiss_gpu_available()
+    return _device_parts(device)[0] == "cuda" and faiss_gpu_available()
 
 
 def _faiss_gpu_id(device: str | torch.device) -> int:

@@ -17,7 +17,7 @@ et al., "Scalable Person Re-identification: A Benchmark", ICCV 2015; the
 Ties: the ranking of a query is the *stable* sort of its gallery by
 descending score, i.e. among equal scores the lower gallery index ranks
 first (:func:`ranking_order`). Every path here, the top-k search in
-:mod:`fedreid.eval.retrieval` and the pictures in
+:mod:`fedreid.retrieval.exact` and the pictures in
 :mod:`fedreid.eval.visualize` follow that rule.
 
 Speed and memory: the full query x gallery score matrix is never

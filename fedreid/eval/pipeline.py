@@ -12,8 +12,6 @@ every name is re-exported here (``from fedreid.eval import pipeline as pl``):
 * :mod:`fedreid.eval.protocols`: CMC/mAP of one dataset (standard, re-ranked, CUHK03);
 * :mod:`fedreid.eval.query_picking`: which queries are drawn, their ranked lists, pictures;
 * :mod:`fedreid.eval.image_folders`: image files -> features, unreadable images;
-* :mod:`fedreid.eval.folder_index`: a gallery store (:mod:`fedreid.retrieval`) of an image folder:
-  build, add, remove, and queries of it.
 
 Importing this module imports no torch (the modules above import it where a
 PyTorch model or TorchScript file is read or run), so ``tools/eval_reid.py``
@@ -21,7 +19,7 @@ indexes, queries and serves with an ONNX file (``--backend onnx``) where
 PyTorch is not installed.
 
 Features come from :func:`fedreid.eval.features.extract_features`, search
-from :mod:`fedreid.eval.retrieval`, pictures from :mod:`fedreid.eval.visualize`.
+from :mod:`fedreid.retrieval.exact`, pictures from :mod:`fedreid.eval.visualize`.
 How the pieces fit: ``docs/evaluation.md``; what the tool guarantees about
 the files it reads and writes: ``docs/retrieval-safety.md``.
 """
@@ -51,18 +49,6 @@ from fedreid.eval.devices import (
 )
 from fedreid.eval.errors import EvalInputError
 from fedreid.eval.features import extract_features
-from fedreid.eval.folder_index import (
-    QueryResult,
-    add_to_gallery_store,
-    build_gallery_index,
-    build_gallery_store,
-    draw_query_picture,
-    draw_query_pictures,
-    open_gallery_store,
-    query_index,
-    remove_from_gallery_store,
-    resolve_store_items,
-)
 from fedreid.eval.image_folders import (
     IMAGE_EXTENSIONS,
     SKIPPED_FILE,
@@ -102,7 +88,6 @@ __all__ = [
     "SkippedImage",
     "SKIPPED_FILE",
     "DatasetFeatures",
-    "QueryResult",
     "PROTOCOLS",
     "CUHK03_REPEATS",
     "FAISS_GPU_MODES",
@@ -128,15 +113,6 @@ __all__ = [
     "list_images",
     "parse_market_name",
     "image_features",
-    "build_gallery_index",
-    "build_gallery_store",
-    "add_to_gallery_store",
-    "remove_from_gallery_store",
-    "resolve_store_items",
-    "open_gallery_store",
-    "query_index",
-    "draw_query_picture",
-    "draw_query_pictures",
     "evaluate_and_report",
     "claim_eval_dir",
     "claim_features_dir",
