@@ -83,6 +83,9 @@ class IndexKind:
     exact_filters: bool = False
     #: A removal rebuilds the segment's index from the remaining stored vectors (FAISS cannot remove from it).
     rebuild_on_remove: bool = False
+    #: FAISS's search takes ``SearchParameters`` (and so an id selector); without, a filtered search is exact
+    #: over the allowed items' stored vectors. (A plain ``IndexPQ`` of the ``other`` kind takes none either.)
+    takes_search_parameters: bool = True
 
     @classmethod
     def matches(cls, inner: Any) -> bool:
@@ -266,8 +269,12 @@ def unsupported_reason(index: Any) -> Optional[str]:
 
 
 def accepts_search_parameters(index: Any) -> bool:
-    """Whether the store's index takes ``SearchParameters`` (with a selector): a plain PQ takes none."""
-    return not isinstance(innermost(index), faiss.IndexPQ)
+    """Whether the store's index takes ``SearchParameters`` (with a selector): a plain PQ takes none, nor a kind
+    whose :attr:`IndexKind.takes_search_parameters` is False."""
+    if isinstance(innermost(index), faiss.IndexPQ):
+        return False
+    name = index_kind(index)
+    return name not in INDEX_KINDS or INDEX_KINDS[name].takes_search_parameters
 
 
 def search_keys(name: str) -> tuple[str, ...]:
