@@ -21,6 +21,16 @@ class FedReIDError(Exception):
     """Bad input; the message names the file, key or value and what was expected."""
 
 
+class ConfigError(FedReIDError, ValueError):
+    """A bad configuration key or value; the message names the key.
+
+    ``key``: the full dotted key at fault, where known (a config file's
+    loader uses it to name the file's line).
+    """
+
+    key: str | None = None
+
+
 class EvalDataError(FedReIDError, ValueError):
     """Bad evaluation input (empty sets, mismatched lengths, NaN/inf features, no query with a match...).
 
@@ -30,4 +40,4 @@ class EvalDataError(FedReIDError, ValueError):
     """
 
 
-__all__ = ["EvalDataError", "FedReIDError"]
+__all__ = ["ConfigError", "EvalDataError", "FedReIDError"]

@@ -27,17 +27,7 @@ from typing import Any, Literal, Mapping, Sequence, Union
 
 import yaml
 
-from fedreid.errors import FedReIDError
-
-
-class ConfigError(FedReIDError, ValueError):
-    """A bad configuration key or value; the message names the key.
-
-    ``key``: the full dotted key at fault, where known (a config file's
-    loader uses it to name the file's line).
-    """
-
-    key: str | None = None
+from fedreid.errors import ConfigError, FedReIDError  # noqa: F401  (ConfigError: imported from here too)
 
 
 def did_you_mean(name: str, candidates: Sequence[str], prefix: str = "") -> str:

@@ -240,7 +240,9 @@ def test_index_rebuilds_its_own_folder_and_adopts_one_of_an_earlier_version(worl
     shutil.copytree(index_dir, own)
     assert (own / ".fedreid-index.json").is_file()
     assert tool.main(_index(world, own)) == 0
-    from fedreid.eval.retrieval import build_index, save_index
+    from old_index_format import save_index
+
+    from fedreid.retrieval.exact import build_index
 
     old = tmp_path / "old"  # what an earlier fedreid left: no marker, a version-1 header of the earlier format
     feats = np.random.default_rng(0).standard_normal((6, 16)).astype(np.float32)

@@ -131,8 +131,8 @@ def test_index_and_query_round_trip(world, capsys):
     assert len(lines) == 1 + 5 + 1 and lines[1].endswith(" +")
     assert len(list(pics.glob("*.png"))) == 1
 
-    from fedreid.eval.folder_index import query_index
     from fedreid.inference.model_io import load_model
+    from fedreid.retrieval.folders import query_index
 
     loaded = load_model(world["run"])
     results = query_index(loaded, index, gallery, top_k=3)
@@ -465,14 +465,14 @@ def test_speedup_flags_reach_the_extraction(world, tmp_path, monkeypatch, capsys
 
 
 def test_faiss_gpu_flag(world, tmp_path, monkeypatch, capsys):
-    from fedreid.eval import retrieval
+    from fedreid.retrieval import exact, faiss_gpu
     from fedreid.retrieval.faiss_gpu import resolve_faiss_gpu
 
     gallery = world["root"] / "gallery_faiss"
     _market_gallery(world, gallery)
     index_args = ["index", "--model", str(world["run"]), "--gallery", str(gallery), "--device", "cpu"]
     query_args = ["query", "--model", str(world["run"]), "--images", str(gallery), "--device", "cpu", "--top-k", "2"]
-    if not retrieval.faiss_gpu_available():
+    if not faiss_gpu.faiss_gpu_available():
         err = _cli_error(index_args + ["--index", str(tmp_path / "i0"), "--faiss-gpu", "on"], capsys)
         assert "GPU faiss index was required" in err and "faiss-gpu" in err
         assert not (tmp_path / "i0").exists()  # refused before any work
@@ -480,8 +480,8 @@ def test_faiss_gpu_flag(world, tmp_path, monkeypatch, capsys):
     # Plumbing, with faiss pretending to have a GPU: the decision reaches the query's search index (a Flat
     # store's; building a Flat store uses no GPU).
     placed = []
-    monkeypatch.setattr(retrieval, "faiss_gpu_available", lambda: True)
-    monkeypatch.setattr(retrieval, "_maybe_to_gpu", lambda index, use_gpu, gpu_id=0: placed.append(use_gpu) or index)
+    monkeypatch.setattr(faiss_gpu, "faiss_gpu_available", lambda: True)
+    monkeypatch.setattr(exact, "_maybe_to_gpu", lambda index, use_gpu, gpu_id=0: placed.append(use_gpu) or index)
     for mode, expected in (("on", True), ("off", False), ("auto", False)):  # auto: the device is the CPU
         placed.clear()
         folder = tmp_path / f"i_{mode}"
@@ -490,7 +490,7 @@ def test_faiss_gpu_flag(world, tmp_path, monkeypatch, capsys):
         assert placed == [expected], mode
     assert resolve_faiss_gpu("auto", torch.device("cuda")) is True
     assert resolve_faiss_gpu("auto", torch.device("cpu")) is False
-    monkeypatch.setattr(retrieval, "faiss_gpu_available", lambda: False)
+    monkeypatch.setattr(faiss_gpu, "faiss_gpu_available", lambda: False)
     assert resolve_faiss_gpu("auto", torch.device("cuda")) is False
     capsys.readouterr()
 

@@ -209,10 +209,10 @@ def test_corrupt_or_foreign_files_are_refused(world, fmt, tmp_path):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_index_and_query_with_an_exported_model(world, fmt, tmp_path):
-    from fedreid.eval.folder_index import build_gallery_index, query_index
     from fedreid.inference.export import load_exported_model
     from fedreid.inference.images import image_features
     from fedreid.inference.model_io import ModelMismatchError
+    from fedreid.retrieval.folders import build_gallery_index, query_index
 
     gallery = world["root"] / "images"
     path = export_model(world["loaded"], tmp_path / f"m.{fmt}", fmt, (HEIGHT, WIDTH))

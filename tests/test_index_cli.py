@@ -125,11 +125,11 @@ def _table(folder: Path) -> list[tuple]:
 
 
 def test_flat_store_ranks_as_exact_search(world, capsys):
-    from fedreid.eval.folder_index import query_index
-    from fedreid.eval.retrieval import build_index, search
     from fedreid.inference.images import image_features, list_images
     from fedreid.inference.model_io import check_index_model, load_model
     from fedreid.retrieval import GalleryStore
+    from fedreid.retrieval.exact import build_index, search
+    from fedreid.retrieval.folders import query_index
 
     store = GalleryStore.open(world["store"])
     loaded = load_model(world["run"])
@@ -304,7 +304,9 @@ def test_after_a_removal_an_ivf_store_answers_each_image_with_its_own_id(world, 
 
 
 def test_an_index_of_the_earlier_format_is_not_updated(world, tmp_path, capsys):
-    from fedreid.eval.retrieval import build_index, save_index
+    from old_index_format import save_index
+
+    from fedreid.retrieval.exact import build_index
 
     old = tmp_path / "old"
     save_index(old, build_index(np.eye(3, dtype=np.float32), use_gpu=False), ids=[1, 2, 3], cameras=[0, 0, 0],
@@ -409,7 +411,7 @@ def test_metadata_csv_overrides_the_defaults(world, tmp_path, capsys):
     ("", "has no header row"),
 ])
 def test_bad_metadata_csv_is_an_error_naming_the_file_and_row(world, tmp_path, capsys, monkeypatch, content, words):
-    from fedreid.eval import folder_index
+    from fedreid.retrieval import folders as folder_index
 
     names = [p.name for p in world["images"][:2]]
     table = tmp_path / "meta.csv"
@@ -427,7 +429,7 @@ def test_bad_metadata_csv_is_an_error_naming_the_file_and_row(world, tmp_path, c
 ])
 def test_an_out_of_range_file_name_value_is_refused_before_extraction(world, tmp_path, capsys, monkeypatch,
                                                                       name, words):
-    from fedreid.eval import folder_index
+    from fedreid.retrieval import folders as folder_index
 
     folder = tmp_path / "odd"
     _images(folder, [name], np.random.default_rng(3), T0)

@@ -195,7 +195,7 @@ def test_index_add_remove_and_query_match_the_torch_process(world, tmp_path, cap
 
 
 def test_search_service_without_torch(world, tmp_path):
-    from fedreid.eval.folder_index import build_gallery_store
+    from fedreid.retrieval.folders import build_gallery_store
 
     store = tmp_path / "store"
     build_gallery_store(load_exported_model(world["onnx"]), world["root"] / "gallery", store, skipped=[])

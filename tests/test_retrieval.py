@@ -1,4 +1,4 @@
-"""Exact top-k search: FAISS vs block matmul, the tie rule, and the saved index folder."""
+"""Exact top-k search: FAISS vs block matmul, the tie rule; index folders of the earlier format are refused."""
 
 from __future__ import annotations
 
@@ -6,20 +6,22 @@ import json
 
 import numpy as np
 import pytest
+from old_index_format import save_index
 
 from fedreid.errors import FedReIDError
 from fedreid.eval.metrics import evaluate, gallery_masks
-from fedreid.eval.retrieval import (
+from fedreid.inference.errors import EvalInputError
+from fedreid.retrieval.exact import (
     FaissGpuUnavailableError,
     IndexFileError,
     block_topk,
     build_index,
     faiss_gpu_available,
     is_index_folder,
-    load_index,
-    save_index,
+    refuse_old_index_folder,
     search,
 )
+from fedreid.retrieval.folders import open_gallery_store
 
 
 def unit_rows(rng, n, d=16):
@@ -111,15 +113,10 @@ def test_requiring_a_gpu_without_one_is_a_clear_error(tmp_path):
     assert issubclass(FaissGpuUnavailableError, FedReIDError) and issubclass(FaissGpuUnavailableError, RuntimeError)
     with pytest.raises(FaissGpuUnavailableError, match="GPU faiss index was required .*(no GPU support|sees no GPU)"):
         build_index(np.eye(2, dtype=np.float32), use_gpu=True)
-    folder = save_index(tmp_path / "i", build_index(np.eye(2, dtype=np.float32), use_gpu=False),
-                        ids=[0, 1], cameras=[0, 0], paths=["a", "b"])
-    with pytest.raises(FaissGpuUnavailableError):
-        load_index(folder, use_gpu=True)
-    assert load_index(folder, use_gpu="auto").index.ntotal == 2  # auto falls back to the CPU
 
 
 # --------------------------------------------------------------------------
-# Saved index folders
+# Index folders of the earlier format: recognised, never read
 # --------------------------------------------------------------------------
 
 
@@ -137,114 +134,21 @@ def saved(tmp_path, n=20):
     return folder, gallery, rng
 
 
-def test_save_and_load_round_trip(tmp_path):
-    folder, gallery, rng = saved(tmp_path)
-    queries = unit_rows(rng, 4)
-    loaded = load_index(folder)
-    assert loaded.index.ntotal == 20 and loaded.header["meta"] == {"dataset": "synthetic"}
-    np.testing.assert_array_equal(loaded.ids, np.arange(20))
-    np.testing.assert_array_equal(loaded.cameras, np.arange(20) % 3)
-    assert loaded.paths[5] == "img/005.jpg"
-    a = search(build_index(gallery, use_gpu=False), queries, 5)
-    b = search(loaded.index, queries, 5)
-    np.testing.assert_array_equal(a[1], b[1])
-    np.testing.assert_array_equal(a[0], b[0])
-    # Only the three files: no temporary leftovers; saving again replaces them.
-    assert sorted(p.name for p in folder.iterdir()) == ["header.json", "index.faiss", "meta.npz"]
-    small = build_index(gallery[:3], use_gpu=False)
-    save_index(folder, small, ids=[1, 2, 3], cameras=[0, 0, 0], paths=["a", "b", "c"])
-    assert load_index(folder).index.ntotal == 3
-    assert sorted(p.name for p in folder.iterdir()) == ["header.json", "index.faiss", "meta.npz"]
-
-
-def test_save_rejects_mismatched_metadata(tmp_path):
-    index = build_index(np.eye(3, dtype=np.float32), use_gpu=False)
-    with pytest.raises(ValueError, match=r"mismatched lengths \(index: 3, ids: 2"):
-        save_index(tmp_path / "x", index, ids=[1, 2], cameras=[0, 0, 0], paths=["a", "b", "c"])
-
-
-@pytest.mark.parametrize("name", ["header.json", "index.faiss", "meta.npz"])
-def test_missing_file_is_named(tmp_path, name):
-    folder, _, _ = saved(tmp_path)
-    (folder / name).unlink()
-    with pytest.raises(FileNotFoundError, match=name):
-        load_index(folder)
-
-
-def _rewrite_header(folder, name):
-    """Make header.json vouch for the current bytes of ``name`` (what a hostile folder would do)."""
-    import hashlib
-
-    header = json.loads((folder / "header.json").read_text())
-    data = (folder / name).read_bytes()
-    header["files"][name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-    (folder / "header.json").write_text(json.dumps(header))
-
-
-def test_corrupt_index_file_is_named(tmp_path):
-    folder, _, _ = saved(tmp_path)
-    path = folder / "index.faiss"
-    size = path.stat().st_size
-    path.write_bytes(b"\0" * size)  # same size: only the checksum can notice
-    with pytest.raises(IndexFileError, match="index.faiss does not match the SHA-256 in .*header.json"):
-        load_index(folder)
-    _rewrite_header(folder, "index.faiss")  # checksums vouch for it: the layout check still refuses
-    with pytest.raises(IndexFileError, match=r"index.faiss is not a flat inner-product faiss index .*IxFI"):
-        load_index(folder)
-
-
-def test_index_file_with_a_forged_layout_never_reaches_faiss(tmp_path, monkeypatch):
-    import struct
-
-    import faiss
-
-    from fedreid.eval import retrieval
-
-    folder, _, _ = saved(tmp_path)
-    path = folder / "index.faiss"
-    good = path.read_bytes()
-    read, real = [], faiss.read_index
-    monkeypatch.setattr(retrieval.faiss, "read_index", lambda p: read.append(p) or real(p))
-    # Claims 10**12 vectors (faiss would try to allocate them), or a wrong dim, metric or length.
-    head = struct.Struct("<4siqqqBiq")
-    fields = list(head.unpack(good[: head.size]))
-    for change, message in (
-        ({2: 10**12}, "ntotal=1000000000000"),
-        ({1: 17}, "dim=17"),
-        ({6: 1}, "metric 1"),
-        ({7: 5}, "do not hold 20 vectors of dim 16"),
-    ):
-        forged = list(fields)
-        for i, v in change.items():
-            forged[i] = v
-        path.write_bytes(head.pack(*forged) + good[head.size :])
-        _rewrite_header(folder, "index.faiss")
-        with pytest.raises(IndexFileError, match=message):
-            load_index(folder)
-    path.write_bytes(good[:-4])  # one vector short
-    _rewrite_header(folder, "index.faiss")
-    with pytest.raises(IndexFileError, match="do not hold 20 vectors"):
-        load_index(folder)
-    assert read == []
-    path.write_bytes(good)
-    _rewrite_header(folder, "index.faiss")
-    assert load_index(folder).index.ntotal == 20 and len(read) == 1
-
-
-def test_index_of_an_earlier_version_asks_for_a_rebuild(tmp_path):
-    folder, _, _ = saved(tmp_path)
-    header = json.loads((folder / "header.json").read_text())
-    header["version"] = 1
-    header["files"] = {name: rec["bytes"] for name, rec in header["files"].items()}  # version 1: sizes only
-    (folder / "header.json").write_text(json.dumps(header))
-    with pytest.raises(IndexFileError, match="version 1, written by an earlier fedreid without checksums"):
-        load_index(folder)
-    assert is_index_folder(folder)  # still recognised as an index folder (so `index` may rebuild it)
-    del header["files"]["index.faiss"]
-    header["version"] = 2
-    (folder / "header.json").write_text(json.dumps(header))
-    with pytest.raises(IndexFileError, match="lacks the size and SHA-256 of index.faiss, meta.npz"):
-        load_index(folder)
+def test_an_index_folder_of_the_earlier_format_is_refused_with_how_to_rebuild(tmp_path):
+    folder, _, _ = saved(tmp_path)  # version 2, the last one with checksums
+    for version in (2, 1):
+        header = json.loads((folder / "header.json").read_text())
+        header["version"] = version
+        (folder / "header.json").write_text(json.dumps(header))
+        with pytest.raises(IndexFileError) as exc:
+            open_gallery_store(folder)
+        message = str(exc.value)
+        assert "\n" not in message and isinstance(exc.value, EvalInputError) and isinstance(exc.value, FedReIDError)
+        assert f"index folder {folder} was built by an earlier version of fedreid" in message
+        assert f"(fedreid-faiss-index version {version})" in message
+        assert f"tools/eval_reid.py index --model MODEL --gallery GALLERY --index {folder}" in message
+        assert is_index_folder(folder)  # still recognised, so that `index` may replace it with a store
+    refuse_old_index_folder(tmp_path / "missing", "unused")  # not an earlier-format folder: nothing to refuse
 
 
 def test_is_index_folder_tells_index_folders_from_user_folders(tmp_path):
@@ -262,121 +166,3 @@ def test_is_index_folder_tells_index_folders_from_user_folders(tmp_path):
     assert not is_index_folder(user) and not is_index_folder(tmp_path / "missing")
     (user / "header.json").write_text(json.dumps({"format": "fedreid-faiss-index", "version": 9}))
     assert not is_index_folder(user)
-
-
-def test_corrupt_meta_file_is_named(tmp_path):
-    folder, _, _ = saved(tmp_path)
-    path = folder / "meta.npz"
-    path.write_bytes(b"x" * path.stat().st_size)
-    with pytest.raises(IndexFileError, match="meta.npz does not match the SHA-256"):
-        load_index(folder)
-    _rewrite_header(folder, "meta.npz")
-    with pytest.raises(IndexFileError, match="meta.npz is not a NumPy .npz of the gallery's ids.*a text file"):
-        load_index(folder)
-    np.savez(path, ids=np.array([object()] * 20, dtype=object), cameras=np.zeros(20, int), paths=np.array(["a"] * 20))
-    _rewrite_header(folder, "meta.npz")
-    with pytest.raises(IndexFileError, match="pickled Python objects, which are never loaded") as exc:
-        load_index(folder)
-    assert "allow_pickle" not in str(exc.value)
-
-
-def test_file_from_another_save_is_detected(tmp_path):
-    folder, _, _ = saved(tmp_path)
-    (folder / "index.faiss").write_bytes(b"short")
-    with pytest.raises(IndexFileError, match="index.faiss has 5 bytes but .*header.json says"):
-        load_index(folder)
-
-
-def test_corrupt_or_foreign_header_is_named(tmp_path):
-    folder, _, _ = saved(tmp_path)
-    header = folder / "header.json"
-    header.write_text("{not json")
-    with pytest.raises(IndexFileError, match="header.json is not a readable JSON header"):
-        load_index(folder)
-    header.write_text(json.dumps({"format": "other"}))
-    with pytest.raises(IndexFileError, match="header.json is not a fedreid-faiss-index header"):
-        load_index(folder)
-
-
-# --------------------------------------------------------------------------
-# k-reciprocal re-ranking (its tests live here: re-ranking is a retrieval step)
-# --------------------------------------------------------------------------
-
-
-def reference_rerank(qf, gf, k1, k2, lam):
-    """Zhong et al. 2017 written densely and step by step, loops included."""
-    feats = np.concatenate([qf, gf]).astype(np.float64)
-    n, n_q = feats.shape[0], qf.shape[0]
-    dist = ((feats[:, None, :] - feats[None, :, :]) ** 2).sum(-1)
-    dist = dist / dist.max(axis=1, keepdims=True)
-    rank = np.argsort(dist, axis=1, kind="stable")
-
-    def reciprocal(p, k):
-        forward = rank[p, : k + 1]
-        return [q for q in forward if p in rank[q, : k + 1]]
-
-    V = np.zeros((n, n))
-    for p in range(n):
-        base = reciprocal(p, k1)
-        expanded = list(base)
-        for q in base:
-            candidate = reciprocal(q, int(np.around(k1 / 2)))
-            if len(set(candidate) & set(base)) > 2 / 3 * len(candidate):
-                expanded += candidate
-        expanded = sorted(set(expanded))
-        w = np.exp(-dist[p, expanded])
-        V[p, expanded] = w / w.sum()
-    if k2 > 1:
-        V = np.stack([V[rank[p, :k2]].mean(axis=0) for p in range(n)])
-    out = np.zeros((n_q, n - n_q))
-    for i in range(n_q):
-        for j in range(n_q, n):
-            shared = np.minimum(V[i], V[j]).sum()
-            out[i, j - n_q] = (1 - lam) * (1 - shared / (2 - shared)) + lam * dist[i, j]
-    return out
-
-
-def clustered(seed, n_ids=8, per_id=6, dim=12, noise=1.1):
-    rng = np.random.default_rng(seed)
-    centres = rng.standard_normal((n_ids, dim))
-    q_pids, g_pids = np.repeat(np.arange(1, n_ids + 1), 2), np.repeat(np.arange(1, n_ids + 1), per_id)
-
-    def feats(pids):
-        x = centres[pids - 1] + noise * rng.standard_normal((pids.size, dim))
-        return (x / np.linalg.norm(x, axis=1, keepdims=True)).astype(np.float32)
-
-    return feats(q_pids), feats(g_pids), q_pids, g_pids, np.zeros(q_pids.size, int), np.ones(g_pids.size, int)
-
-
-@pytest.mark.parametrize("k1, k2, lam", [(20, 6, 0.3), (5, 3, 0.3), (4, 1, 0.5), (3, 2, 0.0)])
-def test_rerank_matches_the_straightforward_formulation(k1, k2, lam):
-    from fedreid.eval.rerank import k_reciprocal_rerank
-
-    qf, gf, *_ = clustered(k1 + k2)
-    got = k_reciprocal_rerank(qf, gf, k1=k1, k2=k2, lambda_value=lam)
-    assert got.shape == (qf.shape[0], gf.shape[0]) and got.dtype == np.float32
-    np.testing.assert_allclose(got, reference_rerank(qf, gf, k1, k2, lam), atol=2e-5)
-
-
-def test_rerank_improves_map_when_identities_form_neighbourhoods():
-    from fedreid.eval.metrics import evaluate, evaluate_scores
-    from fedreid.eval.rerank import k_reciprocal_rerank
-
-    # 20 identities x 12 gallery images around noisy centres: single-feature
-    # similarity confuses identities, mutual neighbourhoods do not.
-    qf, gf, *ids = clustered(0, n_ids=20, per_id=12, dim=32, noise=1.2)
-    before = evaluate(qf, gf, *ids)["mAP"]
-    after = evaluate_scores(-k_reciprocal_rerank(qf, gf), *ids)["mAP"]
-    assert after > before + 0.1, (before, after)
-
-
-def test_rerank_memory_guard_names_sizes_and_limit():
-    from fedreid.eval.rerank import RerankMemoryError, estimate_rerank_bytes, k_reciprocal_rerank
-
-    qf, gf, *_ = clustered(1)
-    needed = estimate_rerank_bytes(qf.shape[0], gf.shape[0])
-    with pytest.raises(RerankMemoryError, match=r"16 queries \+ 48 gallery items \(N = 64\).*max_bytes=1000"):
-        k_reciprocal_rerank(qf, gf, max_bytes=1000)
-    assert k_reciprocal_rerank(qf, gf, max_bytes=needed).shape == (16, 48)
-    # Market-1501 fits the default 4 GiB; MSMT17 does not.
-    assert estimate_rerank_bytes(3368, 19732) < 4 * 2**30 < estimate_rerank_bytes(11659, 82161)

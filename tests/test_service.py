@@ -384,7 +384,7 @@ def test_only_regular_files_inside_the_gallery_or_uploads_are_served(world, tmp_
 
 
 def test_added_folders_are_recorded_as_gallery_roots(world, tmp_path):
-    from fedreid.eval.folder_index import add_to_gallery_store, build_gallery_store
+    from fedreid.retrieval.folders import add_to_gallery_store, build_gallery_store
 
     first = [write_png(tmp_path / "g" / f"{i:04d}_c1s1_000001_00.png", person_image(i, 0, 1)) for i in range(3)]
     more = [write_png(tmp_path / "monday" / f"{i:04d}_c2s1_000001_00.png", person_image(i, 1, 1)) for i in range(2)]

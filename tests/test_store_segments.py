@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from fedreid.retrieval import store as store_mod
+from fedreid.retrieval import store_files
 from fedreid.retrieval.store import GalleryStore
 
 D = 16
@@ -179,9 +180,9 @@ def test_a_reopen_hashes_no_unchanged_file(tmp_path, small_segments, monkeypatch
     for p in folder.iterdir():
         os.utime(p, (old, old))
     hashed: list[str] = []
-    real = store_mod.sha256_file
-    monkeypatch.setattr(store_mod, "sha256_file", lambda path: hashed.append(Path(path).name) or real(path))
-    monkeypatch.setattr(store_mod, "check_recorded_file", _counting(store_mod.check_recorded_file, hashed))
+    real = store_files.sha256_file
+    monkeypatch.setattr(store_files, "sha256_file", lambda path: hashed.append(Path(path).name) or real(path))
+    monkeypatch.setattr(store_files, "check_recorded_file", _counting(store_files.check_recorded_file, hashed))
     first = GalleryStore.open(folder)
     assert len(hashed) == 1 + 3 * 4  # template + 3 segments x 4 files: verified once, when first read
     hashed.clear()

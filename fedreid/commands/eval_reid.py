@@ -109,14 +109,6 @@ from pathlib import Path
 
 from fedreid.config import load_config
 from fedreid.eval import protocols
-from fedreid.eval.folder_index import (
-    add_to_gallery_store,
-    build_gallery_store,
-    draw_query_pictures,
-    open_gallery_store,
-    query_index,
-    remove_from_gallery_store,
-)
 from fedreid.eval.pipeline import claim_eval_dir, evaluate_and_report
 from fedreid.eval.report import EVAL_DIR, format_table, write_report
 from fedreid.inference import devices
@@ -132,8 +124,16 @@ from fedreid.inference.export import BACKENDS
 from fedreid.inference.images import SKIPPED_FILE, SkippedImage, write_skipped_csv
 from fedreid.inference.model_io import find_model_file, load_model, run_config_path
 from fedreid.retrieval.faiss_gpu import FAISS_GPU_MODES, resolve_faiss_gpu
+from fedreid.retrieval.folders import (
+    add_to_gallery_store,
+    build_gallery_store,
+    draw_query_pictures,
+    open_gallery_store,
+    query_index,
+    remove_from_gallery_store,
+)
 from fedreid.retrieval.service import add_serve_arguments, run_serve
-from fedreid.utils.cli import add_config_arguments, config_from_args, run_main
+from fedreid.utils.cli import add_config_arguments, checked_overrides, run_main
 from fedreid.utils.io import claim_output_dir
 from fedreid.utils.logging import METRICS_JSONL, add_pictures, read_metrics
 
@@ -437,11 +437,11 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         source = ", ".join(f for _, f in _feature_files(args.features))
         out = Path(args.out or Path(_feature_files(args.features)[0][1]).parent / "eval")
         claim_eval_dir(out)
-        cfg = config_from_args(args)
+        cfg = load_config(args.config, checked_overrides(args))
     else:
         model_file = find_model_file(args.model)
         run_cfg = run_config_path(args.model)
-        cfg = load_config(run_cfg, args.overrides) if run_cfg and not args.config else config_from_args(args)
+        cfg = load_config(run_cfg, args.overrides) if run_cfg and not args.config else load_config(args.config, checked_overrides(args))
         root = args.prepared_root or cfg.data.prepared_root
         names = args.datasets.split(",") if args.datasets else (cfg.eval.datasets or cfg.data.dataset_names())
         names = resolve_datasets([n.strip() for n in names if n.strip()], root)
@@ -577,7 +577,7 @@ def _shown(path: str) -> str:
 
 
 def _query_filters(args: argparse.Namespace) -> dict:
-    """The filters of ``query`` (--cameras, --sites, --since, --until) as :func:`~fedreid.eval.folder_index.query_index` takes them.
+    """The filters of ``query`` (--cameras, --sites, --since, --until) as :func:`~fedreid.retrieval.folders.query_index` takes them.
 
     Checked by the rules the metadata CSV and the service use (:mod:`fedreid.retrieval.fields`).
     """

@@ -28,7 +28,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from fedreid.config import BENCHMARK_DATASETS, ConfigError, DataConfig
+from fedreid.config import BENCHMARK_DATASETS, ConfigError, DataConfig, load_config
 from fedreid.data.prepared import (
     PrepareError,
     PrepareReport,
@@ -39,7 +39,7 @@ from fedreid.data.prepared import (
 )
 from fedreid.data.raw import PUBLIC_DATASET, create_raw_dataset, list_raw_datasets
 from fedreid.data.raw.base import RawLayoutError
-from fedreid.utils.cli import add_config_arguments, config_from_args, literal_override, run_main
+from fedreid.utils.cli import add_config_arguments, checked_overrides, literal_override, run_main
 from fedreid.utils.io import write_text_atomic
 
 
@@ -127,7 +127,7 @@ def resolve_names(data: DataConfig, with_public: bool = True) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    cfg = config_from_args(args, flag_overrides(args))
+    cfg = load_config(args.config, checked_overrides(args, flag_overrides(args)))
     data = cfg.data
     # named datasets on the command line are prepared alone; 'all' or a config's list bring the public set
     names = resolve_names(data, with_public=not args.datasets or args.datasets.strip() == "all")

@@ -38,7 +38,7 @@ from fedreid.eval.report import (
     paper_summary,
     write_report,
 )
-from fedreid.utils.cli import add_config_arguments, config_from_args, literal_override, run_main
+from fedreid.utils.cli import add_config_arguments, checked_overrides, literal_override, run_main
 from fedreid.utils.run_log import LOG_FILE, OutputLog, log_header
 
 
@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         if args.out:
             flags.append(literal_override("run.out_dir", args.out))  # a path: taken literally
-        cfg = config_from_args(args, flags)
+        cfg = load_config(args.config, checked_overrides(args, flags))
         run_dir = Path(cfg.run.out_dir)
         resume = False
     progress = not args.no_progress and sys.stderr.isatty()

@@ -17,7 +17,7 @@ et al., "Scalable Person Re-identification: A Benchmark", ICCV 2015; the
 Ties: the ranking of a query is the *stable* sort of its gallery by
 descending score, i.e. among equal scores the lower gallery index ranks
 first (:func:`~fedreid.eval.ranking.ranking_order`). Every path here, the
-top-k search in :mod:`fedreid.eval.retrieval` and the pictures in
+top-k search in :mod:`fedreid.retrieval.exact` and the pictures in
 :mod:`fedreid.eval.visualize` follow that rule.
 
 The ranking itself is :mod:`fedreid.eval.ranking`'s kernel: the rules above

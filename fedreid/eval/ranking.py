@@ -2,7 +2,7 @@
 
 Everything that turns features into *ranks* lives here, once;
 :mod:`fedreid.eval.metrics` turns ranks into CMC / mAP / mINP, the top-k
-search of :mod:`fedreid.eval.retrieval`, re-ranking
+search of :mod:`fedreid.retrieval.exact`, re-ranking
 (:mod:`fedreid.eval.rerank`) and the pictures (:mod:`fedreid.eval.visualize`)
 use the same rules from here.
 

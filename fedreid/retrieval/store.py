@@ -86,7 +86,7 @@ restricting it to them. Either way, every result satisfies the filter.
 
 Search: ``k`` is cut to the number of items (a result has at most that many
 columns, whatever k is asked). Unfiltered search of a Flat store is exact with the tie rule of
-:func:`fedreid.eval.retrieval.search` (equal scores: lower id first), so it
+:func:`fedreid.retrieval.exact.search` (equal scores: lower id first), so it
 ranks exactly as an ``IndexFlatIP`` over the same vectors does.
 
 Crash safety: every update of the items stages the complete new save in a
@@ -127,22 +127,21 @@ links keep a kept segment's inode, so a reopen after an update hashes only the
 new files; ``open(folder, previous=store)`` (the search service) also takes
 over the unchanged segments as they are, without reading them.
 :meth:`GalleryStore.check_files` (``index --verify`` is about recall, not
-files) hashes every file again whatever was trusted. As for the v2 index, the
-checksums detect damage and mix-ups, not forgery.
+files) hashes every file again whatever was trusted. The checksums detect
+damage and mix-ups, not forgery.
+
+The files' names, their checks and the update lock are in
+:mod:`fedreid.retrieval.store_files`; what differs by index family in
+:mod:`fedreid.retrieval.index_kinds`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import re
-import shutil
 import sqlite3
-import threading
-import time
-import urllib.parse
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -151,18 +150,58 @@ from typing import Any, Iterable, Iterator, Mapping, Optional, Sequence
 import faiss
 import numpy as np
 
-from fedreid.errors import FedReIDError
-from fedreid.retrieval import fields
-from fedreid.utils.filecheck import check_recorded_file, describe_kind, file_kind, read_format_header, sha256_file
-from fedreid.utils.io import (
-    claim_output_dir,
-    marker_path,
-    owns_folder,
-    replace_dir_atomically,
-    swap_leftovers,
-    swap_sibling,
-    write_json_atomic,
+from fedreid.retrieval import fields, index_kinds
+from fedreid.retrieval.index_kinds import (
+    DEFAULT_EF_SEARCH,
+    DEFAULT_NPROBE,
+    EF_SEARCH_CANDIDATES,
+    NPROBE_CANDIDATES,
+    accepts_search_parameters,
+    inner_ivf,
+    kind_named,
+    supported_factories,
+    unsupported_reason,
 )
+from fedreid.retrieval.store_files import (
+    _COLUMNS,
+    _HEADER_TEMP,
+    _SCHEMA,
+    _SEGMENT_FILE,
+    _SEGMENT_NAME,
+    HEADER_FILE,
+    LEGACY_FILES,
+    LEGACY_VERSION,
+    MARKER_KIND,
+    SEGMENT_SUFFIXES,
+    SIDE_FILES,
+    STORE_FORMAT,
+    STORE_VERSION,
+    TEMPLATE_FILE,
+    TOOL,
+    GalleryStoreError,
+    _check_file,
+    _check_search_params,
+    _check_store_location,
+    _Conn,
+    _connect_ro,
+    _connect_rw,
+    _db_ids,
+    _delete_marker_last,
+    _link_or_copy,
+    _read_faiss,
+    _read_header,
+    _read_npy,
+    _remove_leftovers,
+    _segment_files,
+    _segment_key,
+    _segment_layout,
+    _written_record,
+    clean_swap_leftovers,
+    is_store_folder,
+    writer_lock,
+)
+from fedreid.utils.filecheck import sha256_file
+from fedreid.utils.io import claim_output_dir, replace_dir_atomically, swap_sibling, write_json_atomic
 
 __all__ = [
     "EXACT_FILTER_MAX",
@@ -179,50 +218,17 @@ __all__ = [
     "is_store_folder",
 ]
 
-STORE_FORMAT = "fedreid-gallery-store"
-STORE_VERSION = 4
-#: The earlier single-segment format this code still opens and searches (its first update converts it).
-LEGACY_VERSION = 3
-HEADER_FILE, TEMPLATE_FILE = "header.json", "template.faiss"
-#: A version-3 store's data files, which a version-4 store reads as its one segment.
-INDEX_FILE, VECTORS_FILE, IDS_FILE, DB_FILE = "index.faiss", "vectors.npy", "ids.npy", "meta.sqlite"
-LEGACY_FILES = (INDEX_FILE, VECTORS_FILE, IDS_FILE, DB_FILE)
-#: A segment's files: role -> suffix after the segment's name (``seg-000003.faiss`` ...).
-SEGMENT_SUFFIXES = {"index": ".faiss", "vectors": ".vectors.npy", "ids": ".ids.npy", "rows": ".sqlite"}
-_SEGMENT_NAME = re.compile(r"^seg-\d{6,}$")
-_SEGMENT_FILE = re.compile(r"^seg-\d{6,}(\.faiss|\.vectors\.npy|\.ids\.npy|\.sqlite)$")
 #: A build or an add writes segments of at most this many items (a removal rewrites only the segments it hits).
 SEGMENT_ITEMS = 65_536
 #: After an update, adjacent segments are merged (the smallest pair first) while there are more than this.
 MAX_SEGMENTS = 32
-#: A file verified less than this long after its modification time is hashed again when next read (see
-#: :func:`_check_file`): a file system's coarse timestamps could hide a same-size rewrite within that window.
-RACY_NS = 2_000_000_000
-#: Files a store folder may hold besides its own, carried over by updates unless replaced.
-SIDE_FILES = ("skipped.csv",)
-MARKER_KIND = "index"
-TOOL = "tools/eval_reid.py index"
 #: A filtered search over at most this many allowed items is exact over their stored vectors.
 EXACT_FILTER_MAX = 20_000
 #: Seconds an update waits for another process's update of a store in the same folder.
 LOCK_TIMEOUT_S = 60.0
-DEFAULT_NPROBE = 8
-DEFAULT_EF_SEARCH = 64
-NPROBE_CANDIDATES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 65536)
-EF_SEARCH_CANDIDATES = (16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 2048)
-_IDMAP2_TAG = b"IxM2"
-_SQLITE_MAGIC = b"SQLite format 3\x00"
-_SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
-_HEADER_TEMP = re.compile(r"^\.header\.json\..+\.tmp$")  # left by a kill during a header-only update
-_SCHEMA = (
-    "CREATE TABLE gallery (id INTEGER PRIMARY KEY, path TEXT UNIQUE NOT NULL, camera INTEGER, "
-    "site TEXT, timestamp REAL, identity)"
-)
-_COLUMNS = ("id", "path", "camera", "site", "timestamp", "identity")
-
-
-class GalleryStoreError(FedReIDError, ValueError):
-    """A gallery store cannot be built, read or updated as asked; the message names the folder or file."""
+#: Names kept here for their earlier importers (the files' names live in :mod:`fedreid.retrieval.store_files`).
+_REEXPORTED = (DEFAULT_EF_SEARCH, DEFAULT_NPROBE, EF_SEARCH_CANDIDATES, NPROBE_CANDIDATES, SEGMENT_SUFFIXES,
+               LEGACY_FILES, LEGACY_VERSION, STORE_FORMAT, _SEGMENT_FILE, is_store_folder, sha256_file)
 
 
 @dataclass
@@ -242,59 +248,28 @@ class SearchResult:
 # --------------------------------------------------------------------------
 
 
-#: The index classes a store accepts (below any pre-transform such as OPQ or PCA), by kind: each searches with
-#: the store's parameters and filters, and removes items keeping every other item's id. Exact classes: a
-#: subclass (e.g. IndexIVFPQR of "IVF,PQ+R") searches or removes differently. (HNSW,PQ is left out: FAISS
-#: builds it with the L2 metric whatever the metric asked for.)
-_SUPPORTED_CLASSES = {
-    "flat": ("IndexFlat", "IndexFlatIP"),
-    "ivf": ("IndexIVFFlat", "IndexIVFPQ", "IndexIVFScalarQuantizer", "IndexIVFPQFastScan"),
-    "hnsw": ("IndexHNSWFlat", "IndexHNSWSQ"),
-    "other": ("IndexPQ", "IndexScalarQuantizer"),
-}
-#: The factory strings of :data:`_SUPPORTED_CLASSES`, for error messages.
-SUPPORTED_FACTORIES = (
-    "Flat; IVF<lists>[_HNSW<M>],Flat|PQ<m>[x<bits>][fs]|SQ<bits>; HNSW<M>[,Flat|SQ<bits>]; PQ<m>; SQ<bits>; "
-    "each optionally after OPQ<m>[_<d>], PCA[R]<d>, RR<d> or L2norm (e.g. Flat, IVF1024,PQ64, OPQ64,IVF1024,PQ64, "
-    "HNSW32)"
-)
-
-
-def _innermost(index: Any) -> Any:
-    """The index below the store's ``IndexIDMap2`` and any ``IndexPreTransform`` (downcast)."""
-    inner = faiss.downcast_index(index.index) if isinstance(index, faiss.IndexIDMap2) else faiss.downcast_index(index)
-    while isinstance(inner, faiss.IndexPreTransform):
-        inner = faiss.downcast_index(inner.index)
-    return inner
+#: The factory strings of the registered index kinds (:mod:`fedreid.retrieval.index_kinds`), for error messages.
+SUPPORTED_FACTORIES = supported_factories()
 
 
 def _index_kind(index: Any) -> str:
-    inner = _innermost(index)
-    name = type(inner).__name__
-    for kind, names in _SUPPORTED_CLASSES.items():
-        if name in names:
-            return kind
-    return "unsupported"
+    return index_kinds.index_kind(index)
 
 
 def _check_supported(index: Any, factory: str) -> str:
     """The kind of ``index`` (the store's IndexIDMap2 over ``factory``); raises for a class the store cannot run."""
-    kind = _index_kind(index)
-    if kind != "unsupported" and _innermost(index).metric_type != faiss.METRIC_INNER_PRODUCT:
-        kind = "unsupported"
-    if kind == "unsupported":
-        name = type(_innermost(index)).__name__
+    name = unsupported_reason(index)
+    if name is not None:
         hint = " (for exact re-scoring use the store's refine, e.g. index --refine 4)" if "Refine" in name else ""
         raise GalleryStoreError(
             f"factory {factory!r} builds a faiss {name}, which a gallery store cannot search or update{hint}; "
-            f"supported: {SUPPORTED_FACTORIES}"
+            f"supported: {supported_factories()}"
         )
-    return kind
+    return _index_kind(index)
 
 
 def _accepts_search_parameters(index: Any) -> bool:
-    """Whether the store's index takes ``SearchParameters`` (with a selector): a plain PQ takes none."""
-    return not isinstance(_innermost(index), faiss.IndexPQ)
+    return accepts_search_parameters(index)
 
 
 def _new_index(factory: str, dim: int) -> Any:
@@ -332,91 +307,34 @@ def check_factory_string(factory: str) -> None:
 
 
 def factory_kind(factory: str, dim: int) -> str:
-    """``flat``, ``ivf``, ``hnsw`` or ``other``: the kind of index ``factory`` builds (raises for a bad string)."""
+    """``flat``, ``ivf``, ``hnsw``, ``other`` (or another registered kind): the kind of index ``factory`` builds.
+
+    Raises :class:`GalleryStoreError` for a string FAISS cannot build or a class no kind has.
+    """
     return _index_kind(_new_index(factory, dim))
-
-
-def _training_need(index: Any) -> tuple[int, str]:
-    """The fewest training vectors the untrained ``index`` can be trained on, and why."""
-    inner = faiss.downcast_index(index.index)
-    need, why = 1, ""
-    ivf = faiss.try_extract_index_ivf(inner)
-    if ivf is not None:
-        need, why = int(ivf.nlist), f"IVF with {ivf.nlist} lists"
-    ivf_d = faiss.downcast_index(ivf) if ivf is not None else inner
-    pq = getattr(ivf_d, "pq", None)
-    if pq is not None and int(pq.ksub) > need:
-        need, why = int(pq.ksub), f"PQ with {pq.ksub} centroids per sub-quantizer"
-    return need, why
 
 
 def _train(index: Any, features: np.ndarray, factory: str, seed: int, clustering_index: Any = None) -> None:
     if index.is_trained:
         return
-    need, why = _training_need(index)
+    kind = kind_named(_index_kind(index))
+    need, why = kind.training_need(index)
     if features.shape[0] < need:
         raise GalleryStoreError(
             f"factory {factory!r} needs at least {need} training vectors ({why}); the gallery has "
             f"{features.shape[0]}: choose a smaller factory (e.g. fewer IVF lists) or 'Flat'"
         )
-    inner = faiss.downcast_index(index.index)
-    ivf = faiss.try_extract_index_ivf(inner)
-    if ivf is not None:
-        ivf.cp.seed = int(seed)
-        pq = getattr(faiss.downcast_index(ivf), "pq", None)
-        if pq is not None:
-            pq.cp.seed = int(seed)
-        if clustering_index is not None:
-            ivf.clustering_index = clustering_index
+    kind.before_training(index, seed, clustering_index)
     try:
         index.train(features)
-    except RuntimeError as exc:  # a need _training_need does not foresee (e.g. OPQ's own 256-centroid PQ)
+    except RuntimeError as exc:  # a need training_need does not foresee (e.g. OPQ's own 256-centroid PQ)
         text = str(exc).strip().splitlines()
         reason = re.sub(r"^Error in .*? at \S+:\d+: ", "", text[-1]) if text else type(exc).__name__
         raise GalleryStoreError(
             f"factory {factory!r} cannot be trained on the gallery's {features.shape[0]} vectors: {reason}"
         ) from None
     finally:
-        if ivf is not None:
-            ivf.clustering_index = None  # never written with the index
-
-
-def _set_default_params(kind: str, index: Any) -> dict[str, int]:
-    if kind == "ivf":
-        ivf = faiss.try_extract_index_ivf(faiss.downcast_index(index.index))
-        return {"nprobe": int(min(DEFAULT_NPROBE, ivf.nlist))}
-    if kind == "hnsw":
-        return {"efSearch": DEFAULT_EF_SEARCH}
-    return {}
-
-
-#: The search parameters each kind of store takes (``refine``: any kind).
-_SEARCH_KEYS = {"flat": (), "ivf": ("nprobe",), "hnsw": ("efSearch",), "other": ()}
-
-
-def _check_search_params(kind: str, params: Any, where: str, *, complete: bool = True) -> dict[str, int]:
-    """``params`` as the search parameters of a ``kind`` store, or :class:`GalleryStoreError` naming ``where``.
-
-    Each value must be an integer >= 1 (not a bool); keys are the kind's own
-    (``nprobe`` for IVF, ``efSearch`` for HNSW) and ``refine``. ``complete``:
-    the kind's own key must be there (a header's ``search``; an override may
-    give any subset).
-    """
-    if not isinstance(params, Mapping):
-        raise GalleryStoreError(f"{where}: search parameters must be an object such as {{\"nprobe\": 8}}, got {params!r:.60}")
-    own = _SEARCH_KEYS.get(kind, ())
-    allowed = (*own, "refine")
-    for key, value in params.items():
-        if key not in allowed:
-            raise GalleryStoreError(
-                f"{where}: search parameter {key!r} does not apply to a {kind} index (expected {', '.join(allowed)})"
-            )
-        if type(value) is not int or value < 1:
-            raise GalleryStoreError(f"{where}: search parameter {key} must be an integer >= 1, got {value!r:.40}")
-    missing = [key for key in own if key not in params] if complete else []
-    if missing:
-        raise GalleryStoreError(f"{where}: search parameter {missing[0]} is missing (an integer >= 1)")
-    return dict(params)
+        kind.after_training(index)
 
 
 def _with_refine(params: dict[str, int], refine: int) -> dict[str, int]:
@@ -426,12 +344,7 @@ def _with_refine(params: dict[str, int], refine: int) -> dict[str, int]:
 
 
 def _search_params(kind: str, search: Mapping[str, int], selector: Any = None) -> Any:
-    if kind == "ivf":
-        params = faiss.SearchParametersIVF(nprobe=int(search["nprobe"]))
-    elif kind == "hnsw":
-        params = faiss.SearchParametersHNSW(efSearch=int(search["efSearch"]))
-    else:
-        params = faiss.SearchParameters()
+    params = kind_named(kind).search_parameters(search)
     if selector is not None:
         params.sel = selector
     return params
@@ -502,8 +415,6 @@ class _NewSegment:
     rows: list[tuple]
 
 
-def _segment_files(name: str) -> dict[str, str]:
-    return {role: name + suffix for role, suffix in SEGMENT_SUFFIXES.items()}
 
 
 class _Rows:
@@ -578,12 +489,6 @@ def _merge_topk(parts: Sequence[tuple[np.ndarray, np.ndarray]], nq: int, k: int)
     return out
 
 
-def _link_or_copy(src: Path, dst: Path) -> None:
-    """``dst`` as a second name of ``src`` (a hard link: nothing written); a copy where links are not possible."""
-    try:
-        os.link(src, dst)
-    except OSError:  # a file system without hard links (or across devices): correct, but it costs a copy
-        shutil.copyfile(src, dst)
 
 
 def _write_segment(stage: Path, files: dict[str, str], seg: _NewSegment) -> None:
@@ -706,7 +611,7 @@ class GalleryStore:
             "format": STORE_FORMAT, "version": STORE_VERSION, "factory": factory, "kind": kind,
             "metric": "inner_product", "dim": int(features.shape[1]), "ntotal": int(features.shape[0]),
             "next_id": int(features.shape[0]), "seed": int(seed),
-            "search": _with_refine(_set_default_params(kind, template), refine), "verify": None, "meta": meta,
+            "search": _with_refine(kind_named(kind).default_params(template), refine), "verify": None, "meta": meta,
         }
         store = cls(folder, header, [], template)
         plan = store._new_segments(features, ids, values)
@@ -1007,7 +912,8 @@ class GalleryStore:
             return self._index_search(queries, k, params, flat_index=flat_index)
         if allowed.size == 0 or self.ntotal == 0:
             return _empty_result(queries.shape[0], k)
-        if allowed.size <= EXACT_FILTER_MAX or self.kind == "hnsw" or not _accepts_search_parameters(self.template):
+        if allowed.size <= EXACT_FILTER_MAX or kind_named(self.kind).exact_filters \
+                or not _accepts_search_parameters(self.template):
             # Only ids this object holds: the table on disk may be a newer store's (another process's update).
             ids = self.ids
             rows = np.minimum(np.searchsorted(ids, allowed), max(ids.size - 1, 0))
@@ -1042,7 +948,7 @@ class GalleryStore:
         if self.ntotal == 0:
             return _empty_result(nq, k)
         if self.kind == "flat" and selector is None:
-            from fedreid.eval.retrieval import search
+            from fedreid.retrieval.exact import search
 
             if flat_index is not None:
                 scores, rows = search(flat_index, queries, k)
@@ -1094,7 +1000,7 @@ class GalleryStore:
 
     def exact_search(self, queries: Any, k: int) -> SearchResult:
         """Exact top-``k`` over the stored vectors (the reference :meth:`verify` compares with)."""
-        from fedreid.eval.retrieval import block_topk
+        from fedreid.retrieval.exact import block_topk
 
         queries = _as_features("queries", queries, self.dim)
         k = _capped_k(k, self.ntotal)
@@ -1146,13 +1052,7 @@ class GalleryStore:
         """
         if not 0 < float(target_recall) <= 1:
             raise GalleryStoreError(f"target recall must be in (0, 1], got {target_recall}")
-        if self.kind == "ivf":
-            nlist = int(_inner_ivf(self.template).nlist)
-            name, values = "nprobe", sorted({min(v, nlist) for v in NPROBE_CANDIDATES})
-        elif self.kind == "hnsw":
-            name, values = "efSearch", list(EF_SEARCH_CANDIDATES)
-        else:
-            name, values = None, []
+        name, values = kind_named(self.kind).tune_grid(self.template)
         tried = []
         result = self.recall(sample, k, seed)
         for v in values:
@@ -1338,7 +1238,7 @@ def _empty_result(nq: int, k: int) -> SearchResult:
 
 
 def _exact_search(queries: np.ndarray, vectors: np.ndarray, ids: np.ndarray, k: int) -> SearchResult:
-    from fedreid.eval.retrieval import block_topk
+    from fedreid.retrieval.exact import block_topk
 
     kk = min(k, vectors.shape[0])
     scores, rows = block_topk(queries, vectors, kk)
@@ -1347,56 +1247,16 @@ def _exact_search(queries: np.ndarray, vectors: np.ndarray, ids: np.ndarray, k: 
     return out
 
 
-#: The update locks this thread holds: parent folder -> nesting depth (see :func:`_writer_lock`).
-_HELD = threading.local()
 
 
-@contextlib.contextmanager
-def _writer_lock(folder: Path, timeout: Optional[float] = None) -> Iterator[None]:
-    """Hold the update lock of the store at ``folder``: an exclusive ``flock`` on its parent folder.
 
-    The lock is on the parent because an update replaces the store folder
-    itself; it leaves no file behind and is released when the process dies.
-    Waits up to ``timeout`` seconds (default :data:`LOCK_TIMEOUT_S`) for
-    another writer, then raises :class:`GalleryStoreError`. A thread that
-    already holds it (:meth:`GalleryStore.update_lock`) takes it again at
-    once: a second ``flock`` from this process would wait for the first.
-    Other threads and processes wait as for any writer.
+
+def _writer_lock(folder: Path, timeout: Optional[float] = None) -> contextlib.AbstractContextManager[None]:
+    """The update lock of the store at ``folder`` (:func:`~fedreid.retrieval.store_files.writer_lock`).
+
+    Waits up to ``timeout`` seconds (default :data:`LOCK_TIMEOUT_S`) for another writer.
     """
-    parent = folder.parent
-    held: dict[str, int] = getattr(_HELD, "depth", None) or {}
-    _HELD.depth = held
-    key = os.path.abspath(parent)
-    if held.get(key):
-        held[key] += 1
-        try:
-            yield
-        finally:
-            held[key] -= 1
-        return
-    parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(parent, os.O_RDONLY)
-    try:
-        deadline = time.monotonic() + (LOCK_TIMEOUT_S if timeout is None else timeout)
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    raise GalleryStoreError(
-                        f"another process is updating a store in {parent} (it holds the update lock); "
-                        f"try again when it has finished (nothing was changed in {folder})"
-                    ) from None
-                time.sleep(0.05)
-        held[key] = 1
-        try:
-            yield
-        finally:
-            held.pop(key, None)
-            fcntl.flock(fd, fcntl.LOCK_UN)
-    finally:
-        os.close(fd)
+    return writer_lock(folder, LOCK_TIMEOUT_S if timeout is None else timeout)
 
 
 def _copy_index(index: Any) -> Any:
@@ -1414,7 +1274,7 @@ def _rebuilt_index(index: Any, vectors: np.ndarray, ids: np.ndarray) -> Any:
 
 def _inner_ivf(index: Any) -> Any:
     """The IVF inside an ``IndexIDMap2`` (through any pre-transform such as OPQ), or None."""
-    return faiss.try_extract_index_ivf(faiss.downcast_index(index.index))
+    return inner_ivf(index)
 
 
 def _inner_ids_match_positions(index: Any) -> bool:
@@ -1475,7 +1335,7 @@ def _index_without(index: Any, kind: str, gone: np.ndarray, vectors: np.ndarray,
     its inner ids one to one (an inverted-list kind this code does not know),
     it is rebuilt from the stored vectors instead.
     """
-    if kind == "hnsw":
+    if kind_named(kind).rebuild_on_remove:
         return _rebuilt_index(index, vectors, ids)
     fresh = _copy_index(index)
     kept = ~np.isin(faiss.vector_to_array(fresh.id_map), gone)
@@ -1488,262 +1348,48 @@ def _index_without(index: Any, kind: str, gone: np.ndarray, vectors: np.ndarray,
     return fresh
 
 
-#: Files this process has verified: (device, inode) -> (size, mtime ns, SHA-256, when verified in ns). See
-#: :func:`_check_file`.
-_VERIFIED: dict[tuple[int, int], tuple[int, int, str, int]] = {}
-_VERIFIED_LOCK = threading.Lock()
 
 
-def _remember(path: Path, sha256: str) -> None:
-    st = path.stat()
-    with _VERIFIED_LOCK:
-        _VERIFIED[(st.st_dev, st.st_ino)] = (st.st_size, st.st_mtime_ns, sha256, time.time_ns())
 
 
-def _trusted(path: Path, record: Mapping[str, Any]) -> bool:
-    """Whether ``path`` was verified against ``record``'s SHA-256 by this process and has not changed since.
-
-    Unchanged: the same device, inode, size and modification time, and that
-    time more than :data:`RACY_NS` before the verification (otherwise a rewrite
-    within the file system's timestamp granularity could keep it).
-    """
-    try:
-        st = path.stat()
-    except OSError:
-        return False
-    with _VERIFIED_LOCK:
-        seen = _VERIFIED.get((st.st_dev, st.st_ino))
-    return seen is not None and seen[0] == st.st_size and seen[1] == st.st_mtime_ns and seen[2] == record["sha256"] \
-        and st.st_mtime_ns < seen[3] - RACY_NS
 
 
-def _written_record(path: Path) -> dict[str, Any]:
-    """Size and SHA-256 of a file the store has just written (hashed from disk; verified as written)."""
-    record = {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
-    _remember(path, record["sha256"])
-    return record
 
 
-class _Conn:
-    def __init__(self, conn: sqlite3.Connection):
-        self.conn = conn
-
-    def __enter__(self) -> sqlite3.Connection:
-        return self.conn
-
-    def __exit__(self, *exc: Any) -> None:
-        if exc[0] is None:
-            self.conn.commit()
-        self.conn.close()
 
 
-def _connect_rw(path: Path) -> _Conn:
-    return _Conn(sqlite3.connect(str(path)))
 
 
-def _connect_ro(path: Path) -> _Conn:
-    # A URI: '#', '?' and '%' in a folder name would end or escape its path part, so the path is quoted.
-    return _Conn(sqlite3.connect(f"file:{urllib.parse.quote(str(path))}?mode=ro", uri=True))
 
 
-def _db_ids(path: Path) -> np.ndarray:
-    with open(path, "rb") as f:
-        head = f.read(len(_SQLITE_MAGIC))
-    if head != _SQLITE_MAGIC:
-        raise GalleryStoreError(f"{path} is not an SQLite database: {describe_kind(file_kind(path))}")
-    try:
-        with _connect_ro(path) as conn:
-            got = conn.execute("SELECT id FROM gallery ORDER BY id").fetchall()
-    except sqlite3.DatabaseError as exc:
-        raise GalleryStoreError(f"{path} is not a gallery store table: {exc}") from None
-    return np.array([r[0] for r in got], dtype=np.int64)
 
 
-def is_store_folder(folder: str | Path) -> bool:
-    """Whether ``folder``'s ``header.json`` is a gallery store header (reads that JSON only; never raises)."""
-    try:
-        header = json.loads((Path(folder) / HEADER_FILE).read_text())
-    except (OSError, UnicodeDecodeError, ValueError):
-        return False
-    return isinstance(header, dict) and header.get("format") == STORE_FORMAT
 
 
-def _own_names() -> set[str]:
-    """The fixed names a store folder may hold (besides its segments' files, :data:`_SEGMENT_FILE`)."""
-    return {HEADER_FILE, TEMPLATE_FILE, *LEGACY_FILES, *SIDE_FILES, marker_path(".", MARKER_KIND).name}
 
 
-def _is_own_name(name: str) -> bool:
-    return name in _own_names() or _SEGMENT_FILE.match(name) is not None
 
 
-def _check_store_location(folder: Path, *, fresh: bool, replaces: Sequence[str] = ()) -> None:
-    """Refuse (changing nothing) a folder that is not new/empty/a store, or that holds other files."""
-    if folder.is_symlink() or (folder.exists() and not folder.is_dir()):
-        raise GalleryStoreError(f"{folder} is not a folder {TOOL} made; choose another folder")
-    if not folder.is_dir() or not any(folder.iterdir()):
-        return
-    if not owns_folder(folder, MARKER_KIND):
-        entries = sorted(p.name for p in folder.iterdir())
-        raise GalleryStoreError(
-            f"{folder} holds files {TOOL} did not write ({', '.join(entries[:5])}); choose another folder "
-            "(nothing was changed)"
-        )
-    if fresh is False and not is_store_folder(folder):
-        raise GalleryStoreError(f"{folder} is not a gallery store (no store header.json)")
-    own = set(replaces) if fresh else set()
-    foreign = sorted(
-        p.name for p in folder.iterdir() if not _is_own_name(p.name) and p.name not in own and not _HEADER_TEMP.match(p.name)
-    )
-    if foreign:
-        raise GalleryStoreError(
-            f"store folder {folder} also holds files that are not the store's ({', '.join(foreign[:5])}); an "
-            "update replaces the whole folder: move them elsewhere (nothing was changed)"
-        )
 
 
-#: SQLite's own files beside a database it was writing (a kill during VACUUM leaves them in a staging folder).
-_SQLITE_SIDE = re.compile(r"^(meta\.sqlite|seg-\d{6,}\.sqlite)-(journal|wal|shm)$")
-_ATOMIC_TEMP = re.compile(r"^\.(?P<name>.+)\.[A-Za-z0-9_]+\.tmp$")  # fedreid.utils.io.atomic_path's temporaries
 
 
-def _is_store_entry_name(name: str) -> bool:
-    """Whether ``name`` is a file a store folder, or the staging of one, holds (its own, or a writer's temporary)."""
-    if _is_own_name(name) or _SQLITE_SIDE.match(name):
-        return True
-    temporary = _ATOMIC_TEMP.match(name)
-    return temporary is not None and _is_own_name(temporary.group("name"))
 
 
-def _is_swap_leftover(path: Path) -> bool:
-    """Whether a hidden sibling named like a swap's (``.<name>.tmp-*``/``.old-*``) is a store's staging or old copy.
-
-    Marked ones are. So are unmarked ones holding nothing but a store's file
-    names (or nothing): a deletion (``shutil.rmtree``) may remove the marker
-    before the data files, and a copy set aside by a removal holds the erased
-    items' vectors, which must not outlive a kill.
-    """
-    if path.is_symlink() or not path.is_dir():
-        return False
-    if owns_folder(path, MARKER_KIND):
-        return True
-    return all(q.is_file() and not q.is_symlink() and _is_store_entry_name(q.name) for q in path.iterdir())
 
 
-def _is_whole_store(path: Path) -> bool:
-    if not owns_folder(path, MARKER_KIND):
-        return False
-    try:
-        header = json.loads((path / HEADER_FILE).read_text())
-        names = list(header["files"])
-    except (OSError, ValueError, TypeError, KeyError):
-        return False
-    return all(isinstance(name, str) and _is_own_name(name) and (path / name).is_file() for name in names)
 
 
-def _delete_marker_last(path: Path) -> None:
-    """Delete the folder ``path``, its marker last: a kill part-way leaves a folder still marked as the store's."""
-    marker = marker_path(path, MARKER_KIND)
-    for entry in path.iterdir():
-        if entry.name == marker.name:
-            continue
-        if entry.is_dir() and not entry.is_symlink():
-            shutil.rmtree(entry)
-        else:
-            entry.unlink()
-    marker.unlink(missing_ok=True)
-    path.rmdir()
 
 
-def _remove_leftovers(folder: Path) -> None:
-    """Clean up hidden siblings a killed update left (moving a whole ``.old-*`` back when the store is gone).
-
-    The caller holds the update lock (no update is under way).
-    """
-    for p in swap_leftovers(folder.parent, folder.name):
-        if not _is_swap_leftover(p):
-            continue
-        if p.name.startswith(f".{folder.name}.old-") and _is_whole_store(p) and not folder.exists():
-            os.replace(p, folder)
-        else:
-            _delete_marker_last(p)
 
 
-def clean_swap_leftovers(folder: str | Path) -> None:
-    """Delete what a killed update of the store at ``folder`` left beside it, unless an update is under way.
-
-    Moves a whole set-aside copy back when the store folder is missing (a kill
-    between the two renames of a swap) and deletes staging and set-aside
-    copies, whole or partly deleted, marked or not (:func:`_is_swap_leftover`):
-    so a removal's erased vectors do not outlive a kill. Never waits: when
-    another process holds the update lock, or the parent folder is not
-    writable, nothing is done (the next open or update cleans up).
-    """
-    folder = Path(os.path.abspath(folder))
-    if not swap_leftovers(folder.parent, folder.name):
-        return
-    try:
-        with _writer_lock(folder, timeout=0):
-            _remove_leftovers(folder)
-    except (GalleryStoreError, OSError):
-        pass
 
 
-def _read_header(folder: Path) -> dict:
-    """The checked header of the store at ``folder``: version 4 (segments), or version 3 (one set of files)."""
-    path = folder / HEADER_FILE
-    header = read_format_header(path, STORE_FORMAT, GalleryStoreError, f"no gallery store at {folder}: {path} is missing")
-    version = header.get("version")
-    if version not in (STORE_VERSION, LEGACY_VERSION):
-        raise GalleryStoreError(
-            f"{path} has version {version!r}; this code reads {STORE_VERSION} (and {LEGACY_VERSION}, converted by "
-            f"its first update): rebuild the store with {TOOL} --model MODEL --gallery GALLERY --index {folder}"
-        )
-    bad = [key for key in ("dim", "ntotal", "next_id") if type(header.get(key)) is not int or header[key] < 0]
-    if not isinstance(header.get("factory"), str) or header.get("kind") not in ("flat", "ivf", "hnsw", "other"):
-        bad.append("factory/kind")
-    files = header.get("files")
-    if version == STORE_VERSION:
-        segments = header.get("segments")
-        ok = isinstance(segments, list) and type(header.get("next_segment")) is int and all(
-            isinstance(e, dict) and isinstance(e.get("name"), str) and _SEGMENT_NAME.match(e["name"])
-            and type(e.get("ntotal")) is int and e["ntotal"] >= 0 for e in segments
-        ) and len({e["name"] for e in segments}) == len(segments)
-        if not ok:
-            bad.append("segments")
-        names = [TEMPLATE_FILE] + ([f for e in segments for f in _segment_files(e["name"]).values()] if ok else [])
-        if isinstance(files, dict) and set(files) != set(names):
-            bad.append("files (exactly the template's and the segments')")
-    else:
-        names = list(LEGACY_FILES)
-    for name in names:
-        rec = files.get(name) if isinstance(files, dict) else None
-        if not isinstance(rec, dict) or type(rec.get("bytes")) is not int or not isinstance(rec.get("sha256"), str) \
-                or not _SHA256_HEX.match(rec["sha256"]):
-            bad.append(f"size and SHA-256 of {name}")
-    if bad or header.get("dim", 0) < 1:
-        raise GalleryStoreError(f"{path} lacks valid {', '.join(bad) or 'dim'}: it is damaged or was not written by fedreid")
-    _check_search_params(header["kind"], header.get("search"), f"{path} field search")
-    return header
 
 
-def _segment_layout(header: dict) -> list[tuple[str, dict[str, str], int]]:
-    """``(name, files by role, item count)`` of each segment, in id order (a version-3 store: its one set of files)."""
-    if header["version"] == LEGACY_VERSION:
-        return [("v3", dict(zip(SEGMENT_SUFFIXES, LEGACY_FILES)), int(header["ntotal"]))]
-    return [(e["name"], _segment_files(e["name"]), int(e["ntotal"])) for e in header["segments"]]
 
 
-def _segment_key(folder: Path, files: Mapping[str, str]) -> Optional[tuple]:
-    """What identifies a segment's files on disk: (name, device, inode, size, mtime) of each; None if one is missing."""
-    out = []
-    for role in SEGMENT_SUFFIXES:
-        try:
-            st = (folder / files[role]).stat()
-        except OSError:
-            return None
-        out.append((files[role], st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns))
-    return tuple(out)
 
 
 def _read_segment(folder: Path, header: dict, name: str, files: Mapping[str, str], n: int, last: int) -> _Segment:
@@ -1773,55 +1419,7 @@ def _read_segment(folder: Path, header: dict, name: str, files: Mapping[str, str
     return _Segment(name, dict(files), ids, vectors, index, dirty)
 
 
-def _check_file(folder: Path, name: str, header: dict, *, full: bool = False) -> None:
-    """``folder/name`` against its record: the size always; the SHA-256 unless this process verified it unchanged.
-
-    ``full``: hash it whatever was verified before. A file that matches is
-    remembered as verified (see :func:`_trusted`).
-    """
-    path, record = folder / name, header["files"][name]
-    if not full and path.is_file() and path.stat().st_size == record["bytes"] and _trusted(path, record):
-        return
-    check_recorded_file(
-        path, record, folder / HEADER_FILE, GalleryStoreError,
-        what="gallery store file", fix="after the store was saved",
-    )
-    _remember(path, record["sha256"])
 
 
-def _read_npy(path: Path, what: str, dtype: Any, shape: tuple, mmap: bool = False) -> np.ndarray:
-    """The array in ``path`` (never unpickled); ``mmap``: a read-only memory map instead of a copy in RAM."""
-    kind = file_kind(path)
-    if kind != "npy":
-        raise GalleryStoreError(f"{path} is not a NumPy .npy file of {what}: {describe_kind(kind)}")
-    try:
-        arr = np.load(path, allow_pickle=False, mmap_mode="r" if mmap else None)
-    except (OSError, ValueError) as exc:
-        text = str(exc).strip()
-        why = (
-            "it holds pickled Python objects, which are never loaded (loading them can run code)"
-            if "pickle" in text.lower() or "python objects" in text.lower() else (text.splitlines()[0] if text else type(exc).__name__)
-        )
-        raise GalleryStoreError(f"{path} is not a readable .npy of {what}: {why}") from None
-    if arr.dtype != np.dtype(dtype) or tuple(arr.shape) != tuple(shape):
-        raise GalleryStoreError(f"{path}: expected {what} of shape {shape} and dtype {np.dtype(dtype)}, got {arr.shape} {arr.dtype}")
-    return arr
 
 
-def _read_faiss(path: Path, header: dict, ntotal: int) -> Any:
-    with open(path, "rb") as f:
-        tag = f.read(4)
-    if tag != _IDMAP2_TAG:
-        raise GalleryStoreError(f"{path} is not a faiss IndexIDMap2 as written by the store: it starts with {tag!r}")
-    try:
-        index = faiss.read_index(str(path))
-    except RuntimeError as exc:
-        text = str(exc).strip().splitlines()
-        raise GalleryStoreError(f"{path} is not a readable faiss index: {text[-1] if text else exc}") from None
-    if not isinstance(index, faiss.IndexIDMap2) or index.ntotal != ntotal or index.d != header["dim"] \
-            or index.metric_type != faiss.METRIC_INNER_PRODUCT or _index_kind(index) != header["kind"]:
-        raise GalleryStoreError(
-            f"{path} holds a {type(index).__name__} of dim {index.d} with {index.ntotal} vectors; "
-            f"{path.parent / HEADER_FILE} says a {header['kind']} index of dim {header['dim']} with {ntotal}"
-        )
-    return index

@@ -9,12 +9,11 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 import yaml
 
-from fedreid.config import ConfigError, load_config
-from fedreid.errors import FedReIDError
+from fedreid.errors import ConfigError, FedReIDError
 
 #: Built-in errors that are about a path the user gave (a missing config, an
 #: existing run folder, an unreadable dataset folder, a file where a folder was
@@ -88,17 +87,19 @@ def literal_override(key: str, value: str) -> str:
     return f"{key}={quoted.rstrip(chr(10))}"
 
 
-def config_from_args(args: argparse.Namespace, flag_overrides: Sequence[str] = ()) -> Any:
-    """The config from ``--config``, then the positional overrides, then the flags.
+def checked_overrides(args: argparse.Namespace, flag_overrides: Sequence[str] = ()) -> list[str]:
+    """The overrides to load ``--config`` with: the positional ``key=value`` pairs, then the flags.
 
     Flags are explicit command-line options (``--out``) turned into overrides by
-    the tool, so they win over both the file and generic ``key=value`` pairs.
-    Path-valued flags must be built with :func:`literal_override`.
+    the tool, so they win over both the file and generic ``key=value`` pairs
+    (``load_config(args.config, checked_overrides(args, flags))``). Path-valued
+    flags must be built with :func:`literal_override`. A positional argument
+    that is not ``key=value`` is a ConfigError.
     """
     for item in args.overrides:
         if "=" not in item:
             raise ConfigError(f"unexpected argument {item!r}: overrides look like key.sub=value")
-    return load_config(args.config, list(args.overrides) + list(flag_overrides))
+    return list(args.overrides) + list(flag_overrides)
 
 
 def run_main(main: Callable[[], int]) -> None:

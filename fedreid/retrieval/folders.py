@@ -17,8 +17,8 @@ and :func:`remove_from_gallery_store` update a store the same way. Unreadable
 images abort with an error naming the image unless the caller collects them
 (``skipped``), in which case they are left out and listed in ``skipped.csv``.
 Queries (:func:`query_index`) check the store's recorded model fingerprint
-first. An index folder of the earlier format (``fedreid-faiss-index``, of
-:mod:`fedreid.eval.retrieval`) is not read: the error asks to rebuild it.
+first. An index folder of the earlier format (``fedreid-faiss-index``, see
+:mod:`fedreid.retrieval.exact`) is not read: the error asks to rebuild it.
 This module does not import torch: with an exported ONNX model
 (:func:`fedreid.inference.export.load_exported_model`) stores are built, updated
 and searched without PyTorch.
@@ -27,7 +27,6 @@ and searched without PyTorch.
 from __future__ import annotations
 
 import csv
-import json
 import os
 import re
 from dataclasses import dataclass
@@ -39,6 +38,7 @@ import numpy as np
 from fedreid.inference.errors import EvalInputError
 from fedreid.inference.images import SKIPPED_FILE, SkippedImage, image_features, list_images, write_skipped_csv
 from fedreid.inference.model_io import LoadedModel, check_index_model
+from fedreid.retrieval import exact
 from fedreid.retrieval.faiss_gpu import _faiss_gpu_id
 from fedreid.retrieval.gallery_rows import (
     GALLERY_ROOTS_KEY,
@@ -48,7 +48,8 @@ from fedreid.retrieval.gallery_rows import (
     read_metadata_csv,
     recorded_gallery_roots,
 )
-from fedreid.retrieval.store import GalleryStore, check_factory_string, clean_swap_leftovers
+from fedreid.retrieval.store import GalleryStore, check_factory_string, factory_kind
+from fedreid.retrieval.store_files import clean_swap_leftovers, is_own_name, own_names
 
 if TYPE_CHECKING:
     import torch
@@ -102,12 +103,9 @@ def _clustering_index(factory: str, dim: int, faiss_gpu: bool, device: str | tor
         return None
     import faiss
 
-    from fedreid.eval import retrieval
-    from fedreid.retrieval.store import factory_kind
-
     if factory_kind(factory, dim) != "ivf":
         return None
-    return retrieval._maybe_to_gpu(faiss.IndexFlatIP(dim), True, _faiss_gpu_id(device))
+    return exact._maybe_to_gpu(faiss.IndexFlatIP(dim), True, _faiss_gpu_id(device))
 
 
 def build_gallery_store(
@@ -149,7 +147,6 @@ def build_gallery_store(
     ``faiss_gpu`` runs the k-means of an IVF factory's training on the GPU
     (the stored index is a CPU index either way; other factories need no GPU).
     """
-    from fedreid.eval.retrieval import is_index_folder
     from fedreid.utils.io import claim_output_dir
 
     gallery, index_dir = Path(gallery), Path(index_dir)
@@ -158,7 +155,7 @@ def build_gallery_store(
     _check_index_location(gallery, index_dir)
     rows = _rows_for(paths, gallery, site, metadata)
     earlier = (
-        index_dir.is_dir() and not index_dir.is_symlink() and is_index_folder(index_dir, extra_files=(SKIPPED_FILE,))
+        index_dir.is_dir() and not index_dir.is_symlink() and exact.is_index_folder(index_dir, extra_files=(SKIPPED_FILE,))
     )
     claim_output_dir(index_dir, "index", tool=_TOOL_INDEX, adopt=earlier)
     _refuse_foreign_files(index_dir)
@@ -201,10 +198,9 @@ def open_gallery_store(index_dir: str | Path) -> GalleryStore:
     """The gallery store in ``index_dir`` (checked as :meth:`GalleryStore.open` does).
 
     A missing folder raises FileNotFoundError; an index folder of the earlier
-    format raises :class:`EvalInputError` asking to rebuild it with ``index``.
+    format raises :class:`~fedreid.retrieval.exact.IndexFileError` (an :class:`EvalInputError`)
+    asking to rebuild it with ``index``.
     """
-    from fedreid.eval.retrieval import INDEX_FORMAT
-
     folder = Path(index_dir)
     if not folder.is_dir():
         # An update killed between the two renames of its swap leaves the store set aside beside the
@@ -212,17 +208,12 @@ def open_gallery_store(index_dir: str | Path) -> GalleryStore:
         clean_swap_leftovers(folder)
     if not folder.is_dir():
         raise FileNotFoundError(f"index folder {folder} does not exist: build it with {_TOOL_INDEX}")
-    try:
-        header = json.loads((folder / "header.json").read_text())
-    except (OSError, UnicodeDecodeError, ValueError):
-        header = None
-    if isinstance(header, dict) and header.get("format") == INDEX_FORMAT:
-        gallery = (header.get("meta") or {}).get("gallery") if isinstance(header.get("meta"), dict) else None
-        raise EvalInputError(
-            f"index folder {folder} was built by an earlier version of fedreid ({INDEX_FORMAT} version "
-            f"{header.get('version')!r}): rebuild with index, i.e. build the index again with "
-            f"{_TOOL_INDEX} --model MODEL --gallery {gallery or 'GALLERY'} --index {folder}"
-        )
+    meta = (exact.old_index_header(folder) or {}).get("meta")
+    gallery = meta.get("gallery") if isinstance(meta, dict) else None
+    exact.refuse_old_index_folder(
+        folder, f"rebuild with index, i.e. build the index again with {_TOOL_INDEX} --model MODEL "
+        f"--gallery {gallery or 'GALLERY'} --index {folder}",
+    )
     return GalleryStore.open(folder)
 
 
@@ -363,20 +354,15 @@ def remove_from_gallery_store(index_dir: str | Path, items: Sequence[str]) -> tu
 
 
 def _index_own_names() -> set[str]:
-    from fedreid.eval.retrieval import META_FILE
-    from fedreid.retrieval.store import _own_names
-
-    return _own_names() | {META_FILE, SKIPPED_FILE}
+    return own_names() | {exact.META_FILE, SKIPPED_FILE}
 
 
 def _refuse_foreign_files(index_dir: Path) -> None:
     """An index folder is replaced as a whole: refuse (changing nothing) when it holds anyone else's files."""
-    from fedreid.retrieval.store import _is_own_name
-
     own = _index_own_names()
     foreign = sorted(
         p.name for p in index_dir.iterdir()
-        if p.name not in own and not _is_own_name(p.name) and not (p.name.startswith(".") and p.name.endswith(".tmp"))
+        if p.name not in own and not is_own_name(p.name) and not (p.name.startswith(".") and p.name.endswith(".tmp"))
     )
     if foreign:
         shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
@@ -389,7 +375,7 @@ def _refuse_foreign_files(index_dir: Path) -> None:
 def _remove_index_temporaries(index_dir: Path) -> None:
     """Clean up the hidden ``.<name>.tmp-*`` / ``.<name>.old-*`` siblings an interrupted build left.
 
-    The store's own rule (:func:`fedreid.retrieval.store.clean_swap_leftovers`):
+    The store's own rule (:func:`fedreid.retrieval.store_files.clean_swap_leftovers`):
     a whole set-aside copy is moved back when no index folder is in place, the
     rest deleted, marked or not (a partly deleted one may have lost its marker).
     """
@@ -446,15 +432,13 @@ def query_index(
     """
     import warnings
 
-    from fedreid.eval import retrieval
-
     store = open_gallery_store(index_dir)
     mismatch = check_index_model(store.header, loaded, index_dir, allow_mismatch=allow_model_mismatch)
     if mismatch is not None:
         (warn or (lambda m: warnings.warn(m, UserWarning, stacklevel=3)))(mismatch)
     flat_index = None
     if store.kind == "flat":
-        flat_index = retrieval._maybe_to_gpu(store.flat_faiss_index(), bool(faiss_gpu), _faiss_gpu_id(device))
+        flat_index = exact._maybe_to_gpu(store.flat_faiss_index(), bool(faiss_gpu), _faiss_gpu_id(device))
     paths = list_images(images, "query")
     fs = image_features(
         loaded, paths, batch_size=batch_size, device=device, amp=amp, channels_last=channels_last,
