@@ -1,6 +1,6 @@
 """A bounded load test of the search service: POST /search with an uploaded image at 1, 4 and 16 clients.
 
-The server runs in a subprocess (``python -m fedreid.retrieval.service``,
+The server runs in a subprocess (``python -m fedreid.commands.eval_serve``,
 the same code as ``tools/eval_reid.py serve``) on 127.0.0.1 only, over a
 Flat gallery store of ``--gallery`` synthetic unit vectors built for an
 untrained model (default resnet18, 256x128 input, 512-d features: the cost
@@ -160,7 +160,7 @@ def main() -> None:
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         env = dict(os.environ, FEDREID_SERVE_TOKEN=TOKEN)
-        cmd = [sys.executable, "-m", "fedreid.retrieval.service", "--model", str(run), "--index", str(store),
+        cmd = [sys.executable, "-m", "fedreid.commands.eval_serve", "--model", str(run), "--index", str(store),
                "--host", "127.0.0.1", "--port", str(port), "--device", "cpu"]
         log = open(Path(tmp) / "server.log", "w")
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -168,7 +168,7 @@ def main() -> None:
             wait_ready(url, proc)
             image = query_jpeg(args.height // 2, args.width // 2, args.seed)
             run_level(url, 1, args.warmup, image, args.k, args.level_timeout)
-            print(f"server: python -m fedreid.retrieval.service (OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}, "
+            print(f"server: python -m fedreid.commands.eval_serve (OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}, "
                   f"{os.cpu_count()} CPUs); upload {len(image)} bytes JPEG {args.height // 2}x{args.width // 2}, "
                   f"k={args.k}, {args.requests} requests per level")
             print("| clients | requests ok | errors | p50 ms | p99 ms | req/s |")

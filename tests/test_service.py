@@ -16,6 +16,7 @@ import pytest
 from fastapi.testclient import TestClient
 from tiny_runs import save_tiny_run
 
+from fedreid.commands import eval_serve as serve_cmd
 from fedreid.data.datasets import read_image
 from fedreid.inference.errors import EvalInputError
 from fedreid.inference.images import array_features, decode_image_bytes, image_features
@@ -754,7 +755,7 @@ def test_cross_origin_changes_are_refused_with_or_without_a_token(world, store_c
 
 def _serve_args(world, **over) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
-    svc.add_serve_arguments(parser)
+    serve_cmd.add_serve_arguments(parser)
     args = parser.parse_args(["--model", str(world["root"] / "run"), "--index", str(world["store"])])
     for key, value in over.items():
         setattr(args, key, value)
@@ -768,20 +769,20 @@ def test_run_serve_refuses_before_loading_anything(world, monkeypatch, tmp_path)
         raise AssertionError("the model must not be loaded before the security checks")
 
     with pytest.raises(svc.ServiceError, match="no token"):
-        svc.run_serve(_serve_args(world), load=no_load)
+        serve_cmd.run_serve(_serve_args(world), load=no_load)
     with pytest.raises(svc.ServiceError, match="loopback"):
-        svc.run_serve(_serve_args(world, host="0.0.0.0", insecure_local=True), load=no_load)
+        serve_cmd.run_serve(_serve_args(world, host="0.0.0.0", insecure_local=True), load=no_load)
     with pytest.raises(svc.ServiceError, match="at least 16"):
-        svc.run_serve(_serve_args(world, token="abc"), load=no_load)
+        serve_cmd.run_serve(_serve_args(world, token="abc"), load=no_load)
     monkeypatch.setenv(svc.TOKEN_ENV, "abc")  # the environment's token is checked the same way
     with pytest.raises(svc.ServiceError, match="at least 16"):
-        svc.run_serve(_serve_args(world), load=no_load)
+        serve_cmd.run_serve(_serve_args(world), load=no_load)
     token_file = tmp_path / "token"
     token_file.write_text("tiny\n")
     with pytest.raises(svc.ServiceError, match="at least 16"):
-        svc.run_serve(_serve_args(world, token_file=str(token_file)), load=no_load)
+        serve_cmd.run_serve(_serve_args(world, token_file=str(token_file)), load=no_load)
     with pytest.raises(svc.ServiceError, match="not both"):
-        svc.run_serve(_serve_args(world, token=TOKEN, token_file=str(token_file)), load=no_load)
+        serve_cmd.run_serve(_serve_args(world, token=TOKEN, token_file=str(token_file)), load=no_load)
 
 
 def test_a_store_of_another_model_is_refused(world, tmp_path):

@@ -38,7 +38,7 @@ import numpy as np
 from fedreid.inference.errors import EvalInputError
 from fedreid.inference.images import SKIPPED_FILE, SkippedImage, image_features, list_images, write_skipped_csv
 from fedreid.inference.model_io import LoadedModel, check_index_model
-from fedreid.retrieval import exact
+from fedreid.retrieval import exact, fields
 from fedreid.retrieval.faiss_gpu import _faiss_gpu_id
 from fedreid.retrieval.gallery_rows import (
     GALLERY_ROOTS_KEY,
@@ -55,6 +55,8 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
+    "index_action",
+    "query_filters",
     "add_to_gallery_store",
     "build_gallery_index",
     "build_gallery_store",
@@ -489,3 +491,62 @@ def draw_query_pictures(results: Sequence[QueryResult], out_dir: str | Path) -> 
     return [
         draw_query_picture(r, Path(out_dir) / f"{i:04d}_{Path(r.path).stem}.png") for i, r in enumerate(results)
     ]
+
+
+def index_action(*, gallery: Optional[str], add: Optional[str], remove: Optional[Sequence[str]], model: Optional[str],
+                 factory: Optional[str], refine: Optional[int], site: Optional[str], metadata: Optional[str],
+                 verify: bool, check: bool, target_recall: Optional[float], verify_sample: int,
+                 verify_k: int) -> str:
+    """What the ``index`` command is asked to do (``build``, ``add``, ``remove``, ``check``); its options checked.
+
+    The arguments are the command's options; an inconsistent combination is
+    an :class:`~fedreid.inference.errors.EvalInputError` naming the flags.
+    """
+    action = "build" if gallery else "add" if add else "remove" if remove else "check"
+    if action == "check" and not (verify or check or target_recall is not None):
+        raise EvalInputError(
+            "index: give --gallery DIR (a new store), --add DIR, --remove ID_OR_PATH..., or --verify / "
+            "--target-recall R / --check (an existing store)"
+        )
+    if action in ("build", "add") and not model:
+        raise EvalInputError(f"--{'gallery' if action == 'build' else 'add'} needs --model (the features' model)")
+    if action in ("remove", "check") and model:
+        what = "--remove" if action == "remove" else "--verify / --target-recall / --check alone"
+        raise EvalInputError(f"--model does not apply to {what} (no image is read)")
+    if factory is not None and action != "build":
+        raise EvalInputError("--factory applies to --gallery: a store keeps the factory it was built with")
+    if refine is not None and (action != "build" or refine < 1):
+        raise EvalInputError("--refine R (R >= 1) applies to --gallery: a store keeps the search it was built with")
+    for flag, value in (("--site", site), ("--metadata", metadata)):
+        if value is not None and action not in ("build", "add"):
+            raise EvalInputError(f"{flag} applies to the images of --gallery or --add")
+    if target_recall is not None and not 0 < target_recall <= 1:
+        raise EvalInputError(f"--target-recall must be in (0, 1], got {target_recall}")
+    if verify_sample < 1 or verify_k < 1:
+        raise EvalInputError(
+            f"--verify-sample and --verify-k must be >= 1, got {verify_sample}, {verify_k}"
+        )
+    return action
+
+
+def query_filters(cameras: Optional[Sequence[str]], sites: Optional[Sequence[str]], since: Optional[str],
+                  until: Optional[str]) -> dict[str, Any]:
+    """The filters of the ``query`` command (--cameras, --sites, --since, --until) as :func:`query_index` takes them.
+
+    Checked by the rules the metadata CSV and the service use (:mod:`fedreid.retrieval.fields`).
+    """
+    filters: dict[str, Any] = {}
+    if cameras:
+        cams = fields.camera_list(",".join(cameras), "--cameras")
+        if not cams:
+            raise EvalInputError(f"--cameras expects camera numbers like 1,2, got {','.join(cameras)!r}")
+        filters["cameras"] = cams
+    if sites:
+        names = fields.site_list(",".join(sites), "--sites")
+        if not names:
+            raise EvalInputError(f"--sites expects site names like north,south, got {','.join(sites)!r}")
+        filters["sites"] = names
+    window = fields.time_window(since, until, "--")
+    if window is not None:
+        filters["time_window"] = window
+    return filters

@@ -86,7 +86,6 @@ folder (the store is ``<store>``, other paths their last name).
 
 from __future__ import annotations
 
-import argparse
 import io
 import logging
 import os
@@ -117,7 +116,6 @@ except ImportError as exc:  # the options and checks still work; serving says wh
     _MISSING_EXTRA = str(exc)
 
 from fedreid.errors import FedReIDError
-from fedreid.inference.export import BACKENDS
 from fedreid.retrieval import fields as field_rules
 from fedreid.retrieval.guard import (
     DEFAULT_MAX_UPLOAD_BYTES,
@@ -126,7 +124,6 @@ from fedreid.retrieval.guard import (
     TOKEN_ENV,
     ServiceError,
     _Guard,
-    _is_loopback,
     _ReadWriteLock,
     _RequestError,
     check_serve_security,
@@ -143,13 +140,12 @@ __all__ = [
     "MIN_TOKEN_LENGTH",
     "TOKEN_ENV",
     "ServiceError",
-    "add_serve_arguments",
     "background_server",
+    "check_serve_options",
     "check_serve_security",
     "create_app",
-    "load_service_model",
-    "main",
-    "run_serve",
+    "read_token",
+    "run_server",
 ]
 
 #: Largest accepted image, in pixels (width x height), checked from the header before decoding.
@@ -843,118 +839,42 @@ def background_server(app: FastAPI, host: str = "127.0.0.1", port: int = 0, *, l
         sock.close()
 
 
-def load_service_model(args: argparse.Namespace, device: Any) -> LoadedModel:
-    """The model named by ``args.model`` for ``args.backend`` (:func:`fedreid.inference.export.load_feature_model`)."""
-    from fedreid.inference.export import load_feature_model
-
-    return load_feature_model(
-        args.model, getattr(args, "backend", "pytorch"), device, client=getattr(args, "client", None)
-    )
-
-
-def add_serve_arguments(parser: argparse.ArgumentParser, *, backend: bool = True) -> None:
-    """The options of ``serve`` (``backend=False`` leaves out ``--backend`` for a caller that adds its own)."""
-    parser.add_argument("--model", required=True, metavar="PATH",
-                        help="the model the store was built with: run folder, model_final.pt, checkpoint.pt, "
-                        "or an exported file with --backend onnx/torchscript")
-    parser.add_argument("--index", required=True, metavar="DIR", help="gallery store folder (written by 'index')")
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=8000, help="port (default 8000)")
-    parser.add_argument("--token", metavar="T",
-                        help=f"bearer token clients must send (at least {MIN_TOKEN_LENGTH} characters; default: "
-                        f"${TOKEN_ENV}, which keeps it out of the process list). Make one with: export "
-                        f"{TOKEN_ENV}=$(python -c 'import secrets; print(secrets.token_urlsafe(24))')")
-    parser.add_argument("--token-file", metavar="FILE", help="read the token from the first line of FILE")
-    parser.add_argument("--insecure-local", action="store_true",
-                        help="serve without a token; only with --host 127.0.0.1/::1/localhost")
-    parser.add_argument("--uploads", metavar="DIR",
-                        help="folder where POST /items saves uploaded images (new, empty or made by serve; "
-                        "not inside the store folder); without it adding items is off")
-    parser.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:1...")
-    parser.add_argument("--client", metavar="NAME", help="a local-training baseline run: whose model to use")
-    parser.add_argument("--max-upload-mb", type=float, default=DEFAULT_MAX_UPLOAD_BYTES / 2**20, metavar="MB",
-                        help=f"largest image upload in MiB (default {DEFAULT_MAX_UPLOAD_BYTES / 2**20:g})")
-    parser.add_argument("--max-pixels", type=int, default=DEFAULT_MAX_PIXELS, metavar="N",
-                        help=f"largest image in pixels (default {DEFAULT_MAX_PIXELS})")
-    parser.add_argument("--max-k", type=int, default=DEFAULT_MAX_K, metavar="K",
-                        help=f"largest k a search may ask for (default {DEFAULT_MAX_K})")
-    parser.add_argument("--allow-model-mismatch", action="store_true",
-                        help="serve even when --model is not the model the store was built with (prints a WARNING)")
-    parser.add_argument("--ssl-certfile", metavar="FILE", help="serve HTTPS with this certificate (PEM)")
-    parser.add_argument("--ssl-keyfile", metavar="FILE", help="the certificate's private key (PEM)")
-    if backend:
-        parser.add_argument("--backend", choices=BACKENDS, default="pytorch",
-                            help="pytorch (default): --model is a run folder or model file; onnx / torchscript: "
-                            "--model is a file written by 'export' (with its .json sidecar)")
-
-
-def _token_from(args: argparse.Namespace) -> Optional[str]:
-    given = [name for name in ("token", "token_file") if getattr(args, name, None)]
-    if len(given) > 1:
-        raise ServiceError("give the token once: --token or --token-file, not both")
-    if getattr(args, "token_file", None):
-        try:
-            lines = Path(args.token_file).read_text().splitlines()
-        except (OSError, UnicodeDecodeError) as exc:
-            raise ServiceError(f"cannot read --token-file {args.token_file}: {exc}") from None
-        return lines[0].strip() if lines else ""
-    return getattr(args, "token", None) or os.environ.get(TOKEN_ENV) or None
-
-
-def run_serve(
-    args: argparse.Namespace, *, load: Optional[Callable[[argparse.Namespace, Any], LoadedModel]] = None
-) -> int:
-    """``serve``: check the security options, load the model and the store, serve until interrupted; 0 on a clean stop.
-
-    ``load(args, device)`` loads the model (default :func:`load_service_model`,
-    the index/query loading of ``--backend``). Every refusal happens before the
-    port is opened: no token without ``--insecure-local``, ``--insecure-local``
-    off the loopback interface, a store built by another model, an uploads
-    folder holding other files.
-    """
-    from fedreid.inference.devices import resolve_backend_device
-
-    token = check_serve_security(args.host, _token_from(args), bool(args.insecure_local))
-    if bool(args.ssl_certfile) != bool(args.ssl_keyfile):
-        raise ServiceError("give both --ssl-certfile and --ssl-keyfile, or neither")
-    if not 0 <= int(args.port) <= 65535:
-        raise ServiceError(f"--port must be from 0 to 65535, got {args.port}")
-    if not args.max_upload_mb > 0:
-        raise ServiceError(f"--max-upload-mb must be > 0, got {args.max_upload_mb}")
-    _require_serve_extra()
+def run_server(app: FastAPI, *, host: str, port: int, ssl_certfile: Optional[str] = None,
+               ssl_keyfile: Optional[str] = None) -> None:
+    """Serve ``app`` until interrupted: no server header, 5 s keep-alive, no websockets, HTTPS with both files."""
     import uvicorn
 
-    device = resolve_backend_device(args.device, getattr(args, "backend", "pytorch"))
-    loaded = (load or load_service_model)(args, device)
-    app = create_app(
-        args.index, loaded, token=token, insecure_local=bool(args.insecure_local),
-        max_upload_bytes=int(args.max_upload_mb * 2**20), max_pixels=args.max_pixels, max_k=args.max_k,
-        uploads=args.uploads, device=device, allow_model_mismatch=bool(args.allow_model_mismatch),
-        warn=lambda message: print(f"WARNING: {message}", flush=True),
-    )
-    service = app.state.service
-    scheme = "https" if args.ssl_certfile else "http"
-    if scheme == "http" and not _is_loopback(args.host):
-        print(f"WARNING: serving plain HTTP on {args.host}: the token travels in clear; put a TLS proxy in front "
-              "or pass --ssl-certfile/--ssl-keyfile", flush=True)
-    shown = f"[{args.host}]" if ":" in args.host else args.host
-    print(f"serving {service.store.ntotal} items of {service.store.folder} with {loaded.source} "
-          f"at {scheme}://{shown}:{args.port}/" + (" (no authentication: --insecure-local)" if token is None else ""),
-          flush=True)
-    uvicorn.run(app, host=args.host, port=int(args.port), log_level="info", server_header=False,
-                timeout_keep_alive=5, ws="none", ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile)
-    return 0
+    uvicorn.run(app, host=host, port=int(port), log_level="info", server_header=False,
+                timeout_keep_alive=5, ws="none", ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile)
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    """``python -m fedreid.retrieval.service`` = ``tools/eval_reid.py serve``."""
-    parser = argparse.ArgumentParser(prog="python -m fedreid.retrieval.service",
-                                     description="Serve a gallery store: search API and web page")
-    add_serve_arguments(parser)
-    return run_serve(parser.parse_args(argv))
+def check_serve_options(*, host: str, token: Optional[str], insecure_local: bool, ssl_certfile: Optional[str],
+                        ssl_keyfile: Optional[str], port: int, max_upload_mb: float) -> Optional[str]:
+    """Refuse unsafe or impossible ``serve`` settings before anything is loaded; the token to require (None: none).
+
+    No token without ``insecure_local``, ``insecure_local`` off the loopback
+    interface, half a TLS pair, a bad port or upload limit: each a one-line
+    :class:`ServiceError`. The ``[serve]`` extra must be installed.
+    """
+    token = check_serve_security(host, token, insecure_local)
+    if bool(ssl_certfile) != bool(ssl_keyfile):
+        raise ServiceError("give both --ssl-certfile and --ssl-keyfile, or neither")
+    if not 0 <= int(port) <= 65535:
+        raise ServiceError(f"--port must be from 0 to 65535, got {port}")
+    if not max_upload_mb > 0:
+        raise ServiceError(f"--max-upload-mb must be > 0, got {max_upload_mb}")
+    _require_serve_extra()
+    return token
 
 
-if __name__ == "__main__":
-    from fedreid.utils.cli import run_main
-
-    run_main(main)
+def read_token(token: Optional[str], token_file: Optional[str]) -> Optional[str]:
+    """The bearer token: ``token``, the first line of ``token_file``, or ``$FEDREID_SERVE_TOKEN``; given once."""
+    if token and token_file:
+        raise ServiceError("give the token once: --token or --token-file, not both")
+    if token_file:
+        try:
+            lines = Path(token_file).read_text().splitlines()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ServiceError(f"cannot read --token-file {token_file}: {exc}") from None
+        return lines[0].strip() if lines else ""
+    return token or os.environ.get(TOKEN_ENV) or None
