@@ -27,13 +27,15 @@ Evaluation always uses each dataset's own query/gallery.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 import numpy as np
 
-from fedreid.config import ScenarioConfig
 from fedreid.data.prepared import PreparedDataset, Record
 from fedreid.errors import FedReIDError
+
+if TYPE_CHECKING:
+    from fedreid.config import ScenarioConfig
 
 
 class ScenarioError(FedReIDError, ValueError):

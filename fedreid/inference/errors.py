@@ -1,7 +1,7 @@
 """The input error of the evaluation tool and the modules behind it (model files, images, devices, exports).
 
 Errors for bad inputs are :class:`FileNotFoundError` (a missing path),
-:class:`EvalInputError` (a :class:`~fedreid.config.ConfigError`) or
+:class:`EvalInputError` (a :class:`~fedreid.errors.ConfigError`) or
 :class:`~fedreid.errors.EvalDataError` (bad features or ids, re-raised
 with the dataset and the file or model they came from); all are printed
 as one line by ``run_main`` and name the offending path or value.
@@ -9,7 +9,7 @@ as one line by ``run_main`` and name the offending path or value.
 
 from __future__ import annotations
 
-from fedreid.config import ConfigError
+from fedreid.errors import ConfigError
 
 __all__ = ["EvalInputError"]
 
