@@ -296,6 +296,38 @@ class LocalObjective:
         return f"{type(self).__name__}(name={self.name!r})"
 
 
+class AnchoredObjective(LocalObjective):
+    """An objective measured against where the round started: FedProx, FedDyn, SCAFFOLD, FedCurv.
+
+    :meth:`begin_round` keeps the model's shared trainable parameters
+    (``_params``, :func:`shared_parameters`: trained in place, read by the
+    loss and the step hooks) and, with ``keeps_reference``, detached copies
+    of the received global values on their devices (``_ref``,
+    :func:`reference_point`). A subclass that needs more calls
+    ``super().begin_round(...)`` first.
+    """
+
+    #: Keep ``_ref`` (FedCurv's penalty reads other clients' points, not the received one).
+    keeps_reference: ClassVar[bool] = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._params: dict[str, nn.Parameter] = {}
+        self._ref: dict[str, Tensor] = {}
+
+    def begin_round(
+        self,
+        model: nn.Module,
+        global_state: Mapping[str, Tensor],
+        *,
+        round_index: int = 0,
+        payload: Optional[Mapping[str, Any]] = None,
+    ) -> None:
+        super().begin_round(model, global_state, round_index=round_index, payload=payload)
+        self._params = shared_parameters(model, global_state)
+        self._ref = reference_point(self._params, global_state) if self.keeps_reference else {}
+
+
 FedAvg = LocalObjective
 
 #: Objective classes by name (``train.objective``); the built-ins register when
@@ -312,6 +344,7 @@ register_objective(FedAvg)
 
 
 __all__ = [
+    "AnchoredObjective",
     "OBJECTIVES",
     "OBJECTIVE_PAYLOAD",
     "FedAvg",

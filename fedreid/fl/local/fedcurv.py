@@ -88,12 +88,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fedreid.fl.local.base import (
-    LocalObjective,
+    AnchoredObjective,
     ObjectiveError,
     check_positive,
     cpu_clone,
     register_objective,
-    shared_parameters,
 )
 from fedreid.options import ConfigError
 
@@ -185,7 +184,7 @@ class FedCurvOptions:
 
 
 @register_objective
-class FedCurv(LocalObjective):
+class FedCurv(AnchoredObjective):
     """``CE + lam * sum_{j != s} (theta - theta_j)^T diag(F_j) (theta - theta_j)`` (module docstring).
 
     Client state: its own last contribution ``(F_s, F_s theta_s, W_s)``, which it
@@ -196,6 +195,7 @@ class FedCurv(LocalObjective):
     name = "fedcurv"
     Options: ClassVar[type] = FedCurvOptions
     server_hook: ClassVar[Optional[str]] = "fedcurv"
+    keeps_reference: ClassVar[bool] = False
 
     def __init__(self, lam: float = 1.0, fisher_batches: int = 10) -> None:
         super().__init__()
@@ -205,7 +205,6 @@ class FedCurv(LocalObjective):
         self.fisher_batches = int(fisher_batches)
         # the client's own last contribution (CPU, persisted)
         self.own: dict[str, "OrderedDict[str, Tensor]"] = {k: OrderedDict() for k in STATE_KEYS}
-        self._params: dict[str, nn.Parameter] = {}
         self._u: dict[str, Tensor] = {}
         self._v: dict[str, Tensor] = {}
         self._w: dict[str, Tensor] = {}
@@ -221,7 +220,6 @@ class FedCurv(LocalObjective):
     ) -> None:
         """Take ``U - F_s``, ``V - F_s theta_s``, ``W - W_s`` from ``payload`` (no penalty without the sums)."""
         super().begin_round(model, global_state, round_index=round_index, payload=payload)
-        self._params = shared_parameters(model, global_state)
         self._batches = deque(maxlen=self.fisher_batches)
         self._u, self._v, self._w = OrderedDict(), OrderedDict(), OrderedDict()
         sums = payload or {}

@@ -57,13 +57,11 @@ import torch
 from torch import Tensor, nn
 
 from fedreid.fl.local.base import (
-    LocalObjective,
+    AnchoredObjective,
     ObjectiveError,
     check_positive,
     cpu_clone,
-    reference_point,
     register_objective,
-    shared_parameters,
 )
 from fedreid.fl.state import weighted_average
 
@@ -151,7 +149,7 @@ class FedDynOptions:
 
 
 @register_objective
-class FedDyn(LocalObjective):
+class FedDyn(AnchoredObjective):
     """``CE - <g_k, theta> + alpha_k/2 ||theta - theta^{t-1}||^2``; client state ``g_k``.
 
     ``client_weight``: ``alpha_k = alpha / client_weight`` (1 = the paper; see
@@ -167,8 +165,6 @@ class FedDyn(LocalObjective):
         self.alpha = check_positive("feddyn alpha", alpha, allow_zero=False)
         self.client_weight = check_positive("feddyn client_weight", client_weight, allow_zero=False)
         self.grad: "OrderedDict[str, Tensor]" = OrderedDict()  # g_k on CPU, persisted
-        self._params: dict[str, nn.Parameter] = {}
-        self._ref: dict[str, Tensor] = {}
         self._g: dict[str, Tensor] = {}
 
     @property
@@ -184,8 +180,6 @@ class FedDyn(LocalObjective):
         payload: Optional[Mapping[str, Any]] = None,
     ) -> None:
         super().begin_round(model, global_state, round_index=round_index, payload=payload)
-        self._params = shared_parameters(model, global_state)
-        self._ref = reference_point(self._params, global_state)
         self._g = OrderedDict()
         for name, p in self._params.items():
             g = self.grad.get(name)

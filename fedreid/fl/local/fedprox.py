@@ -26,11 +26,9 @@ import torch
 from torch import Tensor, nn
 
 from fedreid.fl.local.base import (
-    LocalObjective,
+    AnchoredObjective,
     check_positive,
-    reference_point,
     register_objective,
-    shared_parameters,
 )
 
 
@@ -54,7 +52,7 @@ class FedProxOptions:
 
 
 @register_objective
-class FedProx(LocalObjective):
+class FedProx(AnchoredObjective):
     """``CE + mu/2 ||w - w_global||^2`` over the shared trainable parameters."""
 
     name = "fedprox"
@@ -63,20 +61,6 @@ class FedProx(LocalObjective):
     def __init__(self, mu: float = 0.01) -> None:
         super().__init__()
         self.mu = check_positive("fedprox mu", mu)
-        self._params: dict[str, nn.Parameter] = {}
-        self._ref: dict[str, Tensor] = {}
-
-    def begin_round(
-        self,
-        model: nn.Module,
-        global_state: Mapping[str, Tensor],
-        *,
-        round_index: int = 0,
-        payload: Optional[Mapping[str, Any]] = None,
-    ) -> None:
-        super().begin_round(model, global_state, round_index=round_index, payload=payload)
-        self._params = shared_parameters(model, global_state)
-        self._ref = reference_point(self._params, global_state)
 
     def loss(
         self,

@@ -72,13 +72,11 @@ import torch
 from torch import Tensor, nn
 
 from fedreid.fl.local.base import (
-    LocalObjective,
+    AnchoredObjective,
     ObjectiveError,
     check_choice,
     cpu_clone,
-    reference_point,
     register_objective,
-    shared_parameters,
 )
 from fedreid.fl.state import weighted_average
 
@@ -181,7 +179,7 @@ class ScaffoldOptions:
 
 
 @register_objective
-class Scaffold(LocalObjective):
+class Scaffold(AnchoredObjective):
     """SCAFFOLD client with option II control variates; client state ``c_i``.
 
     ``control_variate``: how option II's ``c_i+`` (Algorithm 1, line 12) is
@@ -200,8 +198,6 @@ class Scaffold(LocalObjective):
         super().__init__()
         self.control_variate = check_choice("scaffold control_variate", control_variate, CONTROL_VARIATES)
         self.c_i: "OrderedDict[str, Tensor]" = OrderedDict()  # CPU, persisted
-        self._params: dict[str, nn.Parameter] = {}
-        self._x: dict[str, Tensor] = {}
         self._c: dict[str, Tensor] = {}
         self._ci: dict[str, Tensor] = {}
         self._correction: dict[str, Tensor] = {}
@@ -218,8 +214,6 @@ class Scaffold(LocalObjective):
         payload: Optional[Mapping[str, Any]] = None,
     ) -> None:
         super().begin_round(model, global_state, round_index=round_index, payload=payload)
-        self._params = shared_parameters(model, global_state)
-        self._x = reference_point(self._params, global_state)
         server_c = (payload or {}).get(CONTROL_KEY)
         self._c = OrderedDict()
         self._ci = OrderedDict()
@@ -288,10 +282,10 @@ class Scaffold(LocalObjective):
         if self.control_variate == "gradient_mean":
             new_ci = option_ii_gradient_mean(self._grad_sum, self._lr_sum, self._plain_sum, self.steps)
         else:
-            new_ci = option_ii_control(self._ci, self._c, self._x, y, self._lr_sum)
+            new_ci = option_ii_control(self._ci, self._c, self._ref, y, self._lr_sum)
         delta = OrderedDict((n, new_ci[n] - self._ci[n]) for n in new_ci)
         self.c_i = cpu_clone(new_ci)
-        self._params, self._x, self._c, self._ci, self._correction = {}, {}, {}, {}, {}
+        self._params, self._ref, self._c, self._ci, self._correction = {}, {}, {}, {}, {}
         self._grad_sum, self._plain_sum = {}, {}
         meta = super().end_round(model)
         meta[DELTA_C_KEY] = cpu_clone(delta)
