@@ -44,7 +44,7 @@ setup(
     ],
     extras_require={
         # tensorboard: the run logger's TensorBoard path is tested too.
-        # onnx + onnxruntime: the exported-extractor tests (tests/test_export.py) run in CI;
+        # onnx + onnxruntime: the exported-extractor tests (tests/inference/test_export.py) run in CI;
         # the service's tests need its packages, httpx (FastAPI's TestClient) and selenium (driving
         # Debian's chromium through /usr/bin/chromedriver; nothing is downloaded at run time).
         "test": ["pytest>=7", "scikit-learn", "ruff", "tensorboard", *ONNX, *SERVE, "httpx", "selenium>=4.10"],

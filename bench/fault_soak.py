@@ -24,7 +24,7 @@ After each kill what it left is checked and its phase named; the recovery (the s
 holding its config.yaml) must exit 0 and reproduce the reference's outputs
 exactly (metrics without times, model and checkpoint tensors, prepared files,
 index files). The checks live in ``tests/fault_helpers.py``, shared with
-``tests/test_fault_injection.py`` (a few points per tool).
+``tests/commands/test_fault_injection.py`` (a few points per tool).
 
 Prints one line per point, then per tool: kill points tried (random times and
 write points), killed (the rest finished before their kill time), survived (every check passed), files lost

@@ -13,7 +13,7 @@ on 32x32x3; then the time of one full ``FedFTGHook.finetune``
 (``teacher_forward="loop"``, the default, unless ``--finetune-modes`` says otherwise) (I=10, I_g=1,
 I_d=5, batch 64, the paper's generator) with the CNN teachers in each mode.
 It prints figures and asserts nothing (the equality of both forms is a test
-in tests/test_fedftg.py; the largest difference seen here is printed too).
+in tests/fl/test_fedftg.py; the largest difference seen here is printed too).
 
 On a small machine shared with other work, compare with ``--threads 1``:
 several intra-op threads competing with another process for 2 cores made

@@ -1,14 +1,10 @@
 import faulthandler
 import os
 import sys
-from pathlib import Path
 
-# Test helpers (fixture-tree writers) are imported as plain modules.
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-
-
-import pytest  # noqa: E402
+# Test helpers (fixture-tree writers, tool_loader...) in tests/ are imported as plain
+# modules: pytest.ini puts tests/ on sys.path (`pythonpath = tests`).
+import pytest
 
 
 @pytest.fixture(scope="module")

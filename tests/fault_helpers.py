@@ -1,6 +1,6 @@
 """Fault injection: kill a tool with SIGKILL at a seeded random moment, recover, check the invariants.
 
-Shared by ``tests/test_fault_injection.py`` (a few kill points per tool) and
+Shared by ``tests/commands/test_fault_injection.py`` (a few kill points per tool) and
 ``bench/fault_soak.py`` (the seeded soak, >= 20 points per tool). Four tools:
 
 ``prepare``    ``tools/prepare_datasets.py`` on a synthetic raw world (four releases, resized copies)
@@ -813,7 +813,7 @@ def make_tool(name: str) -> Tool:
     raise ValueError(f"unknown tool {name!r}; choose from {', '.join(SOAK_TOOL_NAMES)}")
 
 
-#: The tools tests/test_fault_injection.py kills at random times (a module fixture each).
+#: The tools tests/commands/test_fault_injection.py kills at random times (a module fixture each).
 TOOL_NAMES = ("prepare", "train-reid", "train-cls", "index")
 #: Every tool bench/fault_soak.py can soak: also the store's segment write and compaction.
 SOAK_TOOL_NAMES = (*TOOL_NAMES, "index-add", "index-remove")

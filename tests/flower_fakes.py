@@ -2,7 +2,7 @@
 
 Flower's own classes carry the messages (``Message``, ``Context``, records), so
 the app's encoding, routing and reply handling run exactly as over the
-network; tests of real processes on 127.0.0.1 live in ``test_flower_deploy.py``.
+network; tests of real processes on 127.0.0.1 live in ``tests/flower/test_flower_deploy.py``.
 """
 
 from __future__ import annotations

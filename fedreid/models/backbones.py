@@ -30,7 +30,7 @@ them from the timm model's own block layout (torchvision's ``features.1 ..
 features.N`` are timm's blocks in order, ``features.N+1`` is the head conv).
 The mapping is checked end to end: a timm ``mobilenetv2_100`` loaded from
 torchvision's ImageNet file computes the same features as torchvision's
-``mobilenet_v2`` (``tests/test_models.py``). Files whose keys or shapes still
+``mobilenet_v2`` (``tests/models/test_models.py``). Files whose keys or shapes still
 do not match raise :class:`PretrainedWeightsError` naming the file and listing
 the missing, unexpected and mis-shaped keys. Only ``*.num_batches_tracked``
 buffers may be absent (old torchvision files have none; they start at 0).

@@ -14,7 +14,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[1] / "fedreid"
+PACKAGE = Path(__file__).resolve().parents[2] / "fedreid"
 
 
 def module_files() -> dict[str, Path]:
@@ -156,7 +156,7 @@ def layer_of(module: str) -> int:
         for rank, rooms in enumerate(LAYERS):
             if room in rooms:
                 return rank
-    raise AssertionError(f"{module}: its room {parts[0]!r} has no layer in tests/test_import_graph.py LAYERS")
+    raise AssertionError(f"{module}: its room {parts[0]!r} has no layer in tests/project/test_import_graph.py LAYERS")
 
 
 def layer_violations(graph: dict[str, set[str]]) -> list[str]:

@@ -25,7 +25,7 @@ from fedreid.retrieval import store_files
 from fedreid.retrieval.store import GalleryStore
 
 D = 16
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def unit(n: int, seed: int = 0) -> np.ndarray:

@@ -4,28 +4,24 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from collections import defaultdict
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from small_fixtures import (  # noqa: E402
+from small_fixtures import (
     copy_dgd_metadata,
     write_dgd,
     write_image,
     write_pytorch_layout,
 )
 
-from fedreid.data.raw import create_raw_dataset, get_raw_dataset  # noqa: E402
-from fedreid.data.raw.base import ParseResult, RawLayoutError  # noqa: E402
-from fedreid.data.raw.fedreid_layout import FOLDERS, FedReIDLayout  # noqa: E402
+from fedreid.data.raw import create_raw_dataset, get_raw_dataset
+from fedreid.data.raw.base import ParseResult, RawLayoutError
+from fedreid.data.raw.fedreid_layout import FOLDERS, FedReIDLayout
 
 # The shared test data sits beside the checkout (../shared/data); FEDREID_SHARED_DATA
 # points elsewhere when the checkout lives somewhere else.
-SHARED_DATA = Path(os.environ.get("FEDREID_SHARED_DATA") or Path(__file__).resolve().parents[2] / "shared" / "data")
+SHARED_DATA = Path(os.environ.get("FEDREID_SHARED_DATA") or Path(__file__).resolve().parents[3] / "shared" / "data")
 DGD_DATA = SHARED_DATA / "fedreid_dgd"
 
 

@@ -34,7 +34,7 @@ from fedreid.retrieval.store import GalleryStore
 pytest.importorskip("onnxruntime")
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TOOL = REPO / "tools" / "eval_reid.py"
 HEIGHT, WIDTH = 64, 32
 TOKEN = "test-token-0123456789abcdef"

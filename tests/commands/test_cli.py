@@ -139,7 +139,7 @@ def _tool_with_closed_stdout(*argv: str):
     import sys
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     read, write = os.pipe()
     os.close(read)  # no reader any more: the tool's first real write breaks the pipe
     try:

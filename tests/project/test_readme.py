@@ -26,7 +26,7 @@ from tool_loader import load_tool
 
 from fedreid.config import Config
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 README = REPO / "README.md"
 
 #: The pages whose text moved out of the README; they are held to the same checks.

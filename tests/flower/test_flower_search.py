@@ -78,7 +78,7 @@ from fedreid.flower.security import make_node_key, make_tls_files
 from fedreid.retrieval.store import GalleryStore
 from fedreid.utils.text import printable
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TOOL = ROOT / "tools" / "flower_fed.py"
 D = 16
 FP = {"weights_sha256": "ab" * 32, "backbone": "toy", "height": 32, "width": 16, "feature": "embed+flip, l2-normalised"}

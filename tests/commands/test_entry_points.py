@@ -12,7 +12,7 @@ import pytest
 from fedreid.__main__ import main
 from fedreid.commands import COMMANDS, command_module
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 
 

@@ -21,7 +21,7 @@ from typing import Literal, Optional
 from fedreid import docs_reference as ref
 from fedreid.config import Config
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PAGE = REPO / "docs" / "configuration.md"
 
 # ---------------------------------------------------------------------------

@@ -836,7 +836,7 @@ def test_eval_reid_serve_runs_the_service_in_its_own_process(world, tmp_path):
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN + "\n")
     port = _free_port()
-    tool = Path(__file__).resolve().parents[1] / "tools" / "eval_reid.py"
+    tool = Path(__file__).resolve().parents[2] / "tools" / "eval_reid.py"
     env = {k: v for k, v in os.environ.items() if k != svc.TOKEN_ENV}
     proc = subprocess.Popen(
         [sys.executable, str(tool), "serve", "--model", str(world["root"] / "run"), "--index", str(world["store"]),

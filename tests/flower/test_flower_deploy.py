@@ -25,7 +25,7 @@ from fedreid.fl.state import states_equal
 from fedreid.flower.launch import LocalDeployment, TLSFiles, run_config_string
 from fedreid.flower.security import make_node_key, make_tls_files
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CLIENTS = ["dsa", "dsb"]
 RUN_TIMEOUT = 480
 

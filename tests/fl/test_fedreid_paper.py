@@ -27,7 +27,7 @@ from fedreid.fl.server_hooks.kd import KDHook, public_features
 from fedreid.fl.state import states_equal
 from fedreid.utils.seeding import derive_seed
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "configs" / "fedreid"
 #: Configs that are not paper settings (small CPU runs).
 NOT_PAPER = {"demo_synthetic.yaml", "synthetic_fedpav.yaml", "synthetic_local.yaml"}

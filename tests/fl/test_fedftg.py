@@ -467,7 +467,7 @@ def test_paper_configs_cover_table1_and_table3():
 
     from fedreid.config import load_config
 
-    root = Path(__file__).resolve().parents[1] / "configs" / "classification" / "fedftg"
+    root = Path(__file__).resolve().parents[2] / "configs" / "classification" / "fedftg"
     out_dirs = set()
     for dataset in ("cifar10", "cifar100"):
         for beta in ("03", "06"):

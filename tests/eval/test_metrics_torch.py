@@ -2,7 +2,7 @@
 
 On this CPU-only machine the torch backend runs on CPU tensors; the same code
 runs on CUDA, where the ``gpu``-marked tests compare it with the numpy path.
-The oracle tests of tests/test_metrics.py are rerun here with evaluate()
+The oracle tests of tests/eval/test_metrics.py are rerun here with evaluate()
 switched to ``backend="torch"``.
 """
 
@@ -34,7 +34,7 @@ def evaluate_torch(*args, **kwargs):
 
 @pytest.fixture
 def torch_backend(monkeypatch):
-    """tests/test_metrics.py's evaluate() switched to the torch backend."""
+    """tests/eval/test_metrics.py's evaluate() switched to the torch backend."""
     monkeypatch.setattr(test_metrics, "evaluate", evaluate_torch)
 
 
@@ -69,7 +69,7 @@ def valid_cases(n_seeds: int, **kwargs):
 
 
 # --------------------------------------------------------------------------
-# The oracle tests of tests/test_metrics.py on the torch backend
+# The oracle tests of tests/eval/test_metrics.py on the torch backend
 # --------------------------------------------------------------------------
 
 HAND_CHECKS = [

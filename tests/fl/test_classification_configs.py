@@ -26,7 +26,7 @@ from fedreid.fl import classification as track
 from fedreid.fl.federation import build_classification_federation
 from fedreid.fl.simulation import run_simulation
 
-CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs" / "classification"
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs" / "classification"
 CONFIGS = sorted(CONFIG_DIR.rglob("*.yaml"))
 
 #: Training images per class of the real datasets.

@@ -81,7 +81,7 @@ def test_overrides_between_flags_and_an_unknown_backbone(tmp_path, capsys):
 def test_a_run_without_its_inputs_names_every_one_and_writes_nothing(tmp_path, monkeypatch, capsys):
     from fedreid.utils.cli import run_main
 
-    repo = Path(__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[2]
     monkeypatch.chdir(tmp_path)  # no datasets/ and no weights/ here
     with pytest.raises(SystemExit) as exc:
         run_main(lambda: tool.main(["--config", str(repo / "configs/fedreid/fedpav_kd.yaml"), "--out", "X",

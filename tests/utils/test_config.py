@@ -98,7 +98,7 @@ def test_dump_round_trips(tmp_path):
 
 
 def test_shipped_configs_load():
-    root = Path(__file__).resolve().parents[1] / "configs"
+    root = Path(__file__).resolve().parents[2] / "configs"
     paths = sorted(root.rglob("*.yaml"))
     assert paths, "no configs shipped"
     for path in paths:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from raw_fixtures import make_market1501_tree, make_msmt17_tree
 
-TOOL = Path(__file__).resolve().parents[1] / "tools" / "prepare_datasets.py"
+TOOL = Path(__file__).resolve().parents[2] / "tools" / "prepare_datasets.py"
 
 
 def run_tool(*args: str, cwd: Path) -> subprocess.CompletedProcess:

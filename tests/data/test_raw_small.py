@@ -4,15 +4,11 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 from collections import defaultdict
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from small_fixtures import (  # noqa: E402
+from small_fixtures import (
     write_3dpes,
     write_cuhk01,
     write_cuhk02,
@@ -22,13 +18,13 @@ from small_fixtures import (  # noqa: E402
     write_viper,
 )
 
-from fedreid.data.raw.base import ParseResult, RawLayoutError  # noqa: E402
-from fedreid.data.raw.cuhk01 import CUHK01  # noqa: E402
-from fedreid.data.raw.cuhk02 import CUHK02  # noqa: E402
-from fedreid.data.raw.ilids import ILIDS  # noqa: E402
-from fedreid.data.raw.prid2011 import PRID2011  # noqa: E402
-from fedreid.data.raw.threedpes import ThreeDPeS  # noqa: E402
-from fedreid.data.raw.viper import VIPeR  # noqa: E402
+from fedreid.data.raw.base import ParseResult, RawLayoutError
+from fedreid.data.raw.cuhk01 import CUHK01
+from fedreid.data.raw.cuhk02 import CUHK02
+from fedreid.data.raw.ilids import ILIDS
+from fedreid.data.raw.prid2011 import PRID2011
+from fedreid.data.raw.threedpes import ThreeDPeS
+from fedreid.data.raw.viper import VIPeR
 
 
 def by_split(result: ParseResult) -> dict[str, list]:
