@@ -1,87 +1,21 @@
 """A search service over a gallery store: a JSON API (FastAPI) and a web page, served by uvicorn.
 
 :func:`create_app` builds the application over a store folder
-(:class:`~fedreid.retrieval.store.GalleryStore`) and a loaded model
-(:func:`fedreid.inference.model_io.load_model`, or an exported file through
-:func:`fedreid.inference.export.load_exported_model`: the service only calls
-:func:`fedreid.inference.images.array_features`, which runs either; an
-ONNX file without torch).
-:func:`add_serve_arguments` / :func:`run_serve` are the command line
-(``tools/eval_reid.py serve``; also ``python -m fedreid.retrieval.service``).
+(:class:`~fedreid.retrieval.store.GalleryStore`) and a loaded model (a run's
+model or an exported file: the service only calls
+:func:`fedreid.inference.images.array_features`). Endpoints: ``POST /search``,
+``GET /items/{id}``, ``GET /items/{id}/image``, ``POST /items``,
+``DELETE /items/{id}``, ``GET /info`` and the page ``GET /``. Every value is
+checked by :mod:`fedreid.retrieval.fields` before any work; the token, Host
+and Origin checks, request limits and the readers-writer lock are
+:mod:`fedreid.retrieval.guard`'s. Searches run concurrently, updates one at a
+time; a store replaced by another process is reopened, and a read always sees
+one save. :func:`check_serve_options`, :func:`read_token` and
+:func:`run_server` are what the ``serve`` command
+(:mod:`fedreid.commands.eval_serve`) runs.
 
-Endpoints (every one needs ``Authorization: Bearer <token>`` except ``GET /``
-and ``GET /web/<asset>``, the page and its script and style sheet; errors are
-``{"error": "..."}`` with a 4xx/5xx status):
-
-``POST /search``
-    ``multipart/form-data`` (or url-encoded without an image): ``image`` (a
-    JPEG/PNG/BMP file) *or* ``item`` (a stored item id, whose stored feature
-    is the query); ``k`` (1..max_k, default 10); optional filters
-    ``cameras`` (comma-separated integers), ``sites`` (comma-separated
-    names), ``since`` / ``until`` (inclusive; seconds since the epoch or an
-    ISO 8601 date-time, read as UTC without a zone). Answers ``{"results": [{"rank", "id", "score",
-    "path", "camera", "site", "timestamp", "identity", "image_url"}], "k",
-    "took_ms", "query"}``: :meth:`GalleryStore.search` of the query's
-    feature, best first, ``path`` the file name only (no server folders).
-``GET /items/{id}`` / ``GET /items/{id}/image``
-    An item's metadata / its image file (404 for an unknown id, a missing
-    file, or one that is not a regular file inside the gallery roots or the
-    uploads folder; see Security).
-``POST /items``
-    ``image`` plus optional ``camera``, ``site``, ``timestamp``, ``identity``
-    (an empty field: unknown): the upload is written into the service's uploads folder (``--uploads``,
-    claimed with :func:`fedreid.utils.io.claim_output_dir`) under a fresh
-    name and added to the store (201 with the new item). Without an uploads
-    folder, 403.
-``DELETE /items/{id}``
-    Erases the item through :meth:`GalleryStore.remove` (index, vectors,
-    table); a file the service itself saved in its uploads folder is deleted
-    too. Gallery files elsewhere are not the service's to delete.
-``GET /info``
-    Item count, feature size, index factory, model summary, limits.
-
-Every metadata and filter value is checked by the rules of
-:mod:`fedreid.retrieval.fields` (the ones the metadata CSV and the command
-line use) before any work; a value outside them is a 422 naming the field and
-what was expected.
-
-Security. The token is compared in constant time (:func:`hmac.compare_digest`);
-the server refuses to start without one unless ``insecure_local``, which
-also requires a loopback host (:func:`check_serve_security`) and then answers
-only requests whose ``Host`` header is a loopback name (127.0.0.1, localhost,
-[::1], any port; else 421), so a web page cannot reach it through DNS
-rebinding. A POST/PUT/PATCH/DELETE carrying an ``Origin`` that is not the
-service's own is refused (403), with or without a token. Request bodies
-over the limit get 413 before the body is read (``Content-Length``) or as
-soon as the streamed bytes pass it. Uploads must be JPEG, PNG or BMP (by
-their bytes, not their name) of at most ``max_pixels`` pixels. Stored files
-are served only for image file names and are read by the store's path, never
-by a client-given one, and only when they are regular files whose real path
-(links resolved) lies inside the store's recorded gallery roots
-(:func:`fedreid.retrieval.gallery_rows.recorded_gallery_roots`) or the uploads
-folder: a gallery file later replaced by a link to a secret is a 404. Responses carry ``nosniff``, ``no-referrer``,
-``frame-ancestors 'none'`` and, for the page, a same-origin-only content
-security policy. There is no TLS here: off the loopback interface, put
-the service behind a TLS proxy or pass ``--ssl-certfile/--ssl-keyfile``,
-or the token travels in clear.
-
-The checks of this section and the readers-writer lock below are in
-:mod:`fedreid.retrieval.guard`.
-
-Concurrency. Searches run concurrently (worker threads); store updates
-(add, remove) are serialised and exclusive (a readers-writer lock), since an
-update swaps the store folder and its in-memory arrays. Features are computed
-outside the lock. Another process may update the store meanwhile (e.g.
-``index --add``; the store's own update lock keeps writers apart): each
-request first checks ``header.json`` and, when the folder was replaced,
-reopens the store (503 if it no longer fits the served model). A read sees one
-save: when the folder was replaced while it ran (the table is read from disk),
-it is repeated on the reopened store, up to :data:`READ_ATTEMPTS` times
-(:meth:`_Service.consistent`), and a reopen that meets the next save is
-repeated too. The service's own updates hold the store's update lock from
-the reopen to the save (:meth:`_Service.update`), so another process's update
-waits instead of turning the upload into a 409. Error bodies name no server
-folder (the store is ``<store>``, other paths their last name).
+Each endpoint's fields and answers, the security rules and the concurrency
+design: ``docs/retrieval-internals.md``.
 """
 
 from __future__ import annotations

@@ -1,138 +1,24 @@
 """A gallery store: a FAISS index chosen by factory string, stable 64-bit ids, SQLite metadata.
 
-A store is a folder of immutable segments (format version 4)::
+:class:`GalleryStore` is a folder of immutable segments (``seg-<n>.faiss``,
+``.vectors.npy``, ``.ids.npy``, ``.sqlite``), a trained empty template and a
+``header.json`` manifest with every file's size and SHA-256. The contract:
 
-    <folder>/header.json        the manifest: format ``fedreid-gallery-store``, version 4, factory, kind, dim,
-                                ntotal, next_id, search parameters, the last verify result, ``meta`` (the
-                                caller's: the model fingerprint is ``meta.model_fingerprint``, where
-                                :func:`fedreid.inference.model_io.check_index_model` reads it), ``segments`` (name and
-                                item count of each, in id order), ``next_segment`` (the next segment number) and
-                                ``files``: the size and SHA-256 of every data file below
-    <folder>/template.faiss     the trained, empty ``IndexIDMap2`` (inner-product metric) every segment's index is
-                                a copy of
-    <folder>/seg-<n>.faiss      one segment's index: the template filled with the segment's items under their ids
-    <folder>/seg-<n>.vectors.npy   its float32 features [items, d], row i has id ids[i]
-    <folder>/seg-<n>.ids.npy    its int64 ids, increasing, all above the previous segment's
-    <folder>/seg-<n>.sqlite     its rows: table ``gallery(id INTEGER PRIMARY KEY, path TEXT UNIQUE NOT NULL,
-                                camera INTEGER, site TEXT, timestamp REAL, identity)``
-    <folder>/.fedreid-index.json   the folder's marker (:func:`fedreid.utils.io.claim_output_dir`)
-    <folder>/skipped.csv        optional (:data:`SIDE_FILES`): the index tool's list of unreadable
-                                images; carried over by updates unless the update replaces it
+* ids are assigned increasing, never reused, and stay with their item after
+  any removal, for every index kind;
+* :meth:`GalleryStore.add` writes new segments only and
+  :meth:`GalleryStore.remove` rewrites only the segments it touches; after
+  ``remove`` returns, no byte of a removed item remains in the store's files;
+* every update is staged beside the folder and swapped in whole (a kill leaves
+  the old store or the new), under an exclusive lock that refuses a stale copy;
+* a search returns at most the item count of results, ranked by score then id;
+  filtered results always satisfy the filter;
+* nothing is unpickled; every file is checked against the header before it is
+  parsed (once per file and process).
 
-A segment's files are never changed: a name (``seg-<n>``, numbered from
-``next_segment``, never reused) always holds the same bytes. A path is unique
-across the store (checked before an add). Version 3 (one ``index.faiss``,
-``vectors.npy``, ``ids.npy``, ``meta.sqlite``) still opens and searches, read as
-one segment; its first update converts it (those files become ``seg-<n>`` by
-hard links, ``template.faiss`` is written). Other versions are refused with a
-one-line error that says how to rebuild the store.
-
-Updates cost what they change. :meth:`GalleryStore.add` writes the new items
-as new segments (of at most :data:`SEGMENT_ITEMS`, indexed with the
-template: no retraining); :meth:`GalleryStore.remove` rewrites only the segments
-holding a removed item, without it (a segment left empty is dropped); every
-other file of the new save is a hard link to the current one, so it is
-neither written nor hashed again (a file system without hard links gets a
-copy: correct, not cheap). When there are more than :data:`MAX_SEGMENTS`
-segments, adjacent ones are merged, the smallest pair first. Searches run
-each segment's index and merge the top-k by (score descending, id ascending);
-where items tie at a segment's place k (FAISS keeps any of them; quantised
-scores such as a fast-scan PQ's tie often) the segment is searched deeper, so
-the lower ids are kept. With every IVF list probed, a store therefore ranks as
-one index over all its items (same training) ranked by that rule.
-
-The header holds no wall-clock time: the same inputs give the same files.
-
-Ids are assigned increasing from ``next_id`` and never reused, so an id names one
-gallery item for the store's lifetime. The index is trained once, on the first
-gallery (:meth:`GalleryStore.create`); later additions are encoded with that
-training (the template). After a removal every remaining item keeps its id, for
-every kind: the rewritten segment's index comes from ``remove_ids`` on a copy
-(an IVF's inverted lists hold ``IndexIDMap2`` positions, which ``remove_ids``
-shifts, so they are renumbered: O(items)); HNSW cannot remove ids in FAISS, so
-the segment's graph is rebuilt from its remaining stored vectors (cost: an HNSW
-build of that segment). :meth:`GalleryStore.open` checks that each segment's
-index maps each item to its id and, where an earlier version's removal shifted
-them, searches an index rebuilt in memory from the stored vectors (saved by the
-next update).
-
-Index kinds (:data:`SUPPORTED_FACTORIES`): Flat; IVF with Flat, PQ (also fast-scan)
-or SQ codes; HNSW over Flat or SQ; PQ; SQ; each optionally behind a pre-transform
-(OPQ, PCA, ...). A factory string building anything else (NSG, a plain fast-scan
-PQ, ``RFlat`` refinement, HNSW over PQ, which FAISS builds with the L2 metric) is
-refused when the store is built, before any training. ``header.json``'s search
-parameters (``nprobe``, ``efSearch``, ``refine``: integers >= 1, the kind's own
-keys only) are checked when the store opens.
-
-Erasure: :meth:`GalleryStore.remove` rewrites the segments holding the items
-into new files without them (a fresh table, written by inserts of the kept
-rows only: no deleted record, journal or free page of the removed ones), and
-the new save replaces the folder before ``remove`` returns; the previous
-segment files are unlinked with the set-aside copy. So no byte of a removed
-item's path or vector remains in the store's files. (Copies outside the store,
-e.g. backups or the file system's free blocks, are not addressed.)
-
-Refinement: a store created with ``refine=R`` (a search parameter, like
-``nprobe``) asks the index for ``R * k`` candidates and orders them by their
-exact inner product with the stored vectors; a PQ index then keeps its small
-size and speed without the ranking errors of its codes.
-
-Filters (:meth:`GalleryStore.search` with ``cameras``/``sites``/``time_window``):
-the allowed ids come from one SQL query. When they are at most
-:data:`EXACT_FILTER_MAX`, or the index is HNSW (whose filtered graph search can
-return fewer than k items), the filtered search is exact over the stored vectors of
-those items; otherwise the index is searched with a FAISS ``IDSelectorBatch``
-restricting it to them. Either way, every result satisfies the filter.
-
-Search: ``k`` is cut to the number of items (a result has at most that many
-columns, whatever k is asked). Unfiltered search of a Flat store is exact with the tie rule of
-:func:`fedreid.retrieval.exact.search` (equal scores: lower id first), so it
-ranks exactly as an ``IndexFlatIP`` over the same vectors does.
-
-Crash safety: every update of the items stages the complete new save in a
-hidden sibling (``.<name>.tmp-<hex>``: hard links to the kept files, the new
-segment files, the new header) and swaps it in with
-:func:`fedreid.utils.io.replace_dir_atomically`, so a kill leaves the previous
-store or the new one, never a mix; the in-memory store changes only after the
-swap. :meth:`GalleryStore.verify` and :meth:`GalleryStore.tune` change only
-``header.json``, replaced on its own with one ``os.replace`` (its file records
-are unchanged). Leftovers are cleaned up by the next open or update
-(:func:`clean_swap_leftovers`): hidden siblings that are marked, or that hold
-nothing but a store's file names, since a deletion killed part-way may have
-removed the marker first. So a removal's erased items do not outlive a kill
-either: the copy set aside by the swap, whole or partly deleted, goes at the
-next open or update of the store (the store's own deletions remove the marker last).
-
-Writers: an update holds an exclusive ``flock`` on the store's parent folder
-(:data:`LOCK_TIMEOUT_S` to wait for another), and refuses to go on when the
-header on disk is no longer the one this object read or wrote (another
-process updated the store since): no update is lost to a stale copy.
-:meth:`GalleryStore.update_lock` holds the lock across several steps (reopen,
-then update), so a long-lived process can update the store without losing
-that race to another process.
-
-Memory: an opened store maps each segment's vectors read-only (``mmap``)
-rather than reading them into RAM; refinement and filtered search read the rows they need.
-
-Loading (:meth:`GalleryStore.open`) reads the header as JSON, checks every
-file's size against it and its SHA-256 before parsing any of them, reads the
-NumPy files without pickles, checks the SQLite and faiss file signatures, and
-only then gives the index files to ``faiss.read_index``. Nothing is ever
-unpickled. Checksums are verified once per file and process: when the store
-writes the file, or the first time this process reads it. A verified file is
-then trusted while its device, inode, size and modification time are the ones
-seen at that check, and that time was more than :data:`RACY_NS` before it (a
-same-size rewrite within a coarse timestamp's tick is still hashed). Hard
-links keep a kept segment's inode, so a reopen after an update hashes only the
-new files; ``open(folder, previous=store)`` (the search service) also takes
-over the unchanged segments as they are, without reading them.
-:meth:`GalleryStore.check_files` (``index --verify`` is about recall, not
-files) hashes every file again whatever was trusted. The checksums detect
-damage and mix-ups, not forgery.
-
-The files' names, their checks and the update lock are in
-:mod:`fedreid.retrieval.store_files`; what differs by index family in
-:mod:`fedreid.retrieval.index_kinds`.
+The file format, the reasons and the costs: ``docs/retrieval-internals.md``.
+File names, checks and the lock: :mod:`fedreid.retrieval.store_files`; what
+differs by index family: :mod:`fedreid.retrieval.index_kinds`.
 """
 
 from __future__ import annotations
