@@ -28,6 +28,7 @@ import json
 import os
 import re
 import sqlite3
+import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +37,7 @@ from typing import Any, Iterable, Iterator, Mapping, Optional, Sequence
 import faiss
 import numpy as np
 
+from fedreid.errors import FedReIDError
 from fedreid.retrieval import fields, index_kinds
 from fedreid.retrieval.index_kinds import (
     DEFAULT_EF_SEARCH,
@@ -83,6 +85,7 @@ from fedreid.retrieval.store_files import (
     _segment_layout,
     _written_record,
     clean_swap_leftovers,
+    header_stamp,
     is_store_folder,
     writer_lock,
 )
@@ -112,6 +115,10 @@ MAX_SEGMENTS = 32
 EXACT_FILTER_MAX = 20_000
 #: Seconds an update waits for another process's update of a store in the same folder.
 LOCK_TIMEOUT_S = 60.0
+#: Reads of a store that another process saved meanwhile are started again, up to this many times in all.
+OPEN_ATTEMPTS = 5
+#: Pause before the first repeated read, doubled each time.
+OPEN_RETRY_PAUSE_S = 0.05
 #: Names kept here for their earlier importers (the files' names live in :mod:`fedreid.retrieval.store_files`).
 _REEXPORTED = (DEFAULT_EF_SEARCH, DEFAULT_NPROBE, EF_SEARCH_CANDIDATES, NPROBE_CANDIDATES, SEGMENT_SUFFIXES,
                LEGACY_FILES, LEGACY_VERSION, STORE_FORMAT, _SEGMENT_FILE, is_store_folder, sha256_file)
@@ -524,8 +531,26 @@ class GalleryStore:
         modification time) is not hashed again. ``previous``: an open store of
         the same folder (e.g. the one a service searches) whose unchanged
         segments are taken over as they are, without reading them again.
+
+        Another process may save the store while it is read (its files are then
+        missing, or do not match the header read first): when ``header.json``
+        changed during a failed read, the read starts again, up to
+        :data:`OPEN_ATTEMPTS` times. A failure with the header unchanged is
+        the store's state and is raised at once.
         """
         folder = Path(os.path.abspath(folder))
+        for attempt in range(OPEN_ATTEMPTS):
+            stamp = header_stamp(folder)
+            try:
+                return cls._open_once(folder, previous)
+            except (OSError, ValueError, FedReIDError):
+                if attempt + 1 == OPEN_ATTEMPTS or header_stamp(folder) == stamp:
+                    raise
+            time.sleep(OPEN_RETRY_PAUSE_S * 2**attempt)
+        raise AssertionError("unreachable: the last attempt returns or raises")
+
+    @classmethod
+    def _open_once(cls, folder: Path, previous: Optional["GalleryStore"]) -> "GalleryStore":
         clean_swap_leftovers(folder)
         header = _read_header(folder)
         for name in header["files"]:

@@ -34,11 +34,12 @@ from fedreid.utils.filecheck import check_recorded_file, describe_kind, file_kin
 from fedreid.utils.io import marker_path, owns_folder, swap_leftovers
 
 __all__ = [
+    "GalleryStoreError",
     "SIDE_FILES",
     "STORE_FORMAT",
     "STORE_VERSION",
-    "GalleryStoreError",
     "clean_swap_leftovers",
+    "header_stamp",
     "is_own_name",
     "is_store_folder",
     "own_names",
@@ -518,3 +519,12 @@ def _read_faiss(path: Path, header: dict, ntotal: int) -> Any:
             f"{path.parent / HEADER_FILE} says a {header['kind']} index of dim {header['dim']} with {ntotal}"
         )
     return index
+
+
+def header_stamp(folder: str | Path) -> Optional[tuple[int, int, int]]:
+    """(inode, mtime ns, size) of a store's ``header.json``: a save replaces it; None while it is missing."""
+    try:
+        st = os.stat(Path(folder) / HEADER_FILE)
+    except OSError:
+        return None
+    return st.st_ino, st.st_mtime_ns, st.st_size

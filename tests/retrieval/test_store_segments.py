@@ -354,3 +354,38 @@ def test_a_kill_at_each_write_step_leaves_the_previous_or_the_new_store(tmp_path
                 assert feats[3].tobytes() not in data and b"secret_00120" not in data, f"{steps[nth - 1]}: {f}"
         else:
             store.add(unit(1, seed=9), [{"path": "/gallery/after.jpg"}])  # the store still updates
+
+
+def test_an_open_that_meets_another_processs_save_starts_again(tmp_path, monkeypatch):
+    """The first read finds a segment gone (the store was saved meanwhile): the open starts again and gets the new save."""
+    folder = tmp_path / "store"
+    GalleryStore.create(folder, unit(40), rows(40))
+    real_read = store_mod._read_segment
+    calls = []
+
+    def read_during_a_save(*args, **kwargs):
+        calls.append(args[2])
+        if len(calls) == 1:  # another writer saves now; this read then misses its files
+            other = GalleryStore.open(folder)
+            other.add(unit(5, seed=1), rows(5, start=40))
+            raise FileNotFoundError(folder / "seg-000000.ids.npy")
+        return real_read(*args, **kwargs)
+
+    monkeypatch.setattr(store_mod, "_read_segment", read_during_a_save)
+    store = GalleryStore.open(folder)
+    assert store.ntotal == 45 and len(calls) >= 2
+    assert [r["path"] for r in store.rows(store.ids)][-1] == "/gallery/secret_00044.jpg"
+
+
+def test_an_open_of_a_damaged_store_is_not_repeated(tmp_path, monkeypatch):
+    folder = tmp_path / "store"
+    GalleryStore.create(folder, unit(40), rows(40))
+    vectors = next(folder.glob("seg-*.vectors.npy"))
+    vectors.write_bytes(vectors.read_bytes()[:-4] + b"\0\0\0\1")  # same size, other bytes
+    store_files_calls = []
+    real_check = store_mod._check_file
+    monkeypatch.setattr(store_mod, "_check_file",
+                        lambda *a, **k: store_files_calls.append(a[1]) or real_check(*a, **k))
+    with pytest.raises(store_files.GalleryStoreError, match="vectors.npy"):
+        GalleryStore.open(folder)
+    assert store_files_calls.count(vectors.name) == 1  # the header did not change: raised at once
