@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Callable, Mapping, Optional, Sequence
 
 from fedreid.config import Config, ConfigError, load_config
+from fedreid.flower import launch
 from fedreid.flower.launch import (
     FlowerCli,
-    LocalDeployment,
     TLSFiles,
     run_config_string,
     simulation_federation_config,
@@ -187,7 +187,7 @@ def run_on_one_host(run: PreparedRun, work: Path, *, tls: bool, node_auth: bool,
             key = work / "keys" / f"node{i}"
             keys[name] = key if key.exists() else make_node_key(work / "keys", f"node{i}")["private"]
     announce(clients)
-    with LocalDeployment(work, clients, tls=files, node_keys=keys) as dep:
+    with launch.LocalDeployment(work, clients, tls=files, node_keys=keys) as dep:
         log = work / "flwr_run.log"
         return dep.cli.run(run.run_config, log=log), log
 
@@ -198,7 +198,8 @@ def run_on_simulation_engine(run: PreparedRun, work: Path, *, client_cpus: Optio
     """The run on Flower's simulation engine (Ray), one virtual SuperNode per client; (flwr exit code, log)."""
     clients = client_names(run.cfg)
     announce(clients)
-    with LocalDeployment(work, clients, simulation=True, client_cpus=client_cpus, client_gpus=client_gpus) as dep:
+    with launch.LocalDeployment(work, clients, simulation=True, client_cpus=client_cpus,
+                                client_gpus=client_gpus) as dep:
         log = work / "flwr_run.log"
         return dep.cli.run(run.run_config, log=log), log
 
