@@ -322,8 +322,10 @@ def _fedreid_tables() -> list[Table]:
         source="Zhuang et al., ACM MM 2020, Table 2 (Sec. 4.1)", columns=REID_COLUMNS, column_slugs=REID_METRICS,
         rows=tuple(table2), data=REID_DATA, kind="reid",
         synthetic=SYNTHETIC_REID,
-        note="Local training is each dataset's best evaluation; the federated rows follow the paper's best-3 "
-             "convention (fedreid.eval.report.paper_summary).",
+        note="Local training is each dataset's best evaluation, one continuous run per client (appendix A.1: "
+             "one optimizer and StepLR schedule across the rounds; what that changes here: "
+             "local-training-schedule.md); the federated rows follow the paper's best-3 convention "
+             "(fedreid.eval.report.paper_summary).",
     )
     t4 = _nine_dataset_table(
         "fedreid-table4", "FedReID appendix Table 4: FedPav, B=32, nine datasets (%)",

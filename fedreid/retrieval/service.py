@@ -745,7 +745,7 @@ def background_server(app: FastAPI, host: str = "127.0.0.1", port: int = 0, *, l
 
     ``port`` 0 picks a free port (the socket is bound before the thread
     starts, so there is no race). The server is stopped and the thread
-    joined on leaving the block. For tests and benchmarks; :func:`run_serve`
+    joined on leaving the block. For tests and benchmarks; :func:`run_server`
     is the command line's.
     """
     _require_serve_extra()
