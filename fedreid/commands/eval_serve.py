@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 from typing import Any, Callable, Optional
 
+from fedreid.commands.eval_args import load_for_features
 from fedreid.inference.export import BACKENDS
 from fedreid.inference.model_io import LoadedModel
 from fedreid.retrieval.guard import (
@@ -59,17 +60,8 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
     sv.set_defaults(func=run_serve)
 
 
-def load_service_model(args: argparse.Namespace, device: Any) -> LoadedModel:
-    """The model named by ``args.model`` for ``args.backend`` (:func:`fedreid.inference.export.load_feature_model`)."""
-    from fedreid.inference.export import load_feature_model
-
-    return load_feature_model(
-        args.model, getattr(args, "backend", "pytorch"), device, client=getattr(args, "client", None)
-    )
-
-
-def add_serve_arguments(parser: argparse.ArgumentParser, *, backend: bool = True) -> None:
-    """The options of ``serve`` (``backend=False`` leaves out ``--backend`` for a caller that adds its own)."""
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``serve``."""
     parser.add_argument("--model", required=True, metavar="PATH",
                         help="the model the store was built with: run folder, model_final.pt, checkpoint.pt, "
                         "or an exported file with --backend onnx/torchscript")
@@ -98,10 +90,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser, *, backend: bool = True
                         help="serve even when --model is not the model the store was built with (prints a WARNING)")
     parser.add_argument("--ssl-certfile", metavar="FILE", help="serve HTTPS with this certificate (PEM)")
     parser.add_argument("--ssl-keyfile", metavar="FILE", help="the certificate's private key (PEM)")
-    if backend:
-        parser.add_argument("--backend", choices=BACKENDS, default="pytorch",
-                            help="pytorch (default): --model is a run folder or model file; onnx / torchscript: "
-                            "--model is a file written by 'export' (with its .json sidecar)")
+    parser.add_argument("--backend", choices=BACKENDS, default="pytorch",
+                        help="pytorch (default): --model is a run folder or model file; onnx / torchscript: "
+                        "--model is a file written by 'export' (with its .json sidecar)")
 
 
 def run_serve(
@@ -109,9 +100,9 @@ def run_serve(
 ) -> int:
     """``serve``: check the security options, load the model and the store, serve until interrupted; 0 on a clean stop.
 
-    ``load(args, device)`` loads the model (default :func:`load_service_model`,
-    the index/query loading of ``--backend``). Every refusal happens before the
-    port is opened: no token without ``--insecure-local``, ``--insecure-local``
+    ``load(args, device)`` loads the model (default: index and query's
+    :func:`~fedreid.commands.eval_args.load_for_features` for ``--backend``).
+    Every refusal happens before the port is opened: no token without ``--insecure-local``, ``--insecure-local``
     off the loopback interface, a store built by another model, an uploads
     folder holding other files.
     """
@@ -121,8 +112,8 @@ def run_serve(
         host=args.host, token=read_token(getattr(args, "token", None), getattr(args, "token_file", None)),
         insecure_local=bool(args.insecure_local), ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile,
         port=args.port, max_upload_mb=args.max_upload_mb)
-    device = resolve_backend_device(args.device, getattr(args, "backend", "pytorch"))
-    loaded = (load or load_service_model)(args, device)
+    device = resolve_backend_device(args.device, args.backend)
+    loaded = (load or load_for_features)(args, device)
     app = create_app(
         args.index, loaded, token=token, insecure_local=bool(args.insecure_local),
         max_upload_bytes=int(args.max_upload_mb * 2**20), max_pixels=args.max_pixels, max_k=args.max_k,

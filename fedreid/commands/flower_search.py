@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from fedreid.config import ConfigError
+from fedreid.utils.io import write_json_atomic
 
 
 def ca_option(args: argparse.Namespace, what: str) -> Optional[Path]:
@@ -58,7 +59,7 @@ def cmd_search(args: argparse.Namespace) -> int:
     for line in format_result(plain):
         print(line)
     if out is not None:
-        sc.save_result(plain, out)
+        write_json_atomic(out, plain)
         print(f"result: {out}")
     return 0 if plain["answered"] else 1
 

@@ -1,4 +1,4 @@
-"""The operator's side of federated search: check a query, run it (one Flower run or a session), keep the result.
+"""The operator's side of federated search: check a query, run it (one Flower run or a session).
 
 :mod:`fedreid.flower.search` is what runs inside Flower (the ServerApp's
 search, each site's answer); this module is what the ``flower search`` and
@@ -199,20 +199,12 @@ def run_session(*, superlink: str, ca: Optional[Path], socket: Path, node_auth: 
                     stop_group(proc, wait=10.0)
 
 
-def save_result(plain: dict[str, Any], out: Path) -> None:
-    """Write a result document atomically."""
-    from fedreid.utils.io import write_json_atomic
-
-    write_json_atomic(out, plain)
-
-
 __all__ = [
     "SearchRequest",
     "check_search_options",
     "check_session",
     "query_feature",
     "run_session",
-    "save_result",
     "search_in_one_run",
     "search_in_session",
 ]

@@ -62,6 +62,7 @@ from fedreid.retrieval.guard import (
     _RequestError,
     check_serve_security,
 )
+from fedreid.retrieval.store_files import header_stamp
 
 if TYPE_CHECKING:
     from fedreid.inference.model_io import LoadedModel
@@ -181,7 +182,7 @@ class _Service:
         self.max_upload_bytes, self.max_pixels, self.max_k = max_upload_bytes, max_pixels, max_k
         self.allow_model_mismatch, self.warn = allow_model_mismatch, warn
         self.lock = _ReadWriteLock()
-        self.stamp = _header_stamp(store.folder)
+        self.stamp = header_stamp(store.folder)
 
     # -- the store on disk --------------------------------------------------
 
@@ -193,7 +194,7 @@ class _Service:
         renames) is left to the read that follows, which repeats itself
         (:meth:`consistent`). See :meth:`_reopen`.
         """
-        if _header_stamp(self.store.folder) in (self.stamp, None):
+        if header_stamp(self.store.folder) in (self.stamp, None):
             return
         with self.lock.write():
             self._reopen()
@@ -213,7 +214,7 @@ class _Service:
 
         folder = self.store.folder
         for attempt in range(READ_ATTEMPTS):
-            stamp = _header_stamp(folder)
+            stamp = header_stamp(folder)
             if stamp == self.stamp:
                 return
             if stamp is not None:
@@ -222,11 +223,11 @@ class _Service:
                     problem = check_index_model(store.header, self.loaded, store.folder,
                                                 allow_mismatch=self.allow_model_mismatch)
                 except (OSError, ValueError, FedReIDError) as exc:
-                    if _header_stamp(folder) == stamp:  # the same save throughout: it is what is on disk
+                    if header_stamp(folder) == stamp:  # the same save throughout: it is what is on disk
                         raise _RequestError(503, "the gallery store was changed on disk and cannot be served now: "
                                                  f"{self.public(str(exc))}") from None
                 else:
-                    if _header_stamp(folder) == stamp:
+                    if header_stamp(folder) == stamp:
                         if store.dim != self.store.dim:
                             raise _RequestError(
                                 503, f"the gallery store was rebuilt with {store.dim}-d features; the served model "
@@ -258,7 +259,7 @@ class _Service:
                     result, failure = read(store), None
                 except Exception as exc:  # noqa: BLE001 - judged below: raised as is unless the store moved
                     result, failure = None, exc
-            if _header_stamp(store.folder) == stamp:
+            if header_stamp(store.folder) == stamp:
                 if failure is not None:
                     raise failure
                 return result  # type: ignore[return-value]
@@ -287,10 +288,10 @@ class _Service:
                     try:
                         result = change(self.store)
                     except GalleryStoreError:
-                        if attempt + 1 < WRITE_ATTEMPTS and _header_stamp(self.store.folder) != served:
+                        if attempt + 1 < WRITE_ATTEMPTS and header_stamp(self.store.folder) != served:
                             continue  # saved by someone else after all: reopen and repeat
                         raise
-                    self.stamp = _header_stamp(self.store.folder)
+                    self.stamp = header_stamp(self.store.folder)
                     return result
         raise AssertionError("unreachable: the last attempt returns or raises")
 
@@ -480,15 +481,6 @@ def _read_file_inside(path: Path, roots: Sequence[Path], what: str) -> bytes:
 
 #: An absolute path in a message (not the path part of a URL or of a media type such as image/png).
 _ABSOLUTE_PATH = re.compile(r"(?<![\w.:/~<>-])/[^\s'\"(),;]*")
-
-
-def _header_stamp(folder: Path) -> Optional[tuple[int, int, int]]:
-    """(inode, mtime ns, size) of the store's ``header.json``; None while it is missing (mid-swap)."""
-    try:
-        st = os.stat(Path(folder) / "header.json")
-    except OSError:
-        return None
-    return st.st_ino, st.st_mtime_ns, st.st_size
 
 
 def _result_item(row: dict[str, Any], **extra: Any) -> dict[str, Any]:
