@@ -13,13 +13,20 @@ Four sections, each printed as soon as it is measured:
     peak GPU memory; with ``run.deterministic`` on and off; then the demo
     world's 3-round run end to end;
 (d) exact evaluation at MSMT17 size against the GPU floor (block matmul +
-    argsort), through ``bench/gpu_eval.py``.
+    argsort), through ``bench/gpu_eval.py``;
+(e) the bare bf16 step of (a) at the smaller batch in N processes at once:
+    what one GPU gives several CUDA contexts (time-slicing, no MPS), the
+    bound of ``run.concurrent_clients``.
+
+``--cuda-graphs`` (on CUDA): (a) adds rows with the backbone replayed as a
+CUDA graph (``train.cuda_graphs``), and (b), (c) and (e) run with it ``off``,
+``on`` or ``both`` (default).
 
 ``--scale tiny`` (the default on the CPU) shrinks everything so the script
 runs here in a few minutes; ``--scale full`` (the default on CUDA) is the
 issue's setting: ResNet-50 at 256x128, batch 32 and 128.
 
-    python bench/gpu_round.py [--scale tiny|full] [--sections abcd] [--concurrent 1,2,4,8]
+    python bench/gpu_round.py [--scale tiny|full] [--sections abcde] [--concurrent 1,2,4,8] [--cuda-graphs both]
 """
 
 from __future__ import annotations
@@ -47,6 +54,7 @@ from fedreid.data.prepared import load_prepared  # noqa: E402
 from fedreid.data.scenarios import by_dataset  # noqa: E402
 from fedreid.data.transforms import build_train_transform  # noqa: E402
 from fedreid.fl.client import Client  # noqa: E402
+from fedreid.fl.local.cuda_graphs import graphed_backbone  # noqa: E402
 from fedreid.fl.simulation import run_simulation  # noqa: E402
 from fedreid.models.reid import create_reid_model, replace_classifier, shared_state  # noqa: E402
 from fedreid.utils.precision import Precision, resolve_precision, set_tf32  # noqa: E402
@@ -95,38 +103,52 @@ def ide_step(model: nn.Module, opt: torch.optim.Optimizer, crit: nn.Module, x: t
     opt.step()
 
 
-def section_ceilings(device: torch.device, s: dict[str, Any]) -> None:
+def timed_bare_steps(device: torch.device, s: dict[str, Any], batch: int, precision: Precision, graphs: bool,
+                     steps: int, warmup: int = 2, ready: Callable[[], Any] = lambda: None) -> tuple[float, float]:
+    """Start and end times of ``steps`` bare IDE steps on random tensors, after ``warmup`` steps and ``ready()``."""
+    model = precision.prepare_model(ide_model(s["backbone"], 751).to(device).train())
+    opt, crit = sgd(model), nn.CrossEntropyLoss()
+    x = precision.prepare_input(torch.randn(batch, 3, s["height"], s["width"], device=device))
+    y = torch.randint(0, 751, (batch,), device=device)
+    with graphed_backbone(model, batch, graphs):
+        for _ in range(warmup):
+            ide_step(model, opt, crit, x, y, precision)
+        sync(device)
+        ready()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            ide_step(model, opt, crit, x, y, precision)
+        sync(device)
+    return t0, time.perf_counter()
+
+
+def bare_rate(device: torch.device, s: dict[str, Any], batch: int, precision: Precision, graphs: bool,
+              steps: int) -> float:
+    """img/s of ``steps`` bare IDE steps on random tensors (after two warm-up steps)."""
+    t0, t1 = timed_bare_steps(device, s, batch, precision, graphs, steps)
+    return batch * steps / (t1 - t0)
+
+
+def section_ceilings(device: torch.device, s: dict[str, Any], graph_rows: bool) -> None:
     say(f"(a) bare IDE train step on random tensors: {s['backbone']} {s['height']}x{s['width']}, 751 ids")
-    modes = [("fp32", "fp32", False), ("tf32", "fp32", True), ("bf16+cl", "bf16", False)]
-    say(f"    {'mode':<9}" + "".join(f"{'b' + str(b) + ' img/s':>14}" for b in s["batches"]))
-    for label, name, tf32 in modes:
-        if label == "tf32" and device.type != "cuda":
+    modes = [("fp32", "fp32", False, False), ("tf32", "fp32", True, False), ("bf16+cl", "bf16", False, False)]
+    if graph_rows:
+        modes += [("tf32+graph", "fp32", True, True), ("bf16+cl+graph", "bf16", False, True)]
+    say(f"    {'mode':<14}" + "".join(f"{'b' + str(b) + ' img/s':>14}" for b in s["batches"]))
+    for label, name, tf32, graphs in modes:
+        if (tf32 or graphs) and device.type != "cuda":
             continue
         set_tf32(tf32)
         precision = resolve_precision(name, device)
-        row = []
-        for batch in s["batches"]:
-            model = precision.prepare_model(ide_model(s["backbone"], 751).to(device).train())
-            opt, crit = sgd(model), nn.CrossEntropyLoss()
-            x = precision.prepare_input(torch.randn(batch, 3, s["height"], s["width"], device=device))
-            y = torch.randint(0, 751, (batch,), device=device)
-
-            for _ in range(2):
-                ide_step(model, opt, crit, x, y, precision)
-            sync(device)
-            t0 = time.perf_counter()
-            for _ in range(s["steps"]):
-                ide_step(model, opt, crit, x, y, precision)
-            sync(device)
-            row.append(batch * s["steps"] / (time.perf_counter() - t0))
-        say(f"    {label:<9}" + "".join(f"{r:>14,.0f}" for r in row))
+        row = [bare_rate(device, s, batch, precision, graphs, s["steps"]) for batch in s["batches"]]
+        say(f"    {label:<14}" + "".join(f"{r:>14,.0f}" for r in row))
     set_tf32(False)
 
 
 # --------------------------------------------------------------------------- (b)
 
 def bare_loop(model: nn.Module, dataset, batch: int, workers: int, precision: Precision, device: torch.device,
-              seed: int, loader_box: dict) -> tuple[int, float]:
+              seed: int, loader_box: dict, graphs: bool = False) -> tuple[int, float]:
     """One epoch of a plain data-inclusive loop: persistent pinned workers, non-blocking copies."""
     if "loader" not in loader_box:
         loader_box["loader"] = torch.utils.data.DataLoader(
@@ -138,21 +160,22 @@ def bare_loop(model: nn.Module, dataset, batch: int, workers: int, precision: Pr
     sync(device)
     t0 = time.perf_counter()
     images = 0
-    for b in loader_box["loader"]:
-        x = precision.prepare_input(b["image"].to(device, non_blocking=True))
-        y = b["label"].to(device, non_blocking=True)
-        opt.zero_grad(set_to_none=True)
-        with precision.autocast():
-            loss = crit(model(x), y)
-        loss.backward()
-        opt.step()
-        images += x.shape[0]
+    with graphed_backbone(model, batch, graphs):
+        for b in loader_box["loader"]:
+            x = precision.prepare_input(b["image"].to(device, non_blocking=True))
+            y = b["label"].to(device, non_blocking=True)
+            opt.zero_grad(set_to_none=True)
+            with precision.autocast():
+                loss = crit(model(x), y)
+            loss.backward()
+            opt.step()
+            images += x.shape[0]
     sync(device)
     return images, time.perf_counter() - t0
 
 
 def section_client(device: torch.device, s: dict[str, Any], tmp: Path, workers: int, precision_name: str,
-                   repeats: int = 3) -> None:
+                   graphs: bool, repeats: int = 3) -> None:
     """(b) on the world's Market-1501 client."""
     ensure_world(s, tmp)
     split = by_dataset([load_prepared(tmp / "c-prepared", "market1501")], "train_all")[0]
@@ -160,6 +183,7 @@ def section_client(device: torch.device, s: dict[str, Any], tmp: Path, workers: 
         f"model.backbone={s['backbone']}", f"model.height={s['height']}", f"model.width={s['width']}",
         "model.pretrained=null", "train.batch_size=32", f"train.workers={workers}",
         f"train.precision={precision_name}", f"run.device={device.type}", "fl.cdw=false", "fl.kd=false",
+        f"train.cuda_graphs={graphs}",
     ])
     client = Client(split, 0, cfg, device=device)
     precision = client.precision
@@ -182,10 +206,10 @@ def section_client(device: torch.device, s: dict[str, Any], tmp: Path, workers: 
         return int(update.metadata["steps"]) * 32, wall
 
     def run_bare(r: int) -> tuple[int, float]:
-        return bare_loop(bare, bare_ds, 32, workers, precision, device, r, box)
+        return bare_loop(bare, bare_ds, 32, workers, precision, device, r, box, graphs)
 
     say(f"(b) one client: {len(split)} images, {split.num_classes} ids, {s['backbone']} {s['height']}x{s['width']}, "
-        f"batch 32, workers {workers}, precision {precision.name}")
+        f"batch 32, workers {workers}, precision {precision.name}, CUDA graphs {'on' if graphs else 'off'}")
     run_ours(0)
     run_bare(0)
     rates: dict[str, list[float]] = {"Client.fit": [], "bare loop": []}
@@ -198,6 +222,18 @@ def section_client(device: torch.device, s: dict[str, Any], tmp: Path, workers: 
         say(f"    {k:<11} median {med[k]:>9,.0f} img/s   runs " + ", ".join(f"{x:,.0f}" for x in v))
     say(f"    ratio Client.fit / bare loop: {med['Client.fit'] / med['bare loop']:.3f} (goal >= 0.95); "
         f"a fit's time outside train_local: median {statistics.median(outside[1:]) * 1e3:.0f} ms")
+    # the two parts of that time that move the model: the payload in, the update out
+    loads, updates = [], []
+    for _ in range(repeats):
+        sync(device)
+        t = time.perf_counter()
+        client.prepare_model(ours, payload)
+        sync(device)
+        loads.append(time.perf_counter() - t)
+        client._make_update(ours, {})
+        updates.append(time.perf_counter() - t - loads[-1])
+    say(f"    of which: payload into the model (prepare_model) median {statistics.median(loads) * 1e3:.0f} ms, "
+        f"update out to the host (_make_update) {statistics.median(updates) * 1e3:.0f} ms")
 
 
 # --------------------------------------------------------------------------- (c)
@@ -244,7 +280,8 @@ def ensure_world(s: dict[str, Any], tmp: Path) -> None:
 
 
 def section_rounds(device: torch.device, s: dict[str, Any], tmp: Path, concurrent: list[int], workers_total: int,
-                   precision_name: str, demo_run: bool = True, local_epochs: int = 1) -> None:
+                   precision_name: str, graph_settings: list[bool], demo_run: bool = True, local_epochs: int = 1,
+                   determinism_row: bool = True) -> None:
     world = world_overrides(s)
     ensure_world(s, tmp)
     batch = s["round_batch"]
@@ -253,16 +290,19 @@ def section_rounds(device: torch.device, s: dict[str, Any], tmp: Path, concurren
         "round 2's (training and CDW, no KD or evaluation): training images / its clients phase (r2_s); the other "
         "columns are round 3's (CDW, KD and evaluation); train_loss and mAP of round 3 to full precision "
         "(equal digits: equal runs; the loader worker count per client changes the augmentations)")
-    cols = ("clients", "workers", "determ.", "img/s", "r2_s", "clients_s", "train_s", "cdw_s", "kdfeat_s", "agg_s",
+    cols = ("clients", "workers", "determ.", "graphs", "img/s", "r2_s", "clients_s", "train_s", "cdw_s", "kdfeat_s", "agg_s",
             "kd_s", "eval_s", "round_s", "peak_GiB", "train_loss", "mAP")
     say("    " + " ".join(f"{c:>9}" for c in cols))
-    runs = [(n, True) for n in concurrent] + [(concurrent[0], False)]
-    for n, deterministic in runs:
+    runs = [(n, True, g) for n in concurrent for g in graph_settings]
+    if determinism_row:
+        runs.append((concurrent[0], False, graph_settings[0]))
+    for n, deterministic, graphs in runs:
         workers = max(1, min(8, workers_total // n))
         cfg = round_config(s, tmp, [
             *world, f"train.batch_size={batch}", f"train.local_epochs={local_epochs}", f"train.workers={workers}", f"train.precision={precision_name}",
             f"run.device={device.type}", f"run.concurrent_clients={n}", f"run.deterministic={deterministic}",
-            "fl.rounds=3", "fl.kd_every=3", "eval.every=3", f"run.out_dir={tmp / f'c-run-{n}-{deterministic}'}",
+            f"train.cuda_graphs={graphs}", "fl.rounds=3", "fl.kd_every=3", "eval.every=3",
+            f"run.out_dir={tmp / f'c-run-{n}-{deterministic}-{graphs}'}",
         ])
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
@@ -281,7 +321,7 @@ def section_rounds(device: torch.device, s: dict[str, Any], tmp: Path, concurren
         ev = history[-1].get("eval", {})
         m_ap = statistics.mean(v["mAP"] for v in ev.values()) if ev else float("nan")
         # the loss and mAP to full precision: equal digits across rows show equal runs
-        say(f"    {n:>9} {workers:>9} {str(deterministic):>9} {rate:>9,.0f} " + " ".join(f"{v:>9.2f}" for v in vals)
+        say(f"    {n:>9} {workers:>9} {str(deterministic):>9} {str(graphs):>9} {rate:>9,.0f} " + " ".join(f"{v:>9.2f}" for v in vals)
             + f" {peak:>9.2f} {history[-1]['train_loss']:.10f} {m_ap:.10f}")
     if not demo_run:
         return
@@ -291,6 +331,7 @@ def section_rounds(device: torch.device, s: dict[str, Any], tmp: Path, concurren
     cfg = round_config(s, tmp, [
         f"train.workers={max(1, min(8, workers_total // best))}", f"train.precision={precision_name}",
         f"run.device={device.type}", f"run.concurrent_clients={best}", "fl.rounds=3",
+        f"train.cuda_graphs={graph_settings[-1]}",
     ], world="demo")
     t0 = time.perf_counter()
     history = run_simulation(cfg, cfg.run.out_dir, progress=False)
@@ -299,7 +340,50 @@ def section_rounds(device: torch.device, s: dict[str, Any], tmp: Path, concurren
     r1 = statistics.mean(v["rank1"] for v in ev.values()) if ev else float("nan")
     say(f"    demo world ({sum(int(m.get('steps', 0)) for m in history[-1]['client_metrics'].values())} steps a "
         f"round), 3 rounds (CDW, KD at round 3, evaluation at round 3), concurrent_clients={best}, "
+        f"CUDA graphs {graph_settings[-1]}, "
         f"batch {cfg.train.batch_size}: {wall:.1f} s end to end (goal < 60 s on a GPU); mean Rank-1 {r1:.3f}")
+
+
+# --------------------------------------------------------------------------- (e)
+
+def _process_steps(rank: int, scale: str, device_type: str, graphs: bool, barrier, results) -> None:
+    """One of (e)'s processes: warm up, wait for the others, time the bare bf16 steps."""
+    s = SCALES[scale]
+    device = torch.device(device_type)
+    t0, t1 = timed_bare_steps(device, s, s["batches"][0], resolve_precision("bf16", device), graphs,
+                              s["steps"] * 2, warmup=3, ready=barrier.wait)
+    results.put((rank, t0, t1))
+
+
+def section_processes(device: torch.device, scale: str, counts: list[int], graph_settings: list[bool]) -> None:
+    """(e): N processes, each running (a)'s bare bf16 step at the smaller batch, all at once."""
+    import multiprocessing as mp
+
+    s = SCALES[scale]
+    batch, steps = s["batches"][0], s["steps"] * 2
+    say(f"(e) the bare bf16 step at batch {batch} in N processes at once ({s['backbone']} "
+        f"{s['height']}x{s['width']}, {steps} timed steps each): aggregate img/s over the span from the first "
+        "start to the last end")
+    say(f"    {'processes':>9} {'graphs':>7} {'img/s':>9} {'per process':>12}")
+    ctx = mp.get_context("spawn")
+    for graphs in graph_settings:
+        for n in counts:
+            barrier, results = ctx.Barrier(n), ctx.Queue()
+            procs = [ctx.Process(target=_process_steps, args=(r, scale, device.type, graphs, barrier, results))
+                     for r in range(n)]
+            for p in procs:
+                p.start()
+            try:
+                spans = [results.get(timeout=600) for _ in range(n)]
+            except Exception as exc:  # a child that died leaves its result missing
+                say(f"    {n:>9} {str(graphs):>7} failed: {type(exc).__name__}")
+                spans = []
+            for p in procs:
+                p.join()
+            if spans:
+                wall = max(end for _, _, end in spans) - min(start for _, start, _ in spans)
+                total = n * batch * steps / wall
+                say(f"    {n:>9} {str(graphs):>7} {total:>9,.0f} {total / n:>12,.0f}")
 
 
 # --------------------------------------------------------------------------- (d)
@@ -321,30 +405,48 @@ def main(argv=None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     ap.add_argument("--scale", choices=sorted(SCALES), default=None,
                     help="tiny (CPU default) or full (CUDA default: ResNet-50 at 256x128)")
-    ap.add_argument("--sections", default="abcd", help="which sections to run, e.g. 'ab' (default: abcd)")
+    ap.add_argument("--sections", default="abcd",
+                    help="which sections to run, in this order, e.g. 'aec' (default: abcd)")
     ap.add_argument("--concurrent", default="1,2,4,8", help="run.concurrent_clients values of (c)")
+    ap.add_argument("--processes", default="1,2,4,8", help="process counts of (e)")
     ap.add_argument("--workers", type=int, default=None,
                     help="loader workers in all (split over concurrent clients; default: CPU cores, at most 16)")
     ap.add_argument("--precision", default="auto", help="train.precision of (b) and (c) (default auto)")
+    ap.add_argument("--cuda-graphs", choices=("off", "on", "both"), default="both",
+                    help="train.cuda_graphs of (b), (c) and (e), and (a)'s graph rows; CUDA only (default both)")
     ap.add_argument("--local-epochs", type=int, default=1,
                     help="train.local_epochs of (c) (default 1, FedPav's; the fedpav_e5 config's 5 shows the "
                          "steady state, a round's fixed costs spread over more steps)")
     ap.add_argument("--no-demo", action="store_true", help="(c) without the demo world's 3-round run")
+    ap.add_argument("--no-determinism-row", action="store_true",
+                    help="(c) without its run.deterministic=false row")
     ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     args = ap.parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     scale = args.scale or ("full" if device.type == "cuda" else "tiny")
     s = SCALES[scale]
     workers = args.workers if args.workers is not None else min(16, os.cpu_count() or 1)
+    # CUDA graphs exist only on CUDA: elsewhere every setting runs once, eagerly
+    graph_settings = {"off": [False], "on": [True], "both": [False, True]}[args.cuda_graphs]
+    if device.type != "cuda":
+        graph_settings = [False]
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     say(f"device {name}, torch {torch.__version__}, {torch.get_num_threads()} threads, scale {scale}")
+
+    def client(tmp: Path) -> None:
+        for graphs in graph_settings:
+            section_client(device, s, tmp, min(workers, 8), args.precision, graphs)
+
     sections: dict[str, Callable[[Path], None]] = {
-        "a": lambda tmp: section_ceilings(device, s),
-        "b": lambda tmp: section_client(device, s, tmp, min(workers, 8), args.precision),
+        "a": lambda tmp: section_ceilings(device, s, graph_rows=True in graph_settings),
+        "b": client,
         "c": lambda tmp: section_rounds(device, s, tmp, [int(x) for x in args.concurrent.split(",")], workers,
-                                        args.precision, demo_run=not args.no_demo,
-                                        local_epochs=args.local_epochs),
+                                        args.precision, graph_settings, demo_run=not args.no_demo,
+                                        local_epochs=args.local_epochs,
+                                        determinism_row=not args.no_determinism_row),
         "d": lambda tmp: section_eval(device, s),
+        "e": lambda tmp: section_processes(device, scale, [int(x) for x in args.processes.split(",")],
+                                           graph_settings),
     }
     with tempfile.TemporaryDirectory(prefix="fedreid-gpu-round-") as tmp:
         for key in args.sections:

@@ -48,7 +48,7 @@ from fedreid.fl.local.base import OBJECTIVE_PAYLOAD, LocalObjective
 from fedreid.fl.local.objectives import build_objective, objective_class
 from fedreid.fl.local.sgd import LocalResult, train_local
 from fedreid.fl.server_hooks.kd import KD_FEATURES, public_features
-from fedreid.fl.state import bn_buffers, clone_state, split_state
+from fedreid.fl.state import bn_buffers, clone_state, host_state, split_state
 from fedreid.fl.update import Update, private_prefixes
 from fedreid.utils.precision import Precision, resolve_precision
 from fedreid.utils.seeding import derive_seed, forked_torch_rng
@@ -342,7 +342,7 @@ class Client:
         if self.cfg.fl.bn == "local":
             self.bn_state = clone_state(bn_buffers(shared))
         fedavg = self.cfg.fl.aggregation == "fedavg"
-        state = clone_state(full if fedavg else shared)
+        state = host_state(full if fedavg else shared)  # the update crosses to the host in a few copies
         return Update(self.name, state, self.num_samples, metadata, head_shared=fedavg)
 
     # ------------------------------------------------------------ persistence

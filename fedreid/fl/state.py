@@ -38,6 +38,29 @@ def clone_state(state: Mapping[str, Tensor], device: str | torch.device = "cpu")
     return OrderedDict((k, v.detach().to(device, copy=True)) for k, v in state.items())
 
 
+def host_state(state: Mapping[str, Tensor]) -> "OrderedDict[str, Tensor]":
+    """Detached CPU copies of ``state``, as :func:`clone_state`, in fewer transfers.
+
+    A state that lies on one CUDA device crosses to the host in one copy per
+    dtype, because hundreds of small device-to-host copies cost more than
+    their bytes (docs/benchmarks.md, section (b)). Each copy is then a
+    contiguous view into its dtype's buffer, with the same values and shape
+    as the tensor it copies. Any other state goes through :func:`clone_state`.
+    """
+    devices = {v.device for v in state.values()}
+    if len(devices) != 1 or next(iter(devices)).type != "cuda":
+        return clone_state(state)
+    by_dtype: dict[torch.dtype, list[str]] = {}
+    for key, value in state.items():
+        by_dtype.setdefault(value.dtype, []).append(key)
+    copies: dict[str, Tensor] = {}
+    for keys in by_dtype.values():
+        flat = torch.cat([state[k].detach().reshape(-1) for k in keys]).cpu()
+        for key, piece in zip(keys, flat.split([state[k].numel() for k in keys])):
+            copies[key] = piece.view(state[key].shape)
+    return OrderedDict((k, copies[k]) for k in state)
+
+
 def has_prefix(key: str, prefixes: Iterable[str]) -> bool:
     return any(key == p.rstrip(".") or key.startswith(p) for p in prefixes)
 

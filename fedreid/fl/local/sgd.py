@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from fedreid.fl.local.base import LocalObjective, representation
+from fedreid.fl.local.cuda_graphs import graphed_backbone
 from fedreid.utils.precision import FP32, Precision
 
 if TYPE_CHECKING:
@@ -126,6 +127,10 @@ def train_local(
     the previous call's ``LocalResult.optimizer`` (momentum buffers). Both
     default to a fresh start, FedPav's client.
 
+    ``cfg.cuda_graphs`` (CUDA only): full batches through ``model.backbone``
+    replay a CUDA graph of its forward and backward
+    (:mod:`fedreid.fl.local.cuda_graphs`); the rest of the step stays eager.
+
     ``cfg.clip_grad_norm``: the gradient's global norm is clipped before each
     step, after the objective's ``before_step`` (the official FedFTG trainers
     clip the gradient of the whole loss, SCAFFOLD's linear term included).
@@ -157,58 +162,59 @@ def train_local(
     total_correct = 0
     total_images = steps = 0
     result = LocalResult(0.0, 0.0, 0, 0)
-    for epoch in range(cfg.local_epochs):
-        scale = epoch_lr_scale(first_epoch + epoch, cfg.lr_step_size, cfg.lr_gamma)
-        for group in optimizer.param_groups:
-            group["lr"] = group["base_lr"] * scale
-        result.lrs.append(cfg.lr * lr_scale * scale)
-        model.train()
-        ep_loss = torch.zeros((), dtype=torch.float64, device=device)
-        ep_correct = torch.zeros((), dtype=torch.int64, device=device)
-        ep_images = 0
-        for batch in make_epoch_loader(epoch):
-            images, labels = _batch(batch, device)
-            b = images.shape[0]
-            if cfg.drop_last and b < cfg.batch_size:  # the reference skips partial batches
-                continue
-            images = precision.prepare_input(images)
-            optimizer.zero_grad(set_to_none=True)
-            with precision.autocast():
-                if objective is None:
-                    logits = model(images)
-                    loss = criterion(logits, labels)
-                elif objective.needs_features:  # one forward gives both (MOON)
-                    features = representation(model, images)
-                    logits = model.classifier(features)
-                    loss = objective.loss(model, images, labels, logits, features)
-                else:
-                    logits = model(images)
-                    loss = objective.loss(model, images, labels, logits)
-            if check_each_step and not math.isfinite(loss.item()):
-                raise _diverged(loss.item(), epoch, f"step {steps}")
-            precision.backward(loss, scaler)
-            if objective is not None or cfg.clip_grad_norm is not None:
-                precision.unscale(optimizer, scaler)
-            if objective is not None:
-                objective.before_step(model, optimizer)
-            if cfg.clip_grad_norm is not None:  # the corrected gradient, as the official code clips its loss's
-                nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_grad_norm)
-            precision.step(optimizer, scaler)
-            if objective is not None:
-                objective.after_step(model, optimizer)
-            steps += 1
-            ep_loss += loss.detach().double() * b
-            ep_images += b
-            ep_correct += (logits.detach().argmax(1) == labels).sum()
-            if on_step is not None:
-                on_step(steps, loss.item())
-        ep_sum = float(ep_loss)  # the epoch's one read of the device
-        if not math.isfinite(ep_sum):
-            raise _diverged(ep_sum, epoch, "a step of that epoch (checked at its end on this device)")
-        result.epoch_losses.append(ep_sum / ep_images if ep_images else float("nan"))
-        total_loss += ep_sum
-        total_correct += int(ep_correct)
-        total_images += ep_images
+    with graphed_backbone(model, cfg.batch_size, cfg.cuda_graphs and device.type == "cuda"):
+        for epoch in range(cfg.local_epochs):
+            scale = epoch_lr_scale(first_epoch + epoch, cfg.lr_step_size, cfg.lr_gamma)
+            for group in optimizer.param_groups:
+                group["lr"] = group["base_lr"] * scale
+            result.lrs.append(cfg.lr * lr_scale * scale)
+            model.train()
+            ep_loss = torch.zeros((), dtype=torch.float64, device=device)
+            ep_correct = torch.zeros((), dtype=torch.int64, device=device)
+            ep_images = 0
+            for batch in make_epoch_loader(epoch):
+                images, labels = _batch(batch, device)
+                b = images.shape[0]
+                if cfg.drop_last and b < cfg.batch_size:  # the reference skips partial batches
+                    continue
+                images = precision.prepare_input(images)
+                optimizer.zero_grad(set_to_none=True)
+                with precision.autocast():
+                    if objective is None:
+                        logits = model(images)
+                        loss = criterion(logits, labels)
+                    elif objective.needs_features:  # one forward gives both (MOON)
+                        features = representation(model, images)
+                        logits = model.classifier(features)
+                        loss = objective.loss(model, images, labels, logits, features)
+                    else:
+                        logits = model(images)
+                        loss = objective.loss(model, images, labels, logits)
+                if check_each_step and not math.isfinite(loss.item()):
+                    raise _diverged(loss.item(), epoch, f"step {steps}")
+                precision.backward(loss, scaler)
+                if objective is not None or cfg.clip_grad_norm is not None:
+                    precision.unscale(optimizer, scaler)
+                if objective is not None:
+                    objective.before_step(model, optimizer)
+                if cfg.clip_grad_norm is not None:  # the corrected gradient, as the official code clips its loss's
+                    nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_grad_norm)
+                precision.step(optimizer, scaler)
+                if objective is not None:
+                    objective.after_step(model, optimizer)
+                steps += 1
+                ep_loss += loss.detach().double() * b
+                ep_images += b
+                ep_correct += (logits.detach().argmax(1) == labels).sum()
+                if on_step is not None:
+                    on_step(steps, loss.item())
+            ep_sum = float(ep_loss)  # the epoch's one read of the device
+            if not math.isfinite(ep_sum):
+                raise _diverged(ep_sum, epoch, "a step of that epoch (checked at its end on this device)")
+            result.epoch_losses.append(ep_sum / ep_images if ep_images else float("nan"))
+            total_loss += ep_sum
+            total_correct += int(ep_correct)
+            total_images += ep_images
     result.steps = steps
     result.images = total_images
     result.loss = total_loss / total_images if total_images else float("nan")
