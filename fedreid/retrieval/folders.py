@@ -47,6 +47,7 @@ from fedreid.retrieval.gallery_rows import (
     image_rows,
     read_metadata_csv,
     recorded_gallery_roots,
+    roots_after_removal,
 )
 from fedreid.retrieval.store import GalleryStore, check_factory_string, factory_kind
 from fedreid.retrieval.store_files import clean_swap_leftovers, is_own_name, own_names
@@ -338,12 +339,16 @@ def remove_from_gallery_store(index_dir: str | Path, items: Sequence[str]) -> tu
 
     No model is needed. The removed items leave no trace in the store's files
     (:meth:`GalleryStore.remove`); nothing changes when any item is unknown.
+    A folder of the header's ``meta.gallery_roots`` that no longer holds an
+    item leaves it in the same save: the service serves no file from there,
+    and the header names no folder only erased items lay in.
     """
     folder = Path(index_dir)
     store = open_gallery_store(folder)
     _refuse_foreign_files(folder)
-    ids = resolve_store_items(store, items)
-    return store, store.remove(ids)
+    with store.update_lock():
+        ids = resolve_store_items(store, items)
+        return store, store.remove(ids, meta=roots_after_removal(store, ids))
 
 
 # An index folder is replaced as a whole: staged in a hidden sibling ``.<name>.tmp-<hex>`` and

@@ -54,6 +54,7 @@ __all__ = [
     "parse_time",
     "read_metadata_csv",
     "recorded_gallery_roots",
+    "roots_after_removal",
 ]
 
 #: The columns a metadata CSV may have (``path`` required).
@@ -87,6 +88,19 @@ def recorded_gallery_roots(header: Mapping[str, Any]) -> list[Path]:
     if not isinstance(roots, list):
         roots = [meta["gallery"]] if isinstance(meta.get("gallery"), str) else []
     return [Path(r) for r in roots if isinstance(r, str) and os.path.isabs(r)]
+
+
+def roots_after_removal(store: Any, ids: Iterable[int]) -> Optional[dict[str, list[str]]]:
+    """The header ``meta`` update for removing ``ids`` from ``store`` (a GalleryStore), or None when nothing changes.
+
+    A recorded gallery root (:func:`recorded_gallery_roots`) that no other
+    item lies under is dropped, so that the service serves nothing from it
+    and the header names no folder where only erased items lay.
+    """
+    ids = [int(i) for i in ids]
+    roots = recorded_gallery_roots(store.header)
+    kept = [str(r) for r in roots if store.holds_under(str(r), excluding=ids)]
+    return {GALLERY_ROOTS_KEY: kept} if len(kept) != len(roots) else None
 
 
 def parse_time(text: str, what: str = "time") -> float:

@@ -411,11 +411,13 @@ class _Service:
         return self.row(new_id)
 
     def remove(self, item: int) -> dict[str, Any]:
+        from fedreid.retrieval.gallery_rows import roots_after_removal
+
         def erase(store: GalleryStore) -> tuple[dict[str, Any], int]:
             row = store.rows([item])[0]
             if row is None:
                 raise _RequestError(404, f"no item {item} in the gallery")
-            store.remove([item])
+            store.remove([item], meta=roots_after_removal(store, [item]))
             return row, int(store.ntotal)
 
         row, items = self.update(erase)

@@ -636,7 +636,7 @@ class GalleryStore:
         self._commit(self._merged(plan), header, side_files=side_files)
         return new_ids
 
-    def remove(self, ids_or_paths: Iterable[int | str]) -> np.ndarray:
+    def remove(self, ids_or_paths: Iterable[int | str], *, meta: Optional[Mapping[str, Any]] = None) -> np.ndarray:
         """Erase items given by id (int) or path (str): the segments holding them are rewritten without them.
 
         Unknown ids or paths raise :class:`GalleryStoreError` naming them, and
@@ -644,13 +644,14 @@ class GalleryStore:
         holding a removed item are rewritten (their index, vectors, ids and
         table, fresh files); the others are kept as they are. HNSW segments
         are rebuilt from their remaining stored vectors (FAISS cannot remove from HNSW).
+        ``meta`` updates the header's ``meta`` (key by key) in the same save.
         """
         wanted = list(ids_or_paths)
         if not wanted:
             raise GalleryStoreError("nothing to remove: give ids or paths")
         with _writer_lock(self.folder):
             self._before_update()
-            return self._remove(wanted)
+            return self._remove(wanted, meta)
 
     def _before_update(self) -> None:
         """(The update lock held.) Refuse a foreign or changed folder; clean up what a killed update left."""
@@ -658,7 +659,7 @@ class GalleryStore:
         _remove_leftovers(self.folder)
         self._check_unchanged_on_disk()
 
-    def _remove(self, wanted: list[Any]) -> np.ndarray:
+    def _remove(self, wanted: list[Any], meta: Optional[Mapping[str, Any]] = None) -> np.ndarray:
         paths = [w for w in wanted if isinstance(w, str)]
         numbers = [int(w) for w in wanted if not isinstance(w, str)]
         found = self._lookup_paths(paths)
@@ -681,6 +682,8 @@ class GalleryStore:
             index = _index_without(seg.index, self.kind, seg.ids[hit], vectors, ids)
             plan.append(_NewSegment(ids, vectors, index, self._segment_rows(seg, ids)))
         header = dict(self.header, ntotal=self.ntotal - int(gone.size), verify=None)
+        if meta:
+            header["meta"] = dict(self.header.get("meta") or {}, **meta)
         self._commit(self._merged(plan), header)
         return gone
 
@@ -982,6 +985,16 @@ class GalleryStore:
     def find_paths(self, paths: Sequence[str]) -> dict[str, int]:
         """{path: id} of the given paths the store holds (exact, as stored)."""
         return self._lookup_paths(list(paths))
+
+    def holds_under(self, folder: str, excluding: Iterable[int] = ()) -> bool:
+        """Whether an item other than ``excluding`` has its file under ``folder`` (a stored, absolute path)."""
+        prefix = folder.rstrip(os.sep) + os.sep
+        skip = {int(i) for i in excluding}
+        # substr, not LIKE: a folder name may hold % or _
+        got = self._query_segments(
+            "SELECT id FROM gallery WHERE substr(path, 1, length(?1)) = ?1 LIMIT ?2", (prefix, len(skip) + 1),
+        )
+        return any(int(i) not in skip for (i,) in got)
 
     def find_file_name(self, name: str) -> list[tuple[int, str]]:
         """``(id, path)`` of the items whose path ends with the file name ``name`` (sorted by id)."""

@@ -402,6 +402,30 @@ def test_added_folders_are_recorded_as_gallery_roots(world, tmp_path):
             assert c.get(f"/items/{item}/image", headers=AUTH).content == path.read_bytes(), item
 
 
+def test_a_root_whose_items_are_all_removed_leaves_the_header(world, tmp_path):
+    """index --remove and DELETE /items drop a gallery root no item lies under any more; no file is served there."""
+    from fedreid.retrieval.folders import add_to_gallery_store, build_gallery_store, remove_from_gallery_store
+
+    for i in range(2):
+        write_png(tmp_path / "g" / f"{i:04d}_c1s1_000001_00.png", person_image(i, 0, 1))
+    odd = tmp_path / "50%_off"  # % and _ are literal in a folder name, not patterns
+    kept = [write_png(odd / f"{i:04d}_c2s1_000001_00.png", person_image(i, 1, 1)) for i in range(2)]
+    build_gallery_store(world["loaded"], tmp_path / "g", tmp_path / "st")
+    store, _ = add_to_gallery_store(world["loaded"], tmp_path / "st", odd)
+    assert store.holds_under(str(odd.resolve())) and not store.holds_under(str(tmp_path.resolve() / "5%"))
+    roots = [str((tmp_path / name).resolve()) for name in ("50%_off", "g")]
+    assert store.header["meta"]["gallery_roots"] == roots
+    store, gone = remove_from_gallery_store(tmp_path / "st", [str(kept[0].resolve())])
+    assert gone.tolist() == [2] and store.header["meta"]["gallery_roots"] == roots  # one item still lies there
+    store, gone = remove_from_gallery_store(tmp_path / "st", ["0", "1"])
+    assert store.header["meta"]["gallery_roots"] == roots[:1]
+    with client_for(world, tmp_path / "st") as c:
+        assert c.get("/items/3/image", headers=AUTH).content == kept[1].read_bytes()
+        assert c.delete("/items/3", headers=AUTH).status_code == 200
+        assert c.get("/info", headers=AUTH).json()["items"] == 0
+    assert GalleryStore.open(tmp_path / "st").header["meta"]["gallery_roots"] == []
+
+
 def test_add_search_and_delete_an_item(world, store_copy, tmp_path):
     uploads = tmp_path / "uploads"
     new = person_image(20, 1, 0)
