@@ -87,6 +87,39 @@ def test_scaffold_server_model_is_the_unweighted_mean_of_client_models(world, tm
     assert torch.allclose(params[name].detach(), expected, atol=1e-6)
 
 
+def test_scaffold_reference_average_is_the_aggregate_before_kd_changed_it(world, tmp_path):
+    """reference=average: round 2's payload carries round 1's aggregate, not the KD-trained model sent."""
+    from fedreid.fl.local.base import OBJECTIVE_PAYLOAD
+    from fedreid.fl.local.scaffold import AVERAGE_KEY
+
+    cfg = tiny_config(world, objective("scaffold", control_variate="displacement", reference="average")
+                      + ["fl.kd=true", "fl.kd_every=1"])
+    fed = build_federation(cfg)
+    hook = next(h for h in fed.server.hooks if h.name == "scaffold")
+    seen = []
+
+    def fit(k, payload, instructions):
+        seen.append((dict(payload), instructions.get(OBJECTIVE_PAYLOAD, {})))
+        return fed.clients[k].fit(fed.work_model, payload, instructions)
+
+    fed.server.run_round(fit)
+    aggregated = dict(hook.average)
+    assert aggregated and all(AVERAGE_KEY not in p for _, p in seen)  # nothing aggregated before round 1
+    seen.clear()
+    fed.server.run_round(fit)
+    sent, extra = seen[0]
+    assert set(extra[AVERAGE_KEY]) == set(aggregated)
+    assert all(torch.equal(extra[AVERAGE_KEY][n], aggregated[n]) for n in aggregated)
+    moved = [n for n in aggregated if not torch.equal(sent[n].cpu(), aggregated[n])]
+    assert moved  # KD trained the model the clients received after the average was taken
+    assert "average" in hook.state_dict()
+
+
+def test_scaffold_reference_average_needs_the_displacement_form(world):
+    with pytest.raises(ConfigError, match="reference: 'average' applies to control_variate=displacement"):
+        tiny_config(world, objective("scaffold", reference="average"))
+
+
 @pytest.mark.parametrize("name, options", [
     ("moon", {"mu": 1.0}), ("fedntd", {}), ("fedlmd", {}), ("fedlmd_tf", {"switch_round": 1}),
 ])

@@ -215,6 +215,40 @@ def test_scaffold_corrects_gradients_and_updates_control_option_ii():
     assert obj.steps == 2
 
 
+@pytest.mark.parametrize("reference, payload_average, expected", [
+    ("received", 0.8, 0.35),  # x is the model received: 0.1 - 0.3 + (1 - 0.89) / 0.2
+    ("average", 0.8, -0.65),  # x is the server's average: 0.1 - 0.3 + (0.8 - 0.89) / 0.2
+    ("average", None, 0.35),  # no average sent yet (round 1): the model received
+])
+def test_scaffold_displacement_reference_point(reference, payload_average, expected):
+    m = Scalars(a=1.0, b=2.0)
+    obj = Scaffold(control_variate="displacement", reference=reference)
+    obj.load_state_dict({"c_i": {"a": torch.tensor([0.1])}})
+    payload = {"control": {"a": torch.tensor([0.3])}}
+    if payload_average is not None:
+        payload["average"] = {"a": torch.tensor([payload_average])}
+    obj.begin_round(m, {"a": torch.tensor([1.0])}, payload=payload)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    for g in (0.5, 0.2):
+        opt.zero_grad()
+        m.a.grad = torch.tensor([g])
+        obj.before_step(m, opt)
+        opt.step()
+        obj.after_step(m, opt)
+    obj.end_round(m)
+    assert obj.c_i["a"].item() == pytest.approx(expected, abs=1e-5)
+
+
+def test_scaffold_reference_average_needs_displacement_and_a_whole_average():
+    with pytest.raises(ObjectiveError, match="'average' applies to control_variate=displacement"):
+        Scaffold(reference="average")
+    with pytest.raises(ObjectiveError, match="choose|expected one of received, average"):
+        Scaffold(control_variate="displacement", reference="sent")
+    obj = Scaffold(control_variate="displacement", reference="average")
+    with pytest.raises(ObjectiveError, match="server's average has no a"):
+        obj.begin_round(Scalars(a=1.0), {"a": torch.tensor([1.0])}, payload={"average": {"b": torch.tensor([0.0])}})
+
+
 def test_scaffold_uses_the_learning_rates_actually_used_and_corrects_unused_parameters():
     m = Scalars(a=1.0, b=2.0)
     glob = {"a": torch.tensor([1.0]), "b": torch.tensor([2.0])}

@@ -44,6 +44,21 @@ Server (Algorithm 1, lines 16-17), as pure functions here:
 ``x <- x + eta_g * mean_S(Delta y_i)`` (:func:`scaffold_server_model_update`) and
 ``c <- c + |S|/N * mean_S(Delta c_i)`` (:func:`scaffold_server_control_update`).
 
+The reference point ``x`` of the displacement form: ``reference`` (a named option)
+
+* ``"received"`` (default): the model the client received, as Algorithm 1
+  has it (``x`` is what the server sent).
+* ``"average"``: the server's average of the previous round *before* any
+  after-aggregation step changed it. This is what the official FedFTG code
+  does when SCAFFOLD runs with FedFTG (ZhangLin-PKU/FedFTG,
+  ``methods/SCAFFOLDGAN.py``, ``train_SCAFFOLDGAN``): the clients start from
+  the fine-tuned model ``avg_model_ft``, but ``new_c`` is computed against
+  ``prev_params``, the parameters of ``avg_model``, the average before
+  fine-tuning. The server sends that average with ``c``
+  (:class:`~fedreid.fl.server_hooks.objectives.ScaffoldHook`). In the first
+  round, and whenever no step changed the average, the two agree. The
+  gradient mean does not use ``x``, so this option needs ``displacement``.
+
 Conventions (documented choices, not in the paper):
 
 * ``x``, ``c``, ``c_i`` cover the shared trainable parameters
@@ -71,6 +86,7 @@ from typing import Any, ClassVar, Literal, Mapping, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
+from fedreid.errors import ConfigError
 from fedreid.fl.local.base import (
     AnchoredObjective,
     ObjectiveError,
@@ -86,6 +102,10 @@ CONTROL_KEY = "control"
 DELTA_C_KEY = "scaffold_delta_c"
 #: Ways to compute option II's ``c_i+`` (see the module docstring).
 CONTROL_VARIATES: tuple[str, ...] = ("gradient_mean", "displacement")
+#: Key of the server's pre-fine-tuning average in the round payload (``reference="average"``).
+AVERAGE_KEY = "average"
+#: Reference points ``x`` of the displacement form (see the module docstring).
+REFERENCES: tuple[str, ...] = ("received", "average")
 
 
 def option_ii_control(
@@ -176,6 +196,24 @@ class ScaffoldOptions:
     #: ``gradient_mean`` (the learning-rate-weighted mean of the local gradients, the
     #: value option II stands for) or ``displacement`` (its literal ``(x - y_i) / (K eta_l)`` form).
     control_variate: Literal["gradient_mean", "displacement"] = "gradient_mean"
+    #: The ``x`` of the displacement form: ``received`` (the model the client received,
+    #: Algorithm 1) or ``average`` (the server's average before FedFTG's fine-tuning, as
+    #: ZhangLin-PKU/FedFTG methods/SCAFFOLDGAN.py computes it; needs ``displacement``).
+    reference: Literal["received", "average"] = "received"
+
+    def validate(self, prefix: str) -> None:
+        problem = _reference_problem(self.control_variate, self.reference)
+        if problem:
+            raise ConfigError(f"{prefix}.reference: {problem}")
+
+
+def _reference_problem(control_variate: str, reference: str) -> Optional[str]:
+    if reference not in REFERENCES:
+        return f"expected one of {', '.join(REFERENCES)}, got {reference!r}"
+    if reference == "average" and control_variate != "displacement":
+        return ("'average' applies to control_variate=displacement (the gradient mean does not use the "
+                "reference point); set both")
+    return None
 
 
 @register_objective
@@ -194,9 +232,13 @@ class Scaffold(AnchoredObjective):
     Options: ClassVar[type] = ScaffoldOptions
     server_hook: ClassVar[Optional[str]] = "scaffold"
 
-    def __init__(self, control_variate: str = "gradient_mean") -> None:
+    def __init__(self, control_variate: str = "gradient_mean", reference: str = "received") -> None:
         super().__init__()
         self.control_variate = check_choice("scaffold control_variate", control_variate, CONTROL_VARIATES)
+        problem = _reference_problem(self.control_variate, reference)
+        if problem:
+            raise ObjectiveError(f"scaffold reference: {problem}")
+        self.reference = reference
         self.c_i: "OrderedDict[str, Tensor]" = OrderedDict()  # CPU, persisted
         self._c: dict[str, Tensor] = {}
         self._ci: dict[str, Tensor] = {}
@@ -215,6 +257,14 @@ class Scaffold(AnchoredObjective):
     ) -> None:
         super().begin_round(model, global_state, round_index=round_index, payload=payload)
         server_c = (payload or {}).get(CONTROL_KEY)
+        average = (payload or {}).get(AVERAGE_KEY)
+        if self.reference == "average" and average:
+            # option II's x: the server's average before fine-tuning, not the model received
+            missing = [n for n in self._params if n not in average]
+            if missing:
+                raise ObjectiveError(f"scaffold: the server's average has no {missing[0]}")
+            self._ref = OrderedDict(
+                (n, self._on(p, average[n], f"server average {n}")) for n, p in self._params.items())
         self._c = OrderedDict()
         self._ci = OrderedDict()
         for name, p in self._params.items():
@@ -307,9 +357,11 @@ def _group_of(optimizer: torch.optim.Optimizer) -> dict[int, dict[str, Any]]:
 
 
 __all__ = [
+    "AVERAGE_KEY",
     "CONTROL_KEY",
     "CONTROL_VARIATES",
     "DELTA_C_KEY",
+    "REFERENCES",
     "Scaffold",
     "option_ii_control",
     "option_ii_gradient_mean",

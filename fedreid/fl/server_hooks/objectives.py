@@ -10,7 +10,11 @@ it after the usual aggregation:
   the round, ``x <- x + eta_g * mean_S(y_i - x)`` and
   ``c <- c + |S|/N * mean_S(Delta c_i)``. The means are unweighted, as in the
   paper; the parameters replace the size-weighted average the server computed,
-  buffers (BatchNorm statistics) keep it.
+  buffers (BatchNorm statistics) keep it. With the client option
+  ``reference: average`` it also sends the parameters it aggregated last
+  round, as they were before any ``after_aggregate`` hook (FedFTG) changed
+  them (the official FedFTG code's ``prev_params``, see
+  :mod:`fedreid.fl.local.scaffold`).
 * :class:`FedDynHook` (Acar et al., ICLR 2021, Algorithm 1 server step):
   ``h <- h - alpha * (1/m) sum_k (theta_k - theta^{t-1})`` and
   ``theta^t = mean_k(theta_k) - h / alpha`` over the parameters; buffers keep
@@ -32,6 +36,7 @@ from fedreid.fl.aggregate import Aggregate, uniform_weights
 from fedreid.fl.local.base import OBJECTIVE_PAYLOAD, cpu_clone
 from fedreid.fl.local.feddyn import feddyn_server_update
 from fedreid.fl.local.scaffold import (
+    AVERAGE_KEY,
     CONTROL_KEY,
     DELTA_C_KEY,
     scaffold_server_control_update,
@@ -77,16 +82,23 @@ class ScaffoldHook(_RoundStart):
 
     @classmethod
     def build(cls, options: Any, context: HookContext) -> "ScaffoldHook":
-        return cls(context.num_clients, global_lr=context.cfg.fl.server_lr)
+        send_average = getattr(context.objective, "reference", "received") == "average"
+        return cls(context.num_clients, global_lr=context.cfg.fl.server_lr, send_average=send_average)
 
-    def __init__(self, num_clients: int, *, global_lr: float = 1.0) -> None:
+    def __init__(self, num_clients: int, *, global_lr: float = 1.0, send_average: bool = False) -> None:
         super().__init__()
         self.num_clients = int(num_clients)
         self.global_lr = float(global_lr)
+        self.send_average = bool(send_average)
         self.control: "OrderedDict[str, Tensor]" = OrderedDict()
+        #: the parameters aggregated last round, before after_aggregate hooks (``send_average`` only)
+        self.average: "OrderedDict[str, Tensor]" = OrderedDict()
 
     def instructions(self, round_index: int) -> dict[str, Any]:
-        return {OBJECTIVE_PAYLOAD: {CONTROL_KEY: self.control}}
+        payload: dict[str, Any] = {CONTROL_KEY: self.control}
+        if self.send_average and self.average:
+            payload[AVERAGE_KEY] = self.average
+        return {OBJECTIVE_PAYLOAD: payload}
 
     def check_update(self, round_index: int, update: Update, model: nn.Module) -> Optional[str]:
         """Why ``update``'s ``Delta c`` is unusable (missing, a parameter missing or reshaped), or None.
@@ -115,7 +127,10 @@ class ScaffoldHook(_RoundStart):
         names = [n for n in batch.parameters if n in self._sent]
         x = OrderedDict((n, self._sent[n]) for n in names)
         deltas = [OrderedDict((n, u.state[n].to(x[n]) - x[n]) for n in names) for u in updates]
-        state = _with_parameters(average.state, scaffold_server_model_update(x, deltas, self.global_lr))
+        parameters = scaffold_server_model_update(x, deltas, self.global_lr)
+        state = _with_parameters(average.state, parameters)
+        if self.send_average:
+            self.average = cpu_clone(parameters)
         self.control = cpu_clone(
             scaffold_server_control_update(self.control or None, [u.metadata[DELTA_C_KEY] for u in updates],
                                            self.num_clients)
@@ -125,10 +140,11 @@ class ScaffoldHook(_RoundStart):
                               "weights", stats={"control_norm": _norm(self.control)})
 
     def state_dict(self) -> dict[str, Any]:
-        return {"control": cpu_clone(self.control)}
+        return {"control": cpu_clone(self.control), "average": cpu_clone(self.average)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.control = cpu_clone(state["control"])
+        self.average = cpu_clone(state.get("average", {}))  # absent from checkpoints before the option
 
 
 @register_hook
