@@ -208,8 +208,7 @@ class ScaffoldOptions:
 
 
 def _reference_problem(control_variate: str, reference: str) -> Optional[str]:
-    if reference not in REFERENCES:
-        return f"expected one of {', '.join(REFERENCES)}, got {reference!r}"
+    """Why ``reference`` cannot go with ``control_variate``, or None (each value alone is checked where it is read)."""
     if reference == "average" and control_variate != "displacement":
         return ("'average' applies to control_variate=displacement (the gradient mean does not use the "
                 "reference point); set both")
@@ -235,6 +234,7 @@ class Scaffold(AnchoredObjective):
     def __init__(self, control_variate: str = "gradient_mean", reference: str = "received") -> None:
         super().__init__()
         self.control_variate = check_choice("scaffold control_variate", control_variate, CONTROL_VARIATES)
+        reference = check_choice("scaffold reference", reference, REFERENCES)
         problem = _reference_problem(self.control_variate, reference)
         if problem:
             raise ObjectiveError(f"scaffold reference: {problem}")
