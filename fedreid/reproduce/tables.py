@@ -398,6 +398,10 @@ FEDFTG_OFFICIAL = ("fl.fedftg_options={generator_md_divergence: l1, md_divergenc
                    "global_lr: 0.1}")
 #: Every official FedFTG client trainer clips the gradient norm at 10 (``local_fn_gan.py``).
 CLIP_OFFICIAL = ("train.clip_grad_norm=10",)
+#: The official SCAFFOLD+FedFTG's control variate: the displacement against the average taken *before* the
+#: server fine-tunes it (ZhangLin-PKU/FedFTG ``methods/SCAFFOLDGAN.py``: ``prev_params`` from ``avg_model``
+#: while the clients start from ``avg_model_ft``).
+SCAFFOLD_OFFICIAL_CV = "train.objective_options={control_variate: displacement, reference: average}"
 
 
 def _fedftg_closed_loop_table() -> Table:
@@ -418,6 +422,8 @@ def _fedftg_closed_loop_table() -> Table:
          ("train.objective=scaffold", "fl.fedftg=true", FEDFTG_OFFICIAL, *CLIP_OFFICIAL)),
         ("FedAvg+FedFTG, official code, clip 10", "fedavg-fedftg-official",
          ("train.objective=fedavg", "fl.fedftg=true", FEDFTG_OFFICIAL, *CLIP_OFFICIAL)),
+        ("SCAFFOLD+FedFTG, official code and control variate, clip 10", "scaffold-fedftg-official-cv",
+         ("train.objective=scaffold", SCAFFOLD_OFFICIAL_CV, "fl.fedftg=true", FEDFTG_OFFICIAL, *CLIP_OFFICIAL)),
     )
     rows = tuple(Row(label, slug, tuple(
         Cell(config, (f"classification.dataset={dataset}", f"classification.alpha={alpha}", *overrides))
@@ -434,7 +440,9 @@ def _fedftg_closed_loop_table() -> Table:
         note="FedFTG's L_md is the KL of Eq. 3-4 (global model first) unless the row says teacher-first "
              "(the official code's direction, fl.fedftg_options.md_divergence). Rows marked \"official code\" "
              "run the official server step (FedFTGConfig.official, global lr 0.1); \"clip 10\": every client's "
-             "gradient norm clipped at 10 (train.clip_grad_norm), as the official local_fn_gan.py.",
+             "gradient norm clipped at 10 (train.clip_grad_norm), as the official local_fn_gan.py. \"Official control "
+             "variate\": SCAFFOLD's control variate against the average before the FedFTG step "
+             "(train.objective_options.reference: average), as the official SCAFFOLDGAN.py.",
     )
 
 
