@@ -62,11 +62,12 @@ import io
 import json
 import logging
 import math
+import os
 import shlex
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 import numpy as np
 from flwr.app import Message, MessageType, RecordDict
@@ -106,7 +107,10 @@ __all__ = [
     "site_reply",
     "merge_answers",
     "registered_sites",
+    "NodeReply",
     "federated_search",
+    "judge_replies",
+    "make_query",
     "serve_search",
     "format_result",
     "encode_vector",
@@ -124,6 +128,8 @@ SEARCH_KEYS = ("search-vector", "search-fingerprint", "search-filters", "search-
 THUMBNAIL_SIZES = (16, 256)
 #: A site logs a warning when it clips a score further than this past +-1 (more than an approximate index strays).
 CLIP_WARNING = 0.05
+#: A result lists the nodes the query did not reach first, then those that did not answer, then the rest.
+_MISSING_ORDER = {"not-sent": 0, "no-reply": 1}
 
 
 # =========================================================================== site side
@@ -249,8 +255,14 @@ def answer_query(store: Any, query: SearchQuery, *, site: str, policy: SitePolic
 
 
 def site_reply(content: RecordDict, *, site: str, store_folder: Optional[Path],
-               policy: SitePolicy = SitePolicy()) -> RecordDict:
-    """The ClientApp's reply content to a search query: decode, open the store, :func:`answer_query`, encode.
+               policy: SitePolicy = SitePolicy(), read: Optional[Callable[[Callable[[Any], Any]], Any]] = None
+               ) -> RecordDict:
+    """A site's reply content to a search query: decode, read the store, :func:`answer_query`, encode.
+
+    ``read``: how the store is read: ``read(fn)`` returns ``fn(store)`` on an
+    open :class:`~fedreid.retrieval.store.GalleryStore` (a site link keeps its
+    store open between queries); None: ``store_folder`` is opened for this
+    query (a ClientApp lives for one message).
 
     Every refusal is an error record (see :mod:`fedreid.flower.search_codec`)
     whose text holds no local path; the full error goes to this site's log.
@@ -275,16 +287,21 @@ def site_reply(content: RecordDict, *, site: str, store_folder: Optional[Path],
         return refuse("malformed query: it could not be read (the details are in the site's log)")
     if store_folder is None:
         return refuse("this site has no gallery store (its node config sets no gallery-store)")
+    if read is None:
+        try:
+            store = GalleryStore.open(store_folder)
+        except Exception as exc:  # noqa: BLE001 -- GalleryStoreError, OSError, and whatever faiss or SQLite raise
+            log.error("search: gallery store %s cannot be opened: %s", store_folder, exc)
+            return refuse("this site's gallery store cannot be opened (the details are in the site's log)")
+
+        def read(fn: Callable[[Any], Any]) -> Any:
+            return fn(store)
     try:
-        store = GalleryStore.open(store_folder)
-    except Exception as exc:  # noqa: BLE001 -- GalleryStoreError, OSError, and whatever faiss or SQLite raise
-        log.error("search: gallery store %s cannot be opened: %s", store_folder, exc)
-        return refuse("this site's gallery store cannot be opened (the details are in the site's log)")
-    try:
-        answer = answer_query(store, query, site=site, policy=policy)
+        answer = read(lambda store: answer_query(store, query, site=site, policy=policy))
     except (GalleryStoreError, SearchCodecError) as exc:
         log.error("search in %s failed: %s", store_folder, exc)
-        return refuse(f"the search failed: {str(exc).replace(str(store.folder), '<store>')}")
+        folder = str(Path(os.path.abspath(store_folder)))
+        return refuse(f"the search failed: {str(exc).replace(folder, '<store>').replace(str(store_folder), '<store>')}")
     except Exception:  # noqa: BLE001 -- the site's boundary: the server gets a record, the site keeps the details
         log.exception("search in %s failed unexpectedly", store_folder)
         return refuse("the search failed with an unexpected error (the details are in the site's log)")
@@ -392,6 +409,20 @@ def _error_code(code: int) -> str:
     return "unavailable" if code in unavailable else "node-error"
 
 
+@dataclass(frozen=True)
+class NodeReply:
+    """What a transport got back from one node for a query: its reply ``content``, or why there is none.
+
+    ``code`` and ``reason`` (no content) become that node's :class:`MissingSite`:
+    ``unavailable`` (the node or the message is gone, or the site cannot be
+    reached) or ``node-error`` (the node failed to answer).
+    """
+
+    content: Optional[RecordDict] = None
+    code: str = ""
+    reason: str = ""
+
+
 def federated_search(grid: Grid, node_ids: Iterable[int], feature: Any, k: int,
                      filters: Optional[SearchFilters | Mapping[str, Any]] = None, timeout: float = 30.0, *,
                      fingerprint: Optional[Mapping[str, Any]], thumbnails: bool = False,
@@ -403,59 +434,92 @@ def federated_search(grid: Grid, node_ids: Iterable[int], feature: Any, k: int,
     ``feature`` (float32 [d]), ``k``, ``filters`` and ``fingerprint``; replies
     are collected until all came or ``timeout`` seconds passed (polling every
     ``poll_seconds``; Flower's ``send_and_receive`` polls every 3 s and cannot
-    tell which push failed). A node that does not contribute is a
-    :class:`MissingSite` with the reason, never an exception; so is each
-    ``expected_sites`` name no node answered as. ``results`` are
-    :func:`merge_answers` of the valid answers (each checked by
-    :func:`~fedreid.flower.search_codec.decode_hits`). The grid is only used
-    for these messages; what leaves the server is listed in the module docstring.
-
-    ``bound_sites`` (node id -> site, :func:`registered_sites` under node
-    authentication): when given, an answer counts only from a node listed
-    there and only under that name: a node whose answer (ranking or refusal)
-    names another site is ``wrong-site``, an unlisted node ``unbound``, and
-    neither takes the name from the node it claims to be. None: the names
-    the nodes declare are used (``authenticated`` False in the result).
+    tell which push failed). The answers are judged by :func:`judge_replies`.
+    The grid is only used for these messages; what leaves the server is
+    listed in the module docstring.
     """
-    if not isinstance(filters, SearchFilters):
-        filters = SearchFilters.from_plain(filters)
-    query = SearchQuery(feature=feature, k=k, filters=filters, fingerprint=fingerprint, thumbnails=bool(thumbnails))
-    timeout = float(timeout)
-    if not timeout > 0:
-        raise ConfigError(f"search timeout: expected seconds > 0, got {timeout}")
+    query = make_query(feature, k, filters, fingerprint=fingerprint, thumbnails=thumbnails)
+    timeout = checked_timeout(timeout)
     started = time.monotonic()
     nodes = sorted({int(n) for n in node_ids})
     messages = [Message(content=encode_query(query), dst_node_id=node, message_type=MessageType.QUERY,
                         group_id="search", ttl=timeout) for node in nodes]
-    missing: list[MissingSite] = []
+    replies: dict[int, Optional[NodeReply]] = {}
     pending: dict[str, int] = {}
     for mid, node in zip(list(grid.push_messages(messages)) if messages else [], nodes):
         if mid:
             pending[mid] = node
         else:
-            missing.append(MissingSite(None, node, "not-sent", "the SuperLink did not accept the query"))
-    replies: dict[int, Any] = {}
+            replies[node] = NodeReply(code="not-sent", reason="the SuperLink did not accept the query")
     while pending:
         for reply in grid.pull_messages(list(pending)):
             node = pending.pop(reply.metadata.reply_to_message_id, None)
-            if node is not None:
-                replies[node] = reply
+            if node is None:
+                continue
+            if reply.has_error():
+                replies[node] = NodeReply(code=_error_code(reply.error.code),
+                                          reason=str(reply.error.reason or f"error code {reply.error.code}"))
+            else:
+                replies[node] = NodeReply(reply.content)
         if not pending or time.monotonic() - started >= timeout:
             break
         time.sleep(min(poll_seconds, max(timeout - (time.monotonic() - started), 0.0)))
-    for node in sorted(pending.values()):
-        site = None if bound_sites is None else bound_sites.get(node)
-        missing.append(MissingSite(site, node, "no-reply", f"no reply within {timeout:g} s"))
+    for node in pending.values():
+        replies[node] = None
+    return judge_replies(query, replies, timeout=timeout, started=started, expected_sites=expected_sites,
+                         bound_sites=bound_sites)
+
+
+def make_query(feature: Any, k: int, filters: Optional[SearchFilters | Mapping[str, Any]], *,
+               fingerprint: Optional[Mapping[str, Any]], thumbnails: bool) -> SearchQuery:
+    """The :class:`SearchQuery` every transport sends (its fields checked by the codec)."""
+    if not isinstance(filters, SearchFilters):
+        filters = SearchFilters.from_plain(filters)
+    return SearchQuery(feature=feature, k=k, filters=filters, fingerprint=fingerprint, thumbnails=bool(thumbnails))
+
+
+def checked_timeout(timeout: Any) -> float:
+    """A query's timeout in seconds, > 0, or a ConfigError."""
+    timeout = float(timeout)
+    if not timeout > 0:
+        raise ConfigError(f"search timeout: expected seconds > 0, got {timeout}")
+    return timeout
+
+
+def judge_replies(query: SearchQuery, replies: Mapping[int, Optional[NodeReply]], *, timeout: float,
+                  started: float, expected_sites: Sequence[str] = (),
+                  bound_sites: Optional[Mapping[int, str]] = None) -> FederatedResult:
+    """The :class:`FederatedResult` of one query from what each node sent back, whatever carried it.
+
+    ``replies``: node id -> its :class:`NodeReply`, or None when none came
+    within ``timeout`` (``started``: ``time.monotonic()`` when the query left).
+    A node that does not contribute is a :class:`MissingSite` with the reason,
+    never an exception; so is each ``expected_sites`` name no node answered
+    as. ``results`` are :func:`merge_answers` of the valid answers (each
+    checked by :func:`~fedreid.flower.search_codec.decode_hits`).
+
+    ``bound_sites`` (node id -> site: :func:`registered_sites` under node
+    authentication, or the site a direct link is configured for): when given,
+    an answer counts only from a node listed there and only under that name:
+    a node whose answer (ranking or refusal) names another site is
+    ``wrong-site``, an unlisted node ``unbound``, and neither takes the name
+    from the node it claims to be. None: the names the nodes declare are used
+    (``authenticated`` False in the result).
+    """
+    nodes = sorted(int(n) for n in replies)
     bound = None if bound_sites is None else {int(n): str(s) for n, s in bound_sites.items()}
+    missing: list[MissingSite] = []
     answers: list[SiteAnswer] = []
     answered: list[AnsweredSite] = []
     first_node: dict[str, int] = {}
-    for node in sorted(replies):
+    for node in nodes:
         reply = replies[node]
         known = None if bound is None else bound.get(node)  # who the node is, by its key (None: unknown)
-        if reply.has_error():
-            missing.append(MissingSite(known, node, _error_code(reply.error.code),
-                                       str(reply.error.reason or f"error code {reply.error.code}")))
+        if reply is None:
+            missing.append(MissingSite(known, node, "no-reply", f"no reply within {timeout:g} s"))
+            continue
+        if reply.content is None:
+            missing.append(MissingSite(known, node, reply.code, reply.reason))
             continue
         try:
             answer = decode_hits(reply.content, k=query.k, thumbnails=query.thumbnails)
@@ -484,6 +548,7 @@ def federated_search(grid: Grid, node_ids: Iterable[int], feature: Any, k: int,
             continue
         answers.append(answer)
         answered.append(AnsweredSite(answer.site, node, len(answer.hits), verified=known is not None))
+    missing.sort(key=lambda m: (_MISSING_ORDER.get(m.code, 2), m.node_id if m.node_id is not None else -1))
     unnamed = sorted(m.node_id for m in missing if m.site is None and m.node_id is not None)
     for site in expected_sites:
         if site in first_node:

@@ -54,13 +54,14 @@ import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Protocol, Sequence
 
 from flwr.serverapp import Grid
 
 from fedreid.config import ConfigError
 from fedreid.errors import FedReIDError
 from fedreid.flower.search import (
+    FederatedResult,
     decode_vector,
     encode_vector,
     federated_search,
@@ -77,7 +78,10 @@ __all__ = [
     "MAX_REQUEST_BYTES",
     "SessionError",
     "SessionSettings",
+    "SearchBackend",
+    "GridBackend",
     "serve_session",
+    "serve_requests",
     "SessionClient",
 ]
 
@@ -199,8 +203,42 @@ def _send(conn: socket.socket, doc: Mapping[str, Any]) -> None:
 # =========================================================================== the ServerApp side
 
 
-def _search_request(grid: Grid, request: Mapping[str, Any], settings: SessionSettings) -> dict[str, Any]:
-    """One ``search`` request: checked as ``mode=search`` checks its run config, then :func:`federated_search`."""
+class SearchBackend(Protocol):
+    """Where a session's queries go: the sites reached over a Flower run's grid, or over direct site links."""
+
+    def status(self) -> dict[str, Any]:
+        """``nodes`` (ids), ``node_auth`` (site names bound to identities) and, when bound, ``sites`` (id -> name)."""
+
+    def search(self, feature: Any, k: int, filters: SearchFilters, timeout: float, *,
+               fingerprint: Optional[Mapping[str, Any]], thumbnails: bool,
+               expected_sites: Sequence[str]) -> FederatedResult:
+        """One federated search of every site reachable now."""
+
+
+class GridBackend:
+    """A session's sites over a Flower grid: the nodes connected to the SuperLink at each query."""
+
+    def __init__(self, grid: Grid, *, node_auth: bool) -> None:
+        self.grid, self.node_auth = grid, node_auth
+
+    def status(self) -> dict[str, Any]:
+        doc: dict[str, Any] = {"nodes": sorted(int(n) for n in self.grid.get_node_ids()), "node_auth": self.node_auth}
+        if self.node_auth:
+            doc["sites"] = {str(n): s for n, s in sorted(registered_sites(self.grid).items())}
+        return doc
+
+    def search(self, feature: Any, k: int, filters: SearchFilters, timeout: float, *,
+               fingerprint: Optional[Mapping[str, Any]], thumbnails: bool,
+               expected_sites: Sequence[str]) -> FederatedResult:
+        nodes = sorted(int(n) for n in self.grid.get_node_ids())  # now: a site that left and came back is searched
+        bound = registered_sites(self.grid) if self.node_auth else None
+        return federated_search(self.grid, nodes, feature, k, filters, timeout, fingerprint=fingerprint,
+                                thumbnails=thumbnails, expected_sites=expected_sites, poll_seconds=POLL_SECONDS,
+                                bound_sites=bound)
+
+
+def _search_request(backend: SearchBackend, request: Mapping[str, Any], settings: SessionSettings) -> dict[str, Any]:
+    """One ``search`` request: checked as ``mode=search`` checks its run config, then the backend's search."""
     unknown = sorted(set(request) - {"op", "vector", "k", "fingerprint", "filters", "thumbnails", "timeout",
                                      "expect"})
     if unknown:
@@ -223,28 +261,30 @@ def _search_request(grid: Grid, request: Mapping[str, Any], settings: SessionSet
     if fingerprint is not None and not isinstance(fingerprint, dict):
         raise SessionError("search: fingerprint: expected a JSON object")
     filters = SearchFilters.from_plain(request.get("filters"))
-    nodes = sorted(int(n) for n in grid.get_node_ids())  # now: a site that left and came back is searched again
-    bound = registered_sites(grid) if settings.node_auth else None
-    result = federated_search(grid, nodes, feature, k, filters, float(timeout), fingerprint=fingerprint,
-                              thumbnails=thumbnails, expected_sites=expect, poll_seconds=POLL_SECONDS,
-                              bound_sites=bound)
+    result = backend.search(feature, k, filters, float(timeout), fingerprint=fingerprint, thumbnails=thumbnails,
+                            expected_sites=expect)
     return result.to_plain()
 
 
 def serve_session(grid: Grid, run_config: Mapping[str, Any]) -> int:
-    """The ServerApp's ``mode=search-session``: answer requests on the session socket until closed; returns queries served.
+    """The ServerApp's ``mode=search-session``: :func:`serve_requests` over the run's grid."""
+    settings = SessionSettings.from_run_config(run_config)
+    return serve_requests(GridBackend(grid, node_auth=settings.node_auth), settings)
+
+
+def serve_requests(backend: SearchBackend, settings: SessionSettings) -> int:
+    """Answer requests on the session socket until closed; returns the queries served.
 
     Contract: see the module docstring. Requests are served one at a time
     (a SuperNode handles one message at a time anyway); a malformed or
     refused request gets ``{"ok": false, "error": ...}`` and the session goes
     on. The socket file is removed when the session ends, however it ends.
     """
-    settings = SessionSettings.from_run_config(run_config)
     server = _listen(settings.socket)
     identity = os.stat(settings.socket).st_ino
     queries = 0
-    log.info("search session open on %s (node authentication %s; per-query timeout %g s%s)", settings.socket,
-             "on" if settings.node_auth else "off", settings.timeout,
+    log.info("search session open on %s (site names %s; per-query timeout %g s%s)", settings.socket,
+             "bound to identities" if settings.node_auth else "as the sites declare them", settings.timeout,
              f"; ends after {settings.idle_timeout:g} s without a request" if settings.idle_timeout else "")
     last = time.monotonic()
     try:
@@ -271,7 +311,7 @@ def serve_session(grid: Grid, run_config: Mapping[str, Any]) -> int:
                     op = request.get("op")
                     if op == "search":
                         started = time.monotonic()
-                        plain = _search_request(grid, request, settings)
+                        plain = _search_request(backend, request, settings)
                         queries += 1
                         lines = format_result(plain)
                         log.info("session query %d: %s (%.3f s)", queries, lines[0], time.monotonic() - started)
@@ -280,12 +320,7 @@ def serve_session(grid: Grid, run_config: Mapping[str, Any]) -> int:
                                 log.info("session query %d: %s", queries, line)
                         _send(conn, {"ok": True, "result": plain})
                     elif op == "status":
-                        nodes = sorted(int(n) for n in grid.get_node_ids())
-                        doc: dict[str, Any] = {"ok": True, "nodes": nodes, "queries": queries,
-                                               "node_auth": settings.node_auth}
-                        if settings.node_auth:
-                            doc["sites"] = {str(n): s for n, s in sorted(registered_sites(grid).items())}
-                        _send(conn, doc)
+                        _send(conn, {"ok": True, "queries": queries, **backend.status()})
                     elif op == "close":
                         _send(conn, {"ok": True, "queries": queries})
                         stop = True

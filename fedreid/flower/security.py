@@ -25,7 +25,8 @@ from typing import Sequence
 from fedreid.utils.io import atomic_path
 
 
-def _write_new(path: Path, data: bytes, *, private: bool = False) -> None:
+def write_new_file(path: Path, data: bytes, *, private: bool = False) -> None:
+    """Write ``data`` to a new file ``path`` atomically (mode 0600 when ``private``); an existing one is refused."""
     if path.exists():
         raise FileExistsError(f"{path} exists; refusing to overwrite key material (remove it or choose another folder)")
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -81,9 +82,9 @@ def make_tls_files(out_dir: str | Path, hosts: Sequence[str] = ("127.0.0.1", "lo
         .sign(ca_key, hashes.SHA256())
     )
     pem = serialization.Encoding.PEM
-    _write_new(paths["ca"], ca_cert.public_bytes(pem))
-    _write_new(paths["cert"], server_cert.public_bytes(pem))
-    _write_new(paths["key"], server_key.private_bytes(pem, serialization.PrivateFormat.PKCS8,
+    write_new_file(paths["ca"], ca_cert.public_bytes(pem))
+    write_new_file(paths["cert"], server_cert.public_bytes(pem))
+    write_new_file(paths["key"], server_key.private_bytes(pem, serialization.PrivateFormat.PKCS8,
                                                       serialization.NoEncryption()), private=True)
     return paths
 
@@ -101,9 +102,9 @@ def make_node_key(out_dir: str | Path, name: str) -> dict[str, Path]:
     ssh = serialization.Encoding.OpenSSH
     if public.exists():
         raise FileExistsError(f"{public} exists; refusing to overwrite key material")
-    _write_new(private, key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH,
+    write_new_file(private, key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH,
                                           serialization.NoEncryption()), private=True)
-    _write_new(public, key.public_key().public_bytes(ssh, serialization.PublicFormat.OpenSSH) + b"\n")
+    write_new_file(public, key.public_key().public_bytes(ssh, serialization.PublicFormat.OpenSSH) + b"\n")
     return {"private": private, "public": public}
 
 

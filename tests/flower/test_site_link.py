@@ -1,0 +1,284 @@
+"""Direct site links (fedreid.flower.site_link): search sessions whose queries reach the sites over HTTPS.
+
+Real TLS servers on 127.0.0.1 in threads, real gallery stores: the merged
+answer equals the stores' own exact search, answers are bound to the links
+file's site names, a site that restarts is searched again in the same
+transport, and every refusal is a missing site with the reason.
+"""
+
+from __future__ import annotations
+
+import http.client
+import os
+import re
+import shutil
+import ssl
+import tempfile
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fedreid.config import ConfigError
+from fedreid.flower.search_codec import SearchFilters, SearchQuery, encode_query
+from fedreid.flower.search_session import SessionClient, SessionSettings, serve_requests
+from fedreid.flower.security import make_tls_files
+from fedreid.flower.site_link import (
+    CONTENT_TYPE,
+    LINK_PATH,
+    MAX_QUERY_BYTES,
+    LinkTransport,
+    SiteLink,
+    SiteLinkServer,
+    encode_record,
+    make_link_token,
+    read_links,
+    read_token,
+)
+from fedreid.retrieval.store import GalleryStore
+
+D = 16
+FP = {"weights_sha256": "cd" * 32, "backbone": "toy", "height": 32, "width": 16, "feature": "embed, l2-normalised"}
+SITES = ("sa", "sb", "sc")
+
+
+def unit_rows(n: int, seed: int) -> np.ndarray:
+    x = np.random.default_rng(seed).standard_normal((n, D)).astype(np.float32)
+    return x / np.linalg.norm(x, axis=1, keepdims=True)
+
+
+def make_store(folder: Path, n: int, seed: int, site: str) -> GalleryStore:
+    rows = [{"path": str(folder.parent / f"{site}_{i:03d}.jpg"), "camera": i % 3, "site": site,
+             "timestamp": 1000.0 + i} for i in range(n)]
+    return GalleryStore.create(folder, unit_rows(n, seed), rows, meta={"model_fingerprint": FP})
+
+
+def exact(stores: dict, q: np.ndarray, k: int, **filters) -> list[tuple]:
+    """(site, id, score) of the best k over the stores' own searches: score desc, then site, then id."""
+    out = []
+    for site, store in stores.items():
+        res = store.search(q[None], k, **filters)
+        out += [(site, int(i), float(s)) for i, s in zip(res.ids[0], res.scores[0]) if i >= 0]
+    return sorted(out, key=lambda t: (-t[2], t[0], t[1]))[:k]
+
+
+def triples(hits) -> list[tuple]:
+    return [(h.site, h.id, h.score) if not isinstance(h, dict) else (h["site"], h["id"], h["score"]) for h in hits]
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """Three stores, a CA with a certificate for 127.0.0.1, and a token per site."""
+    root = tmp_path_factory.mktemp("links")
+    stores = {s: make_store(root / s, n, seed, s) for s, n, seed in (("sa", 12, 1), ("sb", 7, 2), ("sc", 20, 3))}
+    tls = make_tls_files(root / "tls", hosts=("127.0.0.1",))
+    tokens = {s: make_link_token(root / "tokens" / s) for s in SITES}
+    return {"root": root, "stores": stores, "tls": tls, "tokens": tokens}
+
+
+class Site:
+    """A site link serving in a thread; ``stop()`` ends it, ``start()`` (again) serves on the same port."""
+
+    def __init__(self, world: dict, site: str, *, serve_as: str = "", port: int = 0) -> None:
+        self.world, self.site, self.serve_as, self.port = world, site, serve_as or site, port
+        self.server = None
+
+    def start(self) -> "Site":
+        self.server = SiteLinkServer(site=self.serve_as, store_folder=self.world["stores"][self.site].folder,
+                                     token=read_token(self.world["tokens"][self.site]),
+                                     cert=self.world["tls"]["cert"], key=self.world["tls"]["key"], port=self.port)
+        self.port = self.server.port
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        return self
+
+    def stop(self) -> None:
+        self.server.shutdown()
+
+    def link(self, token: str | None = None, name: str | None = None) -> SiteLink:
+        return SiteLink(name or self.site, "127.0.0.1", self.port, self.world["tls"]["ca"],
+                        token or read_token(self.world["tokens"][self.site]))
+
+
+@pytest.fixture
+def sites(world):
+    running = {s: Site(world, s).start() for s in SITES}
+    yield running
+    for site in running.values():
+        if site.server is not None:
+            site.stop()
+
+
+def test_a_query_over_links_is_the_stores_exact_merge_bound_to_the_links_names(world, sites):
+    q = unit_rows(1, 99)[0]
+    with LinkTransport([sites[s].link() for s in SITES]) as links:
+        for k, filters in ((8, {}), (5, {"cameras": [0, 2]}), (30, {"time_window": (1003.0, 1010.0)})):
+            result = links.search(q, k, filters, 10.0, fingerprint=FP, expected_sites=SITES)
+            assert triples(result.results) == exact(world["stores"], q, k, **filters)
+            assert result.missing == [] and result.authenticated
+            assert [(a.site, a.node_id, a.verified) for a in result.answered] == [
+                ("sa", 1, True), ("sb", 2, True), ("sc", 3, True)]
+        # Another model's feature is refused by every site, in words, with no site's path in them.
+        other = links.search(q, 5, None, 10.0, fingerprint=dict(FP, weights_sha256="ef" * 32))
+        assert other.results == [] and {m.code for m in other.missing} == {"refused"}
+        assert all("fingerprint mismatch" in m.reason and str(world["root"]) not in m.reason for m in other.missing)
+
+
+def test_an_answer_counts_only_under_the_site_its_link_names(world, sites):
+    """A site whose process answers as another site (or a links file pointing at the wrong site) is wrong-site."""
+    impostor = Site(world, "sc", serve_as="sa").start()  # sc's store, claiming to be sa
+    try:
+        q = unit_rows(1, 5)[0]
+        links = [sites["sa"].link(), sites["sb"].link(), impostor.link(name="sc")]
+        with LinkTransport(links) as transport:
+            result = transport.search(q, 10, None, 10.0, fingerprint=FP, expected_sites=SITES)
+        assert triples(result.results) == exact({s: world["stores"][s] for s in ("sa", "sb")}, q, 10)
+        wrong = [m for m in result.missing if m.node_id == 3]
+        assert wrong and wrong[0].code == "wrong-site" and wrong[0].site == "sc"
+        assert [m.code for m in result.missing if m.node_id is None] == ["not-answered"]
+    finally:
+        impostor.stop()
+
+
+def test_a_wrong_token_a_wrong_ca_and_a_stopped_site_are_missing_with_the_reason(world, sites, tmp_path):
+    other_ca = make_tls_files(tmp_path / "other_tls", hosts=("127.0.0.1",))["ca"]
+    q = unit_rows(1, 7)[0]
+    links = [sites["sa"].link(token="x" * 43),
+             SiteLink("sb", "127.0.0.1", sites["sb"].port, other_ca, read_token(world["tokens"]["sb"])),
+             sites["sc"].link()]
+    with LinkTransport(links) as transport:
+        result = transport.search(q, 6, None, 10.0, fingerprint=FP)
+        assert triples(result.results) == exact({"sc": world["stores"]["sc"]}, q, 6)
+        why = {m.site: m for m in result.missing}
+        assert why["sa"].code == "node-error" and "HTTP 401" in why["sa"].reason and "token" in why["sa"].reason
+        assert why["sb"].code == "unavailable" and "certificate" in why["sb"].reason
+        # sc's link stops: the next query lists it, and goes on with what answers.
+        sites["sc"].stop()
+        gone = transport.search(q, 6, None, 10.0, fingerprint=FP)
+        assert gone.results == [] and {m.site: m.code for m in gone.missing}["sc"] == "unavailable"
+
+
+def test_a_site_that_restarts_is_searched_again_without_a_new_transport(world, sites):
+    q = unit_rows(1, 11)[0]
+    everyone = exact(world["stores"], q, 9)
+    with LinkTransport([sites[s].link() for s in SITES]) as transport:
+        assert triples(transport.search(q, 9, None, 10.0, fingerprint=FP).results) == everyone
+        sites["sb"].stop()  # its kept-alive connection dies with it
+        without = transport.search(q, 9, None, 10.0, fingerprint=FP, expected_sites=SITES)
+        assert [(m.site, m.code) for m in without.missing][:1] == [("sb", "unavailable")]
+        assert triples(without.results) == exact({s: world["stores"][s] for s in ("sa", "sc")}, q, 9)
+        sites["sb"].start()  # the same port, a new process' worth of server
+        assert triples(transport.search(q, 9, None, 10.0, fingerprint=FP).results) == everyone
+
+
+def test_a_site_link_sees_the_store_another_process_saved(world, tmp_path):
+    store = make_store(tmp_path / "grow", 5, 21, "sa")
+    site = Site(dict(world, stores={"sa": store}), "sa").start()
+    try:
+        q = unit_rows(1, 77)[0]
+        with LinkTransport([site.link()]) as transport:
+            first = transport.search(q, 10, None, 10.0, fingerprint=FP)
+            assert len(first.results) == 5
+            store.add(q[None], [{"path": str(tmp_path / "new.jpg"), "camera": 7}])  # as `index --add` would
+            second = transport.search(q, 10, None, 10.0, fingerprint=FP)
+        assert len(second.results) == 6 and second.results[0].camera == 7 and second.results[0].score > 0.999
+    finally:
+        site.stop()
+
+
+def raw_post(port: int, ca: Path, body: bytes, headers: dict, path: str = LINK_PATH) -> tuple[int, str]:
+    conn = http.client.HTTPSConnection("127.0.0.1", port, context=ssl.create_default_context(cafile=str(ca)),
+                                       timeout=10)
+    try:
+        conn.request("POST", path, body, headers)
+        response = conn.getresponse()
+        return response.status, response.read().decode("utf-8", "replace")
+    finally:
+        conn.close()
+
+
+def test_the_site_refuses_what_is_not_a_query_from_its_server_in_one_line(world, sites):
+    port, ca = sites["sa"].port, world["tls"]["ca"]
+    token = read_token(world["tokens"]["sa"])
+    good = {"Authorization": f"Bearer {token}", "Content-Type": CONTENT_TYPE}
+    q = SearchQuery(unit_rows(1, 3)[0], 4, SearchFilters(), FP)
+    body = encode_record(encode_query(q))
+    assert raw_post(port, ca, body, {**good, "Authorization": "Bearer " + "y" * 43})[0] == 401
+    assert raw_post(port, ca, body, {"Content-Type": CONTENT_TYPE})[0] == 401
+    assert raw_post(port, ca, body, {**good, "Content-Type": "application/json"})[0] == 415
+    assert raw_post(port, ca, body, good, path="/v1/other")[0] == 404
+    status, text = raw_post(port, ca, b"\xff" * 64, good)
+    assert status == 400 and "not a serialised Flower record" in text
+    status, text = raw_post(port, ca, b"0" * (MAX_QUERY_BYTES + 1), good)
+    assert status == 413 and text.count("\n") == 1
+    status, _ = raw_post(port, ca, body, good)
+    assert status == 200
+
+
+def test_a_session_over_links_answers_query_after_query(world, sites):
+    folder = Path(tempfile.mkdtemp(prefix="fr-l-", dir="/tmp"))
+    sock = folder / "s.sock"
+    transport = LinkTransport([sites[s].link() for s in SITES])
+    settings = SessionSettings(socket=sock, timeout=10.0, expect=SITES, node_auth=True)
+    thread = threading.Thread(target=serve_requests, args=(transport, settings), daemon=True)
+    thread.start()
+    try:
+        client = SessionClient(sock, timeout=30)
+        status = client.wait_ready(30)
+        assert status["sites"] == {"1": "sa", "2": "sb", "3": "sc"} and status["node_auth"]
+        q = unit_rows(1, 42)[0]
+        for k in (3, 10):
+            result = client.search(q, k, fingerprint=FP)
+            assert triples(result["results"]) == exact(world["stores"], q, k) and result["authenticated"]
+        assert client.close_session() == 2
+        thread.join(30)
+    finally:
+        if thread.is_alive():
+            SessionClient(sock).close_session()
+        transport.close()
+        shutil.rmtree(folder, ignore_errors=True)
+    assert not thread.is_alive()
+
+
+def write_links(tmp_path: Path, world: dict, text: str, name: str = "links.yaml") -> Path:
+    path = tmp_path / name
+    shutil.copy(world["tls"]["ca"], tmp_path / "ca.crt")
+    path.write_text(text)
+    return path
+
+
+def test_the_links_file_is_checked_at_the_door(world, tmp_path):
+    token = tmp_path / "sa.token"
+    shutil.copy(world["tokens"]["sa"], token)
+    os.chmod(token, 0o600)
+    good = write_links(tmp_path, world, "ca: ca.crt\nlinks:\n  - {site: sa, address: '127.0.0.1:9601', "
+                                        "token: sa.token}\n")
+    (link,) = read_links(good)
+    assert (link.site, link.host, link.port, link.ca) == ("sa", "127.0.0.1", 9601, tmp_path / "ca.crt")
+    assert link.token == read_token(world["tokens"]["sa"]) and link.token not in repr(link)
+    cases = [
+        ("links: []\n", "expected a mapping with 'links'"),
+        ("links:\n  - {site: sa, address: '127.0.0.1', token: sa.token, ca: ca.crt}\n", "links[0].address"),
+        ("links:\n  - {site: sa, address: '127.0.0.1:70000', token: sa.token, ca: ca.crt}\n", "port in 1..65535"),
+        ("links:\n  - {site: sa, address: '127.0.0.1:9601', token: sa.token}\n", "no CA"),
+        ("ca: ca.crt\nlinks:\n  - {site: sa, address: '127.0.0.1:9601', token: nothere}\n", "links[0].token: no file"),
+        ("ca: ca.crt\nlinks:\n  - {site: \"a\\nb\", address: '127.0.0.1:9601', token: sa.token}\n", "links[0].site"),
+        ("ca: ca.crt\nlinks:\n  - {site: sa, address: 'h:1', token: sa.token}\n"
+         "  - {site: sa, address: 'h:2', token: sa.token}\n", "listed twice"),
+        ("ca: ca.crt\nlinks:\n  - {site: sa, address: 'h:1', token: sa.token, port: 3}\n", "expected site, address"),
+        ("ca: [\n", "not YAML"),
+    ]
+    for text, message in cases:
+        with pytest.raises(ConfigError, match=re.escape(message)) as err:
+            read_links(write_links(tmp_path, world, text, "bad.yaml"))
+        assert "\n" not in str(err.value)
+    os.chmod(token, 0o644)
+    with pytest.raises(ConfigError, match="others can read it"):
+        read_links(good)
+    token.write_text("short\n")
+    os.chmod(token, 0o600)
+    with pytest.raises(ConfigError, match="URL-safe"):
+        read_links(good)
+    with pytest.raises(FileExistsError):
+        make_link_token(token)  # never overwritten
+    assert token.read_text() == "short\n"
