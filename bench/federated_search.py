@@ -1,4 +1,4 @@
-"""Latency of federated search on one host: a Flower run per query versus a search session.
+"""Latency of federated search on one host: a Flower run per query, a search session, and direct site links.
 
 A SuperLink and ``--sites`` SuperNodes on 127.0.0.1 (TLS and node
 authentication by default, as in production), each site with its own gallery
@@ -26,11 +26,17 @@ are stored items with a little noise, L2-normalised. Printed:
                  the SuperNode started again: seconds until a query has all
                  sites again, in the same session (no restart).
 
+With ``--transport links`` (or ``both``, the default) the same session runs over
+direct site links instead: one ``tools/flower_fed.py site-link`` process per site
+(TLS, a token each) and ``session --links``; the same figures are printed under
+"links:", the CPU from the site-link and session processes.
+
 Where the time goes inside a query, as far as Flower 1.42 lets it be changed,
 is described in docs/flower.md ("Search sessions").
 
     python bench/federated_search.py                     # 3 sites, 2000 x 512 each, 20 queries
-    python bench/federated_search.py --queries 50 --fresh 0 --insecure
+    python bench/federated_search.py --queries 50 --fresh 0 --insecure --transport flower
+    python bench/federated_search.py --transport links --queries 100
 """
 
 from __future__ import annotations
@@ -41,6 +47,8 @@ import os
 import platform
 import shutil
 import signal
+import socket
+import subprocess
 import sys
 import tempfile
 import time
@@ -61,9 +69,11 @@ from fedreid.flower.search import SitePolicy, answer_query, encode_vector  # noq
 from fedreid.flower.search_codec import SearchQuery  # noqa: E402
 from fedreid.flower.search_session import SessionClient  # noqa: E402
 from fedreid.flower.security import make_node_key, make_tls_files  # noqa: E402
+from fedreid.flower.site_link import make_link_token  # noqa: E402
 from fedreid.retrieval import GalleryStore  # noqa: E402
 
 FP = {"weights_sha256": "be" * 32, "backbone": "bench"}
+TOOL = Path(__file__).resolve().parent.parent / "tools" / "flower_fed.py"
 
 
 def unit(x: np.ndarray) -> np.ndarray:
@@ -134,6 +144,8 @@ def main() -> int:
     parser.add_argument("--idle", type=float, default=10.0, help="seconds to measure the idle CPU use over (10)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--keep", action="store_true", help="keep the work folder (logs)")
+    parser.add_argument("--transport", choices=("flower", "links", "both"), default="both",
+                        help="measure the Flower deployment, direct site links, or both (both)")
     args = parser.parse_args()
 
     sites = [f"site{i}" for i in range(args.sites)]
@@ -156,6 +168,115 @@ def main() -> int:
         site_seconds.append(max(per_site))
     print(f"site search (in process, slowest site per query): {figures(site_seconds)}")
 
+    code = 0
+    if args.transport in ("links", "both"):
+        code = measure_links(args, work, sites, stores, queries)
+    if args.transport in ("flower", "both"):
+        code = measure_flower(args, work, sites, stores, queries) or code
+    if args.keep:
+        print(f"logs kept in {work}")
+    else:
+        shutil.rmtree(work, ignore_errors=True)
+    return code
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def start_link(work: Path, site: str, store: GalleryStore, port: int) -> subprocess.Popen:
+    log = open(work / f"link-{site}.log", "ab")
+    proc = subprocess.Popen([sys.executable, str(TOOL), "site-link", "--site", site, "--gallery-store",
+                             str(store.folder), "--tls", str(work / "tls_links"), "--token",
+                             str(work / "tokens" / site), "--listen", f"127.0.0.1:{port}"],
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        with socket.socket() as probe:
+            if probe.connect_ex(("127.0.0.1", port)) == 0:
+                return proc
+        if proc.poll() is not None:
+            raise SystemExit(f"site-link of {site} ended: see {work / f'link-{site}.log'}")
+        time.sleep(0.1)
+    raise SystemExit(f"site-link of {site} did not listen within 120 s")
+
+
+def measure_links(args: argparse.Namespace, work: Path, sites: list[str], stores: dict,
+                  queries: list[np.ndarray]) -> int:
+    """The session over direct site links: open, first query, idle CPU, per-query latency, CPU, rejoin."""
+    make_tls_files(work / "tls_links", hosts=("127.0.0.1",))
+    ports = {s: free_port() for s in sites}
+    for s in sites:
+        make_link_token(work / "tokens" / s)
+    (work / "links.yaml").write_text("ca: tls_links/ca.crt\nlinks:\n" + "".join(
+        f"  - {{site: {s}, address: '127.0.0.1:{ports[s]}', token: tokens/{s}}}\n" for s in sites))
+    code = 0
+    t = time.perf_counter()
+    links = {s: start_link(work, s, stores[s], ports[s]) for s in sites}
+    sock = work / "l.sock"
+    session = subprocess.Popen([sys.executable, str(TOOL), "session", "--links", str(work / "links.yaml"),
+                                "--socket", str(sock), "--timeout", str(args.timeout), "--idle-timeout", "600",
+                                *[a for s in sites for a in ("--expect", s)]],
+                               stdout=open(work / "link-session.log", "ab"), stderr=subprocess.STDOUT,
+                               start_new_session=True)
+    client = SessionClient(sock, timeout=args.timeout + 60)
+    try:
+        client.wait_ready(300, alive=lambda: session.poll() is None)
+        print(f"links: {len(sites)} site-links and the session open: {time.perf_counter() - t:.2f} s", flush=True)
+        t = time.perf_counter()
+        first = client.search(queries[0], args.k, fingerprint=FP)
+        print(f"links: first query: {time.perf_counter() - t:.3f} s "
+              f"({'all sites' if all_answered(first, sites) else 'NOT all sites'})", flush=True)
+        groups = {p.pid for p in links.values()} | {session.pid}
+        cpu, t = group_cpu(groups), time.perf_counter()
+        time.sleep(args.idle)
+        idle = (group_cpu(groups) - cpu) / (time.perf_counter() - t)
+        print(f"links: idle CPU of the site-links and the session: {idle:.3f} s per second", flush=True)
+        lat, complete = [], 0
+        cpu = group_cpu(groups)
+        for q in queries[1: 1 + args.queries]:
+            t = time.perf_counter()
+            plain = client.search(q, args.k, fingerprint=FP)
+            lat.append(time.perf_counter() - t)
+            complete += all_answered(plain, sites)
+        cpu = (group_cpu(groups) - cpu) / max(len(lat), 1)
+        print(f"links: per query after the first: {figures(lat)}; all {len(sites)} sites answered in "
+              f"{complete}/{len(lat)}", flush=True)
+        print(f"links: CPU per query (site-links and session): {cpu:.3f} s; load average now "
+              f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs", flush=True)
+        code = 0 if complete == len(lat) else 1
+        if not args.no_rejoin and len(sites) > 1:
+            gone = sites[-1]
+            links[gone].send_signal(signal.SIGTERM)
+            links[gone].wait(timeout=60)
+            t = time.perf_counter()
+            plain = client.search(queries[-1], args.k, fingerprint=FP, timeout=10)
+            missing = [m["site"] for m in plain["missing"] if m["node_id"] is not None]
+            print(f"links: {gone} stopped: query {time.perf_counter() - t:.3f} s, answered by "
+                  f"{', '.join(a['site'] for a in plain['answered'])}; missing {missing}", flush=True)
+            t = time.perf_counter()
+            links[gone] = start_link(work, gone, stores[gone], ports[gone])
+            started = time.perf_counter() - t
+            t = time.perf_counter()
+            back = client.search(queries[-2], args.k, fingerprint=FP)
+            print(f"links: {gone} restarted ({started:.2f} s to listen): the next query, {time.perf_counter() - t:.3f}"
+                  f" s, {'has all sites' if all_answered(back, sites) else 'does NOT have all sites'} "
+                  "(same session)", flush=True)
+            code = code or (0 if all_answered(back, sites) else 1)
+        print(f"links: session served {client.close_session()} queries")
+        session.wait(timeout=60)
+    finally:
+        for proc in (session, *links.values()):
+            if proc.poll() is None:
+                stop_group(proc, wait=10.0)
+    return code
+
+
+def measure_flower(args: argparse.Namespace, work: Path, sites: list[str], stores: dict,
+                   queries: list[np.ndarray]) -> int:
+    """A Flower run per query (``--fresh``), then the Flower search session."""
     tls = keys = None
     if not args.insecure:
         make_tls_files(work / "tls")
@@ -239,10 +360,6 @@ def main() -> int:
         finally:
             if proc.poll() is None:
                 stop_group(proc, wait=10.0)
-    if args.keep:
-        print(f"logs kept in {work}")
-    else:
-        shutil.rmtree(work, ignore_errors=True)
     return code
 
 

@@ -65,9 +65,17 @@ def cmd_search(args: argparse.Namespace) -> int:
 
 
 def cmd_session(args: argparse.Namespace) -> int:
-    """Open a search session (a long-lived run) on the SuperLink, serve until Ctrl-C / SIGTERM, then close it."""
+    """Open a search session (a long-lived run, or direct site links), serve until Ctrl-C / SIGTERM, then close it."""
     from fedreid.flower.search_client import check_session, run_session
 
+    if bool(args.superlink) == bool(args.links):
+        raise ConfigError("session: give --superlink HOST:PORT (queries as Flower messages) or --links FILE "
+                          "(queries straight to each site's site-link), one of the two")
+    if args.links:
+        if args.ca or args.insecure or args.node_auth:
+            raise ConfigError("session: with --links each link's CA and token come from the links file; leave out "
+                              "--ca, --insecure and --node-auth")
+        return _link_session(args, check_session(ca=None, node_auth=False, timeout=args.timeout, socket=args.socket))
     ca = ca_option(args, "session")
     sock = check_session(ca=ca, node_auth=args.node_auth, timeout=args.timeout, socket=args.socket)
 
@@ -82,6 +90,67 @@ def cmd_session(args: argparse.Namespace) -> int:
                      log=args.log, on_open=opened, report=_stderr)
     print(f"search session ended (flwr exit code {rc})", file=sys.stderr)
     return 0 if rc == 0 else 1
+
+
+def _link_session(args: argparse.Namespace, sock: Path) -> int:
+    from fedreid.flower.search_session import SessionSettings, serve_requests
+    from fedreid.flower.site_link import LinkTransport, read_links
+
+    links = read_links(args.links)
+    settings = SessionSettings(socket=sock, timeout=args.timeout, expect=tuple(args.expect or ()), node_auth=True,
+                               idle_timeout=args.idle_timeout)
+    with LinkTransport(links) as transport:
+        print(f"search session open at {sock}: {len(links)} site links ("
+              + ", ".join(f"{link.site} at {link.address}" for link in links) + "); site names bound to the links",
+              flush=True)
+        print(f"  query it on this host: python tools/flower_fed.py search --session {sock} --feature Q.npy "
+              "--fingerprint FP.json   (Ctrl-C here closes the session)", flush=True)
+        queries = None
+        try:
+            queries = serve_requests(transport, settings)
+        except KeyboardInterrupt:
+            pass
+        finally:  # also when SIGTERM ends it (the tool then says so too)
+            print("search session closed" + ("" if queries is None else f" after {queries} queries"),
+                  file=sys.stderr)
+    return 0
+
+
+def cmd_link_token(args: argparse.Namespace) -> int:
+    from fedreid.flower.site_link import make_link_token
+
+    path = make_link_token(args.out)
+    print(f"token written to {path} (mode 0600): give the same file to the site's `site-link --token` and name it "
+          "in the server's links file")
+    return 0
+
+
+def cmd_site_link(args: argparse.Namespace) -> int:
+    from fedreid.flower.launch import TLSFiles
+    from fedreid.flower.search import SitePolicy
+    from fedreid.flower.site_link import SiteLinkServer, parse_address, read_token
+
+    host, port = parse_address(args.listen, "site-link: --listen")
+    tls = TLSFiles.from_dir(args.tls)
+    store = Path(args.gallery_store)
+    if not store.is_dir():
+        raise ConfigError(f"site-link: --gallery-store {store}: no such folder (build one with "
+                          "`tools/eval_gallery.py index`)")
+    server = SiteLinkServer(site=args.site, store_folder=store, token=read_token(args.token, "site-link: --token"),
+                            cert=tls.cert, key=tls.key, host=host, port=port,
+                            policy=SitePolicy(thumbnails=args.search_thumbnails, thumbnail_size=args.thumbnail_size,
+                                              image_root=Path(args.gallery_root) if args.gallery_root else None))
+    items = server.check_store()
+    print(f"site link of {server.site} listening on https://{host}:{server.port} ({store}: {items} items; "
+          f"thumbnails {'on' if args.search_thumbnails else 'off'}); Ctrl-C stops it", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.shutdown()
+    print(f"site link of {server.site} stopped", file=sys.stderr)
+    return 0
 
 
 def _time_arg(text: str) -> float:
@@ -127,12 +196,45 @@ Run it on the SuperLink's host (the socket is made there, mode 0600); Ctrl-C or
 SIGTERM closes the session and ends its run. A session left without queries for
 --idle-timeout seconds ends by itself.
 
+With --links FILE instead of --superlink, the session sends each query straight to
+every site's `site-link` over HTTPS (kept-alive connections, all sites at once): no
+Flower message per query, so a query costs what the sites' searches cost. The links
+file names each site, its address, the CA its certificate is checked against and
+its token; answers count only under those names (see `site-link --help`).
+
 Example:
   python tools/flower_fed.py session --superlink 127.0.0.1:9093 --ca certs/ca.crt --node-auth \\
       --socket /run/user/1000/fedreid-search.sock --expect site_a --expect site_b
   # another terminal, same host
   python tools/flower_fed.py search --session /run/user/1000/fedreid-search.sock \\
       --feature q.npy --fingerprint store/header.json --k 20
+  # the same session over direct site links (no SuperLink)
+  python tools/flower_fed.py session --links links.yaml --socket /run/user/1000/fedreid-search.sock
+"""
+
+
+SITE_LINK_HELP = """Site link: a long-lived process on a site that keeps its gallery store open and
+answers search sessions' queries over HTTPS, without a Flower message per query (a
+SuperNode starts a ClientApp process per message and looks for messages every 3 s;
+a link answers in what the search itself costs). The queries, answers and checks are
+those of `search`: the server sends the query's feature, k, filters and the model
+fingerprint; the site answers with ids, scores, cameras, times and file names
+(thumbnails only with --search-thumbnails). Every request must carry the token; the
+server checks this site's certificate against the CA in its links file, and counts
+the answers only under the site name the links file gives this address.
+
+Example (site_a, reached by the server as site-a.example.org):
+  # on the site
+  python tools/flower_fed.py certs --out tls_site_a --host site-a.example.org
+  python tools/flower_fed.py link-token --out site_a.token
+  python tools/flower_fed.py site-link --site site_a --gallery-store /srv/gallery_store \\
+      --tls tls_site_a --token site_a.token --listen 0.0.0.0:9601
+  # on the server: tls_site_a/ca.crt and site_a.token copied over, then a links file
+  #   links:
+  #     - {site: site_a, address: 'site-a.example.org:9601', token: site_a.token, ca: site_a_ca.crt}
+  python tools/flower_fed.py session --links links.yaml --socket /run/user/1000/fedreid-search.sock
+  python tools/flower_fed.py search --session /run/user/1000/fedreid-search.sock --feature q.npy \\
+      --fingerprint store/header.json --k 20
 """
 
 
@@ -178,7 +280,9 @@ def add_search_commands(sub: argparse._SubParsersAction,
         "session", help="open a search session: one long-lived run answering `search --session` queries",
         description=SESSION_HELP, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--superlink", required=True, metavar="HOST:PORT", help="the SuperLink's address")
+    p.add_argument("--superlink", metavar="HOST:PORT", help="the SuperLink's address: queries go as Flower messages")
+    p.add_argument("--links", metavar="FILE", help="a links file (YAML: each site's name, address, CA and token): "
+                   "queries go straight to each site's `site-link`, no Flower run (see `site-link --help`)")
     security(p)
     p.add_argument("--socket", required=True, help="the session's Unix socket, a new path on this host (the "
                    "SuperLink's, where the ServerApp runs); made with mode 0600")
@@ -193,3 +297,26 @@ def add_search_commands(sub: argparse._SubParsersAction,
                    help="seconds to wait for the session's run to start and open its socket (120)")
     p.add_argument("--log", help="file for the run's log (flwr run --stream); default a temporary file")
     p.set_defaults(func=cmd_session)
+
+    p = sub.add_parser(
+        "site-link", help="on a site: answer search sessions' queries over HTTPS from a store kept open",
+        description=SITE_LINK_HELP, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--site", required=True, help="this site's name (the links file must list it under this name)")
+    p.add_argument("--gallery-store", required=True, help="this site's gallery store folder (never sent)")
+    p.add_argument("--tls", required=True, metavar="DIR",
+                   help="folder from `certs --host THIS_HOST` (server.pem, server.key); its ca.crt goes to the server")
+    p.add_argument("--token", required=True, help="the token file from `link-token` (mode 0600), also named in the "
+                   "server's links file")
+    p.add_argument("--listen", default="0.0.0.0:9601", metavar="HOST:PORT",
+                   help="interface and port to listen on (0.0.0.0:9601)")
+    p.add_argument("--gallery-root", help="where the store's relative image paths lie (default: the store folder)")
+    p.add_argument("--search-thumbnails", action="store_true",
+                   help="let answers carry small JPEG thumbnails of the hits (off: ids, scores, cameras, times and "
+                        "file names only)")
+    p.add_argument("--thumbnail-size", type=int, default=64, help="longest thumbnail side in pixels, 16..256 (64)")
+    p.set_defaults(func=cmd_site_link)
+
+    p = sub.add_parser("link-token", help="a new random token for one site link (a file, mode 0600)")
+    p.add_argument("--out", required=True, help="the token file to write (never overwritten)")
+    p.set_defaults(func=cmd_link_token)

@@ -9,6 +9,11 @@
   (``tools/flower_fed.py``);
 * :mod:`fedreid.flower.search` / :mod:`fedreid.flower.search_codec`: federated
   search, each site answering from its own gallery store (query messages);
+* :mod:`fedreid.flower.search_session`: a long-lived search session taking
+  query after query on a Unix socket;
+* :mod:`fedreid.flower.site_link`: direct site links, the session's queries
+  sent to each site's long-lived process over HTTPS instead of as Flower
+  messages (the same records and checks);
 * ``project/pyproject.toml``: the Flower app that ``flwr run`` submits.
 """
 

@@ -369,12 +369,15 @@ class FederatedResult:
     seconds: float = 0.0
     query: dict[str, Any] = field(default_factory=dict)
     authenticated: bool = False
+    #: How the query reached the sites: ``flower`` (query messages) or ``site-links`` (:mod:`fedreid.flower.site_link`).
+    transport: str = "flower"
 
     def to_plain(self) -> dict[str, Any]:
         """The JSON document of the result (thumbnails as base64 JPEG)."""
         return {
             "format": RESULT_FORMAT, "version": 1, "k": self.k, "timeout": self.timeout,
             "seconds": round(self.seconds, 3), "query": self.query, "authenticated": self.authenticated,
+            "transport": self.transport,
             "results": [dict(rank=i + 1, **hit.to_plain()) for i, hit in enumerate(self.results)],
             "answered": [vars(a).copy() for a in self.answered],
             "missing": [vars(m).copy() for m in self.missing],
@@ -488,7 +491,7 @@ def checked_timeout(timeout: Any) -> float:
 
 def judge_replies(query: SearchQuery, replies: Mapping[int, Optional[NodeReply]], *, timeout: float,
                   started: float, expected_sites: Sequence[str] = (),
-                  bound_sites: Optional[Mapping[int, str]] = None) -> FederatedResult:
+                  bound_sites: Optional[Mapping[int, str]] = None, transport: str = "flower") -> FederatedResult:
     """The :class:`FederatedResult` of one query from what each node sent back, whatever carried it.
 
     ``replies``: node id -> its :class:`NodeReply`, or None when none came
@@ -556,14 +559,16 @@ def judge_replies(query: SearchQuery, replies: Mapping[int, Optional[NodeReply]]
         own = [m for m in missing if m.site == site and m.node_id is not None]  # its node is known, and failed
         why = ("; ".join(f"its node {m.node_id}: {m.code}" for m in own) if own
                else f"nodes that did not say which site they are: {', '.join(map(str, unnamed))}" if unnamed
-               else "no node of the SuperLink is this site: not connected")
+               else "no node of the SuperLink is this site: not connected" if transport == "flower"
+               else "no site link is this site: not in the links file")
         missing.append(MissingSite(site, None, "not-answered", f"no node answered as this site ({why})"))
     answered.sort(key=lambda a: (a.site, a.node_id))
     results = merge_answers(answers, query.k)
     described = {"dim": int(query.feature.shape[0]), "filters": query.filters.to_plain(),
                  "fingerprint": query.fingerprint, "thumbnails": query.thumbnails, "nodes": nodes}
     return FederatedResult(results, answered, missing, k=query.k, timeout=timeout,
-                           seconds=time.monotonic() - started, query=described, authenticated=bound is not None)
+                           seconds=time.monotonic() - started, query=described, authenticated=bound is not None,
+                           transport=transport)
 
 
 # =========================================================================== the ServerApp's mode=search
@@ -717,8 +722,12 @@ def format_result(plain: Mapping[str, Any]) -> list[str]:
     a site can neither drive the operator's terminal nor forge a line.
     """
     results, answered, missing = plain["results"], plain["answered"], plain["missing"]
-    names = ("site names: authenticated (registered node keys)" if plain.get("authenticated") else
-             "site names: as the nodes declare them (no node authentication)")
+    if not plain.get("authenticated"):
+        names = "site names: as the nodes declare them (no node authentication)"
+    elif plain.get("transport") == "site-links":
+        names = "site names: bound to the site links (TLS certificate and token of each)"
+    else:
+        names = "site names: authenticated (registered node keys)"
     sites = ", ".join(printable(a["site"], 64) for a in answered) or "none"
     lines = [f"federated search: {len(results)} results (k={plain['k']}) from {len(answered)} sites "
              f"({sites}); {len(missing)} missing; {names}"]

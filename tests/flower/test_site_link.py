@@ -9,12 +9,18 @@ transport, and every refusal is a missing site with the reason.
 from __future__ import annotations
 
 import http.client
+import json
 import os
 import re
 import shutil
+import signal
+import socket
 import ssl
+import subprocess
+import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -89,6 +95,9 @@ class Site:
                                      token=read_token(self.world["tokens"][self.site]),
                                      cert=self.world["tls"]["cert"], key=self.world["tls"]["key"], port=self.port)
         self.port = self.server.port
+        # Opened here, one store at a time, as the command does: CPython 3.11's ast.literal_eval (numpy's .npy
+        # header reader) can fail with a SystemError when threads of one process run it at once.
+        self.server.check_store()
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
         return self
 
@@ -282,3 +291,111 @@ def test_the_links_file_is_checked_at_the_door(world, tmp_path):
     with pytest.raises(FileExistsError):
         make_link_token(token)  # never overwritten
     assert token.read_text() == "short\n"
+
+
+# ----------------------------------------------------------------------------- the commands
+
+TOOL = Path(__file__).resolve().parents[2] / "tools" / "flower_fed.py"
+
+
+def tool(*args, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(TOOL), *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def start(*args) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(TOOL), *map(str, args)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, stdin=subprocess.DEVNULL, start_new_session=True)
+
+
+def wait_listening(proc: subprocess.Popen, port: int) -> None:
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        with socket.socket() as probe:
+            if probe.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        assert proc.poll() is None, proc.stdout.read()
+        time.sleep(0.1)
+    raise AssertionError("the site link did not listen")
+
+
+def stop(proc: subprocess.Popen) -> str:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        out, _ = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate(timeout=10)
+    return out
+
+
+def test_the_commands_site_link_session_links_and_search_session(world, tmp_path):
+    """Two `site-link` processes, `session --links`, `search --session`; one site stops and comes back."""
+    tls = world["tls"]["ca"].parent
+    folder = Path(tempfile.mkdtemp(prefix="fr-c-", dir="/tmp"))
+    ports = {s: free_port() for s in ("sa", "sb")}
+    links = tmp_path / "links.yaml"
+    links.write_text(f"ca: {tls / 'ca.crt'}\nlinks:\n" + "".join(
+        f"  - {{site: {s}, address: '127.0.0.1:{ports[s]}', token: {world['tokens'][s]}}}\n" for s in ports))
+
+    def site(s: str) -> subprocess.Popen:
+        proc = start("site-link", "--site", s, "--gallery-store", world["stores"][s].folder, "--tls", tls,
+                     "--token", world["tokens"][s], "--listen", f"127.0.0.1:{ports[s]}")
+        wait_listening(proc, ports[s])
+        return proc
+
+    q = unit_rows(1, 123)[0]
+    np.save(tmp_path / "q.npy", q)
+    (tmp_path / "fp.json").write_text(json.dumps(FP))
+    query = ("search", "--session", folder / "s.sock", "--feature", tmp_path / "q.npy", "--fingerprint",
+             tmp_path / "fp.json", "--k", 6, "--timeout", 20)
+    sites = {s: site(s) for s in ports}
+    session = start("session", "--links", links, "--socket", folder / "s.sock", "--expect", "sa", "--expect", "sb")
+    try:
+        SessionClient(folder / "s.sock").wait_ready(120, alive=lambda: session.poll() is None)
+        done = tool(*query, "--out", tmp_path / "r.json")
+        assert done.returncode == 0, done.stderr
+        result = json.loads((tmp_path / "r.json").read_text())
+        assert triples(result["results"]) == exact({s: world["stores"][s] for s in ports}, q, 6)
+        assert result["authenticated"] and result["missing"] == []
+        assert "federated search: 6 results (k=6) from 2 sites (sa, sb)" in done.stdout
+        stop(sites["sb"])
+        done = tool(*query)
+        assert done.returncode == 0 and "missing: sb (node 2): unavailable" in done.stdout
+        assert "connection refused (is its site-link running?)" in done.stdout
+        sites["sb"] = site("sb")
+        done = tool(*query)
+        assert done.returncode == 0 and "from 2 sites (sa, sb); 0 missing" in done.stdout
+    finally:
+        out = stop(session)
+        for proc in sites.values():
+            stop(proc)
+        shutil.rmtree(folder, ignore_errors=True)
+    assert "search session closed" in out and "stopped by SIGTERM" in out
+    assert not (folder / "s.sock").exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    (("session", "--socket", "/tmp/x.sock"), "give --superlink HOST:PORT"),
+    (("session", "--socket", "/tmp/x.sock", "--links", "l.yaml", "--superlink", "h:1"), "one of the two"),
+    (("session", "--socket", "/tmp/x.sock", "--links", "l.yaml", "--insecure"), "leave out"),
+    (("site-link", "--site", "sa", "--gallery-store", "nothere", "--tls", "{tls}", "--token", "{token}"),
+     "no such folder"),
+    (("site-link", "--site", "sa", "--gallery-store", "{store}", "--tls", "{tls}", "--token", "{token}",
+      "--listen", "127.0.0.1"), "--listen: expected HOST:PORT"),
+    (("site-link", "--site", "sa", "--gallery-store", "{store}", "--tls", "nothere", "--token", "{token}"),
+     "missing"),
+])
+def test_command_refusals_are_one_line(world, args, message):
+    fill = {"{tls}": world["tls"]["ca"].parent, "{token}": world["tokens"]["sa"],
+            "{store}": world["stores"]["sa"].folder}
+    done = tool(*[fill.get(a, a) for a in args])
+    assert done.returncode != 0 and message in done.stderr
+    assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
