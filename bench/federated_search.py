@@ -151,8 +151,9 @@ def main() -> int:
     sites = [f"site{i}" for i in range(args.sites)]
     work = Path(tempfile.mkdtemp(prefix="fr-bench-", dir="/tmp"))  # short: the session socket lives here
     print(f"machine: {machine()}")
-    print(f"{args.sites} sites x {args.items} items x {args.dim}-d (Flat), k={args.k}, "
-          f"{'no TLS, no node auth' if args.insecure else 'TLS + node authentication'}, work folder {work}")
+    print(f"{args.sites} sites x {args.items} items x {args.dim}-d (Flat), k={args.k}, work folder {work}; "
+          f"Flower: {'no TLS, no node auth' if args.insecure else 'TLS + node authentication'}, "
+          "site links: TLS + a token each")
     stores = make_stores(work / "stores", sites, args.items, args.dim, args.seed)
     rng = np.random.default_rng(args.seed + 1)
     picks = [(sites[i % len(sites)], int(rng.integers(args.items))) for i in range(args.queries + 8)]
