@@ -488,7 +488,8 @@ class LinkTransport:
                     raise ConfigError(f"site link {link.site}: CA file {link.ca} cannot be loaded ({exc})") from None
         self._connections: list[Optional[http.client.HTTPSConnection]] = [None] * len(self.links)
         self._locks = [threading.Lock() for _ in self.links]
-        self._pool = futures.ThreadPoolExecutor(max_workers=len(self.links), thread_name_prefix="fedreid-link")
+        # Twice the links: a request still ending after its query's timeout holds no other link's request back.
+        self._pool = futures.ThreadPoolExecutor(max_workers=2 * len(self.links), thread_name_prefix="fedreid-link")
 
     def sites(self) -> dict[int, str]:
         """Node id -> the site name its answers count under."""

@@ -399,3 +399,20 @@ def test_command_refusals_are_one_line(world, args, message):
     done = tool(*[fill.get(a, a) for a in args])
     assert done.returncode != 0 and message in done.stderr
     assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
+def test_a_read_that_overlaps_another_process_save_is_repeated_on_the_new_save(tmp_path):
+    from fedreid.flower.site_link import LinkStore
+
+    store = make_store(tmp_path / "s", 4, 8, "sa")
+    keeper = LinkStore(store.folder)
+    seen = []
+
+    def count(opened: GalleryStore) -> int:
+        seen.append(opened.ntotal)
+        if len(seen) == 1:  # another process saves the store while this read runs
+            GalleryStore.open(store.folder).add(unit_rows(2, 9), [{"path": "/x/a.jpg"}, {"path": "/x/b.jpg"}])
+        return opened.ntotal
+
+    assert keeper.read(count) == 6 and seen == [4, 6]  # the answer comes from one save: the new one
+    assert keeper.read(lambda opened: opened.ntotal) == 6
