@@ -135,7 +135,7 @@ def cmd_site_link(args: argparse.Namespace) -> int:
     store = Path(args.gallery_store)
     if not store.is_dir():
         raise ConfigError(f"site-link: --gallery-store {store}: no such folder (build one with "
-                          "`tools/eval_gallery.py index`)")
+                          "`tools/eval_reid.py index`)")
     server = SiteLinkServer(site=args.site, store_folder=store, token=read_token(args.token, "site-link: --token"),
                             cert=tls.cert, key=tls.key, host=host, port=port,
                             policy=SitePolicy(thumbnails=args.search_thumbnails, thumbnail_size=args.thumbnail_size,
