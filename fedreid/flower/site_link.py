@@ -151,7 +151,7 @@ def read_token(path: str | Path, what: str = "token file") -> str:
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{what} {path}: cannot be read ({exc.__class__.__name__})") from None
     if mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise ConfigError(f"{what} {path}: others can read it (mode {stat.S_IMODE(mode):o}); a token is a secret: "
+        raise ConfigError(f"{what} {path}: others have access to it (mode {stat.S_IMODE(mode):o}); a token is a secret: "
                           f"chmod 600 {path}")
     allowed = set("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_")
     if not TOKEN_MIN_CHARS <= len(text) <= TOKEN_MAX_CHARS or not set(text) <= allowed:

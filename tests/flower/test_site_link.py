@@ -282,7 +282,7 @@ def test_the_links_file_is_checked_at_the_door(world, tmp_path):
             read_links(write_links(tmp_path, world, text, "bad.yaml"))
         assert "\n" not in str(err.value)
     os.chmod(token, 0o644)
-    with pytest.raises(ConfigError, match="others can read it"):
+    with pytest.raises(ConfigError, match="others have access to it"):
         read_links(good)
     token.write_text("short\n")
     os.chmod(token, 0o600)
