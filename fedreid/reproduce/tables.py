@@ -482,8 +482,8 @@ def _feddg_protocol1_table() -> Table:
 
 def _mnist_augmentation_table() -> Table:
     config = "configs/classification/fedlmd_mnist_lda.yaml"
-    arms = (("FedAvg, no augmentation (our default)", "none", "none"),
-            ("FedAvg, crop + flip (FedLMD Sec. 5.1)", "crop-flip", "crop_flip"),
+    arms = (("FedAvg, no augmentation", "none", "none"),
+            ("FedAvg, crop + flip (FedLMD Sec. 5.1; the configs' default)", "crop-flip", "crop_flip"),
             ("FedAvg, crop + flip + Cutout(16) (FedNTD's MNIST loader)", "crop-flip-cutout", "crop_flip_cutout"))
     rows = tuple(Row(label, slug, (_method_cell(config, "fedavg", 85.19, (f"classification.augment={augment}",)),))
                  for label, slug, augment in arms)
