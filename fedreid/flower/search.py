@@ -418,7 +418,9 @@ class NodeReply:
 
     ``code`` and ``reason`` (no content) become that node's :class:`MissingSite`:
     ``unavailable`` (the node or the message is gone, or the site cannot be
-    reached) or ``node-error`` (the node failed to answer).
+    reached), ``node-error`` (the node failed to answer), ``not-sent`` (the
+    SuperLink did not take the query) or ``malformed`` (what came back is not
+    a record).
     """
 
     content: Optional[RecordDict] = None
