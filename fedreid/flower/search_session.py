@@ -39,6 +39,12 @@ most :data:`MAX_REQUEST_BYTES`), answered by one JSON line:
 * a refused request -> ``{"ok": false, "error": "<one line>"}``.
 
 :class:`SessionClient` is the other end (``tools/flower_fed.py search --session``).
+
+The socket and the protocol do not depend on how queries reach the sites:
+:func:`serve_requests` serves any :class:`SearchBackend`, a Flower run's grid
+(:class:`GridBackend`, :func:`serve_session`) or direct site links
+(:class:`~fedreid.flower.site_link.LinkTransport`, ``session --links``), whose
+queries cost milliseconds rather than a ClientApp process per site.
 """
 
 from __future__ import annotations
