@@ -181,6 +181,33 @@ def main() -> int:
     return code
 
 
+def session_figures(args: argparse.Namespace, client: SessionClient, queries: list[np.ndarray], sites: list[str],
+                    groups: set[int], prefix: str, processes: str) -> bool:
+    """Print an open session's first query, idle CPU, per-query latency and CPU (``groups``: the processes
+    serving it); True when every timed query had all sites."""
+    t = time.perf_counter()
+    first = client.search(queries[0], args.k, fingerprint=FP)
+    print(f"{prefix}first query: {time.perf_counter() - t:.3f} s "
+          f"({'all sites' if all_answered(first, sites) else 'NOT all sites'})", flush=True)
+    cpu, t = group_cpu(groups), time.perf_counter()
+    time.sleep(args.idle)
+    idle = (group_cpu(groups) - cpu) / (time.perf_counter() - t)
+    print(f"{prefix}idle CPU with the session open: {idle:.3f} s per second", flush=True)
+    lat, complete = [], 0
+    cpu = group_cpu(groups)
+    for q in queries[1: 1 + args.queries]:
+        t = time.perf_counter()
+        plain = client.search(q, args.k, fingerprint=FP)
+        lat.append(time.perf_counter() - t)
+        complete += all_answered(plain, sites)
+    cpu = (group_cpu(groups) - cpu) / max(len(lat), 1)
+    print(f"{prefix}per query after the first: {figures(lat)}; all {len(sites)} sites answered in "
+          f"{complete}/{len(lat)}", flush=True)
+    print(f"{prefix}CPU per query ({processes}): {cpu:.3f} s; load average now "
+          f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs", flush=True)
+    return complete == len(lat)
+
+
 def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -226,28 +253,9 @@ def measure_links(args: argparse.Namespace, work: Path, sites: list[str], stores
     try:
         client.wait_ready(300, alive=lambda: session.poll() is None)
         print(f"links: {len(sites)} site-links and the session open: {time.perf_counter() - t:.2f} s", flush=True)
-        t = time.perf_counter()
-        first = client.search(queries[0], args.k, fingerprint=FP)
-        print(f"links: first query: {time.perf_counter() - t:.3f} s "
-              f"({'all sites' if all_answered(first, sites) else 'NOT all sites'})", flush=True)
         groups = {p.pid for p in links.values()} | {session.pid}
-        cpu, t = group_cpu(groups), time.perf_counter()
-        time.sleep(args.idle)
-        idle = (group_cpu(groups) - cpu) / (time.perf_counter() - t)
-        print(f"links: idle CPU of the site-links and the session: {idle:.3f} s per second", flush=True)
-        lat, complete = [], 0
-        cpu = group_cpu(groups)
-        for q in queries[1: 1 + args.queries]:
-            t = time.perf_counter()
-            plain = client.search(q, args.k, fingerprint=FP)
-            lat.append(time.perf_counter() - t)
-            complete += all_answered(plain, sites)
-        cpu = (group_cpu(groups) - cpu) / max(len(lat), 1)
-        print(f"links: per query after the first: {figures(lat)}; all {len(sites)} sites answered in "
-              f"{complete}/{len(lat)}", flush=True)
-        print(f"links: CPU per query (site-links and session): {cpu:.3f} s; load average now "
-              f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs", flush=True)
-        code = 0 if complete == len(lat) else 1
+        code = 0 if session_figures(args, client, queries, sites, groups, "links: ",
+                                    "the site-links and the session") else 1
         if not args.no_rejoin and len(sites) > 1:
             gone = sites[-1]
             links[gone].send_signal(signal.SIGTERM)
@@ -309,28 +317,9 @@ def measure_flower(args: argparse.Namespace, work: Path, sites: list[str], store
             client.wait_ready(300, alive=lambda: proc.poll() is None)
             opened = time.perf_counter() - t
             print(f"session open: {opened:.2f} s", flush=True)
-            t = time.perf_counter()
-            first = client.search(queries[0], args.k, fingerprint=FP)
-            print(f"first query: {time.perf_counter() - t:.3f} s "
-                  f"({'all sites' if all_answered(first, sites) else 'NOT all sites'})", flush=True)
-            lat, complete = [], 0
             groups = {p.pid for p in dep.procs.values()} | {proc.pid}
-            cpu, t = group_cpu(groups), time.perf_counter()
-            time.sleep(args.idle)
-            idle = (group_cpu(groups) - cpu) / (time.perf_counter() - t)
-            print(f"idle CPU of the deployment with the session open: {idle:.3f} s per second", flush=True)
-            cpu = group_cpu(groups)
-            for q in queries[1: 1 + args.queries]:
-                t = time.perf_counter()
-                plain = client.search(q, args.k, fingerprint=FP)
-                lat.append(time.perf_counter() - t)
-                complete += all_answered(plain, sites)
-            cpu = (group_cpu(groups) - cpu) / max(len(lat), 1)
-            print(f"per query after the first: {figures(lat)}; all {len(sites)} sites answered in "
-                  f"{complete}/{len(lat)}", flush=True)
-            print(f"CPU per query (all Flower processes): {cpu:.2f} s; load average now "
-                  f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs", flush=True)
-            if complete != len(lat):
+            if not session_figures(args, client, queries, sites, groups, "",
+                                   "all Flower processes"):
                 code = 1
             if not args.no_rejoin and len(sites) > 1:
                 gone = sites[-1]
