@@ -31,6 +31,7 @@ from flwr.app import ConfigRecord, Context, Error, Message, RecordDict
 from flwr.common.config import parse_config_args
 from flwr.common.constant import ErrorCode
 from PIL import Image
+from search_world import FP, SITES, D, exact_answer, exact_merge, make_store, triples, unit_rows
 
 from fedreid.config import ConfigError
 from fedreid.flower import app as flower_app
@@ -80,48 +81,6 @@ from fedreid.utils.text import printable
 
 ROOT = Path(__file__).resolve().parents[2]
 TOOL = ROOT / "tools" / "flower_fed.py"
-D = 16
-FP = {"weights_sha256": "ab" * 32, "backbone": "toy", "height": 32, "width": 16, "feature": "embed+flip, l2-normalised"}
-SITES = ("sa", "sb", "sc")
-
-
-def unit_rows(n: int, seed: int) -> np.ndarray:
-    x = np.random.default_rng(seed).standard_normal((n, D)).astype(np.float32)
-    return x / np.linalg.norm(x, axis=1, keepdims=True)
-
-
-def make_store(folder: Path, n: int, seed: int, *, fp_where: str = "meta", images: bool = False,
-               site: str = "x", fingerprint: dict = FP) -> GalleryStore:
-    """A Flat store of ``n`` random unit features; JPEG files (with EXIF) when ``images``."""
-    rows = []
-    for i in range(n):
-        path = folder.parent / f"{folder.name}_images" / f"cam{i % 3}_{i:03d}.jpg"
-        if images:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            exif = Image.Exif()
-            exif[0x010E] = "secret description"  # ImageDescription
-            Image.new("RGB", (48, 96), (10 * i % 255, 80, 160)).save(path, exif=exif)
-        rows.append({"path": str(path), "camera": i % 3, "site": f"{site}-{'north' if i % 2 else 'south'}",
-                     "timestamp": 1000.0 + i, "identity": 500 + i})
-    kwargs = {"meta": {"model_fingerprint": fingerprint}} if fp_where == "meta" else {"model_fingerprint": fingerprint}
-    return GalleryStore.create(folder, unit_rows(n, seed), rows, **kwargs)
-
-
-def exact_answer(store: GalleryStore, site: str, q: np.ndarray, k: int, **filters) -> list[tuple]:
-    """(site, id, score) of the store's own top-k, pads dropped."""
-    res = store.search(q[None], k, **filters)
-    keep = res.ids[0] >= 0
-    return [(site, int(i), float(s)) for i, s in zip(res.ids[0][keep], res.scores[0][keep])]
-
-
-def exact_merge(per_site: list[list[tuple]], k: int) -> list[tuple]:
-    return sorted((t for site in per_site for t in site), key=lambda t: (-t[2], t[0], t[1]))[:k]
-
-
-def triples(hits) -> list[tuple]:
-    return [(h.site, h.id, h.score) if isinstance(h, Hit) else (h["site"], h["id"], h["score"]) for h in hits]
-
-
 @pytest.fixture(scope="module")
 def stores(tmp_path_factory):
     root = tmp_path_factory.mktemp("stores")

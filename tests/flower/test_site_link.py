@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from search_world import FP, SITES, exact_answer, exact_merge, make_store, triples, unit_rows
 
 from fedreid.config import ConfigError
 from fedreid.flower.search_codec import SearchFilters, SearchQuery, encode_query
@@ -44,40 +45,17 @@ from fedreid.flower.site_link import (
 )
 from fedreid.retrieval.store import GalleryStore
 
-D = 16
-FP = {"weights_sha256": "cd" * 32, "backbone": "toy", "height": 32, "width": 16, "feature": "embed, l2-normalised"}
-SITES = ("sa", "sb", "sc")
-
-
-def unit_rows(n: int, seed: int) -> np.ndarray:
-    x = np.random.default_rng(seed).standard_normal((n, D)).astype(np.float32)
-    return x / np.linalg.norm(x, axis=1, keepdims=True)
-
-
-def make_store(folder: Path, n: int, seed: int, site: str) -> GalleryStore:
-    rows = [{"path": str(folder.parent / f"{site}_{i:03d}.jpg"), "camera": i % 3, "site": site,
-             "timestamp": 1000.0 + i} for i in range(n)]
-    return GalleryStore.create(folder, unit_rows(n, seed), rows, meta={"model_fingerprint": FP})
-
 
 def exact(stores: dict, q: np.ndarray, k: int, **filters) -> list[tuple]:
     """(site, id, score) of the best k over the stores' own searches: score desc, then site, then id."""
-    out = []
-    for site, store in stores.items():
-        res = store.search(q[None], k, **filters)
-        out += [(site, int(i), float(s)) for i, s in zip(res.ids[0], res.scores[0]) if i >= 0]
-    return sorted(out, key=lambda t: (-t[2], t[0], t[1]))[:k]
-
-
-def triples(hits) -> list[tuple]:
-    return [(h.site, h.id, h.score) if not isinstance(h, dict) else (h["site"], h["id"], h["score"]) for h in hits]
+    return exact_merge([exact_answer(store, site, q, k, **filters) for site, store in stores.items()], k)
 
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     """Three stores, a CA with a certificate for 127.0.0.1, and a token per site."""
     root = tmp_path_factory.mktemp("links")
-    stores = {s: make_store(root / s, n, seed, s) for s, n, seed in (("sa", 12, 1), ("sb", 7, 2), ("sc", 20, 3))}
+    stores = {s: make_store(root / s, n, seed, site=s) for s, n, seed in (("sa", 12, 1), ("sb", 7, 2), ("sc", 20, 3))}
     tls = make_tls_files(root / "tls", hosts=("127.0.0.1",))
     tokens = {s: make_link_token(root / "tokens" / s) for s in SITES}
     return {"root": root, "stores": stores, "tls": tls, "tokens": tokens}
@@ -181,7 +159,7 @@ def test_a_site_that_restarts_is_searched_again_without_a_new_transport(world, s
 
 
 def test_a_site_link_sees_the_store_another_process_saved(world, tmp_path):
-    store = make_store(tmp_path / "grow", 5, 21, "sa")
+    store = make_store(tmp_path / "grow", 5, 21, site="sa")
     site = Site(dict(world, stores={"sa": store}), "sa").start()
     try:
         q = unit_rows(1, 77)[0]
@@ -404,7 +382,7 @@ def test_command_refusals_are_one_line(world, args, message):
 def test_a_read_that_overlaps_another_process_save_is_repeated_on_the_new_save(tmp_path):
     from fedreid.flower.site_link import LinkStore
 
-    store = make_store(tmp_path / "s", 4, 8, "sa")
+    store = make_store(tmp_path / "s", 4, 8, site="sa")
     keeper = LinkStore(store.folder)
     seen = []
 
