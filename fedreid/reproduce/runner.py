@@ -204,8 +204,9 @@ def machine_description() -> str:
     import torch
 
     cpu = platform.processor() or platform.machine()
+    threads = torch.get_num_threads()
     parts = [f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPU cores ({cpu})",
-             f"Python {platform.python_version()}, torch {torch.__version__} with {torch.get_num_threads()} threads"]
+             f"Python {platform.python_version()}, torch {torch.__version__} with {threads} thread{'s' if threads != 1 else ''}"]
     if torch.cuda.is_available():
         parts.append(f"GPU {torch.cuda.get_device_name(0)}")
     return "; ".join(parts)
