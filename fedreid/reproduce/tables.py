@@ -475,8 +475,10 @@ def _feddg_protocol1_table() -> Table:
              "(tools/prepare_datasets.py; where to get each release: datasets/README.md), ImageNet ResNet-50 "
              "weights at weights/resnet50-0676ba61.pth; --synthetic runs the demo-scale synthetic world instead",
         kind="reid", synthetic=SYNTHETIC_REID,
-        note="The papers' FedPav numbers are not transcribed: their tables could not be read from here, and "
-             "numbers that were not read are not quoted. The DG papers train FedPav with their own recipes "
+        note="The papers' FedPav numbers are not transcribed: the DG papers' full texts are not among the paper "
+             "texts this project was given (the FedReID, FedFTG and FedLMD papers), their tables "
+             "could not be read from here, and numbers that were not read are not quoted. The DG papers train "
+             "FedPav with their own recipes "
              "(DACS's fed_dg_cls.py: 41 rounds of 200 iterations, batch 64); these runs use FedPav's "
              "(Sec. 4.2). Each row is one run on three source clients, evaluated on the fourth dataset "
              "only; the number is the mean of the 3 evaluations with the best target Rank-1 "
