@@ -306,11 +306,15 @@ def check_resume(ckpt: Mapping[str, Any], fingerprints: Mapping[str, Any], envir
                     "an uninterrupted run's", where, saved_env.get("torch"), environment["torch"])
 
 
+def torch_threads_phrase(threads: int) -> str:
+    """``"1 torch thread"`` / ``"4 torch threads"``: how the run records speak of a thread count."""
+    return f"{threads} torch thread{'' if threads == 1 else 's'}"
+
+
 def config_header(environment: Mapping[str, Any]) -> str:
     """The comment lines atop a run's ``config.yaml``: the environment the numbers came from."""
-    threads = environment["torch_threads"]
     return (f"# fedreid run config, trained under torch {environment['torch']} with "
-            f"{threads} torch thread{'' if threads == 1 else 's'} (Python {environment['python']}, "
+            f"{torch_threads_phrase(environment['torch_threads'])} (Python {environment['python']}, "
             f"{environment['machine']}).\n"
             "# The same config, seed, thread count, torch version and machine give the same numbers.\n")
 

@@ -61,6 +61,8 @@ class RunResult:
     planned_rounds: int = 0
     seconds: float = 0.0
     detail: str = ""
+    #: What the run recorded of its environment (:func:`fedreid.fl.simulation.run_environment`), {} when none.
+    environment: dict[str, Any] = field(default_factory=dict)
 
 
 def cell_overrides(table: Table, cell: Cell, seed: int, rounds: Optional[int], synthetic: bool,
@@ -78,14 +80,15 @@ def missing_data(cfg: Config) -> str:
     return "; ".join(missing_inputs(cfg))
 
 
-def _completed(run_dir: Path) -> tuple[int, list[dict[str, Any]]]:
+def _completed(run_dir: Path) -> tuple[int, list[dict[str, Any]], dict[str, Any]]:
+    """Completed rounds, history and recorded environment of the run folder's latest checkpoint."""
     from fedreid.utils.checkpoint import latest_checkpoint, load_checkpoint
 
     path = latest_checkpoint(run_dir)
     if path is None:
-        return 0, []
+        return 0, [], {}
     ckpt = load_checkpoint(path)
-    return int(ckpt["round"]), list(ckpt["history"])
+    return int(ckpt["round"]), list(ckpt["history"]), dict(ckpt.get("environment") or {})
 
 
 #: Written into a run folder whose run diverged, so that a page written later (--page-only) says so.
@@ -101,7 +104,7 @@ def run_cell(table: Table, cell: Cell, slug: str, seed: int, *, out: Path, round
     run_dir = out / table.name / slug / f"seed{seed}"
     cfg = load_config(config_path(cell), cell_overrides(table, cell, seed, rounds, synthetic, run_dir))
     result = RunResult(run_dir, seed, "not-run", planned_rounds=cfg.fl.rounds)
-    done, history = _completed(run_dir)
+    done, history, result.environment = _completed(run_dir)
     if done > cfg.fl.rounds:
         raise ReproduceError(
             f"{run_dir} holds {done} completed rounds but this table run asks for {cfg.fl.rounds}; "
@@ -116,12 +119,13 @@ def run_cell(table: Table, cell: Cell, slug: str, seed: int, *, out: Path, round
             history = run_simulation(cfg, run_dir, resume=done > 0, progress=progress, callbacks=callbacks,
                                      tool="reproduce")
         except (RoundFailedError, FloatingPointError) as exc:  # the run diverged (non-finite loss or updates)
-            done, history = _completed(run_dir)
+            done, history, result.environment = _completed(run_dir)
             result.status, result.detail = "failed", f"stopped in round {done + 1}: {exc}"
             write_json_atomic(run_dir / FAILED_RECORD, {"round": done + 1, "detail": result.detail})
             result.history, result.rounds = history, done
             return result
         done = len(history)
+        result.environment = _completed(run_dir)[2]  # as the checkpoint recorded it
         from fedreid.eval.report import write_report
 
         write_report(run_dir, history, title=f"{table.name}: {slug}, seed {seed}",
@@ -200,16 +204,34 @@ def run_table(table: Table, seeds: Sequence[int], *, out: Path, rounds: Optional
 # --------------------------------------------------------------------------- the page
 
 
-def machine_description() -> str:
+def machine_description(runs: Sequence[RunResult]) -> str:
+    """The page's machine line: this machine, and the environment each run recorded in its checkpoint.
+
+    Thread count and versions come from the runs (:func:`fedreid.fl.simulation.run_environment`), not from
+    the process writing the page: a ``--page-only`` process may run with another thread count.
+    """
     import torch
 
+    from fedreid.fl.simulation import torch_threads_phrase
+
     cpu = platform.processor() or platform.machine()
-    threads = torch.get_num_threads()
-    parts = [f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPU cores ({cpu})",
-             f"Python {platform.python_version()}, torch {torch.__version__} with {threads} thread{'s' if threads != 1 else ''}"]
+    here = f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPU cores ({cpu})"
     if torch.cuda.is_available():
-        parts.append(f"GPU {torch.cuda.get_device_name(0)}")
-    return "; ".join(parts)
+        here += f", GPU {torch.cuda.get_device_name(0)}"
+    counts: dict[str, int] = {}
+    unrecorded = 0
+    for run in runs:
+        env = run.environment
+        if not env:
+            unrecorded += run.status != "not-run"
+            continue
+        what = (f"{env.get('machine', '?')}, Python {env.get('python', '?')}, torch {env.get('torch', '?')} "
+                f"with {torch_threads_phrase(int(env.get('torch_threads', 0)))}")
+        counts[what] = counts.get(what, 0) + 1
+    recorded = [f"{what} ({n} run{'' if n == 1 else 's'})" for what, n in counts.items()]
+    if unrecorded:
+        recorded.append(f"not recorded ({unrecorded} run{'' if unrecorded == 1 else 's'})")
+    return f"{here}; the runs: {'; '.join(recorded) or 'none yet'}"
 
 
 def _fmt(values: Sequence[float]) -> str:
@@ -294,7 +316,7 @@ def write_page(table: Table, outcomes: list[list[CellOutcome]], *, pages: Path, 
         f"- Rounds: {', '.join(map(str, planned)) or '–'} planned; {', '.join(map(str, round_counts)) or '–'} "
         "completed in the finished runs",
         f"- Data: {table.data}",
-        f"- Machine: {machine_description()}",
+        f"- Machine: {machine_description(all_runs)}",
         f"- Wall time of the runs: {total / 60:.1f} min in all",
         f"- Written: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
         "",

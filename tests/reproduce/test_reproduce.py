@@ -105,6 +105,25 @@ def test_a_stopped_run_is_resumed_to_the_same_numbers(tmp_path):
     assert [r["round"] for r in resumed[0][0].runs[0].history] == [1, 2]
 
 
+def test_the_machine_line_gives_the_runs_thread_count_not_the_page_writers(tmp_path):
+    import torch
+
+    table = _digits_table()
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        run_table(table, [0], out=tmp_path / "runs", rounds=1)
+        torch.set_num_threads(2)  # a later --page-only process with another count
+        outcomes = run_table(table, [0], out=tmp_path / "runs", rounds=1, execute=False)
+        page, _ = write_page(table, outcomes, pages=tmp_path / "pages", seeds=[0], rounds=1, synthetic=False,
+                             command="python tools/reproduce.py tiny-digits --page-only")
+    finally:
+        torch.set_num_threads(before)
+    machine = next(line for line in page.read_text().splitlines() if line.startswith("- Machine:"))
+    assert f"torch {torch.__version__} with 1 torch thread (2 runs)" in machine
+    assert "2 torch threads" not in machine
+
+
 def test_missing_data_names_what_is_needed(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # no datasets/ here
     cell = TABLES["fedlmd-table1"].rows[0].cells[0]
