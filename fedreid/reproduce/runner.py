@@ -231,7 +231,7 @@ def machine_description(runs: Sequence[RunResult]) -> str:
     recorded = [f"{what} ({n} run{'' if n == 1 else 's'})" for what, n in counts.items()]
     if unrecorded:
         recorded.append(f"not recorded ({unrecorded} run{'' if unrecorded == 1 else 's'})")
-    return f"{here}; the runs: {'; '.join(recorded) or 'none yet'}"
+    return f"page written on {here}; the runs recorded: {'; '.join(recorded) or 'none yet'}"
 
 
 def _fmt(values: Sequence[float]) -> str:

@@ -477,7 +477,12 @@ def _feddg_protocol1_table() -> Table:
         kind="reid", synthetic=SYNTHETIC_REID,
         note="The papers' FedPav numbers are not transcribed: the DG papers' full texts are not among the paper "
              "texts this project was given (the FedReID, FedFTG and FedLMD papers), their tables "
-             "could not be read from here, and numbers that were not read are not quoted. The DG papers train "
+             "could not be read from here, and numbers that were not read are not quoted. The one FedPav "
+             "Protocol-1 row found is second hand: a machine-written summary of CO-EVO (ACL 2026, arXiv "
+             "2604.26363) in a public paper-notes collection lists FedPav (ResNet-50) at 25.4/49.4 (-> Market-1501), "
+             "5.2/15.5 (-> MSMT17) and 22.5/24.3 (-> CUHK03) mAP/Rank-1. It is not the paper's text and "
+             "contradicts itself elsewhere (CO-EVO's own CUHK03 row differs between its two tables), so these "
+             "figures are a lead to check against CO-EVO's Protocol-1 table, not a transcription. The DG papers train "
              "FedPav with their own recipes "
              "(DACS's fed_dg_cls.py: 41 rounds of 200 iterations, batch 64); these runs use FedPav's "
              "(Sec. 4.2). Each row is one run on three source clients, evaluated on the fourth dataset "
