@@ -222,8 +222,10 @@ def machine_description(runs: Sequence[RunResult]) -> str:
     unrecorded = 0
     for run in runs:
         env = run.environment
+        if run.status not in ("done", "partial", "failed"):  # never trained: nothing to describe
+            continue
         if not env:
-            unrecorded += run.status != "not-run"
+            unrecorded += 1
             continue
         what = (f"{env.get('machine', '?')}, Python {env.get('python', '?')}, torch {env.get('torch', '?')} "
                 f"with {torch_threads_phrase(int(env.get('torch_threads', 0)))}")
