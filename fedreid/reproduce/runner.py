@@ -99,7 +99,7 @@ def run_cell(table: Table, cell: Cell, slug: str, seed: int, *, out: Path, round
              synthetic: bool, execute: bool, progress: bool,
              callbacks: Sequence[Callable[[str, dict], None]] = ()) -> RunResult:
     """Run (or resume, or only read) one cell for one seed."""
-    from fedreid.fl.simulation import run_simulation
+    from fedreid.fl.simulation import run_environment, run_simulation
 
     run_dir = out / table.name / slug / f"seed{seed}"
     cfg = load_config(config_path(cell), cell_overrides(table, cell, seed, rounds, synthetic, run_dir))
@@ -125,7 +125,7 @@ def run_cell(table: Table, cell: Cell, slug: str, seed: int, *, out: Path, round
             result.history, result.rounds = history, done
             return result
         done = len(history)
-        result.environment = _completed(run_dir)[2]  # as the checkpoint recorded it
+        result.environment = run_environment()  # what run_simulation just recorded in the checkpoint
         from fedreid.eval.report import write_report
 
         write_report(run_dir, history, title=f"{table.name}: {slug}, seed {seed}",
@@ -221,9 +221,9 @@ def machine_description(runs: Sequence[RunResult]) -> str:
     counts: dict[str, int] = {}
     unrecorded = 0
     for run in runs:
-        env = run.environment
         if run.status not in ("done", "partial", "failed"):  # never trained: nothing to describe
             continue
+        env = run.environment
         if not env:
             unrecorded += 1
             continue
