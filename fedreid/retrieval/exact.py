@@ -162,7 +162,10 @@ def block_topk(
     """FAISS-free exact top-k by block matmul (the path ``evaluate`` scores with).
 
     Same output and tie rule as :func:`search`; memory is bounded by
-    ``max_block_bytes`` per query block.
+    ``max_block_bytes`` per query block. With numpy inputs the scores are
+    per-pair inner products (:func:`_pair_scores`, as a store's refine
+    computes them), so equal gallery vectors score equally wherever they sit;
+    the matmul only picks the candidates (:func:`_rescored_topk`).
     """
     qf, gf = prepare_features(queries, gallery)
     if int(k) < 1:
@@ -171,9 +174,48 @@ def block_topk(
     rows = block_rows(gf.shape[0], block_size, max_block_bytes)
     scores = np.empty((qf.shape[0], k), dtype=np.float32)
     indices = np.empty((qf.shape[0], k), dtype=np.int64)
+    max_norm = None if is_torch(qf) else float(np.sqrt(np.max(np.einsum("gd,gd->g", gf, gf), initial=0.0)))
     for start, block in score_rows(qf, gf, rows):
         stop = start + block.shape[0]
-        scores[start:stop], indices[start:stop] = top_k_rows(block, k)
+        if max_norm is None:
+            scores[start:stop], indices[start:stop] = top_k_rows(block, k)
+        else:
+            scores[start:stop], indices[start:stop] = _rescored_topk(qf[start:stop], gf, block, k, max_norm)
+    return scores, indices
+
+
+def _pair_scores(queries: np.ndarray, vectors: np.ndarray) -> np.ndarray:
+    """``[q, c]`` inner products of ``queries [q, d]`` with their own candidates ``vectors [q, c, d]``.
+
+    One pair at a time (``einsum``, no BLAS), so a score depends on the two
+    vectors only: the computation of :meth:`fedreid.retrieval.store.GalleryStore._rescore`.
+    """
+    return np.einsum("qcd,qd->qc", vectors, queries)
+
+
+def _rescored_topk(queries: np.ndarray, gallery: np.ndarray, block: np.ndarray, k: int,
+                   max_norm: float) -> tuple[np.ndarray, np.ndarray]:
+    """Top-``k`` of each row of ``block`` (``queries @ gallery.T``) under the tie rule, with per-pair scores.
+
+    A BLAS matmul sums each product in an order that depends on the gallery
+    item's column (its place in the SIMD kernel), so two equal gallery
+    vectors can score a unit in the last place apart and break the tie rule
+    (seen with OpenBLAS on AMD EPYC). Every item whose matmul score lies
+    within twice the float32 error bound of a length-``d`` dot product
+    (``d * 2**-24 * |q| * max |g|``, ``max_norm`` the largest ``|g|``) of
+    the row's ``k``-th is rescored by :func:`_pair_scores`; the tie rule then
+    orders those.
+    """
+    kth = top_k_rows(block, k)[0][:, -1]
+    bound = 2 * gallery.shape[1] * 2.0**-24 * np.linalg.norm(queries, axis=1) * max_norm
+    candidates = block >= (kth - bound)[:, None]
+    scores = np.empty((block.shape[0], k), dtype=np.float32)
+    indices = np.empty((block.shape[0], k), dtype=np.int64)
+    for r in range(block.shape[0]):
+        cols = np.flatnonzero(candidates[r])
+        exact = _pair_scores(queries[r : r + 1], gallery[cols][None])[0]
+        order = np.lexsort((cols, -exact))[:k]
+        scores[r], indices[r] = exact[order], cols[order]
     return scores, indices
 
 

@@ -166,3 +166,22 @@ def test_is_index_folder_tells_index_folders_from_user_folders(tmp_path):
     assert not is_index_folder(user) and not is_index_folder(tmp_path / "missing")
     (user / "header.json").write_text(json.dumps({"format": "fedreid-faiss-index", "version": 9}))
     assert not is_index_folder(user)
+
+
+def test_block_topk_ties_equal_gallery_vectors_wherever_they_sit():
+    # A BLAS matmul can score two equal vectors a unit in the last place apart, depending on
+    # their columns (OpenBLAS on AMD EPYC); the tie rule must still put the lower index first.
+    rng = np.random.default_rng(0)
+    base = rng.standard_normal((300, 48)).astype(np.float32)
+    base /= np.linalg.norm(base, axis=1, keepdims=True)
+    gallery = np.concatenate([base, base, base[:7]])  # items i, i + 300 and, for i < 7, i + 600 are equal
+    queries = base[:40] + 0.2 * rng.standard_normal((40, 48)).astype(np.float32)
+    for k in (1, 6, 25):
+        scores, idx = block_topk(queries, gallery, k, block_size=16)
+        np.testing.assert_array_equal(scores, np.einsum("qcd,qd->qc", gallery[idx], queries))
+        for r in range(40):
+            for j, item in enumerate(idx[r]):
+                lower_twins = range(item % 300, item, 300)
+                assert all(t in idx[r, :j] for t in lower_twins), (k, r, j, item)
+    top = block_topk(queries, gallery, 2)[1]
+    assert (top[:, 1] == top[:, 0] + 300).sum() >= 30  # mostly the query's own item and its twin
