@@ -20,7 +20,9 @@ Four sections, each printed as soon as it is measured:
 
 ``--cuda-graphs`` (on CUDA): (a) adds rows with the backbone replayed as a
 CUDA graph (``train.cuda_graphs``), and (b), (c) and (e) run with it ``off``,
-``on`` or ``both`` (default).
+``on`` or ``both`` (default). ``--normalize-on worker,device`` runs (b) and
+(c) with the images normalised by the loader workers and by the GPU
+(``train.normalize_on``).
 
 ``--scale tiny`` (the default on the CPU) shrinks everything so the script
 runs here in a few minutes; ``--scale full`` (the default on CUDA) is the
@@ -38,7 +40,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
@@ -49,10 +51,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from round_time import prepare_synthetic  # noqa: E402
 
 from fedreid.config import load_config  # noqa: E402
-from fedreid.data.datasets import ReIDImageDataset  # noqa: E402
+from fedreid.data.datasets import ReIDImageDataset, on_device  # noqa: E402
 from fedreid.data.prepared import load_prepared  # noqa: E402
 from fedreid.data.scenarios import by_dataset  # noqa: E402
-from fedreid.data.transforms import build_train_transform  # noqa: E402
+from fedreid.data.transforms import build_train_transform, defers_normalize  # noqa: E402
 from fedreid.fl.client import Client  # noqa: E402
 from fedreid.fl.local.cuda_graphs import graphed_backbone  # noqa: E402
 from fedreid.fl.simulation import run_simulation  # noqa: E402
@@ -150,11 +152,12 @@ def section_ceilings(device: torch.device, s: dict[str, Any], graph_rows: bool) 
 def bare_loop(model: nn.Module, dataset, batch: int, workers: int, precision: Precision, device: torch.device,
               seed: int, loader_box: dict, graphs: bool = False) -> tuple[int, float]:
     """One epoch of a plain data-inclusive loop: persistent pinned workers, non-blocking copies."""
-    if "loader" not in loader_box:
-        loader_box["loader"] = torch.utils.data.DataLoader(
+    if "loader" not in loader_box:  # a deferring transform's batches are normalised on the device, as ours
+        loader_box["loader"] = on_device(torch.utils.data.DataLoader(
             dataset, batch_size=batch, shuffle=True, drop_last=True, num_workers=workers,
             persistent_workers=workers > 0, pin_memory=device.type == "cuda",
-            generator=torch.Generator().manual_seed(seed))
+            generator=torch.Generator().manual_seed(seed)), dataset.transform, device,
+            channels_last=precision.channels_last)
     opt, crit = sgd(model), nn.CrossEntropyLoss()
     model.train()
     sync(device)
@@ -175,7 +178,7 @@ def bare_loop(model: nn.Module, dataset, batch: int, workers: int, precision: Pr
 
 
 def section_client(device: torch.device, s: dict[str, Any], tmp: Path, workers: int, precision_name: str,
-                   graphs: bool, repeats: int = 3) -> None:
+                   graphs: bool, normalize_on: str = "auto", repeats: int = 3) -> None:
     """(b) on the world's Market-1501 client."""
     ensure_world(s, tmp)
     split = by_dataset([load_prepared(tmp / "c-prepared", "market1501")], "train_all")[0]
@@ -183,14 +186,15 @@ def section_client(device: torch.device, s: dict[str, Any], tmp: Path, workers: 
         f"model.backbone={s['backbone']}", f"model.height={s['height']}", f"model.width={s['width']}",
         "model.pretrained=null", "train.batch_size=32", f"train.workers={workers}",
         f"train.precision={precision_name}", f"run.device={device.type}", "fl.cdw=false", "fl.kd=false",
-        f"train.cuda_graphs={graphs}",
+        f"train.cuda_graphs={graphs}", f"train.normalize_on={normalize_on}",
     ])
     client = Client(split, 0, cfg, device=device)
     precision = client.precision
     ours = create_reid_model(s["backbone"], 0, pretrained=None, seed=0).to(device)
     payload = shared_state(ours)
     bare = precision.prepare_model(ide_model(s["backbone"], split.num_classes).to(device))
-    transform = build_train_transform(s["height"], s["width"], seed=0)
+    defer = defers_normalize(normalize_on, device)
+    transform = build_train_transform(s["height"], s["width"], seed=0, defer_normalize=defer)
     bare_ds = ReIDImageDataset(split.records, split.labels, transform=transform)
     box: dict = {}
 
@@ -209,7 +213,8 @@ def section_client(device: torch.device, s: dict[str, Any], tmp: Path, workers: 
         return bare_loop(bare, bare_ds, 32, workers, precision, device, r, box, graphs)
 
     say(f"(b) one client: {len(split)} images, {split.num_classes} ids, {s['backbone']} {s['height']}x{s['width']}, "
-        f"batch 32, workers {workers}, precision {precision.name}, CUDA graphs {'on' if graphs else 'off'}")
+        f"batch 32, workers {workers}, precision {precision.name}, CUDA graphs {'on' if graphs else 'off'}, "
+        f"normalised on the {'device' if defer else 'workers'}")
     run_ours(0)
     run_bare(0)
     rates: dict[str, list[float]] = {"Client.fit": [], "bare loop": []}
@@ -281,7 +286,7 @@ def ensure_world(s: dict[str, Any], tmp: Path) -> None:
 
 def section_rounds(device: torch.device, s: dict[str, Any], tmp: Path, concurrent: list[int], workers_total: int,
                    precision_name: str, graph_settings: list[bool], demo_run: bool = True, local_epochs: int = 1,
-                   determinism_row: bool = True) -> None:
+                   determinism_row: bool = True, normalize_settings: Sequence[str] = ("auto",)) -> None:
     world = world_overrides(s)
     ensure_world(s, tmp)
     batch = s["round_batch"]
@@ -290,19 +295,19 @@ def section_rounds(device: torch.device, s: dict[str, Any], tmp: Path, concurren
         "round 2's (training and CDW, no KD or evaluation): training images / its clients phase (r2_s); the other "
         "columns are round 3's (CDW, KD and evaluation); train_loss and mAP of round 3 to full precision "
         "(equal digits: equal runs; the loader worker count per client changes the augmentations)")
-    cols = ("clients", "workers", "determ.", "graphs", "img/s", "r2_s", "clients_s", "train_s", "cdw_s", "kdfeat_s", "agg_s",
+    cols = ("clients", "workers", "determ.", "graphs", "norm.", "img/s", "r2_s", "clients_s", "train_s", "cdw_s", "kdfeat_s", "agg_s",
             "kd_s", "eval_s", "round_s", "peak_GiB", "train_loss", "mAP")
     say("    " + " ".join(f"{c:>9}" for c in cols))
-    runs = [(n, True, g) for n in concurrent for g in graph_settings]
+    runs = [(n, True, g, where) for n in concurrent for g in graph_settings for where in normalize_settings]
     if determinism_row:
-        runs.append((concurrent[0], False, graph_settings[0]))
-    for n, deterministic, graphs in runs:
+        runs.append((concurrent[0], False, graph_settings[0], normalize_settings[0]))
+    for n, deterministic, graphs, where in runs:
         workers = max(1, min(8, workers_total // n))
         cfg = round_config(s, tmp, [
             *world, f"train.batch_size={batch}", f"train.local_epochs={local_epochs}", f"train.workers={workers}", f"train.precision={precision_name}",
             f"run.device={device.type}", f"run.concurrent_clients={n}", f"run.deterministic={deterministic}",
-            f"train.cuda_graphs={graphs}", "fl.rounds=3", "fl.kd_every=3", "eval.every=3",
-            f"run.out_dir={tmp / f'c-run-{n}-{deterministic}-{graphs}'}",
+            f"train.cuda_graphs={graphs}", f"train.normalize_on={where}", "fl.rounds=3", "fl.kd_every=3",
+            "eval.every=3", f"run.out_dir={tmp / f'c-run-{n}-{deterministic}-{graphs}-{where}'}",
         ])
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
@@ -321,7 +326,7 @@ def section_rounds(device: torch.device, s: dict[str, Any], tmp: Path, concurren
         ev = history[-1].get("eval", {})
         m_ap = statistics.mean(v["mAP"] for v in ev.values()) if ev else float("nan")
         # the loss and mAP to full precision: equal digits across rows show equal runs
-        say(f"    {n:>9} {workers:>9} {str(deterministic):>9} {str(graphs):>9} {rate:>9,.0f} " + " ".join(f"{v:>9.2f}" for v in vals)
+        say(f"    {n:>9} {workers:>9} {str(deterministic):>9} {str(graphs):>9} {where:>9} {rate:>9,.0f} " + " ".join(f"{v:>9.2f}" for v in vals)
             + f" {peak:>9.2f} {history[-1]['train_loss']:.10f} {m_ap:.10f}")
     if not demo_run:
         return
@@ -417,6 +422,9 @@ def main(argv=None) -> int:
     ap.add_argument("--local-epochs", type=int, default=1,
                     help="train.local_epochs of (c) (default 1, FedPav's; the fedpav_e5 config's 5 shows the "
                          "steady state, a round's fixed costs spread over more steps)")
+    ap.add_argument("--normalize-on", default="auto",
+                    help="train.normalize_on of (b) and (c), comma-separated to compare, e.g. 'worker,device' "
+                         "(default auto: device on CUDA)")
     ap.add_argument("--no-demo", action="store_true", help="(c) without the demo world's 3-round run")
     ap.add_argument("--no-determinism-row", action="store_true",
                     help="(c) without its run.deterministic=false row")
@@ -433,9 +441,14 @@ def main(argv=None) -> int:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     say(f"device {name}, torch {torch.__version__}, {torch.get_num_threads()} threads, scale {scale}")
 
+    normalize_settings = args.normalize_on.split(",")
+    for where in normalize_settings:
+        defers_normalize(where, device)  # a wrong value stops here, before any section runs
+
     def client(tmp: Path) -> None:
         for graphs in graph_settings:
-            section_client(device, s, tmp, min(workers, 8), args.precision, graphs)
+            for where in normalize_settings:
+                section_client(device, s, tmp, min(workers, 8), args.precision, graphs, where)
 
     sections: dict[str, Callable[[Path], None]] = {
         "a": lambda tmp: section_ceilings(device, s, graph_rows=True in graph_settings),
@@ -443,7 +456,8 @@ def main(argv=None) -> int:
         "c": lambda tmp: section_rounds(device, s, tmp, [int(x) for x in args.concurrent.split(",")], workers,
                                         args.precision, graph_settings, demo_run=not args.no_demo,
                                         local_epochs=args.local_epochs,
-                                        determinism_row=not args.no_determinism_row),
+                                        determinism_row=not args.no_determinism_row,
+                                        normalize_settings=normalize_settings),
         "d": lambda tmp: section_eval(device, s),
         "e": lambda tmp: section_processes(device, scale, [int(x) for x in args.processes.split(",")],
                                            graph_settings),

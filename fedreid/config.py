@@ -241,6 +241,12 @@ class TrainConfig:
     #: ``workers > 0``); every epoch is reseeded as a fresh loader would be, so the
     #: order and the augmentations do not depend on it.
     persistent_workers: bool = True
+    #: Where images are normalised (and randomly erased): ``worker`` (the loader
+    #: workers hand over float32 tensors), ``device`` (they hand over uint8 pixels and
+    #: the training device normalises the batch, which takes work off the workers),
+    #: ``auto`` (``device`` on CUDA, ``worker`` elsewhere). Both give the same tensors
+    #: bit for bit (:class:`fedreid.data.transforms.BatchNormalize`).
+    normalize_on: Literal["auto", "worker", "device"] = "auto"
     #: Arithmetic of local training, CDW, KD and the server's generators:
     #: ``auto`` (bf16 autocast on a CUDA card that supports it, fp32 elsewhere),
     #: ``fp32``, ``bf16`` (autocast; also on the CPU), ``fp16`` (autocast + GradScaler,

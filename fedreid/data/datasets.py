@@ -9,6 +9,11 @@ Items are dicts (the default collate stacks them into a batch dict)::
      "camid": int   0-based camera,
      "index": int   position in the record list}
 
+A transform that returns a dict (:class:`fedreid.data.transforms.
+Uint8ImageTransform`: ``image`` in ``uint8`` and the erasing rectangle
+``erase``) gives the item those fields; :class:`DeviceBatches` finishes such
+batches on the device they are copied to.
+
 Images are decoded by :func:`fedreid.data.images.read_image` (OpenCV,
 ``cv2.imdecode`` of the file's bytes, then BGR -> RGB; re-exported here with
 :class:`ImageReadError`): a file that is missing or cannot be decoded raises
@@ -50,7 +55,10 @@ from fedreid.data.prepared import Record
 if TYPE_CHECKING:  # pragma: no cover
     from fedreid.data.scenarios import ClientSplit
 
-__all__ = ["EpochLoader", "ImageReadError", "ReIDImageDataset", "make_loader", "read_image", "seed_worker"]
+__all__ = [
+    "DeviceBatches", "EpochLoader", "ImageReadError", "ReIDImageDataset", "make_loader", "on_device", "read_image",
+    "seed_worker",
+]
 
 
 class ReIDImageDataset(Dataset):
@@ -89,8 +97,9 @@ class ReIDImageDataset(Dataset):
         image = read_image(rec.path)
         if self.transform is not None:
             image = self.transform(image)
+        fields = image if isinstance(image, dict) else {"image": image}
         return {
-            "image": image,
+            **fields,
             "label": -1 if self.labels is None else int(self.labels[index]),
             "pid": int(rec.pid),
             "camid": int(rec.camid),
@@ -293,3 +302,49 @@ class EpochLoader:
         assert self._batches is not None
         self._batches.set_epoch(int(seed), shuffle=shuffle, drop_last=drop_last)
         return self._loader
+
+
+class DeviceBatches:
+    """A loader of ``uint8`` batches, finished on ``device``: the loader's batches with ``image`` normalised there.
+
+    Each batch's ``image`` (``uint8 [B, H, W, 3]``) and ``erase`` go to
+    ``device`` (non-blocking from pinned memory), and ``image`` becomes
+    ``normalize(image, erase, memory_format=memory_format)`` (a
+    :class:`fedreid.data.transforms.BatchNormalize`), float32 ``[B, 3, H, W]``;
+    ``erase`` leaves the batch and the other fields stay as collated. Iterable
+    as often as ``loader`` is, with its length.
+    """
+
+    def __init__(self, loader: Iterable, device: torch.device | str, normalize: Callable[..., torch.Tensor],
+                 memory_format: Optional[torch.memory_format] = None) -> None:
+        self.loader = loader
+        self.device = torch.device(device)
+        self.normalize = normalize
+        self.memory_format = memory_format
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        for batch in self.loader:
+            batch = dict(batch)
+            images = batch["image"].to(self.device, non_blocking=True)
+            erase = batch.pop("erase", None)
+            if erase is not None:
+                erase = erase.to(self.device, non_blocking=True)
+            batch["image"] = self.normalize(images, erase, memory_format=self.memory_format)
+            yield batch
+
+    def __len__(self) -> int:
+        return len(self.loader)  # type: ignore[arg-type]
+
+
+def on_device(loader: Iterable, transform: Any, device: torch.device | str, *, channels_last: bool = False) -> Iterable:
+    """``loader`` itself, or its batches finished on ``device`` when ``transform`` defers normalisation.
+
+    A :class:`fedreid.data.transforms.Uint8ImageTransform` defers it: the
+    batches then come through :class:`DeviceBatches`, channels-last when
+    ``channels_last`` (the model's input layout, so the step copies nothing again).
+    """
+    from fedreid.data.transforms import Uint8ImageTransform
+
+    if not isinstance(transform, Uint8ImageTransform):
+        return loader
+    return DeviceBatches(loader, device, transform.batch_normalize, torch.channels_last if channels_last else None)

@@ -32,6 +32,20 @@ exactly as it normalises test images::
     HorizontalFlip(p=0.5)                       RandomHorizontalFlip()
     [Cutout(16) on the normalised tensor]       crop_flip_cutout only
 
+Normalising where the batch is (``defer_normalize=True``): the worker stops
+at the ``uint8`` pixels, and :class:`BatchNormalize` finishes a collated batch
+on the device it is copied to. A worker then skips the float32 work and
+ships a quarter of the bytes (``bench/loader_path.py`` measures both). The
+result is the worker pipeline's tensor bit for bit: ``Normalize`` of ``uint8`` is a
+per-channel table of 256 float32 values (albucore ``normalize_lut``), and
+:class:`BatchNormalize` reads the table that ``Normalize`` itself gives for
+every pixel value. Random erasing still draws its rectangle in the worker, from
+the same generator and in the same order; only the filling moves::
+
+    worker:  [ColorJitter] Resize [Pad + RandomCrop] [HorizontalFlip] [erasing: draw]
+             -> {"image": uint8 [H, W, 3] tensor, "erase": int64 [4] (top, bottom, left, right)}
+    device:  table lookup (Normalize) [erasing: fill 0] -> float32 [B, 3, H, W]
+
 Randomness: every random draw of a pipeline comes from one numpy and one
 Python generator owned by the pipeline (never from global state).
 ``ImageTransform.reseed(seed)`` (and ``ArrayAugment.reseed``) restarts them,
@@ -53,16 +67,20 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
+    "BatchNormalize",
     "CLASSIFICATION_AUGMENTS",
     "IMAGENET_MEAN",
     "IMAGENET_STD",
     "ArrayAugment",
     "ArrayImageTransform",
     "ImageTransform",
+    "NORMALIZE_ON",
+    "Uint8ImageTransform",
     "build_classification_augment",
     "build_test_array_transform",
     "build_test_transform",
     "build_train_transform",
+    "defers_normalize",
 ]
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -121,6 +139,98 @@ class ArrayImageTransform(ImageTransform):
         return np.ascontiguousarray(image.transpose(2, 0, 1))
 
 
+class _ErasingBox(A.Erasing):
+    """``A.Erasing`` that draws its rectangle as ``A.Erasing`` does and leaves the pixels alone.
+
+    :class:`Uint8ImageTransform` reads the drawn rectangle (``holes``, ``None``
+    when the step did not fire) and :class:`BatchNormalize` fills it.
+    """
+
+    holes: Optional[np.ndarray] = None
+
+    def apply(self, img: np.ndarray, holes: np.ndarray, seed: int, **params) -> np.ndarray:
+        self.holes = holes
+        return img
+
+
+class BatchNormalize:
+    """The device half of a deferred pipeline: ``normalize(images, erase) -> float32 [B, 3, H, W]``.
+
+    ``images`` is a collated ``uint8 [B, H, W, 3]`` batch of
+    :class:`Uint8ImageTransform` outputs on any device, ``erase`` its
+    ``int64 [B, 4]`` rectangles ``(top, bottom, left, right)`` or ``None``.
+    Every pixel value becomes the float32 that ``A.Normalize(mean, std)``
+    gives it (the table is read from ``Normalize`` itself, so the values are
+    the worker pipeline's bit for bit), then each rectangle is set to 0 in
+    every channel, as ``Erasing(fill=0)`` after ``Normalize`` does.
+    ``memory_format`` is the layout of the result (``torch.channels_last``
+    for a channels-last model on CUDA).
+    """
+
+    def __init__(self, mean: Sequence[float] = IMAGENET_MEAN, std: Sequence[float] = IMAGENET_STD) -> None:
+        every_value = np.repeat(np.arange(256, dtype=np.uint8).reshape(256, 1, 1), 3, axis=2)
+        table = A.Normalize(mean=tuple(mean), std=tuple(std), max_pixel_value=255.0, p=1.0)(image=every_value)
+        self.table = np.ascontiguousarray(np.asarray(table["image"], dtype=np.float32).reshape(256, 3).T)
+        self._tables: dict = {}  # device -> [3 * 256] tensor
+
+    def __call__(self, images: torch.Tensor, erase: Optional[torch.Tensor] = None, *,
+                 memory_format: Optional[torch.memory_format] = None) -> torch.Tensor:
+        import torch
+
+        if images.dtype != torch.uint8 or images.ndim != 4 or images.shape[-1] != 3:
+            raise ValueError(f"expected a uint8 batch of shape [B, H, W, 3], got {images.dtype} {tuple(images.shape)}")
+        table = self._tables.get(images.device)
+        if table is None:
+            table = self._tables[images.device] = torch.from_numpy(self.table).reshape(-1).to(images.device)
+        channel_offset = torch.arange(0, 3 * 256, 256, device=images.device)
+        out = table[images.long() + channel_offset]  # [B, H, W, 3]: table row c, column = pixel value
+        if erase is not None:
+            top, bottom, left, right = erase.to(images.device).unbind(1)
+            rows = torch.arange(images.shape[1], device=images.device)
+            cols = torch.arange(images.shape[2], device=images.device)
+            in_rows = (rows >= top[:, None]) & (rows < bottom[:, None])
+            in_cols = (cols >= left[:, None]) & (cols < right[:, None])
+            out = out.masked_fill((in_rows[:, :, None] & in_cols[:, None, :])[..., None], 0.0)
+        return out.permute(0, 3, 1, 2).contiguous(memory_format=memory_format or torch.contiguous_format)
+
+    def __repr__(self) -> str:
+        return "BatchNormalize()"
+
+
+class Uint8ImageTransform(ImageTransform):
+    """The worker half of a deferred pipeline: ``transform(rgb_uint8_hwc) -> {"image", ["erase"]}``.
+
+    ``image`` is the ``uint8 [H, W, 3]`` tensor the worker pipeline would
+    have normalised; ``erase`` (only when the pipeline has random erasing) is
+    the rectangle it drew, ``int64 [4]`` as ``(top, bottom, left, right)``,
+    all zero when it drew none. :attr:`batch_normalize` finishes a collated
+    batch of them (module docstring).
+    """
+
+    def __init__(self, compose: A.Compose, batch_normalize: BatchNormalize, seed: Optional[int] = None) -> None:
+        super().__init__(compose, seed)
+        self.batch_normalize = batch_normalize
+        self._erasing = next((t for t in compose.transforms if isinstance(t, _ErasingBox)), None)
+
+    def __call__(self, image: np.ndarray) -> dict:
+        if self._erasing is not None:
+            self._erasing.holes = None
+        return super().__call__(image)
+
+    def _output(self, image: np.ndarray) -> dict:
+        import torch
+
+        out = {"image": torch.from_numpy(np.ascontiguousarray(image))}
+        if self._erasing is not None:
+            box = np.zeros(4, dtype=np.int64)
+            holes = self._erasing.holes
+            if holes is not None and len(holes):
+                left, top, right, bottom = (int(v) for v in holes[0])  # A.Erasing draws one hole
+                box[:] = (top, bottom, left, right)
+            out["erase"] = torch.from_numpy(box)
+        return out
+
+
 def build_train_transform(
     height: int = 256,
     width: int = 128,
@@ -133,12 +243,15 @@ def build_train_transform(
     mean: Sequence[float] = IMAGENET_MEAN,
     std: Sequence[float] = IMAGENET_STD,
     interpolation: int = cv2.INTER_CUBIC,
+    defer_normalize: bool = False,
 ) -> ImageTransform:
     """The reference training pipeline (module docstring); ``pad=0`` drops pad + crop.
 
     ``color_jitter`` is the brightness/contrast/saturation strength (the
     reference's ``--color_jitter`` flag means 0.1; hue stays 0);
     ``random_erasing`` is the erasing probability (reference ``--erasing_p``).
+    ``defer_normalize``: a :class:`Uint8ImageTransform` whose
+    ``batch_normalize`` finishes the batch where it is (module docstring).
     """
     _check_size(height, width)
     if pad < 0:
@@ -160,6 +273,10 @@ def build_train_transform(
         steps.append(A.RandomCrop(height, width))
     if flip:
         steps.append(A.HorizontalFlip(p=0.5))
+    if defer_normalize:
+        if random_erasing > 0:
+            steps.append(_ErasingBox(scale=(0.02, 0.4), ratio=(0.3, 1 / 0.3), fill=0, p=random_erasing))
+        return Uint8ImageTransform(A.Compose(steps), BatchNormalize(mean, std), seed=seed)
     steps.append(A.Normalize(mean=tuple(mean), std=tuple(std), max_pixel_value=255.0))
     if random_erasing > 0:
         steps.append(A.Erasing(scale=(0.02, 0.4), ratio=(0.3, 1 / 0.3), fill=0, p=random_erasing))
@@ -176,8 +293,17 @@ def build_test_transform(
     mean: Sequence[float] = IMAGENET_MEAN,
     std: Sequence[float] = IMAGENET_STD,
     interpolation: int = cv2.INTER_CUBIC,
+    defer_normalize: bool = False,
 ) -> ImageTransform:
-    """Resize + ImageNet normalisation (deterministic): :func:`build_test_array_transform`'s steps, as a tensor."""
+    """Resize + ImageNet normalisation (deterministic): :func:`build_test_array_transform`'s steps, as a tensor.
+
+    ``defer_normalize``: Resize only, a :class:`Uint8ImageTransform` whose
+    ``batch_normalize`` normalises the batch where it is (module docstring).
+    """
+    if defer_normalize:
+        _check_size(height, width)
+        resize = A.Resize(height, width, interpolation=interpolation)
+        return Uint8ImageTransform(A.Compose([resize]), BatchNormalize(mean, std), seed=0)
     from albumentations.pytorch import ToTensorV2
 
     steps = [*_test_steps(height, width, mean, std, interpolation), ToTensorV2()]
@@ -304,6 +430,23 @@ def build_classification_augment(
         steps.append(A.RandomCrop(height, width))
     steps.append(A.HorizontalFlip(p=0.5))
     return ArrayAugment(A.Compose(steps), cutout=cutout if kind == "crop_flip_cutout" else 0, seed=seed)
+
+
+#: Values of ``train.normalize_on``.
+NORMALIZE_ON: tuple[str, ...] = ("auto", "worker", "device")
+
+
+def defers_normalize(normalize_on: str, device: object) -> bool:
+    """Whether ``train.normalize_on=normalize_on`` normalises on ``device`` (a torch device or its name).
+
+    ``auto`` defers on CUDA only: there the loader workers are what limits
+    the step rate, while on the CPU the same work would only move from the
+    workers to the training process.
+    """
+    if normalize_on not in NORMALIZE_ON:
+        raise ValueError(f"train.normalize_on: expected one of {', '.join(NORMALIZE_ON)}, got {normalize_on!r}")
+    device_type = getattr(device, "type", str(device).split(":")[0])
+    return normalize_on == "device" or (normalize_on == "auto" and device_type == "cuda")
 
 
 def _check_size(height: int, width: int) -> None:

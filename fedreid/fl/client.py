@@ -50,7 +50,7 @@ from fedreid.fl.local.sgd import LocalResult, train_local
 from fedreid.fl.server_hooks.kd import KD_FEATURES, public_features
 from fedreid.fl.state import bn_buffers, clone_state, host_state, split_state
 from fedreid.fl.update import Update, private_prefixes
-from fedreid.utils.precision import Precision, resolve_precision
+from fedreid.utils.precision import FP32, Precision, resolve_precision
 from fedreid.utils.seeding import derive_seed, forked_torch_rng
 
 
@@ -151,12 +151,13 @@ class Client:
     def _dataset(self):
         if self._train_dataset is None:
             from fedreid.data.datasets import ReIDImageDataset
-            from fedreid.data.transforms import build_train_transform
+            from fedreid.data.transforms import build_train_transform, defers_normalize
 
             m, t = self.cfg.model, self.cfg.train
             self._train_transform = build_train_transform(
                 m.height, m.width, random_erasing=t.random_erasing, color_jitter=t.color_jitter,
                 seed=derive_seed(self.cfg.seed, "augment", self.index),
+                defer_normalize=defers_normalize(t.normalize_on, self.device),
             )
             self._train_dataset = ReIDImageDataset(
                 self.split.records, self.split.labels, transform=self._train_transform
@@ -170,8 +171,10 @@ class Client:
         ``train.workers > 0`` its workers persist across epochs and rounds
         (``train.persistent_workers``), and every call gives the batches of a
         fresh loader seeded with ``seed``. Batches are pinned for a CUDA device.
+        With ``train.normalize_on`` deferring, the batches are finished on the
+        client's device (:class:`~fedreid.data.datasets.DeviceBatches`).
         """
-        from fedreid.data.datasets import EpochLoader
+        from fedreid.data.datasets import EpochLoader, on_device
 
         t = self.cfg.train
         if self._train_loader is None:
@@ -180,9 +183,10 @@ class Client:
                 pin_memory=self.device.type == "cuda",
             )
         # the loader seeds the shuffle order and reseeds the augmentation with the same seed
-        return self._train_loader.epoch(
+        loader = self._train_loader.epoch(
             derive_seed(seed, "loader"), shuffle=True, drop_last=t.drop_last if drop_last is None else drop_last
         )
+        return on_device(loader, self._train_transform, self.device, channels_last=self.precision.channels_last)
 
     def public_loader(self, kd_seed: Optional[int] = None):
         """The public set for KD features (:mod:`fedreid.fl.server_hooks.kd`).
@@ -197,11 +201,12 @@ class Client:
                 raise ClientError(
                     f"client {self.name!r}: fl.kd_mode=train needs the round's kd_seed in the KD instructions"
                 )
-            return make_public_loader(self.public_records, self.cfg, shuffle=True, seed=int(kd_seed))
+            return make_public_loader(self.public_records, self.cfg, shuffle=True, seed=int(kd_seed),
+                                      device=self.device, precision=self.precision)
         if self._public_loader is None:  # read every KD round: its workers stay (dataset order, test transform)
             self._public_loader = make_public_loader(
                 self.public_records, self.cfg, shuffle=False, persistent=self.cfg.train.persistent_workers,
-                pin_memory=self.device.type == "cuda",
+                device=self.device, precision=self.precision,
             )
         return self._public_loader
 
@@ -396,30 +401,37 @@ def kd_mode(cfg: Config) -> str:
 
 
 def make_public_loader(records: Sequence[Record], cfg: Config, *, shuffle: bool, seed: int = 0,
-                       persistent: bool = False, pin_memory: bool = False):
+                       persistent: bool = False, device: Optional[torch.device] = None,
+                       precision: Precision = FP32):
     """The public set for KD; dict batches carry ``index``.
 
     The test transform with ``fl.kd_mode=eval``; the training transform (the
     reference's ``kd_loader``) with ``train``, its augmentations seeded by
     ``seed`` like the order, so equal seeds give equal batches. ``persistent``
     keeps the loader workers between passes (``fl.kd_mode=eval`` in dataset
-    order only: every pass equals the first); ``pin_memory`` for a CUDA device.
+    order only: every pass equals the first). ``device``: where the batches
+    are used; on CUDA they are pinned, and with ``train.normalize_on``
+    deferring there they are normalised there, in ``precision``'s layout.
     """
-    from fedreid.data.datasets import ReIDImageDataset, make_loader
-    from fedreid.data.transforms import build_test_transform, build_train_transform
+    from fedreid.data.datasets import ReIDImageDataset, make_loader, on_device
+    from fedreid.data.transforms import build_test_transform, build_train_transform, defers_normalize
 
     m, t = cfg.model, cfg.train
     kd = cfg.hook_settings("kd")
     mode, batch_size = (kd.mode, kd.batch_size) if kd is not None else (cfg.fl.kd_mode, cfg.fl.kd_batch_size)
+    defer = device is not None and defers_normalize(t.normalize_on, device)
     if mode == "train":
         transform = build_train_transform(
-            m.height, m.width, random_erasing=t.random_erasing, color_jitter=t.color_jitter, seed=seed
+            m.height, m.width, random_erasing=t.random_erasing, color_jitter=t.color_jitter, seed=seed,
+            defer_normalize=defer,
         )
     else:
-        transform = build_test_transform(m.height, m.width)
+        transform = build_test_transform(m.height, m.width, defer_normalize=defer)
     dataset = ReIDImageDataset(list(records), None, transform=transform)
-    return make_loader(dataset, batch_size, shuffle=shuffle, seed=seed, num_workers=t.workers,
-                       persistent_workers=persistent and mode != "train", pin_memory=pin_memory)
+    loader = make_loader(dataset, batch_size, shuffle=shuffle, seed=seed, num_workers=t.workers,
+                         persistent_workers=persistent and mode != "train",
+                         pin_memory=device is not None and torch.device(device).type == "cuda")
+    return loader if device is None else on_device(loader, transform, device, channels_last=precision.channels_last)
 
 
 __all__ = ["Client", "ClientError", "check_split", "make_public_loader", "records_fingerprint"]

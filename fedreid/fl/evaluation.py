@@ -52,6 +52,7 @@ class Evaluator:
         device: torch.device | str = "cpu",
         workers: int = 0,
         extra_ap: Sequence[str] = ("official",),
+        normalize_on: str = "auto",
     ) -> None:
         self.datasets = dict(datasets)
         self.height, self.width = height, width
@@ -62,6 +63,7 @@ class Evaluator:
         self.ranks = tuple(ranks)
         self.device = torch.device(device)
         self.workers = workers
+        self.normalize_on = normalize_on
         self._sets: dict[str, dict[str, Any]] = {}
         for name, ds in self.datasets.items():
             for split in ("query", "gallery"):
@@ -73,23 +75,25 @@ class Evaluator:
         return cls(
             datasets, height=cfg.model.height, width=cfg.model.width, batch_size=cfg.eval.batch_size,
             flip=cfg.eval.flip, ap=cfg.eval.ap, ranks=cfg.eval.ranks, device=device,
-            workers=cfg.train.workers, extra_ap=cfg.eval.extra_ap,
+            workers=cfg.train.workers, extra_ap=cfg.eval.extra_ap, normalize_on=cfg.train.normalize_on,
         )
 
     def _loaders(self, name: str) -> dict[str, Any]:
         if name not in self._sets:
-            from fedreid.data.datasets import ReIDImageDataset, make_loader
-            from fedreid.data.transforms import build_test_transform
+            from fedreid.data.datasets import ReIDImageDataset, make_loader, on_device
+            from fedreid.data.transforms import build_test_transform, defers_normalize
 
-            transform = build_test_transform(self.height, self.width)
+            transform = build_test_transform(
+                self.height, self.width, defer_normalize=defers_normalize(self.normalize_on, self.device)
+            )
             entry: dict[str, Any] = {}
             for split in ("query", "gallery"):
                 records = self.datasets[name].split(split)
                 dataset = ReIDImageDataset(records, None, transform=transform)
+                loader = make_loader(dataset, self.batch_size, shuffle=False, seed=0, num_workers=self.workers,
+                                     pin_memory=self.device.type == "cuda")
                 entry[split] = {
-                    "loader": make_loader(
-                        dataset, self.batch_size, shuffle=False, seed=0, num_workers=self.workers
-                    ),
+                    "loader": on_device(loader, transform, self.device),
                     "pids": np.array([r.pid for r in records], dtype=np.int64),
                     "camids": np.array([r.camid for r in records], dtype=np.int64),
                 }

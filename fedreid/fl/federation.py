@@ -36,7 +36,7 @@ from fedreid.fl.local.objectives import objective_options
 from fedreid.fl.server import Server
 from fedreid.fl.server_hooks import HookContext, ServerHook, hook_class
 from fedreid.options import build_options
-from fedreid.utils.precision import set_tf32
+from fedreid.utils.precision import resolve_precision, set_tf32
 from fedreid.utils.seeding import derive_seed, numpy_rng
 
 
@@ -208,7 +208,9 @@ def build_reid_federation(
     known: dict[str, Any] = {"num_classes": num_classes, "image_size": (cfg.model.height, cfg.model.width),
                              "image_channels": 3}
     if public is not None:
-        known["public_loader"] = lambda shuffle, seed: make_public_loader(public, cfg, shuffle=shuffle, seed=seed)
+        precision = resolve_precision(cfg.train.precision, device, channels_last=cfg.train.channels_last)
+        known["public_loader"] = lambda shuffle, seed: make_public_loader(
+            public, cfg, shuffle=shuffle, seed=seed, device=device, precision=precision)
         known["public_size"] = len(public)
     hooks = build_server_hooks(cfg, hook_context(cfg, len(clients), device, **known))
     server = Server(cfg, global_model, [c.name for c in clients], hooks=hooks, evaluator=evaluator)

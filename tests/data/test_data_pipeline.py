@@ -6,7 +6,14 @@ import numpy as np
 import pytest
 import torch
 
-from fedreid.data.datasets import EpochLoader, ImageReadError, ReIDImageDataset, make_loader, read_image
+from fedreid.data.datasets import (
+    DeviceBatches,
+    EpochLoader,
+    ImageReadError,
+    ReIDImageDataset,
+    make_loader,
+    read_image,
+)
 from fedreid.data.prepared import Record
 from fedreid.data.scenarios import make_client
 from fedreid.data.transforms import (
@@ -14,6 +21,7 @@ from fedreid.data.transforms import (
     IMAGENET_STD,
     build_test_transform,
     build_train_transform,
+    defers_normalize,
 )
 
 H, W = 32, 16  # small outputs keep the tests fast
@@ -303,3 +311,73 @@ def test_importing_the_transforms_never_asks_the_network_for_albumentations_upda
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "connects 0"
     assert "update" not in done.stderr.lower(), done.stderr
+
+
+# ---------------------------------------------------------------------------
+# Normalising where the batch is (train.normalize_on=device)
+# ---------------------------------------------------------------------------
+
+DEFERRABLE = {
+    "erasing and jitter": lambda defer: build_train_transform(
+        H, W, pad=4, random_erasing=0.5, color_jitter=0.1, seed=3, defer_normalize=defer),
+    "always erased, no crop or flip": lambda defer: build_train_transform(
+        H, W, pad=0, flip=False, random_erasing=1.0, seed=3, defer_normalize=defer),
+    "crop and flip": lambda defer: build_train_transform(H, W, pad=4, seed=3, defer_normalize=defer),
+    "test": lambda defer: build_test_transform(H, W, defer_normalize=defer),
+}
+
+
+@pytest.mark.parametrize("pipeline, workers", [(p, 0) for p in sorted(DEFERRABLE)] + [("erasing and jitter", 2)])
+def test_batches_normalised_on_the_device_equal_the_worker_pipelines_bit_for_bit(records, pipeline, workers):
+    client = make_client("c", "ds", records * 4)
+    worker_side = ReIDImageDataset.from_client(client, DEFERRABLE[pipeline](False))
+    deferred = DEFERRABLE[pipeline](True)
+    device_side = ReIDImageDataset.from_client(client, deferred)
+    want = _batches(make_loader(worker_side, 5, shuffle=True, seed=7, num_workers=workers))
+    raw = next(iter(make_loader(device_side, 5, shuffle=True, seed=7, num_workers=workers)))
+    assert raw["image"].dtype == torch.uint8 and raw["image"].shape == (5, H, W, 3)
+    assert ("erase" in raw) == ("erasing" in pipeline or "erased" in pipeline)
+    got = _batches(DeviceBatches(make_loader(device_side, 5, shuffle=True, seed=7, num_workers=workers),
+                                 "cpu", deferred.batch_normalize))
+    assert len(got) == len(want) == 5  # 24 images: the last batch holds 4
+    for (ia, xa), (ib, xb) in zip(got, want):
+        assert ia == ib and xa.dtype == torch.float32 and torch.equal(xa, xb)
+    if pipeline == "always erased, no crop or flip":  # every image has a zeroed rectangle
+        assert all((x == 0).all(dim=0).any() for _, batch in got for x in batch)
+
+
+def test_batch_normalize_gives_the_asked_layout_and_rejects_float_batches():
+    transform = build_train_transform(H, W, random_erasing=1.0, seed=0, defer_normalize=True)
+    items = [transform(asymmetric_image(s)) for s in range(3)]
+    images, erase = torch.stack([i["image"] for i in items]), torch.stack([i["erase"] for i in items])
+    plain = transform.batch_normalize(images, erase)
+    last = transform.batch_normalize(images, erase, memory_format=torch.channels_last)
+    assert plain.is_contiguous() and last.is_contiguous(memory_format=torch.channels_last)
+    assert torch.equal(plain, last)
+    top, bottom, left, right = erase[0].tolist()
+    assert 0 <= top < bottom <= H and 0 <= left < right <= W
+    assert (plain[0, :, top:bottom, left:right] == 0).all()
+    with pytest.raises(ValueError, match=r"uint8 batch of shape \[B, H, W, 3\]"):
+        transform.batch_normalize(plain)
+
+
+def test_normalize_on_auto_defers_on_cuda_only():
+    assert not defers_normalize("auto", torch.device("cpu")) and defers_normalize("auto", "cuda:0")
+    assert defers_normalize("device", "cpu") and not defers_normalize("worker", "cuda")
+    with pytest.raises(ValueError, match="train.normalize_on: expected one of auto, worker, device, got 'gpu'"):
+        defers_normalize("gpu", "cpu")
+
+
+@pytest.mark.gpu
+def test_batches_normalised_on_cuda_equal_the_worker_pipelines_bit_for_bit(records):
+    client = make_client("c", "ds", records * 4)
+    want = _batches(make_loader(ReIDImageDataset.from_client(client, DEFERRABLE["erasing and jitter"](False)),
+                                8, shuffle=True, seed=2, num_workers=2))
+    deferred = DEFERRABLE["erasing and jitter"](True)
+    loader = make_loader(ReIDImageDataset.from_client(client, deferred), 8, shuffle=True, seed=2, num_workers=2,
+                         pin_memory=True)
+    got = _batches(DeviceBatches(loader, "cuda", deferred.batch_normalize, torch.channels_last))
+    assert len(got) == len(want) == 3
+    for (ia, xa), (ib, xb) in zip(got, want):
+        assert xa.is_cuda and xa.is_contiguous(memory_format=torch.channels_last)
+        assert ia == ib and torch.equal(xa.cpu(), xb)
