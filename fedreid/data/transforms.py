@@ -273,13 +273,13 @@ def build_train_transform(
         steps.append(A.RandomCrop(height, width))
     if flip:
         steps.append(A.HorizontalFlip(p=0.5))
+    if not defer_normalize:
+        steps.append(A.Normalize(mean=tuple(mean), std=tuple(std), max_pixel_value=255.0))
+    if random_erasing > 0:  # deferred: the rectangle is drawn here and filled by BatchNormalize
+        erasing = _ErasingBox if defer_normalize else A.Erasing
+        steps.append(erasing(scale=(0.02, 0.4), ratio=(0.3, 1 / 0.3), fill=0, p=random_erasing))
     if defer_normalize:
-        if random_erasing > 0:
-            steps.append(_ErasingBox(scale=(0.02, 0.4), ratio=(0.3, 1 / 0.3), fill=0, p=random_erasing))
         return Uint8ImageTransform(A.Compose(steps), BatchNormalize(mean, std), seed=seed)
-    steps.append(A.Normalize(mean=tuple(mean), std=tuple(std), max_pixel_value=255.0))
-    if random_erasing > 0:
-        steps.append(A.Erasing(scale=(0.02, 0.4), ratio=(0.3, 1 / 0.3), fill=0, p=random_erasing))
     from albumentations.pytorch import ToTensorV2
 
     steps.append(ToTensorV2())
@@ -301,9 +301,8 @@ def build_test_transform(
     ``batch_normalize`` normalises the batch where it is (module docstring).
     """
     if defer_normalize:
-        _check_size(height, width)
-        resize = A.Resize(height, width, interpolation=interpolation)
-        return Uint8ImageTransform(A.Compose([resize]), BatchNormalize(mean, std), seed=0)
+        steps = _test_steps(height, width, mean, std, interpolation, normalize=False)
+        return Uint8ImageTransform(A.Compose(steps), BatchNormalize(mean, std), seed=0)
     from albumentations.pytorch import ToTensorV2
 
     steps = [*_test_steps(height, width, mean, std, interpolation), ToTensorV2()]
@@ -323,14 +322,18 @@ def build_test_array_transform(
 
 
 def _test_steps(
-    height: int, width: int, mean: Sequence[float], std: Sequence[float], interpolation: int
+    height: int, width: int, mean: Sequence[float], std: Sequence[float], interpolation: int, *,
+    normalize: bool = True,
 ) -> list:
-    """Resize to ``height x width`` (``interpolation``) + normalisation by ``mean``/``std``, HWC float32 out."""
+    """Resize to ``height x width`` (``interpolation``) + normalisation by ``mean``/``std``, HWC float32 out.
+
+    ``normalize=False``: the resize only (uint8 out), for :class:`BatchNormalize` to finish.
+    """
     _check_size(height, width)
-    return [
-        A.Resize(height, width, interpolation=interpolation),
-        A.Normalize(mean=tuple(mean), std=tuple(std), max_pixel_value=255.0),
-    ]
+    steps = [A.Resize(height, width, interpolation=interpolation)]
+    if normalize:
+        steps.append(A.Normalize(mean=tuple(mean), std=tuple(std), max_pixel_value=255.0))
+    return steps
 
 
 def _seed_compose(compose: A.Compose, seed: Optional[int]) -> np.random.Generator:

@@ -47,6 +47,7 @@ __all__ = [
     "faiss_gpu_available",
     "is_index_folder",
     "old_index_header",
+    "pair_scores",
     "refuse_old_index_folder",
     "require_faiss_gpu",
     "search",
@@ -163,7 +164,7 @@ def block_topk(
 
     Same output and tie rule as :func:`search`; memory is bounded by
     ``max_block_bytes`` per query block. With numpy inputs the scores are
-    per-pair inner products (:func:`_pair_scores`, as a store's refine
+    per-pair inner products (:func:`pair_scores`, as a store's refine
     computes them), so equal gallery vectors score equally wherever they sit;
     the matmul only picks the candidates (:func:`_rescored_topk`).
     """
@@ -184,11 +185,13 @@ def block_topk(
     return scores, indices
 
 
-def _pair_scores(queries: np.ndarray, vectors: np.ndarray) -> np.ndarray:
+def pair_scores(queries: np.ndarray, vectors: np.ndarray) -> np.ndarray:
     """``[q, c]`` inner products of ``queries [q, d]`` with their own candidates ``vectors [q, c, d]``.
 
     One pair at a time (``einsum``, no BLAS), so a score depends on the two
-    vectors only: the computation of :meth:`fedreid.retrieval.store.GalleryStore._rescore`.
+    vectors only, not on where a vector sits. The exact scores of
+    :func:`block_topk` and of a store's refine
+    (:meth:`fedreid.retrieval.store.GalleryStore._rescore`).
     """
     return np.einsum("qcd,qd->qc", vectors, queries)
 
@@ -203,17 +206,17 @@ def _rescored_topk(queries: np.ndarray, gallery: np.ndarray, block: np.ndarray, 
     (seen with OpenBLAS on AMD EPYC). Every item whose matmul score lies
     within twice the float32 error bound of a length-``d`` dot product
     (``d * 2**-24 * |q| * max |g|``, ``max_norm`` the largest ``|g|``) of
-    the row's ``k``-th is rescored by :func:`_pair_scores`; the tie rule then
+    the row's ``k``-th is rescored by :func:`pair_scores`; the tie rule then
     orders those.
     """
-    kth = top_k_rows(block, k)[0][:, -1]
+    kth = np.partition(block, block.shape[1] - k, axis=1)[:, block.shape[1] - k]  # each row's k-th largest
     bound = 2 * gallery.shape[1] * 2.0**-24 * np.linalg.norm(queries, axis=1) * max_norm
     candidates = block >= (kth - bound)[:, None]
     scores = np.empty((block.shape[0], k), dtype=np.float32)
     indices = np.empty((block.shape[0], k), dtype=np.int64)
     for r in range(block.shape[0]):
         cols = np.flatnonzero(candidates[r])
-        exact = _pair_scores(queries[r : r + 1], gallery[cols][None])[0]
+        exact = pair_scores(queries[r : r + 1], gallery[cols][None])[0]
         order = np.lexsort((cols, -exact))[:k]
         scores[r], indices[r] = exact[order], cols[order]
     return scores, indices

@@ -893,6 +893,8 @@ class GalleryStore:
         Equal scores: the smaller id first; pads rank last. Queries are done
         in blocks so the gathered candidate vectors stay under about 64 MB.
         """
+        from fedreid.retrieval.exact import pair_scores
+
         out = _empty_result(queries.shape[0], k)
         nq, nc = candidates.shape
         kk = min(k, nc)
@@ -903,7 +905,7 @@ class GalleryStore:
             valid = cand >= 0
             rows = np.searchsorted(ids, np.where(valid, cand, ids[0] if ids.size else 0))
             gathered = np.asarray(vectors[rows.ravel()], dtype=np.float32).reshape(*cand.shape, self.dim)
-            scores = np.einsum("qcd,qd->qc", gathered, queries[s : s + block])
+            scores = pair_scores(queries[s : s + block], gathered)
             scores[~valid] = -np.inf
             order = np.lexsort((np.where(valid, cand, np.iinfo(np.int64).max), -scores), axis=-1)[:, :kk]
             out.scores[s : s + block, :kk] = np.take_along_axis(scores, order, axis=1)
