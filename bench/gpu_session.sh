@@ -19,7 +19,8 @@ fi
     python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
     echo "== gpu-marked tests"
     python3 -m pytest -q -m gpu -p no:cacheprovider tests/fl/test_cuda_graphs.py tests/utils/test_precision.py \
-        tests/eval/test_metrics_torch.py tests/fl/test_concurrent_clients.py tests/data/test_data_pipeline.py --tb=short 2>&1 | tail -60
+        tests/eval/test_metrics_torch.py tests/fl/test_concurrent_clients.py tests/data/test_data_pipeline.py \
+        tests/fl/test_evaluator_loading.py --tb=short 2>&1 | tail -60
     echo "== bench/gpu_round.py $*"
     python3 bench/gpu_round.py "$@"
 } 2>&1 | tee "$LOG"

@@ -420,12 +420,19 @@ class EvalConfig:
     flip: bool = True
     #: Datasets to evaluate on; null means every training dataset.
     datasets: Optional[list[str]] = None
+    #: Loader workers of evaluation (kept across evaluations with
+    #: ``train.persistent_workers``); null: ``train.workers`` times
+    #: ``run.concurrent_clients``, at most the CPU count (the training loaders idle
+    #: while the server evaluates). Speed only: the features do not depend on it.
+    workers: Optional[int] = None
 
     def validate(self, prefix: str) -> None:
         for name in ("every", "batch_size"):
             _check_positive(f"{prefix}.{name}", getattr(self, name))
         if not self.ranks or min(self.ranks) < 1:
             raise ConfigError(f"{prefix}.ranks: expected positive ranks, got {self.ranks!r}")
+        if self.workers is not None and self.workers < 0:
+            raise ConfigError(f"{prefix}.workers: expected a value >= 0 or null, got {self.workers}")
 
 
 @dataclass

@@ -28,6 +28,10 @@ PyTorch derives from the loader's generator (a base seed drawn per epoch, plus
 the worker id): runs with the same seed and worker count match, epochs and
 workers differ, but the augmentations are not the ones of ``num_workers=0``.
 
+:class:`SegmentLoader` reads several datasets (evaluation's query and gallery
+sets) through one loader with persistent workers, each batched as its own
+in-order loader would be.
+
 :class:`EpochLoader` keeps one loader's workers alive across epochs (and a
 client's rounds) and gives every epoch exactly the batches and augmentations
 of a fresh :func:`make_loader` with that epoch's seed: it draws the base seed
@@ -41,12 +45,12 @@ from __future__ import annotations
 
 import multiprocessing
 import random
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterable, Iterator, Mapping, Optional, Sequence
 
 import cv2
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler, get_worker_info
+from torch.utils.data import ConcatDataset, DataLoader, Dataset, Sampler, get_worker_info
 from torch.utils.data._utils.worker import _generate_state
 
 from fedreid.data.images import ImageReadError, read_image
@@ -56,8 +60,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from fedreid.data.scenarios import ClientSplit
 
 __all__ = [
-    "DeviceBatches", "EpochLoader", "ImageReadError", "ReIDImageDataset", "make_loader", "on_device", "read_image",
-    "seed_worker",
+    "DeviceBatches", "EpochLoader", "ImageReadError", "ReIDImageDataset", "SegmentLoader", "make_loader", "on_device",
+    "read_image", "seed_worker",
 ]
 
 
@@ -302,6 +306,81 @@ class EpochLoader:
         assert self._batches is not None
         self._batches.set_epoch(int(seed), shuffle=shuffle, drop_last=drop_last)
         return self._loader
+
+
+class _SegmentBatches(Sampler):
+    """Index batches of the chosen segments of a concatenation, each segment batched from its own start."""
+
+    def __init__(self, spans: Mapping[Hashable, tuple[int, int]], batch_size: int) -> None:
+        self.spans, self.batch_size = dict(spans), batch_size
+        self.keys: list[Hashable] = []
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for key in self.keys:
+            start, stop = self.spans[key]
+            for low in range(start, stop, self.batch_size):
+                yield list(range(low, min(low + self.batch_size, stop)))
+
+    def __len__(self) -> int:
+        return sum(-(-(stop - start) // self.batch_size) for start, stop in map(self.spans.__getitem__, self.keys))
+
+
+class SegmentLoader:
+    """Several datasets ("segments") read through one loader whose workers persist.
+
+    :meth:`read` gives the batches of the chosen segments, in the order asked,
+    each segment batched from its start exactly as a fresh
+    ``make_loader(segment, batch_size, shuffle=False)`` would: no batch spans
+    two segments, so a model sees the same batches either way. One pass keeps
+    every worker busy across the segments' boundaries (a loader per segment
+    drains at each end, and a segment of a few batches leaves most workers
+    idle), and with ``persistent`` the workers start once, not once per
+    segment and pass. Meant for deterministic transforms (evaluation's test
+    pipeline): workers are not reseeded between passes. One pass at a time:
+    a :meth:`read` re-plans the loader it returns. Pickles without its
+    workers (a copy starts its own).
+    """
+
+    def __init__(self, segments: Mapping[Hashable, Dataset], batch_size: int, *, num_workers: int = 0,
+                 pin_memory: bool = False, persistent: bool = True) -> None:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.segments = dict(segments)
+        self.batch_size = batch_size
+        self.num_workers = num_workers
+        self.pin_memory = pin_memory
+        self.persistent = persistent and num_workers > 0
+        spans, start = {}, 0
+        for key, dataset in self.segments.items():
+            spans[key] = (start, start + len(dataset))  # type: ignore[arg-type]
+            start += len(dataset)  # type: ignore[arg-type]
+        self._batches = _SegmentBatches(spans, batch_size)
+        self._loader: Optional[DataLoader] = None
+
+    def size(self, key: Hashable) -> int:
+        """The number of items of segment ``key``."""
+        start, stop = self._batches.spans[key]
+        return stop - start
+
+    def read(self, keys: Sequence[Hashable]) -> DataLoader:
+        """The batches of the segments ``keys``, in that order (see the class docstring)."""
+        unknown = [key for key in keys if key not in self.segments]
+        if unknown:
+            raise KeyError(f"no segment {unknown[0]!r}; the loader has {list(self.segments)}")
+        self._batches.keys = list(keys)
+        if self._loader is None or not self.persistent:
+            self._loader = DataLoader(
+                ConcatDataset(list(self.segments.values())), batch_sampler=self._batches,
+                num_workers=self.num_workers, worker_init_fn=_single_threaded_opencv if self.num_workers else None,
+                persistent_workers=self.persistent, pin_memory=self.pin_memory,
+                multiprocessing_context=_worker_context(self.num_workers),
+                # its own generator: the iterator's unused base-seed draw must not touch torch's global RNG
+                generator=torch.Generator().manual_seed(0),
+            )
+        return self._loader
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_loader": None}
 
 
 class DeviceBatches:

@@ -77,6 +77,7 @@ from fedreid.data.prepared import PreparedDataset
 from fedreid.errors import FedReIDError
 from fedreid.fl.client import Client, ClientError, records_fingerprint
 from fedreid.fl.concurrent import ClientPool, ClientResult
+from fedreid.fl.evaluation import Evaluator
 from fedreid.fl.federation import Federation, build_federation, check_model_name, public_dataset_name
 from fedreid.fl.inputs import check_inputs
 from fedreid.fl.server import Server
@@ -100,7 +101,8 @@ RUN_KIND = "run"
 PARTITION_PICTURE = "partition.png"
 
 #: Config keys that may differ when a run is resumed.
-RESUMABLE_CHANGES = ("fl.rounds", "run.", "eval.batch_size", "train.workers", "train.persistent_workers")
+RESUMABLE_CHANGES = ("fl.rounds", "run.", "eval.batch_size", "eval.workers", "train.workers",
+                     "train.persistent_workers")
 
 
 #: Runs one round on clients in other processes: ``record = remote_round(server)``.
@@ -430,8 +432,11 @@ def _client_pool(fed: Federation, processes: int) -> ClientPool:
     """The started worker pool of ``run.concurrent_clients`` (:mod:`fedreid.fl.concurrent`)."""
     cfg = fed.cfg
     wants_local = (cfg.fl.mode == "local" or cfg.eval.local_models) and fed.evaluator is not None
+    evaluator = fed.evaluator if wants_local else None
+    if isinstance(evaluator, Evaluator):  # a worker evaluates its client with that client's loader workers
+        evaluator = evaluator.with_workers(cfg.train.workers)
     pool = ClientPool(cfg, fed.clients, fed.work_model, processes=processes, device=fed.device,
-                      evaluator=fed.evaluator if wants_local else None)
+                      evaluator=evaluator)
     pool.start()
     # The workers train on their own copies; this one would only hold device memory.
     fed.work_model.to("cpu")

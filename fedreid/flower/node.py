@@ -199,7 +199,8 @@ class NodeClient:
             from fedreid.fl.evaluation import Evaluator
 
             self._evaluator = Evaluator.from_config(
-                cfg, {dataset: load_prepared(cfg.data.prepared_root, dataset)}, self.client.device
+                cfg, {dataset: load_prepared(cfg.data.prepared_root, dataset)}, self.client.device,
+                workers=cfg.train.workers,
             )
         return self._evaluator
 

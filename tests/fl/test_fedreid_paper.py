@@ -251,7 +251,8 @@ def test_evaluator_records_the_official_ap_over_all_queries(monkeypatch):
     feats = {3: torch.nn.functional.normalize(torch.from_numpy(rng.normal(size=(3, 4)).astype(np.float32)), dim=1),
              4: torch.nn.functional.normalize(torch.from_numpy(rng.normal(size=(4, 4)).astype(np.float32)), dim=1)}
     ev = Evaluator({"tiny": ds}, height=8, width=4)
-    monkeypatch.setattr(ev, "features", lambda model, loader: feats[len(loader.dataset)])
+    split_features = {("tiny", "query"): feats[3], ("tiny", "gallery"): feats[4]}
+    monkeypatch.setattr(ev, "split_features", lambda model, names: split_features)
     ids = ([1, 2, 3], [1, 2, 1, 7], [0, 0, 0], [1, 1, 1, 1])
     standard = evaluate(feats[3], feats[4], *ids, ap="standard")
     official = evaluate(feats[3], feats[4], *ids, ap="official")
@@ -265,7 +266,7 @@ def test_evaluator_records_the_official_ap_over_all_queries(monkeypatch):
     assert row["rank1_official"] == pytest.approx(row["rank1"] * 2 / 3)
     assert row["mINP"] == pytest.approx(evaluate(feats[3], feats[4], *ids, ap="standard", minp=True)["mINP"])
     no_extra = Evaluator({"tiny": ds}, height=8, width=4, extra_ap=())
-    monkeypatch.setattr(no_extra, "features", lambda model, loader: feats[len(loader.dataset)])
+    monkeypatch.setattr(no_extra, "split_features", lambda model, names: split_features)
     assert "mAP_official" not in no_extra(nn.Identity())["tiny"]
     cfg = load_config(None, [])
     assert Evaluator.from_config(cfg, {"tiny": ds}, "cpu").extra_ap == ("official",)

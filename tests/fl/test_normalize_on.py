@@ -42,7 +42,7 @@ def test_every_loader_of_a_device_normalising_run_hands_over_finished_batches(wo
     (kd,) = [hook for hook in fed.server.hooks if hook.name == "kd"]
     loaders = {"train": client.train_loader(0), "public": client.public_loader(kd_seed=1),
                "server's student": kd.public_loader_fn(shuffle=True, seed=1),
-               "evaluation": fed.evaluator._loaders(next(iter(fed.evaluator.datasets)))["query"]["loader"]}
+               "evaluation": fed.evaluator._loader([(next(iter(fed.evaluator.datasets)), "query")])}
     for name, loader in loaders.items():
         assert isinstance(loader, DeviceBatches), name
         batch = next(iter(loader))
