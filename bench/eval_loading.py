@@ -28,12 +28,14 @@ import cv2
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from round_time import prepare_synthetic  # noqa: E402
+
+from fedreid.config import load_config  # noqa: E402
 from fedreid.data.benchmark import BENCHMARK_DATASETS  # noqa: E402
 from fedreid.data.datasets import ReIDImageDataset, SegmentLoader, make_loader  # noqa: E402
-from fedreid.data.prepared import load_prepared, prepare_dataset  # noqa: E402
-from fedreid.data.raw import create_raw_dataset  # noqa: E402
-from fedreid.data.synthetic import generate_world  # noqa: E402
+from fedreid.data.prepared import load_prepared  # noqa: E402
 from fedreid.data.transforms import build_test_transform  # noqa: E402
 
 BATCH = 128
@@ -59,13 +61,13 @@ def main(argv=None) -> int:
     cv2.setNumThreads(1)
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        world = generate_world(tmp / "raw", datasets=list(BENCHMARK_DATASETS), id_scale=args.id_scale,
-                               height=128, width=64)
+        prepare_synthetic(load_config(None, [
+            f"synthetic.root={tmp / 'raw'}", f"data.prepared_root={tmp / 'prep'}", "data.public_dataset=null",
+            f"synthetic.id_scale={args.id_scale}", "synthetic.height=128", "synthetic.width=64",
+        ]))
         transform = build_test_transform(256, 128)
         sets = {}
         for name in BENCHMARK_DATASETS:
-            options = world["parser_options"].get(name, {})
-            prepare_dataset(create_raw_dataset(name, tmp / "raw", **options), tmp / "prep", progress=False)
             ds = load_prepared(tmp / "prep", name)
             for split in ("query", "gallery"):
                 sets[(name, split)] = ReIDImageDataset(ds.split(split), None, transform=transform)

@@ -86,6 +86,7 @@ class Evaluator:
         self.normalize_on = normalize_on
         self._images: Any = None  # the SegmentLoader over every query and gallery set, built on first use
         self._transform: Any = None
+        self._id_arrays: dict[tuple[str, str], tuple[np.ndarray, np.ndarray]] = {}
         for name, ds in self.datasets.items():
             for split in ("query", "gallery"):
                 if not ds.split(split):
@@ -111,8 +112,9 @@ class Evaluator:
 
     def _loader(self, splits: Sequence[tuple[str, str]]) -> Iterable:
         """The batches of ``splits`` (``(dataset, "query"|"gallery")``), in order, through one persistent loader."""
+        from fedreid.data.datasets import ReIDImageDataset, SegmentLoader, on_device
+
         if self._images is None:
-            from fedreid.data.datasets import ReIDImageDataset, SegmentLoader
             from fedreid.data.transforms import build_test_transform, defers_normalize
 
             self._transform = build_test_transform(
@@ -122,8 +124,6 @@ class Evaluator:
                         for name, ds in self.datasets.items() for split in ("query", "gallery")}
             self._images = SegmentLoader(segments, self.batch_size, num_workers=self.workers,
                                          pin_memory=self.device.type == "cuda", persistent=self.persistent_workers)
-        from fedreid.data.datasets import on_device
-
         return on_device(self._images.read(splits), self._transform, self.device)
 
     def features(self, model: nn.Module, loader) -> Tensor:
@@ -160,9 +160,12 @@ class Evaluator:
         return dict(zip(splits, torch.split(features, sizes)))
 
     def _ids(self, name: str, split: str) -> tuple[np.ndarray, np.ndarray]:
-        records = self.datasets[name].split(split)
-        return (np.array([r.pid for r in records], dtype=np.int64),
-                np.array([r.camid for r in records], dtype=np.int64))
+        """The pids and camids of a set, read from its records once."""
+        if (name, split) not in self._id_arrays:
+            records = self.datasets[name].split(split)
+            self._id_arrays[(name, split)] = (np.array([r.pid for r in records], dtype=np.int64),
+                                              np.array([r.camid for r in records], dtype=np.int64))
+        return self._id_arrays[(name, split)]
 
     def evaluate_dataset(self, model: nn.Module, name: str,
                          features: Optional[Mapping[tuple[str, str], Tensor]] = None) -> dict[str, Any]:
