@@ -39,15 +39,17 @@ memory allocated during each client's fit as ``metadata["gpu_peak_bytes"]``
 after each task, so the main process has the memory for aggregation, server
 hooks and evaluation while the workers wait. On the CPU nothing is added.
 
-Messages cross the pipes as :func:`torch.save` bytes (not the
-multiprocessing pickler, which would move tensors through shared memory or
-CUDA IPC handles that the sender must keep alive); a CUDA tensor arrives on
-the same device index it left.
+Messages cross the pipes as :mod:`fedreid.fl.shared_tensors` messages: a
+small pickle stream, with the bytes of its CPU tensors in an anonymous
+memory file whose descriptor crosses with it, so the ~100 MB payload is
+written once a round and no update is copied through a pipe (``shared_memory
+=False``, or a platform without memory files: the tensors travel in the
+stream). A CUDA tensor is pickled as torch pickles it and arrives on the same
+device index it left.
 """
 
 from __future__ import annotations
 
-import io
 import multiprocessing
 import os
 import pickle
@@ -64,6 +66,7 @@ from torch import Tensor, nn
 
 from fedreid.config import Config
 from fedreid.errors import FedReIDError
+from fedreid.fl.shared_tensors import PackedMessage, pack, receive, send
 from fedreid.fl.update import Update, to_plain
 from fedreid.utils.seeding import deterministic_mode
 
@@ -105,17 +108,6 @@ class ClientResult:
 
 #: ``on_result(result)``: called in the main process as each client finishes (completion order).
 ResultFn = Callable[[ClientResult], None]
-
-
-def _dumps(obj: Any) -> bytes:
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    return buffer.getvalue()
-
-
-def _loads(data: bytes) -> Any:
-    # Bytes from our own worker or parent over a private pipe, never a file: full unpickling is intended.
-    return torch.load(io.BytesIO(data), weights_only=False)
 
 
 def _numeric_settings(cfg: Config) -> dict[str, Any]:
@@ -168,11 +160,13 @@ class ClientPool:
     worker); ``evaluator``: called as ``evaluator(model, [dataset])`` for the
     local-model evaluation, or None when the run has none. Use as a context
     manager, or call :meth:`start` and, on every exit path, :meth:`close`.
+    ``shared_memory``: tensors cross in memory files (see the module
+    docstring); False sends them through the pipes, with the same values.
     """
 
     def __init__(self, cfg: Config, clients: Sequence[Any], work_model: nn.Module, *, processes: int,
                  evaluator: Optional[Callable[..., Mapping[str, Any]]] = None,
-                 device: Optional[torch.device] = None) -> None:
+                 device: Optional[torch.device] = None, shared_memory: bool = True) -> None:
         if processes < 1:
             raise ValueError(f"a client pool needs at least one process, got {processes}")
         self.cfg = cfg
@@ -180,6 +174,7 @@ class ClientPool:
         self.work_model = work_model
         self.evaluator = evaluator
         self.processes = processes
+        self.shared_memory = shared_memory
         self.device = torch.device(device) if device is not None else next(
             (p.device for p in work_model.parameters()), torch.device("cpu"))
         self._workers: list[tuple[multiprocessing.process.BaseProcess, Connection]] = []
@@ -198,13 +193,14 @@ class ClientPool:
     def start(self) -> None:
         """Spawn the workers, hand each its copy of the clients and model, and wait until all are ready."""
         ctx = multiprocessing.get_context("spawn")
-        init = _dumps({
+        init = self._pack({
             "clients": self.clients,
             "work_model": self.work_model,
             "evaluator": self.evaluator,
             "settings": _numeric_settings(self.cfg),
             "memory_fraction": GPU_MEMORY_SHARE / self.processes if self.device.type == "cuda" else None,
             "device": str(self.device),
+            "shared_memory": self.shared_memory,
         })
         try:
             with _environment(worker_environment(self.processes)):
@@ -225,6 +221,8 @@ class ClientPool:
         except BaseException:
             self.close()
             raise
+        finally:
+            init.close()
 
     def close(self) -> None:
         """Stop every worker (idle ones are asked, busy ones terminated); idempotent."""
@@ -235,7 +233,7 @@ class ClientPool:
                 proc.terminate()
             elif proc.is_alive():
                 try:
-                    conn.send_bytes(_dumps(None))
+                    send(conn, None, shared=False)
                 except OSError:
                     pass
         for proc, conn in workers:
@@ -278,37 +276,42 @@ class ClientPool:
         idle = list(range(len(self._workers)))
         busy: dict[int, int] = {}  # worker -> client index
         done: dict[int, Update] = {}
-        shared: dict[int, tuple[Mapping[str, Tensor], bytes]] = {}  # id(payload) -> (payload, its bytes)
-        while pending or busy:
-            while pending and idle:
-                w, k = self._next_task(pending, idle)
-                payload = payload_for(k)
-                if id(payload) not in shared:  # a federated round sends every client the same bytes
-                    shared[id(payload)] = (payload, _dumps({"payload": payload, "instructions": dict(instructions)}))
-                task = _dumps({"index": k, "state": self.clients[k].state_dict(), "evaluate": bool(evaluate(k))})
-                busy[w] = k
-                self._busy.add(w)
-                self._send(w, [shared[id(payload)][1], task], what=f"client {self._name(k)!r}")
-            by_handle: dict[Any, int] = {}
-            for w in busy:
-                proc, conn = self._workers[w]
-                by_handle[conn] = w
-                by_handle[proc.sentinel] = w
-            for w in dict.fromkeys(by_handle[h] for h in wait(list(by_handle))):
-                k = busy.pop(w)
-                kind, body = self._receive(w, what=f"training client {self._name(k)!r}")
-                self._busy.discard(w)
-                if kind != "done":
-                    raise self._rebuild(body, k, w)
-                update = body["update"]
-                if update.client != self._name(k):
-                    raise ValueError(f"update from {update.client!r} returned for client {self._name(k)!r}")
-                self.clients[k].load_state_dict(body["state"])
-                self._home[k] = w
-                done[k] = update
-                idle.append(w)
-                if on_result is not None:
-                    on_result(ClientResult(k, update, body["local_eval"]))
+        shared: dict[int, tuple[Mapping[str, Tensor], PackedMessage]] = {}  # id(payload) -> (payload, message)
+        try:
+            while pending or busy:
+                while pending and idle:
+                    w, k = self._next_task(pending, idle)
+                    payload = payload_for(k)
+                    if id(payload) not in shared:  # a federated round packs the clients' common payload once
+                        shared[id(payload)] = (payload, self._pack({"payload": payload, "instructions": dict(instructions)}))
+                    busy[w] = k
+                    self._busy.add(w)
+                    with self._pack({"index": k, "state": self.clients[k].state_dict(),
+                                     "evaluate": bool(evaluate(k))}) as task:
+                        self._send(w, [shared[id(payload)][1], task], what=f"client {self._name(k)!r}")
+                by_handle: dict[Any, int] = {}
+                for w in busy:
+                    proc, conn = self._workers[w]
+                    by_handle[conn] = w
+                    by_handle[proc.sentinel] = w
+                for w in dict.fromkeys(by_handle[h] for h in wait(list(by_handle))):
+                    k = busy.pop(w)
+                    kind, body = self._receive(w, what=f"training client {self._name(k)!r}")
+                    self._busy.discard(w)
+                    if kind != "done":
+                        raise self._rebuild(body, k, w)
+                    update = body["update"]
+                    if update.client != self._name(k):
+                        raise ValueError(f"update from {update.client!r} returned for client {self._name(k)!r}")
+                    self.clients[k].load_state_dict(body["state"])
+                    self._home[k] = w
+                    done[k] = update
+                    idle.append(w)
+                    if on_result is not None:
+                        on_result(ClientResult(k, update, body["local_eval"]))
+        finally:
+            for _, message in shared.values():
+                message.close()
         return [done[k] for k in ids]
 
     # ------------------------------------------------------------- internals
@@ -350,18 +353,21 @@ class ClientPool:
         return WorkerDiedError(f"client worker process {w} (pid {proc.pid}) died while {what} ({how}); "
                                f"run.concurrent_clients={self.processes}")
 
-    def _send(self, w: int, parts: Sequence[bytes], *, what: str) -> None:
+    def _pack(self, obj: Any) -> PackedMessage:
+        return pack(obj, shared=self.shared_memory)
+
+    def _send(self, w: int, parts: Sequence[PackedMessage], *, what: str) -> None:
         _, conn = self._workers[w]
         try:
             for part in parts:
-                conn.send_bytes(part)
+                part.send(conn)
         except OSError:  # BrokenPipeError, ConnectionResetError: the worker is gone
             raise self._died(w, f"receiving {what}") from None
 
     def _receive(self, w: int, *, what: str) -> tuple[str, Any]:
         _, conn = self._workers[w]
         try:
-            return _loads(conn.recv_bytes())
+            return receive(conn)
         except (EOFError, OSError):
             raise self._died(w, what) from None
 
@@ -412,7 +418,7 @@ def _worker_main(conn: Connection, index: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         try:
-            init = _loads(conn.recv_bytes())
+            init = receive(conn)
             if init is None:
                 return
             _adopt_settings(init["settings"])
@@ -422,11 +428,11 @@ def _worker_main(conn: Connection, index: int) -> None:
                     device = torch.device("cuda", torch.cuda.current_device())
                 torch.cuda.set_per_process_memory_fraction(init["memory_fraction"], device)
         except Exception as exc:
-            conn.send_bytes(_dumps(("error", _error_body(exc))))
+            send(conn, ("error", _error_body(exc)), shared=False)
             return
         with deterministic_mode(init["settings"]["deterministic"]):
-            conn.send_bytes(_dumps(("ready", None)))
-            _serve(conn, init["clients"], init["work_model"], init["evaluator"], device)
+            send(conn, ("ready", None), shared=False)
+            _serve(conn, init["clients"], init["work_model"], init["evaluator"], device, init["shared_memory"])
     except (EOFError, BrokenPipeError, ConnectionResetError):
         return  # the parent is gone or closed the pipe
     finally:
@@ -446,17 +452,17 @@ def _exit_now() -> None:
 
 
 def _serve(conn: Connection, clients: Sequence[Any], model: nn.Module, evaluator: Any,
-           device: torch.device) -> None:
+           device: torch.device, shared_memory: bool) -> None:
     while True:
-        first = _loads(conn.recv_bytes())
+        first = receive(conn)  # our own parent's messages over a private pipe: full unpickling is intended
         if first is None:
             return
-        task = _loads(conn.recv_bytes())
+        task = receive(conn)
         try:
             reply: tuple[str, Any] = ("done", _fit(clients[task["index"]], model, evaluator, device, first, task))
         except Exception as exc:
             reply = ("error", _error_body(exc))
-        conn.send_bytes(_dumps(reply))
+        send(conn, reply, shared=shared_memory)
 
 
 def _fit(client: Any, model: nn.Module, evaluator: Any, device: torch.device, shared: Mapping[str, Any],

@@ -125,7 +125,10 @@ class FakeClient:
         if self.how == "die":
             os.kill(os.getpid(), signal.SIGKILL)
         self.calls += 1
-        return Update(self.name, {"w": payload["w"] + 1}, 3, {"train_loss": 0.5, "pid": os.getpid()})
+        update = Update(self.name, {"w": payload["w"] + 1}, 3, {"train_loss": 0.5, "pid": os.getpid()})
+        if self.how == "scribble":  # writes on the payload it was given
+            payload["w"].mul_(-7)
+        return update
 
 
 def test_a_client_goes_back_to_the_worker_that_trained_it_last():
@@ -137,6 +140,20 @@ def test_a_client_goes_back_to_the_worker_that_trained_it_last():
         second = {u.client: u.metadata["pid"] for u in pool.fit_round([1, 0], lambda k: payload, {"round": 1})}
     assert len(set(first.values())) == 2 and second == first
     assert [c.calls for c in clients] == [2, 2]
+
+
+@pytest.mark.parametrize("shared_memory", [True, False])
+def test_every_client_gets_the_payload_as_sent_whatever_the_others_wrote_on_theirs(shared_memory):
+    # three clients on two workers: one worker receives the round's payload twice
+    clients = [FakeClient(name, "scribble") for name in ("a", "b", "c")]
+    payload = {"w": torch.arange(6.0), "big": torch.ones(300_000)}
+    with ClientPool(load_config(None, ["run.device=cpu"]), clients, torch.nn.Linear(1, 1), processes=2,
+                    shared_memory=shared_memory) as pool:
+        for r in range(2):
+            updates = pool.fit_round([0, 1, 2], lambda k: payload, {"round": r})
+            assert [u.client for u in updates] == ["a", "b", "c"]
+            assert all(torch.equal(u.state["w"], torch.arange(6.0) + 1) for u in updates)
+    assert torch.equal(payload["w"], torch.arange(6.0)) and [c.calls for c in clients] == [2, 2, 2]
 
 
 def test_failing_and_dying_clients_are_reported_naming_the_client():
