@@ -15,6 +15,11 @@ erasing) and the test pipeline at 256x128 on the synthetic Market-1501:
 - the device side's cost per batch of 32 (:class:`BatchNormalize`) on this machine; on a CPU
   it means little, on a GPU it is a table lookup over 3 million bytes.
 
+Then a one-epoch client round's reading (FedPav's default pipeline, normalised in the
+worker): its epoch, then the CDW batch (the first batch of another epoch), with the
+workers given that one batch (``EpochLoader.epoch(batches=1)``, what the client does)
+against a whole epoch's prefetch of 2 batches a worker, all but one of them discarded.
+
     python bench/loader_path.py [--images 400] [--workers 2] [--repeats 5]
 """
 
@@ -74,6 +79,20 @@ def loader_rate(dataset: ReIDImageDataset, workers: int, repeats: int) -> float:
     return statistics.median(rates)
 
 
+def client_round_seconds(dataset: ReIDImageDataset, workers: int, repeats: int, cdw_batches) -> float:
+    """Median seconds of (one epoch + the CDW batch) through one persistent loader."""
+    loader = EpochLoader(dataset, BATCH, num_workers=workers)
+    times = []
+    for r in range(repeats + 1):
+        t0 = time.perf_counter()
+        for _ in loader.epoch(2 * r):
+            pass
+        next(iter(loader.epoch(2 * r + 1, batches=cdw_batches)))
+        if r:  # the first round starts the workers
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--images", type=int, default=400, help="training images to read (default 400)")
@@ -112,6 +131,12 @@ def main(argv=None) -> int:
                 print(f"{name:<28} {'device' if defer else 'worker':<13} {per_image[defer]:>13,.0f} "
                       f"{size:>10,} {rate:>20,.0f} {device_side:>21}")
             print(f"{'':<28} {'ratio':<13} {per_image[True] / per_image[False]:>13.2f}")
+        dataset = ReIDImageDataset(records, None, transform=PIPELINES["train (FedPav's default)"](False))
+        print(f"\na one-epoch client round ({len(records)} images, {args.workers} workers): its epoch + the CDW batch")
+        whole = client_round_seconds(dataset, args.workers, args.repeats, None)
+        one = client_round_seconds(dataset, args.workers, args.repeats, 1)
+        print(f"  CDW batch from a whole epoch's prefetch: {whole:.3f} s; workers given one batch: {one:.3f} s "
+              f"({whole / one:.2f}x)")
     return 0
 
 

@@ -43,6 +43,7 @@ as a fresh worker would.
 
 from __future__ import annotations
 
+import itertools
 import multiprocessing
 import random
 from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterable, Iterator, Mapping, Optional, Sequence
@@ -211,25 +212,30 @@ class _EpochBatches(Sampler):
     def __init__(self, n: int, batch_size: int) -> None:
         self.n, self.batch_size = n, batch_size
         self.token, self.base, self.order, self.drop_last = 0, 0, list(range(n)), False
+        self.limit: Optional[int] = None
 
-    def set_epoch(self, seed: int, *, shuffle: bool, drop_last: bool) -> None:
+    def set_epoch(self, seed: int, *, shuffle: bool, drop_last: bool, limit: Optional[int] = None) -> None:
         self.token += 1
         self.base, self.order = _epoch_draws(seed, self.n, shuffle)
-        self.drop_last = drop_last
+        self.drop_last, self.limit = drop_last, limit
 
     def __iter__(self) -> Iterator[list[tuple[int, int, int]]]:
         batch: list[tuple[int, int, int]] = []
+        given = 0
         for index in self.order:
+            if given == self.limit:
+                return
             batch.append((index, self.token, self.base))
             if len(batch) == self.batch_size:
                 yield batch
-                batch = []
-        if batch and not self.drop_last:
+                batch, given = [], given + 1
+        if batch and not self.drop_last and given != self.limit:
             yield batch
 
     def __len__(self) -> int:
         full, rest = divmod(self.n, self.batch_size)
-        return full + (1 if rest and not self.drop_last else 0)
+        total = full + (1 if rest and not self.drop_last else 0)
+        return total if self.limit is None else min(total, self.limit)
 
 
 class _EpochSeededItems(Dataset):
@@ -271,8 +277,10 @@ class EpochLoader:
     augmentations equal those of a fresh :func:`make_loader` with the same
     seed, worker count and ``drop_last`` (module docstring), so keeping the
     workers changes speed, not numbers. An epoch may be abandoned early (the
-    next :meth:`epoch` discards what the workers had prefetched). Otherwise
-    :meth:`epoch` is :func:`make_loader`.
+    next :meth:`epoch` discards what the workers had prefetched); one known
+    to be read only in part (the CDW batch) says so with ``batches``, and
+    then the workers decode no batch beyond those. Otherwise :meth:`epoch`
+    is :func:`make_loader`.
     """
 
     def __init__(self, dataset: Dataset, batch_size: int, *, num_workers: int = 0, pin_memory: bool = False,
@@ -287,13 +295,17 @@ class EpochLoader:
         self._batches: Optional[_EpochBatches] = None
         self._loader: Optional[DataLoader] = None
 
-    def epoch(self, seed: int, *, shuffle: bool = True, drop_last: bool = False) -> Iterable:
-        """The batches of one epoch seeded by ``seed``."""
+    def epoch(self, seed: int, *, shuffle: bool = True, drop_last: bool = False,
+              batches: Optional[int] = None) -> Iterable:
+        """The batches of one epoch seeded by ``seed``; with ``batches``, only its first ``batches``."""
         if seed is None:
             raise ValueError("EpochLoader.epoch needs an integer seed (every random choice is seeded)")
+        if batches is not None and batches < 1:
+            raise ValueError(f"batches must be >= 1 (or None for the whole epoch), got {batches}")
         if not self.persistent:
-            return make_loader(self.dataset, self.batch_size, shuffle=shuffle, seed=int(seed),
-                               num_workers=self.num_workers, drop_last=drop_last, pin_memory=self.pin_memory)
+            loader = make_loader(self.dataset, self.batch_size, shuffle=shuffle, seed=int(seed),
+                                 num_workers=self.num_workers, drop_last=drop_last, pin_memory=self.pin_memory)
+            return loader if batches is None else _FirstBatches(loader, batches)
         if self._loader is None:
             self._batches = _EpochBatches(len(self.dataset), self.batch_size)  # type: ignore[arg-type]
             self._loader = DataLoader(
@@ -304,8 +316,18 @@ class EpochLoader:
                 generator=torch.Generator().manual_seed(0),
             )
         assert self._batches is not None
-        self._batches.set_epoch(int(seed), shuffle=shuffle, drop_last=drop_last)
+        self._batches.set_epoch(int(seed), shuffle=shuffle, drop_last=drop_last, limit=batches)
         return self._loader
+
+
+class _FirstBatches:
+    """The first ``count`` batches of ``loader``, each pass."""
+
+    def __init__(self, loader: Iterable, count: int) -> None:
+        self.loader, self.count = loader, count
+
+    def __iter__(self) -> Iterator:
+        return itertools.islice(iter(self.loader), self.count)
 
 
 class _SegmentBatches(Sampler):

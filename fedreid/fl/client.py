@@ -164,7 +164,7 @@ class Client:
             )
         return self._train_dataset
 
-    def train_loader(self, seed: int, *, drop_last: Optional[bool] = None):
+    def train_loader(self, seed: int, *, drop_last: Optional[bool] = None, batches: Optional[int] = None):
         """A loader over the training split; shuffle and augmentation seeded by ``seed``.
 
         One :class:`~fedreid.data.datasets.EpochLoader` per client: with
@@ -173,6 +173,8 @@ class Client:
         fresh loader seeded with ``seed``. Batches are pinned for a CUDA device.
         With ``train.normalize_on`` deferring, the batches are finished on the
         client's device (:class:`~fedreid.data.datasets.DeviceBatches`).
+        ``batches``: only the epoch's first ``batches`` are read (the workers
+        decode no others).
         """
         from fedreid.data.datasets import EpochLoader, on_device
 
@@ -184,7 +186,8 @@ class Client:
             )
         # the loader seeds the shuffle order and reseeds the augmentation with the same seed
         loader = self._train_loader.epoch(
-            derive_seed(seed, "loader"), shuffle=True, drop_last=t.drop_last if drop_last is None else drop_last
+            derive_seed(seed, "loader"), shuffle=True, drop_last=t.drop_last if drop_last is None else drop_last,
+            batches=batches,
         )
         return on_device(loader, self._train_transform, self.device, channels_last=self.precision.channels_last)
 
@@ -333,7 +336,7 @@ class Client:
 
     def cdw_distance(self, start: nn.Module, trained: nn.Module, seed: int) -> float:
         """``m_k`` on the first batch of a fresh (seeded, augmented) training loader."""
-        batch = next(iter(self.train_loader(derive_seed(seed, "cdw"), drop_last=False)))
+        batch = next(iter(self.train_loader(derive_seed(seed, "cdw"), drop_last=False, batches=1)))
         images = (batch["image"] if isinstance(batch, dict) else batch[0]).to(self.device, non_blocking=True)
         return cdw_distance(
             start, trained, images, mode=self.cfg.fl.cdw_mode, seed=derive_seed(seed, "cdw-dropout"),

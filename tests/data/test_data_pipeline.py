@@ -279,6 +279,26 @@ def test_persistent_loader_epochs_equal_fresh_loaders(records, workers):
         assert pids() == first
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_an_epoch_read_in_part_gives_its_first_batches_and_decodes_no_others(records, workers):
+    # the CDW batch: the first batch of an epoch, as the whole epoch would give it
+    client = make_client("c", "ds", records * 3)
+    dataset = ReIDImageDataset.from_client(client, build_train_transform(H, W, pad=4, random_erasing=0.5))
+    loader = EpochLoader(dataset, 4, num_workers=workers)
+    whole = _batches(loader.epoch(21))
+    for take in (1, 2):
+        part = _batches(loader.epoch(21, batches=take))
+        assert len(part) == take and all(ia == ib and torch.equal(xa, xb) for (ia, xa), (ib, xb) in zip(part, whole))
+    assert len(_batches(loader.epoch(21, batches=99))) == len(whole)
+    if workers:  # the workers were handed one batch, not a prefetch of 2 per worker
+        next(iter(loader.epoch(22, batches=1)))
+        assert loader._loader._iterator._send_idx == 1
+        next(iter(loader.epoch(22)))
+        assert loader._loader._iterator._send_idx > 2 * workers  # a whole epoch keeps 2 a worker in flight
+    with pytest.raises(ValueError, match="batches must be >= 1"):
+        loader.epoch(1, batches=0)
+
+
 def test_persistent_loader_leaves_the_global_torch_rng_alone(records):
     state = torch.get_rng_state()
     loader = EpochLoader(ReIDImageDataset(records, transform=build_test_transform(H, W)), 2, num_workers=1)
