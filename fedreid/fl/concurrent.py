@@ -41,11 +41,11 @@ hooks and evaluation while the workers wait. On the CPU nothing is added.
 
 Messages cross the pipes as :mod:`fedreid.fl.shared_tensors` messages: a
 small pickle stream, with the bytes of its CPU tensors in an anonymous
-memory file whose descriptor crosses with it, so the ~100 MB payload is
-written once a round and no update is copied through a pipe (``shared_memory
-=False``, or a platform without memory files: the tensors travel in the
-stream). A CUDA tensor is pickled as torch pickles it and arrives on the same
-device index it left.
+memory file whose descriptor crosses with it. So the ~100 MB payload is
+written once a round, and no payload or update is copied through a pipe.
+With ``shared_memory=False``, or on a platform without memory files, they
+cross the pipes as :func:`torch.save` bytes. A CUDA tensor is pickled as
+torch pickles it and arrives on the same device index it left.
 """
 
 from __future__ import annotations

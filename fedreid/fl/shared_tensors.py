@@ -17,10 +17,13 @@ Only plain dense CPU tensors that need no grad travel this way (parameters'
 data included); anything else (a CUDA tensor, a quantised or sparse one, a
 tensor that requires grad) is pickled in the stream as torch pickles it,
 one storage per tensor.
+
 The receiver maps the file copy-on-write, so writing to a received tensor
 never reaches the sender's memory or another receiver's. The memory file
 has no name and no path: it lives until the last descriptor and mapping of
-it are gone, in whichever process, so a crash leaves nothing behind.
+it are gone, in whichever process, so a crash leaves nothing behind. It is
+not under ``/dev/shm``, so that mount's size (64 MB in a default container)
+does not bound it; memory does.
 
 Where memory files or descriptor passing do not exist (not Linux), or with
 ``shared=False``, the message is :func:`torch.save` bytes, tensors included.

@@ -37,7 +37,8 @@ def sample() -> dict:
         "views": [flat[3:9], flat[::4], flat.view(4, 6).t()],  # one storage, three layouts
         "mask": torch.tensor([True, False, True]),
         "empty": torch.empty(0, 5),
-        "param": torch.nn.Parameter(torch.ones(2, 2)),  # requires grad: pickled in the stream
+        "param": torch.nn.Parameter(torch.ones(2, 2)),  # rebuilt as a Parameter around its plain data
+        "leaf": torch.full((3,), 2.0, requires_grad=True),  # requires grad: pickled in the stream
         "meta": {"round": 3, "loss": 0.25, "name": "client000"},
     }
 
@@ -51,6 +52,7 @@ def assert_same(got: dict, sent: dict) -> None:
     assert torch.equal(got["mask"], sent["mask"]) and got["empty"].shape == (0, 5)
     assert type(got["param"]) is torch.nn.Parameter and got["param"].requires_grad
     assert torch.equal(got["param"].detach(), sent["param"].detach())
+    assert got["leaf"].requires_grad and torch.equal(got["leaf"].detach(), sent["leaf"].detach())
     assert got["meta"] == sent["meta"]
 
 
