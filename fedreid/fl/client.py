@@ -173,8 +173,8 @@ class Client:
         fresh loader seeded with ``seed``. Batches are pinned for a CUDA device.
         With ``train.normalize_on`` deferring, the batches are finished on the
         client's device (:class:`~fedreid.data.datasets.DeviceBatches`).
-        ``batches``: only the epoch's first ``batches`` are read (the workers
-        decode no others).
+        ``batches``: only the epoch's first ``batches`` are read (persistent
+        workers decode no others).
         """
         from fedreid.data.datasets import EpochLoader, on_device
 
