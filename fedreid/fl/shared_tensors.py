@@ -25,14 +25,15 @@ it are gone, in whichever process, so a crash leaves nothing behind. It is
 not under ``/dev/shm``, so that mount's size (64 MB in a default container)
 does not bound it; memory does.
 
-Where memory files or descriptor passing do not exist (not Linux), or with
-``shared=False``, the message is :func:`torch.save` bytes, tensors included.
+Where memory files or descriptor passing do not exist (not Linux, or a
+sandbox that refuses ``memfd_create``), or with ``shared=False``, the message is :func:`torch.save` bytes, tensors included.
 Either way the receiver gets equal values. Both ends must be our own
 processes: the stream is unpickled in full.
 """
 
 from __future__ import annotations
 
+import functools
 import io
 import mmap
 import os
@@ -54,9 +55,20 @@ _TORCH_SAVE, _PICKLE = 0, 1
 _REGION = struct.Struct("<QQ")  # a storage's offset and bytes in the file
 
 
+@functools.lru_cache(maxsize=None)
 def shared_memory_available() -> bool:
-    """Whether this platform can carry tensors in memory files (Linux's ``memfd_create``)."""
-    return sys.platform.startswith("linux") and hasattr(os, "memfd_create")
+    """Whether this process can carry tensors in memory files (Linux's ``memfd_create``, tried once).
+
+    A kernel without the call, or a sandbox that refuses it, gets the
+    :func:`torch.save` messages instead of a failing run.
+    """
+    if not (sys.platform.startswith("linux") and hasattr(os, "memfd_create")):
+        return False
+    try:
+        os.close(os.memfd_create("fedreid-probe", os.MFD_CLOEXEC))
+    except OSError:
+        return False
+    return True
 
 
 def _travels_shared(obj: Any) -> bool:

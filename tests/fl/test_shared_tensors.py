@@ -139,3 +139,22 @@ def test_a_message_of_empty_tensors_needs_no_memory_file():
         message.send(a)
     got = receive(b)
     assert got["e"].shape == (0, 3) and got["n"] == 4
+
+
+def test_where_memory_files_are_refused_messages_fall_back_to_torch_save(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "memfd_create", refuse, raising=False)
+    shared_memory_available.cache_clear()
+    try:
+        assert not shared_memory_available()
+        a, b = multiprocessing.Pipe(duplex=True)
+        sent = sample()
+        message = pack(sent)
+        assert message.fd is None and message.regions == []
+        with message:
+            message.send(a)
+        assert_same(receive(b), sent)
+    finally:
+        shared_memory_available.cache_clear()
