@@ -308,16 +308,24 @@ class EpochLoader:
             return loader if batches is None else _FirstBatches(loader, batches)
         if self._loader is None:
             self._batches = _EpochBatches(len(self.dataset), self.batch_size)  # type: ignore[arg-type]
-            self._loader = DataLoader(
-                _EpochSeededItems(self.dataset), batch_sampler=self._batches, num_workers=self.num_workers,
-                worker_init_fn=_single_threaded_opencv, persistent_workers=True, pin_memory=self.pin_memory,
-                multiprocessing_context=_worker_context(self.num_workers),
-                # its own generator: the iterator's unused base-seed draw must not touch torch's global RNG
-                generator=torch.Generator().manual_seed(0),
-            )
+            self._loader = _sampled_loader(_EpochSeededItems(self.dataset), self._batches, self.num_workers,
+                                           persistent=True, pin_memory=self.pin_memory)
         assert self._batches is not None
         self._batches.set_epoch(int(seed), shuffle=shuffle, drop_last=drop_last, limit=batches)
         return self._loader
+
+
+def _sampled_loader(dataset: Dataset, batch_sampler: Sampler, num_workers: int, *, persistent: bool,
+                    pin_memory: bool) -> DataLoader:
+    """A loader of ``batch_sampler``'s batches whose sampler is re-planned between passes (single-threaded OpenCV)."""
+    return DataLoader(
+        dataset, batch_sampler=batch_sampler, num_workers=num_workers,
+        worker_init_fn=_single_threaded_opencv if num_workers else None,
+        persistent_workers=persistent and num_workers > 0, pin_memory=pin_memory,
+        multiprocessing_context=_worker_context(num_workers),
+        # its own generator: the iterator's unused base-seed draw must not touch torch's global RNG
+        generator=torch.Generator().manual_seed(0),
+    )
 
 
 class _FirstBatches:
@@ -391,14 +399,8 @@ class SegmentLoader:
             raise KeyError(f"no segment {unknown[0]!r}; the loader has {list(self.segments)}")
         self._batches.keys = list(keys)
         if self._loader is None or not self.persistent:
-            self._loader = DataLoader(
-                ConcatDataset(list(self.segments.values())), batch_sampler=self._batches,
-                num_workers=self.num_workers, worker_init_fn=_single_threaded_opencv if self.num_workers else None,
-                persistent_workers=self.persistent, pin_memory=self.pin_memory,
-                multiprocessing_context=_worker_context(self.num_workers),
-                # its own generator: the iterator's unused base-seed draw must not touch torch's global RNG
-                generator=torch.Generator().manual_seed(0),
-            )
+            self._loader = _sampled_loader(ConcatDataset(list(self.segments.values())), self._batches,
+                                           self.num_workers, persistent=self.persistent, pin_memory=self.pin_memory)
         return self._loader
 
     def __getstate__(self) -> dict[str, Any]:
