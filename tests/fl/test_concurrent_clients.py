@@ -142,6 +142,24 @@ def test_a_client_goes_back_to_the_worker_that_trained_it_last():
     assert [c.calls for c in clients] == [2, 2]
 
 
+class SizedClient(FakeClient):
+    def __init__(self, name: str, num_samples: int) -> None:
+        super().__init__(name, "train")
+        self.num_samples = num_samples
+
+
+def test_the_largest_clients_are_handed_out_first_and_the_updates_keep_the_rounds_order():
+    # one worker: the order results come back in is the order clients were handed out
+    clients = [SizedClient(name, n) for name, n in (("a", 20), ("b", 985), ("c", 150), ("d", 150), ("e", 400))]
+    payload = {"w": torch.zeros(2)}
+    started = []
+    with ClientPool(load_config(None, ["run.device=cpu"]), clients, torch.nn.Linear(1, 1), processes=1) as pool:
+        updates = pool.fit_round([3, 0, 2, 1, 4], lambda k: payload, {"round": 0},
+                                 on_result=lambda result: started.append(clients[result.index].name))
+    assert started == ["b", "e", "d", "c", "a"]  # equal sizes (d, c) keep the round's order
+    assert [u.client for u in updates] == ["d", "a", "c", "b", "e"]
+
+
 @pytest.mark.parametrize("shared_memory", [True, False])
 def test_every_client_gets_the_payload_as_sent_whatever_the_others_wrote_on_theirs(shared_memory):
     # three clients on two workers: one worker receives the round's payload twice
