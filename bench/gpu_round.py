@@ -1,6 +1,6 @@
 """How much of the GPU FedPav uses: ceilings, one client, one round, evaluation.
 
-Four sections, each printed as soon as it is measured:
+Six sections, each printed as soon as it is measured:
 
 (a) ceilings: a bare IDE train step (ResNet-50 -> 512 bottleneck -> ids) on
     random tensors, at two batch sizes, in fp32, TF32 and bf16+channels-last;
@@ -16,7 +16,11 @@ Four sections, each printed as soon as it is measured:
     argsort), through ``bench/gpu_eval.py``;
 (e) the bare bf16 step of (a) at the smaller batch in N processes at once:
     what one GPU gives several CUDA contexts (time-slicing, no MPS), the
-    bound of ``run.concurrent_clients``.
+    bound of ``run.concurrent_clients``;
+(f) evaluation during training on (c)'s world (every query and gallery set,
+    flipped, one persistent stream): seconds per evaluation with the
+    features in fp32, TF32 and bf16 (``eval.precision``), and how far the
+    features and mAP move from fp32's.
 
 ``--cuda-graphs`` (on CUDA): (a) adds rows with the backbone replayed as a
 CUDA graph (``train.cuda_graphs``), and (b), (c) and (e) run with it ``off``,
@@ -28,7 +32,7 @@ CUDA graph (``train.cuda_graphs``), and (b), (c) and (e) run with it ``off``,
 runs here in a few minutes; ``--scale full`` (the default on CUDA) is the
 issue's setting: ResNet-50 at 256x128, batch 32 and 128.
 
-    python bench/gpu_round.py [--scale tiny|full] [--sections abcde] [--concurrent 1,2,4,8] [--cuda-graphs both]
+    python bench/gpu_round.py [--scale tiny|full] [--sections abcdef] [--concurrent 1,2,4,8] [--cuda-graphs both]
 """
 
 from __future__ import annotations
@@ -56,10 +60,12 @@ from fedreid.data.prepared import load_prepared  # noqa: E402
 from fedreid.data.scenarios import by_dataset  # noqa: E402
 from fedreid.data.transforms import build_train_transform, defers_normalize  # noqa: E402
 from fedreid.fl.client import Client  # noqa: E402
+from fedreid.fl.evaluation import Evaluator  # noqa: E402
 from fedreid.fl.local.cuda_graphs import graphed_backbone  # noqa: E402
 from fedreid.fl.simulation import run_simulation  # noqa: E402
 from fedreid.models.reid import create_reid_model, replace_classifier, shared_state  # noqa: E402
 from fedreid.utils.precision import Precision, resolve_precision, set_tf32  # noqa: E402
+from fedreid.utils.seeding import deterministic_mode  # noqa: E402
 
 SCALES = {
     # backbone, input size, batch sizes and steps of (a), batch and synthetic world
@@ -405,13 +411,57 @@ def section_eval(device: torch.device, s: dict[str, Any]) -> None:
         f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in out.items()))
 
 
+# --------------------------------------------------------------------------- (f)
+
+def section_eval_precision(device: torch.device, s: dict[str, Any], tmp: Path, workers: int,
+                           repeats: int = 3) -> None:
+    """(f) one evaluation of (c)'s world per arithmetic, with an untrained model (speed and agreement only)."""
+    ensure_world(s, tmp)
+    cfg = round_config(s, tmp, world_overrides(s))
+    names = cfg.data.dataset_names()
+    sets = {name: load_prepared(tmp / "c-prepared", name) for name in names}
+    images = sum(len(ds.split(split)) for ds in sets.values() for split in ("query", "gallery"))
+    model = create_reid_model(s["backbone"], 0, pretrained=None, seed=0).to(device)
+    cuda = device.type == "cuda"
+    say(f"(f) evaluation of (c)'s world: {images} query and gallery images in {len(names)} datasets, flipped, "
+        f"{s['backbone']} {s['height']}x{s['width']} (untrained), batch {cfg.eval.batch_size}, {workers} loader "
+        f"workers, deterministic; median of {repeats if cuda else 1} after one warm-up; min_cos: the smallest cosine between an "
+        "image's feature and its fp32 feature")
+    say("    " + " ".join(f"{c:>10}" for c in ("arithmetic", "eval_s", "img/s", "mean_mAP", "min_cos")))
+    rows = [("fp32", False), ("fp32", True), ("bf16", False)] if cuda else [("fp32", False), ("bf16", False)]
+    exact: dict = {}
+    with deterministic_mode(True):
+        for name, tf32 in rows:
+            set_tf32(tf32)
+            try:
+                ev = Evaluator(sets, height=s["height"], width=s["width"], batch_size=cfg.eval.batch_size,
+                               device=device, workers=workers, precision=name)
+                features = ev.split_features(model, names)  # also the warm-up: workers start, kernels are picked
+                seconds, result = [], {}
+                for _ in range(repeats if cuda else 1):  # bf16 on a CPU without it is ~10x slower than fp32
+                    sync(device)
+                    t0 = time.perf_counter()
+                    result = ev(model)
+                    sync(device)
+                    seconds.append(time.perf_counter() - t0)
+            finally:
+                set_tf32(False)
+            exact = exact or features
+            cos = min(float((features[k] * exact[k]).sum(dim=1).min()) for k in features)
+            wall = statistics.median(seconds)
+            mean_map = statistics.mean(float(r["mAP"]) for r in result.values())
+            label = "tf32" if tf32 else name
+            say("    " + " ".join(f"{v:>10}" for v in (label, f"{wall:.2f}", f"{images / wall:.0f}",
+                                                       f"{mean_map:.4f}", f"{cos:.5f}")))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     ap.add_argument("--scale", choices=sorted(SCALES), default=None,
                     help="tiny (CPU default) or full (CUDA default: ResNet-50 at 256x128)")
     ap.add_argument("--sections", default="abcd",
-                    help="which sections to run, in this order, e.g. 'aec' (default: abcd)")
+                    help="which sections to run, in this order, e.g. 'aecf' (default: abcd)")
     ap.add_argument("--concurrent", default="1,2,4,8", help="run.concurrent_clients values of (c)")
     ap.add_argument("--processes", default="1,2,4,8", help="process counts of (e)")
     ap.add_argument("--workers", type=int, default=None,
@@ -461,6 +511,7 @@ def main(argv=None) -> int:
         "d": lambda tmp: section_eval(device, s),
         "e": lambda tmp: section_processes(device, scale, [int(x) for x in args.processes.split(",")],
                                            graph_settings),
+        "f": lambda tmp: section_eval_precision(device, s, tmp, workers),
     }
     with tempfile.TemporaryDirectory(prefix="fedreid-gpu-round-") as tmp:
         for key in args.sections:

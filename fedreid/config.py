@@ -420,6 +420,13 @@ class EvalConfig:
     flip: bool = True
     #: Datasets to evaluate on; null means every training dataset.
     datasets: Optional[list[str]] = None
+    #: Arithmetic of evaluation's feature extraction (ReID): ``fp32`` (the papers'
+    #: protocol), ``bf16`` (autocast; also on the CPU, slowly), ``fp16`` (autocast,
+    #: CUDA only), ``auto`` (bf16 on a CUDA card that supports it, fp32 elsewhere).
+    #: With bf16/fp16 on CUDA the model and images are also channels-last. Mixed
+    #: precision moves every feature by its rounding, so a ranking may change; the
+    #: features are ranked in fp32.
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = "fp32"
     #: Loader workers of evaluation (kept across evaluations with
     #: ``train.persistent_workers``); null: ``train.workers`` times
     #: ``run.concurrent_clients``, at most the CPU count (the training loaders idle
@@ -584,6 +591,9 @@ class Config:
             for key in ("cdw", "kd"):
                 if getattr(self.fl, key):
                     raise ConfigError(f"fl.{key}: a FedReID method, not available with task=classification")
+            if self.eval.precision != "fp32":
+                raise ConfigError("eval.precision: the classification track computes its test accuracy in fp32; "
+                                  "set eval.precision=fp32 (train.precision sets its training)")
         if self.task == "reid" and self.scenario.kind == "leave_one_out":
             self._check_leave_one_out()
         self._check_hooks()

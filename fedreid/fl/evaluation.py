@@ -21,6 +21,7 @@ record also carries ``mINP`` (Ye et al., TPAMI 2021), averaged like ``mAP``.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
@@ -30,6 +31,7 @@ from torch import Tensor, nn
 
 from fedreid.data.prepared import PreparedDataset
 from fedreid.inference.embed import EmbedModule, FeatureBatches
+from fedreid.utils.precision import resolve_precision
 
 #: The metric keys kept in round records (``num_queries_without_match``: queries
 #: the standard protocol skips and the official one scores 0).
@@ -55,6 +57,10 @@ class Evaluator:
     ``datasets``: prepared datasets by name (each needs query and gallery
     images). Calling the evaluator returns ``{name: {"rank1", ..., "mAP",
     "num_valid_queries"}}`` and leaves the model in the mode it was in.
+    ``precision``: the arithmetic of feature extraction (``eval.precision``,
+    resolved on ``device`` by :func:`~fedreid.utils.precision.resolve_precision`):
+    fp32 runs no autocast; bf16 and fp16 run under autocast, channels-last on
+    CUDA. The features are float32 either way.
     """
 
     def __init__(
@@ -72,6 +78,7 @@ class Evaluator:
         persistent_workers: bool = True,
         extra_ap: Sequence[str] = ("official",),
         normalize_on: str = "auto",
+        precision: str = "fp32",
     ) -> None:
         self.datasets = dict(datasets)
         self.height, self.width = height, width
@@ -84,6 +91,9 @@ class Evaluator:
         self.workers = workers
         self.persistent_workers = persistent_workers
         self.normalize_on = normalize_on
+        resolved = resolve_precision(precision, self.device, field="eval.precision")
+        # fp32 keeps the layout, and so today's features; mixed precision also takes the channels-last kernels.
+        self.precision = dataclasses.replace(resolved, channels_last=resolved.channels_last and resolved.mixed)
         self._images: Any = None  # the SegmentLoader over every query and gallery set, built on first use
         self._transform: Any = None
         self._id_arrays: dict[tuple[str, str], tuple[np.ndarray, np.ndarray]] = {}
@@ -101,7 +111,7 @@ class Evaluator:
             flip=cfg.eval.flip, ap=cfg.eval.ap, ranks=cfg.eval.ranks, device=device,
             workers=eval_workers(cfg) if workers is None else workers,
             persistent_workers=cfg.train.persistent_workers, extra_ap=cfg.eval.extra_ap,
-            normalize_on=cfg.train.normalize_on,
+            normalize_on=cfg.train.normalize_on, precision=cfg.eval.precision,
         )
 
     def with_workers(self, workers: int) -> "Evaluator":
@@ -138,9 +148,9 @@ class Evaluator:
     def _host_features(self, model: nn.Module, loader) -> Tensor:
         from fedreid.inference.features import extract_features
 
-        out = extract_features(
-            EmbedModule(model), FeatureBatches(loader), flip=self.flip, normalize=True, device=self.device
-        )
+        with self.precision.autocast():
+            out = extract_features(EmbedModule(model), FeatureBatches(loader), flip=self.flip, normalize=True,
+                                   device=self.device, channels_last=self.precision.channels_last)
         return torch.from_numpy(np.ascontiguousarray(out.features))
 
     def _on_device(self, features: Tensor) -> Tensor:

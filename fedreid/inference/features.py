@@ -208,7 +208,9 @@ def extract_features(
     device. The model is not moved: put it on ``device`` yourself.
     ``amp`` (float16 autocast) and ``channels_last`` are CUDA-only speedups:
     on another device they are not applied and a ``UserWarning`` says so,
-    once per call. ``channels_last`` converts the inputs and, for the
+    once per call. Without ``amp`` the model runs under the caller's
+    autocast, if any (:class:`fedreid.fl.evaluation.Evaluator`'s
+    ``eval.precision``); features are float32 either way. ``channels_last`` converts the inputs and, for the
     duration of the call, the model's weights (:func:`channels_last_model`).
 
     Returns a :class:`FeatureSet` (a named tuple ``features, pids, camids,
@@ -243,7 +245,8 @@ def extract_features(
     try:
         with ExitStack() as stack:
             stack.enter_context(torch.no_grad())
-            stack.enter_context(torch.autocast("cuda", dtype=torch.float16, enabled=use_amp))
+            if use_amp:  # a disabled autocast would switch off the caller's (the evaluator's eval.precision)
+                stack.enter_context(torch.autocast("cuda", dtype=torch.float16))
             if use_channels_last:
                 stack.enter_context(channels_last_model(model))
             return collect_features(loader, run)

@@ -121,25 +121,26 @@ def _has_conv(model: nn.Module) -> bool:
     return any(isinstance(m, nn.modules.conv._ConvNd) for m in model.modules())
 
 
-def resolve_precision(name: str, device: torch.device | str, *, channels_last: bool = True) -> Precision:
-    """The :class:`Precision` of ``train.precision=name`` on ``device``.
+def resolve_precision(name: str, device: torch.device | str, *, channels_last: bool = True,
+                      field: str = "train.precision") -> Precision:
+    """The :class:`Precision` of ``train.precision=name`` (or the option ``field``) on ``device``.
 
     ``auto``: bf16 on a CUDA device that supports it, fp32 elsewhere. ``fp16``
     on the CPU raises :class:`PrecisionError` (CPU autocast has no fp16
     GradScaler path worth running); so does ``bf16`` on a CUDA card without
     bf16. ``channels_last`` applies on CUDA only: on the CPU the layout stays
-    as it is, so CPU numbers do not move.
+    as it is, so CPU numbers do not move. Errors name ``field``.
     """
     device = torch.device(device)
     if name not in PRECISIONS:
-        raise PrecisionError(f"train.precision: expected one of {', '.join(PRECISIONS)}, got {name!r}")
+        raise PrecisionError(f"{field}: expected one of {', '.join(PRECISIONS)}, got {name!r}")
     cuda = device.type == "cuda"
     if name == "auto":
         name = "bf16" if cuda and torch.cuda.is_bf16_supported() else "fp32"
     if name == "fp16" and not cuda:
-        raise PrecisionError("train.precision: fp16 needs a CUDA device (use bf16 or fp32 on the CPU)")
+        raise PrecisionError(f"{field}: fp16 needs a CUDA device (use bf16 or fp32 on the CPU)")
     if name == "bf16" and cuda and not torch.cuda.is_bf16_supported():
-        raise PrecisionError("train.precision: this CUDA card has no bf16; use fp16 or fp32")
+        raise PrecisionError(f"{field}: this CUDA card has no bf16; use fp16 or fp32")
     return Precision(name=name, device_type=device.type, channels_last=bool(channels_last and cuda))
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from fl_helpers import tiny_config, write_world
 
-from fedreid.config import ConfigError
+from fedreid.config import ConfigError, load_config
 from fedreid.data.datasets import ReIDImageDataset, make_loader
 from fedreid.data.prepared import PreparedDataset
 from fedreid.data.transforms import build_test_transform
@@ -15,6 +15,7 @@ from fedreid.fl.evaluation import Evaluator, eval_workers
 from fedreid.inference.embed import EmbedModule, FeatureBatches
 from fedreid.inference.features import extract_features
 from fedreid.models import create_reid_model
+from fedreid.utils.precision import PrecisionError
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -100,6 +101,35 @@ def test_a_run_with_loader_workers_everywhere_records_what_a_run_without_does(wo
     assert set(plain[-1]["local_eval"]) == {"dsa", "dsb", "dsc"} and set(plain[-1]["eval"]) >= set(names)
 
 
+def assert_mixed_precision_features(mixed, exact):
+    """Float32, unit-length rows, the same up to bf16's rounding, and not the fp32 features (autocast ran)."""
+    assert mixed.keys() == exact.keys()
+    for key, got in mixed.items():
+        want = exact[key]
+        assert got.dtype == torch.float32 and got.shape == want.shape, key
+        assert torch.allclose(got.norm(dim=1), torch.ones(len(got)), atol=1e-5), key
+        assert (got * want).sum(dim=1).min() > 0.99, key  # cosine of each image's two features
+    assert any(not torch.equal(mixed[key], exact[key]) for key in mixed)
+
+
+def test_evaluation_runs_in_fp32_unless_eval_precision_says_otherwise(world, model):
+    sets = datasets(world)
+    exact = Evaluator(sets, height=32, width=16, batch_size=4)
+    assert exact.precision.name == "fp32" and not exact.precision.channels_last
+    mixed = Evaluator(sets, height=32, width=16, batch_size=4, precision="bf16")
+    assert mixed.precision.name == "bf16" and not mixed.precision.channels_last  # the layout changes on CUDA only
+    assert_mixed_precision_features(mixed.split_features(model, ["dsa", "dsb"]),
+                                    exact.split_features(model, ["dsa", "dsb"]))
+    assert set(mixed(model, ["dsa"])["dsa"]) == set(exact(model, ["dsa"])["dsa"])
+    assert Evaluator(sets, height=32, width=16, precision="auto").precision.name == "fp32"  # on the CPU
+    with pytest.raises(PrecisionError, match=r"^eval.precision: fp16 needs a CUDA device"):
+        Evaluator(sets, height=32, width=16, precision="fp16")
+    cfg = tiny_config(world, ["eval.precision=bf16"], names=("dsa", "dsb", "dsc"))
+    assert Evaluator.from_config(cfg, sets, "cpu").precision.name == "bf16"
+    with pytest.raises(ConfigError, match=r"^eval.precision: the classification track"):
+        load_config(None, ["task=classification", "fl.aggregation=fedavg", "eval.precision=bf16"])
+
+
 @pytest.mark.gpu
 def test_on_cuda_the_pinned_stream_gives_the_records_of_the_unpooled_read(world):
     model = create_reid_model("test_resnet", 0, bottleneck_dim=16, seed=0).cuda()
@@ -110,3 +140,16 @@ def test_on_cuda_the_pinned_stream_gives_the_records_of_the_unpooled_read(world)
     assert pooled(model) == alone(model)
     features = pooled.split_features(model, ["dsb"])
     assert all(f.device.type == "cpu" and f.dtype == torch.float32 for f in features.values())
+
+
+@pytest.mark.gpu
+def test_on_cuda_bf16_evaluation_is_channels_last_and_gives_the_model_back_as_it_was(world):
+    model = create_reid_model("test_resnet", 0, bottleneck_dim=16, seed=0).cuda()
+    sets = datasets(world)
+    mixed = Evaluator(sets, height=32, width=16, batch_size=4, device="cuda", precision="bf16")
+    assert mixed.precision.channels_last
+    before = {k: (v.clone(), v.stride()) for k, v in model.state_dict().items()}
+    features = mixed.split_features(model, ["dsa", "dsb"])
+    assert all(torch.equal(v, before[k][0]) and v.stride() == before[k][1] for k, v in model.state_dict().items())
+    exact = Evaluator(sets, height=32, width=16, batch_size=4, device="cuda").split_features(model, ["dsa", "dsb"])
+    assert_mixed_precision_features(features, exact)
