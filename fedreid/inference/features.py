@@ -26,6 +26,7 @@ functions that run a PyTorch model.
 from __future__ import annotations
 
 import json
+import sys
 import warnings
 import zipfile
 from contextlib import ExitStack, contextmanager
@@ -58,6 +59,8 @@ FIELDS = ("images", "pids", "camids", "paths")
 #: Keys every feature cache holds.
 FEATURE_KEYS = ("features", "pids", "camids", "paths", "meta")
 _CHECK_ELEMENTS = 1 << 22  # elements per chunk of check_features: no full-size masks
+#: Bytes of torch features :func:`collect_features` holds before one copy to the host.
+FEATURE_CHUNK_BYTES = 64 << 20
 
 
 class FeatureSet(NamedTuple):
@@ -137,18 +140,28 @@ def channels_last_model(model: nn.Module) -> Iterator[nn.Module]:
             now[name].data = now[name].data.contiguous(memory_format=torch.contiguous_format)
 
 
+def _is_tensor(value: Any) -> bool:
+    """A torch tensor, found without importing torch (exported files' extractors run without it)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(value, torch.Tensor)
+
+
 def _ids(values: Any) -> np.ndarray:
     if hasattr(values, "detach"):  # a torch tensor
         values = values.detach().cpu().numpy()
     return np.asarray(values).astype(np.int64).reshape(-1)
 
 
-def collect_features(loader: Iterable[Any], run: Callable[[Any], Any]) -> FeatureSet:
+def collect_features(loader: Iterable[Any], run: Callable[[Any], Any], *,
+                     chunk_bytes: int = FEATURE_CHUNK_BYTES) -> FeatureSet:
     """Features of ``loader``'s batches (see the module docstring) by ``run``, with the ids and paths they carry.
 
     ``run`` maps one batch's ``images`` to its features ``[B, d]`` (or
     ``[B, d, 1, 1]``; an array or anything ``np.asarray`` reads), e.g. an
-    exported file's extractor; rows are kept as float32 ``[B, d]``. No torch is
+    exported file's extractor; rows are kept as float32 ``[B, d]``. A torch
+    tensor may stay where it was computed: such results are joined and
+    copied to the host once per ``chunk_bytes`` of features, so a GPU is
+    waited for once per chunk rather than after every batch. No torch is
     needed unless the loader or ``run`` use it. Raises
     :class:`~fedreid.errors.EvalDataError` when the loader yields no
     batches, when batches differ in their fields, or when a field's length is
@@ -156,19 +169,42 @@ def collect_features(loader: Iterable[Any], run: Callable[[Any], Any]) -> Featur
     """
     collected: dict[str, list] = {}
     present: tuple[str, ...] | None = None
+    on_device: list[Any] = []  # torch results not yet copied to the host, in order
+    held = 0
+
+    def to_host() -> None:
+        nonlocal held
+        if on_device:
+            import torch
+
+            block = torch.cat(on_device).cpu()  # the one wait for the device of this chunk
+            collected.setdefault("features", []).append(block.numpy().astype(np.float32, copy=False))
+            on_device.clear()
+            held = 0
+
     for batch in loader:
         fields = _batch_fields(batch)
         if present is None:
             present = tuple(fields)
         elif tuple(fields) != present:
             raise EvalDataError(f"batches differ in their fields: first had {present}, a later one {tuple(fields)}")
-        feats = np.asarray(run(fields["images"]), dtype=np.float32)
-        collected.setdefault("features", []).append(feats.reshape(feats.shape[0], -1))
+        out = run(fields["images"])
+        if _is_tensor(out):
+            rows = out.detach().reshape(out.shape[0], -1).float()
+            on_device.append(rows)
+            held += rows.numel() * rows.element_size()
+            if held >= chunk_bytes:
+                to_host()
+        else:
+            to_host()
+            feats = np.asarray(out, dtype=np.float32)
+            collected.setdefault("features", []).append(feats.reshape(feats.shape[0], -1))
         for name in ("pids", "camids"):
             if name in fields:
                 collected.setdefault(name, []).append(_ids(fields[name]))
         if "paths" in fields:
             collected.setdefault("paths", []).extend(str(p) for p in fields["paths"])
+    to_host()
 
     if "features" not in collected:
         raise EvalDataError("the loader yielded no batches")
@@ -238,7 +274,7 @@ def extract_features(
             feats = feats + _as_row_features(model(_flip_lr(images)))
         if normalize:
             feats = nn.functional.normalize(feats, p=2, dim=1)
-        return feats.cpu().numpy()
+        return feats  # on the device: collect_features copies chunks, not every batch
 
     modes = {module: module.training for module in model.modules()}
     model.eval()
