@@ -92,7 +92,7 @@ class Evaluator:
         self.persistent_workers = persistent_workers
         self.normalize_on = normalize_on
         resolved = resolve_precision(precision, self.device, field="eval.precision")
-        # fp32 keeps the layout, and so today's features; mixed precision also takes the channels-last kernels.
+        # fp32 leaves the layout alone, so its features are a plain forward's; mixed precision also goes channels-last.
         self.precision = dataclasses.replace(resolved, channels_last=resolved.channels_last and resolved.mixed)
         self._images: Any = None  # the SegmentLoader over every query and gallery set, built on first use
         self._transform: Any = None

@@ -246,8 +246,9 @@ def extract_features(
     on another device they are not applied and a ``UserWarning`` says so,
     once per call. Without ``amp`` the model runs under the caller's
     autocast, if any (:class:`fedreid.fl.evaluation.Evaluator`'s
-    ``eval.precision``); features are float32 either way. ``channels_last`` converts the inputs and, for the
-    duration of the call, the model's weights (:func:`channels_last_model`).
+    ``eval.precision``); features are float32 either way.
+    ``channels_last`` converts the inputs and, for the duration of the call,
+    the model's weights (:func:`channels_last_model`).
 
     Returns a :class:`FeatureSet` (a named tuple ``features, pids, camids,
     paths``); fields the loader did not provide are None. Errors of the

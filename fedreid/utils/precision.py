@@ -41,7 +41,7 @@ _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class PrecisionError(FedReIDError, ValueError):
-    """``train.precision`` cannot run on this device; the message says why."""
+    """``train.precision`` or ``eval.precision`` cannot run on this device; the message names which and why."""
 
 
 @dataclass(frozen=True)
