@@ -26,8 +26,9 @@ not under ``/dev/shm``, so that mount's size (64 MB in a default container)
 does not bound it; memory does.
 
 Where memory files or descriptor passing do not exist (not Linux, or a
-sandbox that refuses ``memfd_create``), or with ``shared=False``, the message is :func:`torch.save` bytes, tensors included.
-Either way the receiver gets equal values. Both ends must be our own
+sandbox that refuses ``memfd_create``), or with ``shared=False``, the
+message is :func:`torch.save` bytes, tensors included. Either way the
+receiver gets equal values. Both ends must be our own
 processes: the stream is unpickled in full.
 """
 

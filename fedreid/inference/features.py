@@ -178,7 +178,7 @@ def collect_features(loader: Iterable[Any], run: Callable[[Any], Any], *,
             import torch
 
             block = torch.cat(on_device).cpu()  # the one wait for the device of this chunk
-            collected.setdefault("features", []).append(block.numpy().astype(np.float32, copy=False))
+            collected.setdefault("features", []).append(block.numpy())  # float32: each result was made so
             on_device.clear()
             held = 0
 
