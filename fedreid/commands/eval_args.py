@@ -1,12 +1,22 @@
-"""Options that several ``eval_reid`` commands share: the model backend, speedups, unreadable images."""
+"""Options of the ``eval_reid`` commands: the model backend, speedups, evaluate's precision, unreadable images."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+from typing import TYPE_CHECKING, get_args, get_type_hints
 
+from fedreid.config import EvalConfig
 from fedreid.inference import devices
+from fedreid.inference.errors import EvalInputError
 from fedreid.inference.export import BACKENDS
 from fedreid.retrieval.faiss_gpu import FAISS_GPU_MODES
+
+if TYPE_CHECKING:
+    from fedreid.utils.precision import Precision
+
+# eval.precision's choices, read off the config: this module stays importable without torch (--backend onnx).
+PRECISIONS = get_args(get_type_hints(EvalConfig)["precision"])
 
 
 def add_backend_argument(parser: argparse.ArgumentParser) -> None:
@@ -50,6 +60,50 @@ def add_speed_arguments(parser: argparse.ArgumentParser, faiss: bool = True) -> 
             help="FAISS on the GPU (index: IVF training; query: Flat stores): auto (faiss-gpu sees a GPU and the "
             "device is CUDA), on, off",
         )
+
+
+def add_precision_arguments(parser: argparse.ArgumentParser) -> None:
+    """``evaluate``'s arithmetic: --precision (default: the config's eval.precision), --amp, --channels-last."""
+    parser.add_argument(
+        "--precision", choices=PRECISIONS,
+        help="arithmetic of the feature extraction: fp32, bf16, fp16 (CUDA only) or auto (bf16 on a CUDA card "
+        "that has it, else fp32). Default: the config's eval.precision (fp32 unless the run set another), so "
+        "a run's checkpoint is evaluated as the run evaluated it; fp32 is the papers' protocol",
+    )
+    parser.add_argument(
+        "--amp", action=argparse.BooleanOptionalAction, default=None,
+        help="--amp is --precision fp16, --no-amp is --precision fp32",
+    )
+    parser.add_argument(
+        "--channels-last", action=argparse.BooleanOptionalAction, default=None,
+        help="channels-last images and model weights (CUDA only; default: on when the precision is bf16 or fp16)",
+    )
+
+
+def evaluation_precision(args: argparse.Namespace, configured: str, device) -> Precision:
+    """The :class:`Precision` of ``evaluate``'s extraction on ``device`` (``configured``: ``eval.precision``).
+
+    As the run's own evaluation (:class:`fedreid.fl.evaluation.Evaluator`):
+    fp32 touches no layout, a mixed precision is channels-last on CUDA unless
+    ``--no-channels-last``. Errors name the flag, or ``eval.precision``.
+    """
+    from fedreid.utils.precision import resolve_precision
+
+    if args.amp is not None and args.precision is not None:
+        raise EvalInputError("--amp and --precision both given: --amp is --precision fp16, give one of them")
+    if args.amp is not None:
+        name, field = ("fp16" if args.amp else "fp32"), "--amp"
+    else:
+        name, field = (args.precision, "--precision") if args.precision else (configured, "eval.precision")
+    precision = resolve_precision(name, device, field=field)
+    on_cuda = precision.device_type == "cuda"
+    if args.channels_last and not on_cuda:
+        raise EvalInputError(
+            f"--channels-last only applies on a CUDA device, but the device is {device}: "
+            "drop it or use --device cuda"
+        )
+    channels_last = (precision.mixed and on_cuda) if args.channels_last is None else args.channels_last
+    return dataclasses.replace(precision, channels_last=channels_last)
 
 
 def speedups(args: argparse.Namespace, device) -> dict:

@@ -42,10 +42,14 @@ Examples:
 --model is a run folder (its model_final.pt, else its checkpoint.pt), a
 model_final.pt or a checkpoint.pt. Features are the flip-averaged,
 L2-normalised embeddings; the device is CUDA when available (with --backend
-onnx it is the CPU, and PyTorch is not needed). On CUDA the extraction uses
-float16 autocast (--amp) and channels-last tensors and
-weights (--channels-last) unless --no-amp / --no-channels-last; on the CPU
-they are off, and asking for them there is an error. --faiss-gpu on puts
+onnx it is the CPU, and PyTorch is not needed). evaluate extracts in the
+config's eval.precision (fp32 unless the run set another, the arithmetic of
+the run's own evaluation); --precision bf16|fp16|auto changes it (--amp is
+--precision fp16; fp16 needs CUDA), in channels-last on CUDA unless
+--no-channels-last, and results.json records it. On CUDA index and query
+use float16 autocast (--amp) and channels-last tensors and weights
+(--channels-last) unless --no-amp / --no-channels-last; on the CPU they are
+off, and asking for them there is an error. --faiss-gpu on puts
 FAISS work on the GPU (an error when faiss has no GPU support or sees no
 GPU): index trains an IVF factory's k-means there, query searches a Flat
 store there (filtered searches and other factories stay on the CPU); off
@@ -78,7 +82,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from fedreid.commands.eval_args import add_speed_arguments, speedups
+from fedreid.commands.eval_args import add_precision_arguments, evaluation_precision
 from fedreid.commands.eval_gallery import add_index_command, add_query_command
 from fedreid.commands.eval_serve import add_serve_command
 from fedreid.config import load_config
@@ -129,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--out", metavar="DIR", help="output folder (default: <run folder>/eval)")
     ev.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:1...")
     ev.add_argument("--client", metavar="NAME", help="a local-training baseline run: whose model to evaluate")
-    add_speed_arguments(ev, faiss=False)
+    add_precision_arguments(ev)
     add_config_arguments(ev)
 
     add_index_command(sub)
@@ -194,7 +198,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         names = args.datasets.split(",") if args.datasets else (cfg.eval.datasets or cfg.data.dataset_names())
         names = resolve_datasets([n.strip() for n in names if n.strip()], root)
         device = devices.resolve_device(args.device)
-        speed = speedups(args, device)
+        precision = evaluation_precision(args, cfg.eval.precision, device)
         loaded = load_model(model_file, device, client=args.client)
         out = Path(args.out or model_file.parent / EVAL_DIR)
         claim_eval_dir(out)  # both refused before any extraction when they hold the user's files
@@ -203,8 +207,8 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         feats = []
         batch_size = args.batch_size or cfg.eval.batch_size
         for name in names:
-            print(f"extracting features: {name}", flush=True)
-            fs = dataset_features(loaded, root, name, batch_size=batch_size, device=device, **speed)
+            print(f"extracting features: {name} ({precision.name})", flush=True)
+            fs = dataset_features(loaded, root, name, batch_size=batch_size, device=device, precision=precision)
             if args.save_features:
                 print(f"  saved {save_dataset_features(args.save_features, fs)}")
             feats.append(fs)

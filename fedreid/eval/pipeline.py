@@ -66,7 +66,9 @@ def evaluate_and_report(
 
     Returns what ``results.json`` holds: ``datasets`` ({name: rank1, rank5,
     rank10, mAP, cmc, counts}), ``mean`` (of rank1/5/10/mAP), ``ap``,
-    ``protocol``, ``rerank``, ``source``, ``pictures`` and ``cmc_plot`` (paths).
+    ``protocol``, ``rerank``, ``source``, ``precision`` ({name: the
+    arithmetic of its features, from their ``meta``; None when they do not
+    say}), ``pictures`` and ``cmc_plot`` (paths).
     """
     from fedreid.utils.io import write_json_atomic
 
@@ -100,6 +102,7 @@ def evaluate_and_report(
         "ap": ap,
         "protocol": protocol,
         "rerank": rerank,
+        "precision": {f.name: f.meta.get("precision") for f in feature_sets},
         "datasets": rows,
         "mean": {m: float(np.mean([r[m] for r in rows.values()])) for m in ("rank1", "rank5", "rank10", "mAP")},
         "pictures": [str(p) for p in drawn],

@@ -13,6 +13,7 @@ is claimed with :func:`claim_features_dir`.
 
 from __future__ import annotations
 
+import contextlib
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +29,8 @@ from fedreid.utils.io import shown_path
 
 if TYPE_CHECKING:
     import torch
+
+    from fedreid.utils.precision import Precision
 
 __all__ = [
     "DatasetFeatures",
@@ -94,27 +97,31 @@ def dataset_features(
     *,
     batch_size: int = 128,
     device: str | torch.device = "cpu",
-    amp: bool = False,
-    channels_last: bool = False,
+    precision: Optional[Precision] = None,
 ) -> DatasetFeatures:
     """Features of the query and gallery splits of prepared dataset ``name``.
 
-    ``amp`` / ``channels_last``: CUDA speedups of the extraction (see
-    :func:`~fedreid.inference.devices.resolve_speedups`). Degenerate features (NaN/inf, all zero, all
-    identical; :func:`~fedreid.inference.features.check_features`) raise an error
-    naming the model and the dataset.
+    ``precision``: the arithmetic of the extraction (a resolved
+    :class:`~fedreid.utils.precision.Precision`; default fp32): the forwards
+    run under its autocast, in its layout (``channels_last``), and its name is
+    recorded in the features' ``meta``. Degenerate features (NaN/inf, all
+    zero, all identical; :func:`~fedreid.inference.features.check_features`)
+    raise an error naming the model and the dataset.
     """
     from fedreid.data.prepared import PreparedDatasetError, load_prepared
 
     ds = load_prepared(prepared_root, name)
+    channels_last = bool(precision is not None and precision.channels_last)
     sets = {}
     for split in ("query", "gallery"):
         records = ds.split(split)
         if not records:
             raise PreparedDatasetError(f"dataset {name!r} at {ds.root} has no {split} images")
         loader = _split_loader(records, int(loaded.config["height"]), int(loaded.config["width"]), batch_size)
+        with precision.autocast() if precision is not None else contextlib.nullcontext():
+            features = model_features(loaded, loader, device, channels_last=channels_last).features
         sets[split] = FeatureSet(
-            features=model_features(loaded, loader, device, amp=amp, channels_last=channels_last).features,
+            features=features,
             pids=np.array([r.pid for r in records], dtype=np.int64),
             camids=np.array([r.camid for r in records], dtype=np.int64),
             paths=[str(r.path) for r in records],
@@ -122,7 +129,8 @@ def dataset_features(
         check_features(
             sets[split].features, f"model {loaded.source} on dataset {name!r}: {split}", paths=sets[split].paths
         )
-    meta = {"dataset": name, "model": str(loaded.source), "round": loaded.round, "flip": True}
+    meta = {"dataset": name, "model": str(loaded.source), "round": loaded.round, "flip": True,
+            "precision": precision.name if precision is not None else "fp32"}
     if loaded.fingerprint:
         meta["model_fingerprint"] = loaded.fingerprint
     return DatasetFeatures(name, sets["query"], sets["gallery"], meta, source=f"model {loaded.source}")

@@ -429,6 +429,53 @@ def test_speedup_defaults_follow_the_device():
         resolve_speedups(cpu, True, True)
 
 
+def test_evaluate_extracts_the_runs_own_evaluation_features(world, tmp_path):
+    """In each eval.precision the tool's features of a checkpoint are the run's Evaluator's, bit for bit."""
+    from fedreid.data.prepared import load_prepared
+    from fedreid.fl.evaluation import Evaluator
+    from fedreid.inference.dataset_features import load_dataset_features
+    from fedreid.inference.model_io import load_model
+
+    model = load_model(world["run"] / "model_final.pt", "cpu").model
+    tools = {}
+    for precision in ("fp32", "bf16"):
+        override = f"eval.precision={precision}"
+        cfg = load_config(world["run"] / "config.yaml", [override])
+        evaluator = Evaluator.from_config(cfg, {"tiny": load_prepared(world["prepared"], "tiny")}, "cpu", workers=0)
+        run = evaluator.split_features(model, ["tiny"])
+        saved = tmp_path / f"features_{precision}"
+        assert tool.main(["evaluate", "--model", str(world["run"]), "--datasets", "tiny", "--pictures", "0",
+                          "--device", "cpu", "--out", str(tmp_path / precision), "--save-features", str(saved),
+                          override]) == 0
+        tools[precision] = load_dataset_features(saved / "tiny.npz", "tiny")
+        assert tools[precision].meta["precision"] == precision
+        for split in ("query", "gallery"):
+            assert torch.equal(torch.from_numpy(getattr(tools[precision], split).features), run[("tiny", split)])
+    # the two arithmetics give different features, so the comparison above tells them apart
+    assert not (tools["fp32"].query.features == tools["bf16"].query.features).all()
+
+
+def test_evaluate_precision_on_cuda_defaults_to_the_runs_fp32():
+    """On CUDA, evaluate extracts as the run evaluated (fp32, plain layout); --amp is fp16 in channels-last."""
+    import argparse
+
+    from fedreid.commands.eval_args import evaluation_precision
+
+    cuda = torch.device("cuda")  # fp32 and fp16 resolve without asking the card anything
+
+    def decided(configured="fp32", **flags):
+        args = argparse.Namespace(**{"amp": None, "precision": None, "channels_last": None, **flags})
+        p = evaluation_precision(args, configured, cuda)
+        return p.name, p.device_type, p.channels_last
+
+    assert decided() == ("fp32", "cuda", False)
+    assert decided(amp=True) == ("fp16", "cuda", True)
+    assert decided(precision="fp16", channels_last=False) == ("fp16", "cuda", False)
+    assert decided(configured="fp16") == ("fp16", "cuda", True)
+    assert decided(configured="fp16", amp=False) == ("fp32", "cuda", False)
+    assert decided(channels_last=True) == ("fp32", "cuda", True)
+
+
 def test_speedup_flags_reach_the_extraction(world, tmp_path, monkeypatch, capsys):
     from fedreid.inference import devices
     from fedreid.inference.features import extract_features
@@ -442,26 +489,63 @@ def test_speedup_flags_reach_the_extraction(world, tmp_path, monkeypatch, capsys
             return real(*args, **kwargs)
 
     monkeypatch.setattr("fedreid.inference.model_io.extract_features", recording)
-    base = ["evaluate", "--model", str(world["run"]), "--datasets", "tiny", "--pictures", "0", "--device", "cpu"]
-    assert tool.main(base + ["--out", str(tmp_path / "a")]) == 0
-    assert seen == [(False, False)] * 2  # query and gallery, CPU defaults
-    err = _cli_error(base + ["--out", str(tmp_path / "b"), "--amp"], capsys)
-    assert "--amp only apply on a CUDA device" in err and "device is cpu" in err
     err = _cli_error(["index", "--model", str(world["run"]), "--gallery", ".", "--index", "x", "--device", "cpu",
                       "--channels-last"], capsys)
     assert "--channels-last only apply on a CUDA device" in err
 
-    # What the resolution decides (on for CUDA) is what extraction gets, in every command.
-    seen.clear()
+    # What the resolution decides (on for CUDA) is what index and query's extraction gets.
     monkeypatch.setattr(devices, "resolve_speedups", lambda device, amp, cl: (True, True))
-    assert tool.main(base + ["--out", str(tmp_path / "c")]) == 0
     gallery = world["root"] / "gallery_speed"
     _market_gallery(world, gallery)
     assert tool.main(["index", "--model", str(world["run"]), "--gallery", str(gallery), "--index",
                       str(tmp_path / "idx"), "--device", "cpu"]) == 0
     assert tool.main(["query", "--model", str(world["run"]), "--index", str(tmp_path / "idx"), "--images",
                       str(gallery), "--device", "cpu"]) == 0
-    assert seen == [(True, True)] * 4
+    assert seen == [(True, True)] * 2
+
+
+def test_evaluate_extracts_in_the_runs_eval_precision(world, tmp_path, monkeypatch, capsys):
+    """evaluate's arithmetic: eval.precision by default (fp32: no autocast), --precision, --amp as fp16."""
+    from fedreid.inference.features import extract_features
+
+    seen = []
+    real = extract_features
+
+    def recording(*args, **kwargs):
+        dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None
+        seen.append((kwargs["amp"], kwargs["channels_last"], dtype))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr("fedreid.inference.model_io.extract_features", recording)
+    base = ["evaluate", "--model", str(world["run"]), "--datasets", "tiny", "--pictures", "0", "--device", "cpu"]
+    assert tool.main(base + ["--out", str(tmp_path / "a")]) == 0
+    assert seen == [(False, False, None)] * 2  # query and gallery: fp32, as the run's own evaluation
+    assert "extracting features: tiny (fp32)" in capsys.readouterr().out
+    fp32 = json.loads((tmp_path / "a" / "results.json").read_text())
+    assert fp32["precision"] == {"tiny": "fp32"}
+
+    seen.clear()
+    assert tool.main(base + ["--out", str(tmp_path / "b"), "--precision", "bf16"]) == 0
+    assert seen == [(False, False, torch.bfloat16)] * 2
+    bf16 = json.loads((tmp_path / "b" / "results.json").read_text())
+    assert bf16["precision"] == {"tiny": "bf16"}
+    # the config's eval.precision is the default
+    seen.clear()
+    assert tool.main(base + ["--out", str(tmp_path / "c"), "eval.precision=bf16"]) == 0
+    assert seen == [(False, False, torch.bfloat16)] * 2
+
+    err = _cli_error(base + ["--out", str(tmp_path / "d"), "--amp"], capsys)
+    assert "--amp: fp16 needs a CUDA device" in err
+    err = _cli_error(base + ["--out", str(tmp_path / "d"), "eval.precision=fp16"], capsys)
+    assert "eval.precision: fp16 needs a CUDA device" in err
+    err = _cli_error(base + ["--out", str(tmp_path / "d"), "--amp", "--precision", "fp32"], capsys)
+    assert "--amp and --precision both given" in err
+    err = _cli_error(base + ["--out", str(tmp_path / "d"), "--channels-last"], capsys)
+    assert "--channels-last only applies on a CUDA device" in err and "device is cpu" in err
+    assert not (tmp_path / "d").exists()  # refused before any work
+    seen.clear()
+    assert tool.main(base + ["--out", str(tmp_path / "e"), "--no-amp"]) == 0
+    assert seen == [(False, False, None)] * 2
 
 
 def test_faiss_gpu_flag(world, tmp_path, monkeypatch, capsys):
