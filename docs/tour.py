@@ -138,6 +138,8 @@ def spread(seeds: list[int], threads: list[int]) -> None:
                 r1, m_ap = best3(out)
                 rows.append((seed, t, r1, m_ap))
                 print(f"seed {seed}  threads {t}  best-3 mean Rank-1 {r1:.1f}  mAP {m_ap:.1f}", flush=True)
+    if len(rows) < 2:
+        return  # one run has no spread: its line above is the figure
     for label, pick in (("Rank-1", 2), ("mAP", 3)):
         values = [r[pick] for r in rows]
         print(f"{label}: mean {statistics.mean(values):.1f}, std {statistics.stdev(values):.1f}, "
