@@ -44,8 +44,8 @@ def add_skip_argument(parser: argparse.ArgumentParser, where: str) -> None:
     )
 
 
-def add_speed_arguments(parser: argparse.ArgumentParser, faiss: bool = True) -> None:
-    """--amp / --channels-last (None = on for CUDA) and, for index/query, --faiss-gpu."""
+def add_speed_arguments(parser: argparse.ArgumentParser) -> None:
+    """index and query's --amp / --channels-last (None = on for CUDA) and --faiss-gpu."""
     parser.add_argument(
         "--amp", action=argparse.BooleanOptionalAction, default=None,
         help="float16 autocast for feature extraction (default: on with a CUDA device, off on the CPU)",
@@ -54,12 +54,11 @@ def add_speed_arguments(parser: argparse.ArgumentParser, faiss: bool = True) -> 
         "--channels-last", action=argparse.BooleanOptionalAction, default=None,
         help="channels-last images and model weights (default: on with a CUDA device, off on the CPU)",
     )
-    if faiss:
-        parser.add_argument(
-            "--faiss-gpu", choices=FAISS_GPU_MODES, default="auto",
-            help="FAISS on the GPU (index: IVF training; query: Flat stores): auto (faiss-gpu sees a GPU and the "
-            "device is CUDA), on, off",
-        )
+    parser.add_argument(
+        "--faiss-gpu", choices=FAISS_GPU_MODES, default="auto",
+        help="FAISS on the GPU (index: IVF training; query: Flat stores): auto (faiss-gpu sees a GPU and the "
+        "device is CUDA), on, off",
+    )
 
 
 def add_precision_arguments(parser: argparse.ArgumentParser) -> None:
