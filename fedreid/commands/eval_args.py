@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 from typing import TYPE_CHECKING, get_args, get_type_hints
 
 from fedreid.config import EvalConfig
@@ -82,8 +81,9 @@ def add_precision_arguments(parser: argparse.ArgumentParser) -> None:
 def evaluation_precision(args: argparse.Namespace, configured: str, device) -> Precision:
     """The :class:`Precision` of ``evaluate``'s extraction on ``device`` (``configured``: ``eval.precision``).
 
-    As the run's own evaluation (:class:`fedreid.fl.evaluation.Evaluator`):
-    fp32 touches no layout, a mixed precision is channels-last on CUDA unless
+    As the run's own evaluation (:class:`fedreid.fl.evaluation.Evaluator`,
+    :meth:`~fedreid.utils.precision.Precision.for_extraction`): fp32 touches
+    no layout, a mixed precision is channels-last on CUDA unless
     ``--no-channels-last``. Errors name the flag, or ``eval.precision``.
     """
     from fedreid.utils.precision import resolve_precision
@@ -94,15 +94,9 @@ def evaluation_precision(args: argparse.Namespace, configured: str, device) -> P
         name, field = ("fp16" if args.amp else "fp32"), "--amp"
     else:
         name, field = (args.precision, "--precision") if args.precision else (configured, "eval.precision")
-    precision = resolve_precision(name, device, field=field)
-    on_cuda = precision.device_type == "cuda"
-    if args.channels_last and not on_cuda:
-        raise EvalInputError(
-            f"--channels-last only applies on a CUDA device, but the device is {device}: "
-            "drop it or use --device cuda"
-        )
-    channels_last = (precision.mixed and on_cuda) if args.channels_last is None else args.channels_last
-    return dataclasses.replace(precision, channels_last=channels_last)
+    devices.resolve_speedups(device, channels_last=args.channels_last)  # refuses --channels-last off CUDA
+    precision = resolve_precision(name, device, field=field, channels_last=args.channels_last is not False)
+    return precision if args.channels_last else precision.for_extraction()
 
 
 def speedups(args: argparse.Namespace, device) -> dict:

@@ -21,7 +21,6 @@ record also carries ``mINP`` (Ye et al., TPAMI 2021), averaged like ``mAP``.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import os
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
@@ -91,9 +90,7 @@ class Evaluator:
         self.workers = workers
         self.persistent_workers = persistent_workers
         self.normalize_on = normalize_on
-        resolved = resolve_precision(precision, self.device, field="eval.precision")
-        # fp32 leaves the layout alone, so its features are a plain forward's; mixed precision also goes channels-last.
-        self.precision = dataclasses.replace(resolved, channels_last=resolved.channels_last and resolved.mixed)
+        self.precision = resolve_precision(precision, self.device, field="eval.precision").for_extraction()
         self._images: Any = None  # the SegmentLoader over every query and gallery set, built on first use
         self._transform: Any = None
         self._id_arrays: dict[tuple[str, str], tuple[np.ndarray, np.ndarray]] = {}

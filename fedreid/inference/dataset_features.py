@@ -13,7 +13,6 @@ is claimed with :func:`claim_features_dir`.
 
 from __future__ import annotations
 
-import contextlib
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -109,17 +108,18 @@ def dataset_features(
     raise an error naming the model and the dataset.
     """
     from fedreid.data.prepared import PreparedDatasetError, load_prepared
+    from fedreid.utils.precision import FP32
 
+    precision = precision or FP32
     ds = load_prepared(prepared_root, name)
-    channels_last = bool(precision is not None and precision.channels_last)
     sets = {}
     for split in ("query", "gallery"):
         records = ds.split(split)
         if not records:
             raise PreparedDatasetError(f"dataset {name!r} at {ds.root} has no {split} images")
         loader = _split_loader(records, int(loaded.config["height"]), int(loaded.config["width"]), batch_size)
-        with precision.autocast() if precision is not None else contextlib.nullcontext():
-            features = model_features(loaded, loader, device, channels_last=channels_last).features
+        with precision.autocast():
+            features = model_features(loaded, loader, device, channels_last=precision.channels_last).features
         sets[split] = FeatureSet(
             features=features,
             pids=np.array([r.pid for r in records], dtype=np.int64),
@@ -130,7 +130,7 @@ def dataset_features(
             sets[split].features, f"model {loaded.source} on dataset {name!r}: {split}", paths=sets[split].paths
         )
     meta = {"dataset": name, "model": str(loaded.source), "round": loaded.round, "flip": True,
-            "precision": precision.name if precision is not None else "fp32"}
+            "precision": precision.name}
     if loaded.fingerprint:
         meta["model_fingerprint"] = loaded.fingerprint
     return DatasetFeatures(name, sets["query"], sets["gallery"], meta, source=f"model {loaded.source}")

@@ -28,7 +28,7 @@ and unscaled before anything reads them.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ContextManager, Optional
 
 import torch
@@ -77,6 +77,15 @@ class Precision:
         if self.name != "fp16":
             return None
         return torch.amp.GradScaler(self.device_type)
+
+    def for_extraction(self) -> "Precision":
+        """This precision for feature extraction: channels-last only with a mixed dtype.
+
+        fp32 then leaves the layout alone, so its features are a plain
+        forward's (evaluation's protocol); bf16/fp16 also go channels-last
+        where the layout applies (CUDA).
+        """
+        return replace(self, channels_last=self.channels_last and self.mixed)
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
         """``model`` in the run's memory layout (in place; channels-last for conv nets on CUDA)."""

@@ -541,7 +541,7 @@ def test_evaluate_extracts_in_the_runs_eval_precision(world, tmp_path, monkeypat
     err = _cli_error(base + ["--out", str(tmp_path / "d"), "--amp", "--precision", "fp32"], capsys)
     assert "--amp and --precision both given" in err
     err = _cli_error(base + ["--out", str(tmp_path / "d"), "--channels-last"], capsys)
-    assert "--channels-last only applies on a CUDA device" in err and "device is cpu" in err
+    assert "--channels-last only apply on a CUDA device" in err and "device is cpu" in err
     assert not (tmp_path / "d").exists()  # refused before any work
     seen.clear()
     assert tool.main(base + ["--out", str(tmp_path / "e"), "--no-amp"]) == 0
