@@ -147,7 +147,7 @@ def _is_tensor(value: Any) -> bool:
 
 
 def _ids(values: Any) -> np.ndarray:
-    if hasattr(values, "detach"):  # a torch tensor
+    if _is_tensor(values):
         values = values.detach().cpu().numpy()
     return np.asarray(values).astype(np.int64).reshape(-1)
 
