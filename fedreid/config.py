@@ -332,9 +332,9 @@ class FLConfig:
     cdw_mode: Literal["eval", "train"] = "eval"
     #: Public-set knowledge distillation on the server (Algorithm 2).
     kd: bool = False
-    #: KD after rounds ``kd_every``, ``2 kd_every``, ... (the official code, ``main.py:train``: 10;
-    #: Algorithm 2 distils in every round: 1).
-    kd_every: int = 10
+    #: KD after rounds ``kd_every``, ``2 kd_every``, ... (Algorithm 2 line 12 distils in every
+    #: round: 1; the official code, ``main.py:train``: 10).
+    kd_every: int = 1
     #: Learning rate of the server's distillation pass (the reference: 5e-4).
     kd_lr: float = 5e-4
     #: Batch size of the public-set loaders.
@@ -356,7 +356,7 @@ class FLConfig:
     #: ``{iterations: 10, hard_sample_mining: false}``; image size and channels come from the data.
     fedftg_options: dict[str, Any] = field(default_factory=dict)
     #: Server hooks, run in this order after the client objective's own server half:
-    #: ``[{name: kd, every: 10}, {name: fedavgm, momentum: 0.9}]``; each entry is the
+    #: ``[{name: kd, every: 2}, {name: fedavgm, momentum: 0.9}]``; each entry is the
     #: hook's registry name and its options (``docs/configuration.md`` lists them).
     #: ``kd: true`` and ``fedftg: true`` above are shorthands for a ``kd`` / ``fedftg`` entry.
     hooks: list[dict[str, Any]] = field(default_factory=list)

@@ -14,6 +14,13 @@
   batch and compares the logits of the model it received (global shared part
   plus its old private head) with the logits of the model it trained:
   ``m_k = mean_batch(1 - cos(old, new))``; weights ``m_k / sum_i m_i``.
+  Algorithm 3 line 8 (and Algorithm 5 line 8) prints ``m = sum_k 1/m_k``
+  before ``w = sum_k (m_k / m) w_k``: read literally those weights add up to
+  ``sum m_k / sum 1/m_k`` (about 0.01 for nine clients at ``m_k ~ 0.1``) and
+  shrink every parameter. Sec. 5.2's step (6) has ``m_k`` replace FedPav's
+  ``n_k`` weight, and the reference (``server.py:train`` passes the
+  distances to ``aggregate_models``, which divides by their sum) normalises
+  by ``sum_i m_i``, as here.
   The reference (``optimization.py`` ``cdw_feature_distance``, called at the
   end of ``client.py`` ``Client.train``) computes both forwards while the
   models are still in train mode: dropout is active and BatchNorm uses batch
@@ -94,7 +101,7 @@ def server_step(
 
 
 def cdw_weights(distances: Sequence[float]) -> list[float]:
-    """CDW weights ``m_k / sum_i m_i`` (Algorithm 3)."""
+    """CDW weights ``m_k / sum_i m_i`` (Sec. 5.2 step 6; Algorithm 3 line 8's ``sum 1/m_k`` is a typo, see the module docstring)."""
     return normalize_weights(distances)
 
 

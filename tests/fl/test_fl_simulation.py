@@ -212,7 +212,7 @@ def test_paper_defaults():
     assert cfg.model.backbone == "resnet50" and (cfg.model.height, cfg.model.width) == (256, 128)
     assert cfg.train.batch_size == 32 and cfg.train.local_epochs == 1
     assert cfg.train.lr == 0.05 and cfg.train.lr * cfg.train.lr_backbone_ratio == pytest.approx(0.005)
-    assert cfg.fl.rounds == 300 and cfg.fl.clients_per_round == 0 and cfg.fl.kd_every == 10
+    assert cfg.fl.rounds == 300 and cfg.fl.clients_per_round == 0 and cfg.fl.kd_every == 1
     assert cfg.fl.kd_lr == 5e-4 and cfg.fl.bn == "average" and cfg.fl.aggregation == "fedpav"
 
 

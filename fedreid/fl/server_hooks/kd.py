@@ -1,9 +1,10 @@
 """Public-set knowledge distillation on the server (Zhuang et al. 2020, Algorithm 2).
 
-Every ``kd_every`` rounds, after aggregation. Algorithm 2 (line 12) distils in
-every round; the official code distils after every 10th round (cap-ntu/FedReID
-``main.py:train``: ``if (i+1)%10 == 0: ... server.knowledge_distillation``), and
-so does the default here; ``every=1`` is Algorithm 2's cadence.
+Every ``kd_every`` rounds, after aggregation. Algorithm 2 (line 12; Algorithm 5
+line 11) distils in every round, and so does the default here (``every=1``);
+the official code distils after every 10th round only (cap-ntu/FedReID
+``main.py:train``: ``if (i+1)%10 == 0: ... server.knowledge_distillation``),
+which ``every=10`` reproduces.
 
 1. each participating client, right after its local training, computes the
    features of its model without head (``embed``: the 512-d bottleneck
@@ -226,8 +227,8 @@ def distill(
 class KDOptions:
     """Options of the ``kd`` server hook (``fl.hooks: [{name: kd, ...}]``, or the ``fl.kd*`` keys)."""
 
-    #: Distil after rounds ``every``, ``2 every``, ... (the official code: 10; Algorithm 2: 1).
-    every: int = 10
+    #: Distil after rounds ``every``, ``2 every``, ... (Algorithm 2: 1; the official code: 10).
+    every: int = 1
     #: Learning rate of the student's SGD pass (the reference: ``0.01 * lr`` = 5e-4).
     lr: float = 5e-4
     #: Batch size of the public-set loaders (teachers' and student's).
