@@ -123,15 +123,19 @@ def _offsets_within(lengths: np.ndarray) -> np.ndarray:
 def _query_expansion(
     ptr: np.ndarray, cols: np.ndarray, vals: np.ndarray, near: np.ndarray, k2: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """V_p := mean of V over p's k2 nearest items (Eq. 11), sparse in and out."""
+    """V_p := mean of V over p's k2 nearest items (Eq. 11), sparse in and out.
+
+    With fewer than ``k2`` items in all, the mean is over those there are,
+    as the reference's ``np.mean(V[initial_rank[i, :k2]], axis=0)``.
+    """
     n = ptr.size - 1
-    sources = near[:, :k2]  # [n, k2]
+    sources = near[:, :k2]  # [n, min(k2, n)]
     lengths = (ptr[1:] - ptr[:-1])[sources]  # non-zeros each source row contributes
     owner = np.repeat(np.arange(n), lengths.sum(axis=1))
     starts = np.repeat(ptr[:-1][sources].ravel(), lengths.ravel())
     flat = starts + _offsets_within(lengths.ravel())
     keys, inverse = np.unique(owner * n + cols[flat], return_inverse=True)
-    summed = np.bincount(inverse.ravel(), weights=vals[flat]) / k2
+    summed = np.bincount(inverse.ravel(), weights=vals[flat]) / sources.shape[1]
     new_owner, new_cols = np.divmod(keys, n)
     new_ptr = np.zeros(n + 1, dtype=np.int64)
     np.cumsum(np.bincount(new_owner, minlength=n), out=new_ptr[1:])
