@@ -373,10 +373,12 @@ def evaluate_scores(
     """:func:`evaluate` for a precomputed [Q, G] *similarity* matrix (higher is better).
 
     For a distance matrix (e.g. from :mod:`fedreid.eval.rerank`) pass ``-dist``.
+    float64 scores are ranked in float64 (float32 would tie scores closer than
+    its precision); anything else in float32.
     """
     ap = _check_ap(ap)
     ranks_t = _check_ranks(ranks)
-    scores = as_features("scores", scores)
+    scores = as_features("scores", scores, keep_float64=True)
     if is_torch(scores):
         scores = scores.cpu().numpy()
     check_sets(*scores.shape)
@@ -491,6 +493,7 @@ def evaluate_cuhk03_single_shot(
         num_repeats=int(num_repeats),
         ranks=ranks_t,
         protocol="cuhk03-single-gallery-shot",
+        block_size=rows,
     )
     if return_per_query:
         result["per_query"] = per_query

@@ -2,8 +2,9 @@
 
 Queries are picked by AP (:func:`picked_queries`: the best and the worst) or
 named by the user (:func:`chosen_queries`: an index, a path or a file name).
-Their rows of scores are computed alone (:func:`query_scores`), never a query
-x gallery matrix, filtered like the metrics (:func:`ranked_lists`) and drawn
+Their rows of scores are computed again from their own query blocks
+(:func:`query_scores`), never a query x gallery matrix, filtered like the
+metrics (:func:`ranked_lists`) and drawn
 by :mod:`fedreid.eval.visualize` (:func:`draw_dataset_pictures`).
 """
 
@@ -16,6 +17,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
+from fedreid.eval.ranking import prepare_features, score_rows
 from fedreid.inference.dataset_features import DatasetFeatures
 from fedreid.inference.errors import EvalInputError
 
@@ -95,18 +97,36 @@ def chosen_queries(feats: DatasetFeatures, specs: Sequence[str], *, missing_ok: 
 
 
 def query_scores(
-    feats: DatasetFeatures, queries: Sequence[int], reranked: Optional[np.ndarray] = None
+    feats: DatasetFeatures,
+    queries: Sequence[int],
+    reranked: Optional[np.ndarray] = None,
+    block_size: Optional[int] = None,
 ) -> np.ndarray:
     """Similarity rows ``[len(queries), G]`` (float32) of the given queries only.
 
     The inner products the metrics rank by, or rows of ``reranked``
-    (:func:`~fedreid.eval.protocols.evaluate_dataset`'s). Drawing a few ranked lists thus costs a few
-    gallery-length rows, not a query x gallery matrix.
+    (:func:`~fedreid.eval.protocols.evaluate_dataset`'s). ``block_size``: the
+    metrics' query rows per block (their result's ``block_size``); each row
+    is then taken from its block, computed again by the metrics' own call
+    (:func:`~fedreid.eval.ranking.score_rows`), so it holds the very bits
+    they ranked: a row computed alone can differ in the last bits and order
+    near-ties otherwise. Drawing a few ranked lists thus costs a few blocks,
+    not a query x gallery matrix. Without ``block_size`` the rows are
+    computed alone.
     """
     idx = np.asarray(queries, dtype=np.int64).reshape(-1)
     if reranked is not None:
         return np.asarray(reranked[idx], dtype=np.float32)
-    return feats.query.features[idx] @ feats.gallery.features.T
+    if block_size is None:
+        return feats.query.features[idx] @ feats.gallery.features.T
+    qf, gf = prepare_features(feats.query.features, feats.gallery.features)
+    rows = np.empty((idx.size, gf.shape[0]), dtype=np.float32)
+    for start in np.unique(idx - idx % block_size):
+        stop = min(int(start) + block_size, qf.shape[0])
+        for _, block in score_rows(qf[start:stop], gf, block_size):  # one block: the metrics' call
+            inside = (idx >= start) & (idx < stop)
+            rows[inside] = block[idx[inside] - start]
+    return rows
 
 
 @dataclass
@@ -141,7 +161,7 @@ def ranked_lists(
     if not picks:
         return []
     q, g = feats.query, feats.gallery
-    rows = query_scores(feats, [i for i, _ in picks], reranked)
+    rows = query_scores(feats, [i for i, _ in picks], reranked, result.get("block_size"))
     out = []
     for (i, tag), row in zip(picks, rows):
         top, correct = filtered_top_k(row, int(q.pids[i]), int(q.camids[i]), g.pids, g.camids, k=top_k)

@@ -244,22 +244,26 @@ def _check_finite(name: str, x: Any) -> None:
             raise EvalDataError(f"{name} contains NaN or inf values (first at row {bad})")
 
 
-def as_features(name: str, x: Any) -> Any:
+def as_features(name: str, x: Any, *, keep_float64: bool = False) -> Any:
     """float32 2-D features: a numpy array, or a torch tensor when it lives on a GPU.
 
-    Raises :class:`EvalDataError` naming ``name`` for a non-numeric dtype, a
+    ``keep_float64``: float64 input stays float64 (on the host), for scores
+    whose order float32 would turn into ties. Raises :class:`EvalDataError` naming ``name`` for a non-numeric dtype, a
     shape that is not 2-D, or a NaN/inf value (checked in chunks, so a big
     gallery needs no full-size mask).
     """
     if is_torch(x):
         x = x.detach()
         # float32 either way; .to() copies only when needed (bfloat16 has no numpy twin).
-        x = x.float() if x.is_cuda else x.to("cpu", torch.float32).numpy()
+        if keep_float64 and x.dtype == torch.float64:
+            x = x.cpu().numpy()
+        else:
+            x = x.float() if x.is_cuda else x.to("cpu", torch.float32).numpy()
     if not is_torch(x):
         x = np.asarray(x)
         if x.dtype.kind not in "fiu":
             raise EvalDataError(f"{name} must be a numeric feature matrix, got dtype {x.dtype}")
-        x = np.ascontiguousarray(x, dtype=np.float32)
+        x = np.ascontiguousarray(x, dtype=np.float64 if keep_float64 and x.dtype == np.float64 else np.float32)
     if x.ndim != 2:
         raise EvalDataError(f"{name} must be 2-D [num_items, dim], got shape {tuple(x.shape)}")
     _check_finite(name, x)
@@ -389,7 +393,7 @@ def torch_block_rows(
 
 def given_score_blocks(scores: np.ndarray, rows: int) -> Iterator[tuple[int, np.ndarray]]:
     """``(start, block)`` of ``rows`` rows of a precomputed score matrix, copied (the consumer overwrites them)."""
-    buffer = np.empty((min(rows, scores.shape[0]), scores.shape[1]), dtype=np.float32)
+    buffer = np.empty((min(rows, scores.shape[0]), scores.shape[1]), dtype=scores.dtype)
     for start in range(0, scores.shape[0], rows):
         b = min(rows, scores.shape[0] - start)
         buffer[:b] = scores[start : start + b]

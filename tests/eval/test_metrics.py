@@ -309,6 +309,18 @@ def test_evaluate_scores_matches_evaluate():
         assert b[key] == pytest.approx(a[key], abs=1e-12)
 
 
+@pytest.mark.parametrize("as_tensor", [False, True], ids=["numpy", "torch"])
+def test_evaluate_scores_ranks_float64_scores_in_float64(as_tensor):
+    # Gallery 0 is a negative, gallery 1 the true match scoring 1e-9 higher:
+    # equal in float32, where the tie rule would put the negative first.
+    scores = np.array([[0.5, 0.5 + 1e-9]], dtype=np.float64)
+    given = torch.from_numpy(scores) if as_tensor else scores
+    result = evaluate_scores(given, [1], [2, 1], [0], [1, 1])
+    assert (result["rank1"], result["mAP"]) == (1.0, 1.0)
+    tied = evaluate_scores(scores.astype(np.float32), [1], [2, 1], [0], [1, 1])
+    assert (tied["rank1"], tied["mAP"]) == (0.0, 0.5)
+
+
 # --------------------------------------------------------------------------
 # CUHK03 single-gallery-shot
 # --------------------------------------------------------------------------
