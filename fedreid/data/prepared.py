@@ -500,6 +500,8 @@ def _option_changes(
         "split_file": str(parser.split_file) if parser.split_file else None,
         "resize": list(resize) if resize is not None else None,
     }
+    if not _split_was_drawn(target):  # a release's fixed split: the seed changed nothing
+        del wanted["split_seed"]
     warnings += [
         f"{parser.name}: already prepared with {key}={made.get(key)!r}, not {value!r}; "
         "kept as is (use --force to prepare again)"
@@ -507,6 +509,15 @@ def _option_changes(
         if made.get(key) != value
     ]
     return warnings
+
+
+def _split_was_drawn(target: Path) -> bool:
+    """Whether the copy in ``target`` split its identities with the seed (its ``split.json`` records one)."""
+    try:
+        split = json.loads((target / "split.json").read_text())
+    except FileNotFoundError:
+        return False
+    return isinstance(split, dict) and "seed" in split
 
 
 def raw_fingerprint(folder: str | Path) -> dict:

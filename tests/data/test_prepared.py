@@ -135,6 +135,23 @@ def test_idempotent_and_force(raw_root, tmp_path):
     assert sorted(p.name for p in out.iterdir()) == ["toy"], "no temporary folders left"
 
 
+class FixedSplitParser(ToyParser):
+    """The toy layout with the release's own split, as Market-1501's: no seed is drawn."""
+
+    def parse(self) -> ParseResult:
+        return ParseResult(super().parse().records, [], None)
+
+
+def test_a_fixed_split_is_not_called_stale_for_another_seed(raw_root, tmp_path):
+    out = tmp_path / "out"
+    prepare_dataset(FixedSplitParser(raw_root), out, progress=False)
+    assert not (out / "toy" / "split.json").exists()
+    again = prepare_dataset(FixedSplitParser(raw_root, seed=5), out, progress=False)
+    assert again.skipped_existing and again.warnings == []
+    resized = prepare_dataset(FixedSplitParser(raw_root, seed=5), out, resize=(8, 4), progress=False)
+    assert any("resize=None" in w for w in resized.warnings), "other options are still compared"
+
+
 def test_interrupted_run_leaves_no_half_dataset(raw_root, tmp_path, monkeypatch):
     calls = {"n": 0}
     real = prepared_mod._copy_checked
