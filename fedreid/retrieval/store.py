@@ -7,8 +7,11 @@
 * ids are assigned increasing, never reused, and stay with their item after
   any removal, for every index kind;
 * :meth:`GalleryStore.add` writes new segments only and
-  :meth:`GalleryStore.remove` rewrites only the segments it touches; after
-  ``remove`` returns, no byte of a removed item remains in the store's files;
+  :meth:`GalleryStore.remove` rewrites only the segments it touches, unless
+  the index was trained on a removed item (IVF centroids, PQ codebooks, SQ
+  ranges): then it is trained again without it and every segment rewritten;
+  after ``remove`` returns, no byte of a removed item remains in the store's
+  files, nor anything the index learned from it;
 * every update is staged beside the folder and swapped in whole (a kill leaves
   the old store or the new), under an exclusive lock that refuses a stale copy;
 * a search returns at most the item count of results, ranked by score then id;
@@ -503,7 +506,7 @@ class GalleryStore:
         header = {
             "format": STORE_FORMAT, "version": STORE_VERSION, "factory": factory, "kind": kind,
             "metric": "inner_product", "dim": int(features.shape[1]), "ntotal": int(features.shape[0]),
-            "next_id": int(features.shape[0]), "seed": int(seed),
+            "next_id": int(features.shape[0]), "trained_below": int(features.shape[0]), "seed": int(seed),
             "search": _with_refine(kind_named(kind).default_params(template), refine), "verify": None, "meta": meta,
         }
         store = cls(folder, header, [], template)
@@ -511,13 +514,15 @@ class GalleryStore:
         store._commit(plan, header, fresh=True, side_files=side_files, replaces=replaces)
         return store
 
-    def _new_segments(self, features: np.ndarray, ids: np.ndarray, values: Sequence[tuple]) -> list[_NewSegment]:
-        """``features`` under ``ids`` as new segments of at most :data:`SEGMENT_ITEMS`, indexed with the template."""
+    def _new_segments(self, features: np.ndarray, ids: np.ndarray, values: Sequence[tuple],
+                      template: Any = None) -> list[_NewSegment]:
+        """``features`` under ``ids`` as new segments of at most :data:`SEGMENT_ITEMS`, indexed with ``template`` (the store's)."""
+        template = self.template if template is None else template
         out = []
         for start in range(0, int(ids.size), SEGMENT_ITEMS):
             part = slice(start, start + SEGMENT_ITEMS)
             vectors, seg_ids = np.ascontiguousarray(features[part]), ids[part]
-            out.append(_NewSegment(seg_ids, vectors, _rebuilt_index(self.template, vectors, seg_ids),
+            out.append(_NewSegment(seg_ids, vectors, _rebuilt_index(template, vectors, seg_ids),
                                    [(int(i), *v) for i, v in zip(seg_ids, values[part])]))
         return out
 
@@ -608,7 +613,8 @@ class GalleryStore:
         """Add items (features [n, d] and their metadata rows) as new segments; returns their new ids.
 
         The index is not retrained: the new segments' indexes are the store's
-        trained template filled with the new items. The existing segments'
+        trained template filled with the new items (a store whose every item
+        was erased trains its template again on these). The existing segments'
         files are kept as they are (hard links into the new save). A path
         already in the store, or twice in ``rows``, raises
         :class:`GalleryStoreError` before anything changes. ``meta`` updates
@@ -629,11 +635,16 @@ class GalleryStore:
             raise GalleryStoreError(f"store {self.folder} already holds {len(existing)} of these paths ({shown})")
         start = int(self.header["next_id"])
         new_ids = np.arange(start, start + features.shape[0], dtype=np.int64)
-        plan: list[Any] = list(self.segments) + self._new_segments(features, new_ids, values)
         header = dict(self.header, ntotal=self.ntotal + int(new_ids.size), next_id=int(new_ids[-1]) + 1, verify=None)
+        template = None
+        if not self.template.is_trained:  # every item it was trained on was erased
+            template = _new_index(self.factory, self.dim)
+            _train(template, features, self.factory, int(self.header.get("seed", 0)))
+            header["trained_below"] = header["next_id"]
+        plan: list[Any] = list(self.segments) + self._new_segments(features, new_ids, values, template)
         if meta:
             header["meta"] = dict(self.header.get("meta") or {}, **meta)
-        self._commit(self._merged(plan), header, side_files=side_files)
+        self._commit(self._merged(plan, template), header, side_files=side_files, template=template)
         return new_ids
 
     def remove(self, ids_or_paths: Iterable[int | str], *, meta: Optional[Mapping[str, Any]] = None) -> np.ndarray:
@@ -644,6 +655,13 @@ class GalleryStore:
         holding a removed item are rewritten (their index, vectors, ids and
         table, fresh files); the others are kept as they are. HNSW segments
         are rebuilt from their remaining stored vectors (FAISS cannot remove from HNSW).
+        When the index learned from a removed item (a factory that trains,
+        and an item it was trained on: ids below ``header["trained_below"]``),
+        the template is trained again, seeded as before, on the remaining
+        items and every segment is rewritten with it; with fewer items left
+        than the factory trains on, the store becomes an exact ``Flat`` one
+        (a warning says so), and with none left its template waits untrained
+        for the next :meth:`add`.
         ``meta`` updates the header's ``meta`` (key by key) in the same save.
         """
         wanted = list(ids_or_paths)
@@ -669,6 +687,13 @@ class GalleryStore:
             shown = ", ".join(str(u) for u in unknown[:5]) + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else "")
             raise GalleryStoreError(f"store {self.folder} holds no item {shown} (nothing was removed)")
         gone = np.unique(np.array(numbers + list(found.values()), dtype=np.int64))
+        header = dict(self.header, ntotal=self.ntotal - int(gone.size), verify=None)
+        if meta:
+            header["meta"] = dict(self.header.get("meta") or {}, **meta)
+        if self._trained_on_any(gone):
+            plan, header, template = self._retrained_without(gone, header)
+            self._commit(self._merged(plan, template), header, template=template)
+            return gone
         plan: list[Any] = []
         for seg in self.segments:
             hit = np.isin(seg.ids, gone)
@@ -681,14 +706,50 @@ class GalleryStore:
             ids, vectors = seg.ids[keep], np.ascontiguousarray(seg.vectors[keep])
             index = _index_without(seg.index, self.kind, seg.ids[hit], vectors, ids)
             plan.append(_NewSegment(ids, vectors, index, self._segment_rows(seg, ids)))
-        header = dict(self.header, ntotal=self.ntotal - int(gone.size), verify=None)
-        if meta:
-            header["meta"] = dict(self.header.get("meta") or {}, **meta)
         self._commit(self._merged(plan), header)
         return gone
 
-    def _merged(self, plan: list[Any]) -> list[Any]:
-        """``plan`` with adjacent segments merged (the smallest pair first) while it has more than :data:`MAX_SEGMENTS`."""
+    def _trained_on_any(self, ids: np.ndarray) -> bool:
+        """Whether the template learned from any of ``ids`` (a store without ``trained_below`` may have from any)."""
+        if _new_index(self.factory, self.dim).is_trained:
+            return False  # Flat, HNSW over flat codes: nothing is fitted to the items
+        below = self.header.get("trained_below")
+        return below is None or bool((ids < int(below)).any())
+
+    def _retrained_without(self, gone: np.ndarray, header: dict) -> tuple[list[_NewSegment], dict, Any]:
+        """Every remaining item re-encoded with a template trained without ``gone``: ``(plan, header, template)``."""
+        ids, vectors, rows = [], [], []
+        for seg in self.segments:
+            keep = ~np.isin(seg.ids, gone)
+            if keep.any():
+                ids.append(seg.ids[keep])
+                vectors.append(np.asarray(seg.vectors[keep]))
+                rows += [r[1:] for r in self._segment_rows(seg, seg.ids[keep])]  # without the id: re-added
+        kept_ids = np.concatenate(ids) if ids else np.empty(0, np.int64)
+        kept = np.concatenate(vectors) if vectors else np.empty((0, self.dim), np.float32)
+        template = _new_index(self.factory, self.dim)
+        need, why = kind_named(self.kind).training_need(template)
+        if 0 < kept_ids.size < need:
+            warnings.warn(
+                f"store {self.folder}: the {kept_ids.size} items left are too few to train {self.factory!r} again "
+                f"without the erased ones (it needs {need}: {why}); the store is now an exact 'Flat' one",
+                UserWarning, stacklevel=4,
+            )
+            template = _new_index("Flat", self.dim)
+            refine = {"refine": header["search"]["refine"]} if "refine" in header["search"] else {}
+            header.update(factory="Flat", kind=_index_kind(template),
+                          search=dict(kind_named(_index_kind(template)).default_params(template), **refine))
+        elif kept_ids.size:
+            _train(template, kept, self.factory, int(header.get("seed", 0)))
+        header["trained_below"] = int(header["next_id"])
+        return self._new_segments(kept, kept_ids, rows, template), header, template
+
+    def _merged(self, plan: list[Any], template: Any = None) -> list[Any]:
+        """``plan`` with adjacent segments merged (the smallest pair first) while it has more than :data:`MAX_SEGMENTS`.
+
+        Merged segments are indexed with ``template`` (the store's).
+        """
+        template = self.template if template is None else template
         plan = list(plan)
         while len(plan) > MAX_SEGMENTS:
             sizes = [int(p.ids.size) for p in plan]
@@ -697,7 +758,7 @@ class GalleryStore:
             ids = np.concatenate([a.ids, b.ids])
             vectors = np.concatenate([np.asarray(a.vectors), np.asarray(b.vectors)])
             rows = [r for p in (a, b) for r in (p.rows if isinstance(p, _NewSegment) else self._segment_rows(p, p.ids))]
-            plan[j : j + 2] = [_NewSegment(ids, vectors, _rebuilt_index(self.template, vectors, ids), rows)]
+            plan[j : j + 2] = [_NewSegment(ids, vectors, _rebuilt_index(template, vectors, ids), rows)]
         return plan
 
     def _segment_rows(self, seg: _Segment, ids: np.ndarray) -> list[tuple]:
@@ -989,12 +1050,13 @@ class GalleryStore:
         return self._lookup_paths(list(paths))
 
     def holds_under(self, folder: str, excluding: Iterable[int] = ()) -> bool:
-        """Whether an item other than ``excluding`` has its file under ``folder`` (a stored, absolute path)."""
+        """Whether an item other than ``excluding`` has its file under ``folder``, or is that file (a stored, absolute path)."""
         prefix = folder.rstrip(os.sep) + os.sep
         skip = {int(i) for i in excluding}
         # substr, not LIKE: a folder name may hold % or _
         got = self._query_segments(
-            "SELECT id FROM gallery WHERE substr(path, 1, length(?1)) = ?1 LIMIT ?2", (prefix, len(skip) + 1),
+            "SELECT id FROM gallery WHERE substr(path, 1, length(?1)) = ?1 OR path = ?3 LIMIT ?2",
+            (prefix, len(skip) + 1, folder),
         )
         return any(int(i) not in skip for (i,) in got)
 
@@ -1016,11 +1078,13 @@ class GalleryStore:
         return found
 
     def _commit(self, plan: list[Any], header: dict, *, fresh: bool = False,
-                side_files: Optional[Mapping[str, Any]] = None, replaces: Sequence[str] = ()) -> None:
+                side_files: Optional[Mapping[str, Any]] = None, replaces: Sequence[str] = (),
+                template: Any = None) -> None:
         """Stage the new save (kept segments linked, new ones written), swap it in, then adopt it in memory.
 
         Side files: those in ``side_files`` are written by their function (None:
         left out); the others are carried over from the current folder (not on ``fresh``).
+        ``template``: a new template, written instead of the current one's link.
         """
         folder = self.folder
         side_files = dict(side_files or {})
@@ -1032,9 +1096,10 @@ class GalleryStore:
             _remove_leftovers(folder)
             if not fresh:
                 self._check_unchanged_on_disk()
-            self._write_and_swap(plan, header, fresh=fresh, side_files=side_files)
+            self._write_and_swap(plan, header, fresh=fresh, side_files=side_files, template=template)
 
-    def _write_and_swap(self, plan: list[Any], header: dict, *, fresh: bool, side_files: dict[str, Any]) -> None:
+    def _write_and_swap(self, plan: list[Any], header: dict, *, fresh: bool, side_files: dict[str, Any],
+                        template: Any = None) -> None:
         """Build the new save in a hidden sibling and swap it in (:func:`replace_dir_atomically`).
 
         Unchanged files (the template, kept segments, carried side files) are
@@ -1051,11 +1116,11 @@ class GalleryStore:
         segments, entries = [], []
         try:
             claim_output_dir(stage, MARKER_KIND, tool=TOOL)
-            if TEMPLATE_FILE in old_files:
+            if TEMPLATE_FILE in old_files and template is None:
                 _link_or_copy(folder / TEMPLATE_FILE, stage / TEMPLATE_FILE)
                 files[TEMPLATE_FILE] = old_files[TEMPLATE_FILE]
             else:
-                faiss.write_index(self.template, str(stage / TEMPLATE_FILE))
+                faiss.write_index(self.template if template is None else template, str(stage / TEMPLATE_FILE))
                 files[TEMPLATE_FILE] = _written_record(stage / TEMPLATE_FILE)
             for item in plan:
                 if isinstance(item, _Segment) and not item.dirty:
@@ -1095,6 +1160,8 @@ class GalleryStore:
                 seg.vectors = _read_npy(folder / seg.files["vectors"], "vectors", np.float32, (seg.ntotal, self.dim),
                                         mmap=True)
         self.header, self.segments, self._ids, self._flat = header, segments, None, None
+        if template is not None:
+            self.template = template
 
     def _check_unchanged_on_disk(self) -> None:
         """Refuse to update from a store object whose folder another process has changed since."""

@@ -402,3 +402,81 @@ def test_a_filtered_search_of_a_stale_object_uses_only_the_items_it_holds(tmp_pa
     assert (got.ids[0] >= 0).all() and (got.ids[0] < 100).all()
     rows = np.searchsorted(stale.ids, got.ids[0])
     np.testing.assert_allclose(got.scores[0], stale.vectors[rows] @ feats[120], rtol=1e-5, atol=1e-6)
+
+
+# --------------------------------------------------------------------------
+# Erasure from a trained index: the template forgets the erased items too
+# --------------------------------------------------------------------------
+
+
+def _template_bytes(folder) -> bytes:
+    return (folder / store_mod.TEMPLATE_FILE).read_bytes()
+
+
+def _trained_template(factory: str, vectors: np.ndarray, seed: int = 0) -> bytes:
+    import faiss
+
+    template = store_mod._new_index(factory, vectors.shape[1])
+    store_mod._train(template, vectors, factory, seed)
+    return faiss.serialize_index(template).tobytes()
+
+
+@pytest.mark.parametrize("factory", ["IVF16,Flat", "IVF16,PQ8x4", "SQ8"])
+def test_removing_a_training_item_trains_the_index_again_without_it(tmp_path, feats, factory):
+    base = feats[:600].copy()
+    base[7] = -base[8]  # an outlier: it shapes its IVF list's centroid, its PQ codewords, an SQ range end
+    s = GalleryStore.create(tmp_path / "st", base, make_rows(600), factory=factory, seed=3)
+    s.add(feats[600:700], make_rows(100, start=600))
+    s.remove([7])
+    kept = np.concatenate([base[:7], base[8:]])  # the items the store was trained on, less the erased one
+    assert _template_bytes(tmp_path / "st") == _trained_template(factory, np.concatenate([kept, feats[600:700]]), seed=3)
+    reopened = GalleryStore.open(tmp_path / "st")
+    assert reopened.factory == factory and reopened.header["trained_below"] == 700
+    found = reopened.search(feats[600:700], 1)
+    assert not np.isin(found.ids, [7]).any()
+    if factory == "IVF16,Flat":  # un-quantised: each kept item still finds itself under its own id
+        assert (reopened.search(feats[600:700], 1, search_params={"nprobe": 16}).ids[:, 0] == np.arange(600, 700)).all()
+
+
+def test_removing_an_item_the_index_was_not_trained_on_keeps_the_template(tmp_path, feats):
+    s = GalleryStore.create(tmp_path / "st", feats[:600], make_rows(600), factory="IVF16,Flat", seed=0)
+    s.add(feats[600:700], make_rows(100, start=600))
+    template = _template_bytes(tmp_path / "st")
+    s.remove([650])
+    assert _template_bytes(tmp_path / "st") == template and s.header["trained_below"] == 600
+    # a store that does not record what it was trained on (an earlier version's) retrains on any removal
+    header = dict(s.header)
+    del header["trained_below"]
+    s._commit_header(header)
+    s.remove([651])
+    assert _template_bytes(tmp_path / "st") != template and s.header["trained_below"] == 700
+
+
+def test_too_few_items_left_to_train_again_make_the_store_exact(tmp_path, feats):
+    s = GalleryStore.create(tmp_path / "st", feats[:20], make_rows(20), factory="IVF16,Flat", seed=0)
+    with pytest.warns(UserWarning, match="the 15 items left are too few to train 'IVF16,Flat' again.*now an exact 'Flat'"):
+        s.remove([0, 1, 2, 3, 4])
+    reopened = GalleryStore.open(tmp_path / "st")
+    assert (reopened.factory, reopened.kind, reopened.ntotal) == ("Flat", "flat", 15)
+    exact = np.argsort(-(feats[5:20] @ feats[5:20].T), axis=1, kind="stable")[:, :5] + 5
+    np.testing.assert_array_equal(reopened.search(feats[5:20], 5).ids, exact)
+
+
+def test_a_store_emptied_by_erasure_trains_again_on_its_next_items(tmp_path, feats):
+    s = GalleryStore.create(tmp_path / "st", feats[:50], make_rows(50), factory="SQ8", seed=0)
+    s.remove(list(range(50)))
+    assert s.ntotal == 0 and not GalleryStore.open(tmp_path / "st").template.is_trained
+    new = s.add(feats[100:160], make_rows(60, start=100))
+    np.testing.assert_array_equal(new, np.arange(50, 110))
+    assert _template_bytes(tmp_path / "st") == _trained_template("SQ8", feats[100:160])
+    assert s.header["trained_below"] == 110 and GalleryStore.open(tmp_path / "st").ntotal == 60
+
+
+def test_an_erased_item_that_was_a_centroid_leaves_no_byte(tmp_path, feats):
+    s = GalleryStore.create(tmp_path / "st", feats[:40], make_rows(40), factory="IVF16,Flat", seed=0)
+    template = _template_bytes(tmp_path / "st")
+    centroids = [i for i in range(40) if feats[i].tobytes() in template]
+    assert centroids, "with 40 items some IVF list holds one item, whose vector is then its centroid"
+    s.remove([centroids[0]])
+    for f in (tmp_path / "st").iterdir():
+        assert feats[centroids[0]].tobytes() not in f.read_bytes(), f.name
