@@ -126,8 +126,8 @@ RESULT_FORMAT = "fedreid-federated-search"
 SEARCH_KEYS = ("search-vector", "search-fingerprint", "search-filters", "search-k", "search-timeout",
                "search-thumbnails", "search-expect")
 THUMBNAIL_SIZES = (16, 256)
-#: A site logs a warning when it clips a score further than this past +-1 (more than an approximate index strays).
-CLIP_WARNING = 0.05
+#: A score further than this past +-1 is no approximate index's stray but a store of unnormalised features: an error answer.
+MAX_SCORE_STRAY = 0.05
 #: A result lists the nodes the query did not reach first, then those that did not answer, then the rest.
 _MISSING_ORDER = {"not-sent": 0, "no-reply": 1}
 
@@ -220,8 +220,10 @@ def answer_query(store: Any, query: SearchQuery, *, site: str, policy: SitePolic
     ``query.filters``, best first, -1 pads dropped (fewer hits when fewer
     items pass). Scores are clipped to [-1, 1]: an approximate index (PQ or
     SQ codes) can stray a little past a cosine's range, and the server
-    refuses scores beyond it (a stray of more than :data:`CLIP_WARNING` is
-    logged: are the store's features L2-normalised?). Each hit carries id, score, camera, timestamp, file name and
+    refuses scores beyond it. A stray of more than :data:`MAX_SCORE_STRAY` is
+    an error answer: such scores are not cosines (the store's features are
+    not L2-normalised), and clipped they would tie at 1 and rank by chance.
+    Each hit carries id, score, camera, timestamp, file name and
     the row's site column; a thumbnail only when ``policy.thumbnails`` and
     ``query.thumbnails``. Nothing else of the store is read into the answer.
     """
@@ -234,9 +236,9 @@ def answer_query(store: Any, query: SearchQuery, *, site: str, policy: SitePolic
     keep = result.ids[0] >= 0
     ids, scores = result.ids[0][keep], result.scores[0][keep]
     stray = float(np.max(np.abs(scores), initial=0.0)) - 1.0
-    if stray > CLIP_WARNING:
-        log.warning("search: scores up to %.4g past a cosine's range were clipped to [-1, 1]; does the store hold "
-                    "L2-normalised features?", stray)
+    if stray > MAX_SCORE_STRAY:
+        return SiteAnswer(site, error=f"this site's store gives scores up to {1.0 + stray:.4g}, past a cosine's "
+                                      "range: its features are not L2-normalised; build it again with the index tool")
     scores = np.clip(scores, -1.0, 1.0)
     rows = store.rows(ids.tolist())
     thumbnails = policy.thumbnails and query.thumbnails

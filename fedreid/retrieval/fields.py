@@ -16,7 +16,8 @@ functions, so a value one of them accepts every reader of the store can use:
   JavaScript ``Date`` both show; text is a number or an ISO 8601 date or
   date/time (UTC unless it names an offset);
 * ``site``: text of 1 to :data:`SITE_MAX_CHARS` characters after stripping
-  surrounding blanks, without control characters.
+  surrounding blanks, without control characters or commas (a filter's
+  separator).
 
 Each function takes ``what``, the words naming the value for the error (a
 form field, ``--cameras``, ``metadata file F row 3: camera``), and raises
@@ -138,13 +139,17 @@ def timestamp(value: Any, what: str = "timestamp") -> float:
 
 
 def site(value: Any, what: str = "site") -> str:
-    """A site name: text, stripped, 1 to :data:`SITE_MAX_CHARS` characters, no control characters."""
-    expected = (f"{what} must be a name of 1 to {SITE_MAX_CHARS} characters without control characters, "
-                f"got {_shown(value)}")
+    """A site name: text, stripped, 1 to :data:`SITE_MAX_CHARS` characters, no control characters, no comma.
+
+    A comma separates the names of a site filter (:func:`site_list`), so a
+    name holding one could be stored but never asked for.
+    """
+    expected = (f"{what} must be a name of 1 to {SITE_MAX_CHARS} characters without control characters or "
+                f"commas (a site filter separates names with commas), got {_shown(value)}")
     if not isinstance(value, str):
         raise GalleryMetadataError(expected)
     text = value.strip()
-    if not text or len(text) > SITE_MAX_CHARS or _CONTROL.search(text):
+    if not text or len(text) > SITE_MAX_CHARS or _CONTROL.search(text) or "," in text:
         raise GalleryMetadataError(expected)
     return text
 

@@ -95,12 +95,18 @@ def roots_after_removal(store: Any, ids: Iterable[int]) -> Optional[dict[str, li
 
     A recorded gallery root (:func:`recorded_gallery_roots`) that no other
     item lies under is dropped, so that the service serves nothing from it
-    and the header names no folder where only erased items lay.
+    and the header names no folder where only erased items lay; so is
+    ``meta.gallery`` (what ``index --gallery`` was given: a folder, or one
+    image) when no other item lies under it or is it.
     """
     ids = [int(i) for i in ids]
     roots = recorded_gallery_roots(store.header)
     kept = [str(r) for r in roots if store.holds_under(str(r), excluding=ids)]
-    return {GALLERY_ROOTS_KEY: kept} if len(kept) != len(roots) else None
+    update: dict[str, Any] = {GALLERY_ROOTS_KEY: kept} if len(kept) != len(roots) else {}
+    gallery = (store.header.get("meta") or {}).get("gallery")
+    if isinstance(gallery, str) and not store.holds_under(gallery, excluding=ids):
+        update["gallery"] = None
+    return update or None
 
 
 def parse_time(text: str, what: str = "time") -> float:

@@ -394,7 +394,15 @@ class _Service:
     # -- updates ------------------------------------------------------------
 
     def add(self, upload: _Upload, meta: dict[str, Any]) -> dict[str, Any]:
+        from fedreid.inference.model_io import check_index_model
         from fedreid.utils.io import atomic_path
+
+        def add_item(store: GalleryStore) -> int:
+            # Searching may be allowed with another model (--allow-model-mismatch); storing its features never is.
+            if check_index_model(store.header, self.loaded, store.folder, allow_mismatch=True) is not None:
+                raise _RequestError(409, "adding items needs the gallery store's own model, and the served model "
+                                         "is another one (--allow-model-mismatch allows searching only)")
+            return int(store.add(feature, [dict(meta, path=str(path))])[0])
 
         if self.uploads is None:
             raise _RequestError(403, "adding items is off: the server was started without an uploads folder (--uploads DIR)")
@@ -404,7 +412,7 @@ class _Service:
         with atomic_path(path) as tmp:
             tmp.write_bytes(upload.data)
         try:
-            new_id = self.update(lambda store: int(store.add(feature, [dict(meta, path=str(path))])[0]))
+            new_id = self.update(add_item)
         except BaseException:
             path.unlink(missing_ok=True)
             raise

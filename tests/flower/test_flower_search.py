@@ -187,6 +187,17 @@ def test_site_handler_on_a_real_store(stores, query, tmp_path):
     assert "two different" in fingerprint_problem({"model_fingerprint": FP, "meta": {"model_fingerprint": other}}, FP)
 
 
+def test_a_store_of_unnormalised_features_answers_an_error(query, tmp_path):
+    """Scores past a cosine's range are not clipped into fake ties at 1: the site says what is wrong."""
+    raw = unit_rows(6, 5) * np.arange(1, 7, dtype=np.float32)[:, None]  # norms 1..6
+    store = GalleryStore.create(tmp_path / "raw", raw, [{"path": f"/g/{i}.jpg"} for i in range(6)],
+                                meta={"model_fingerprint": FP})
+    answer = answer_query(store, SearchQuery(raw[5] / 6, 3, fingerprint=FP), site="sa")
+    assert not answer.ok and answer.hits == () and "not L2-normalised" in answer.error
+    unit = make_store(tmp_path / "unit", 6, 5, site="sa")
+    assert answer_query(unit, SearchQuery(query, 3, fingerprint=FP), site="sa").ok
+
+
 def test_thumbnails_only_where_the_site_allows_and_the_query_asks(stores, query):
     store = stores["sa"]
     allowed = SitePolicy(thumbnails=True, thumbnail_size=24)

@@ -402,6 +402,20 @@ def test_added_folders_are_recorded_as_gallery_roots(world, tmp_path):
             assert c.get(f"/items/{item}/image", headers=AUTH).content == path.read_bytes(), item
 
 
+def test_an_indexed_single_image_leaves_the_header_with_its_item(world, tmp_path):
+    """index --gallery FILE records that file as meta.gallery; erasing its item erases the record too."""
+    from fedreid.retrieval.folders import add_to_gallery_store, build_gallery_store, remove_from_gallery_store
+
+    private = write_png(tmp_path / "alice" / "0001_c1s1_000001_01.png", person_image(1, 0, 1))
+    write_png(tmp_path / "more" / "0002_c1s1_000001_01.png", person_image(2, 0, 1))
+    build_gallery_store(world["loaded"], private, tmp_path / "st")
+    add_to_gallery_store(world["loaded"], tmp_path / "st", tmp_path / "more")
+    store, gone = remove_from_gallery_store(tmp_path / "st", ["0"])
+    assert gone.tolist() == [0] and store.header["meta"]["gallery"] is None
+    for f in (tmp_path / "st").iterdir():
+        assert b"alice" not in f.read_bytes(), f.name
+
+
 def test_a_root_whose_items_are_all_removed_leaves_the_header(world, tmp_path):
     """index --remove and DELETE /items drop a gallery root no item lies under any more; no file is served there."""
     from fedreid.retrieval.folders import add_to_gallery_store, build_gallery_store, remove_from_gallery_store
@@ -417,8 +431,10 @@ def test_a_root_whose_items_are_all_removed_leaves_the_header(world, tmp_path):
     assert store.header["meta"]["gallery_roots"] == roots
     store, gone = remove_from_gallery_store(tmp_path / "st", [str(kept[0].resolve())])
     assert gone.tolist() == [2] and store.header["meta"]["gallery_roots"] == roots  # one item still lies there
+    assert store.header["meta"]["gallery"] == roots[1]
     store, gone = remove_from_gallery_store(tmp_path / "st", ["0", "1"])
-    assert store.header["meta"]["gallery_roots"] == roots[:1]
+    assert store.header["meta"]["gallery_roots"] == roots[:1] and store.header["meta"]["gallery"] is None
+    assert roots[1].encode() not in (tmp_path / "st" / "header.json").read_bytes()
     with client_for(world, tmp_path / "st") as c:
         assert c.get("/items/3/image", headers=AUTH).content == kept[1].read_bytes()
         assert c.delete("/items/3", headers=AUTH).status_code == 200
@@ -816,6 +832,22 @@ def test_a_store_of_another_model_is_refused(world, tmp_path):
     warnings: list[str] = []
     app = svc.create_app(world["store"], other, token=TOKEN, allow_model_mismatch=True, warn=warnings.append)
     assert app.state.service.store.ntotal == 24 and "another model" in warnings[0]
+
+
+def test_another_models_features_are_never_added(world, store_copy, tmp_path):
+    """--allow-model-mismatch lets another model search; POST /items stays refused, and nothing is kept."""
+    other = load_model(save_tiny_model(tmp_path / "other", seed=1), "cpu")
+    header = (store_copy / "header.json").read_bytes()
+    app = svc.create_app(store_copy, other, token=TOKEN, allow_model_mismatch=True, warn=lambda _: None,
+                         uploads=tmp_path / "up")
+    uploads = sorted((tmp_path / "up").iterdir())  # the folder's own marker
+    with TestClient(app) as c:
+        image = world["paths"][0].read_bytes()
+        assert c.post("/search", headers=AUTH, files={"image": ("q.png", image, "image/png")}).status_code == 200
+        r = c.post("/items", headers=AUTH, files={"image": ("new.png", image, "image/png")})
+    assert r.status_code == 409 and "store's own model" in r.json()["error"]
+    assert (store_copy / "header.json").read_bytes() == header
+    assert sorted((tmp_path / "up").iterdir()) == uploads, "the upload is not kept"
 
 
 def test_exported_onnx_model_serves_the_same_way(world, tmp_path):

@@ -160,7 +160,8 @@ def test_out_of_range_values_are_refused_by_the_store_itself(tmp_path, feats):
     from fedreid.retrieval.fields import GalleryMetadataError
 
     s = GalleryStore.create(tmp_path / "st", feats, rows(N))
-    for bad in ({"camera": 2**70}, {"identity": "alice"}, {"timestamp": 1e15}, {"site": ""}, {"camera": True}):
+    for bad in ({"camera": 2**70}, {"identity": "alice"}, {"timestamp": 1e15}, {"site": ""}, {"camera": True},
+                {"site": "Paris, lobby"}):
         with pytest.raises(GalleryMetadataError, match="metadata row 0 \\(/new.jpg\\): (camera|identity|timestamp|site) must"):
             s.add(feats[:1], [{"path": "/new.jpg", **bad}])
     for kwargs in ({"cameras": [99999999999999999999]}, {"cameras": [-(2**31) - 1]}, {"sites": ["x" * 201]},
@@ -168,6 +169,14 @@ def test_out_of_range_values_are_refused_by_the_store_itself(tmp_path, feats):
         with pytest.raises(GalleryMetadataError, match="must|expected since <= until"):
             s.search(feats[:1], 3, **kwargs)
     assert s.ntotal == N and s.search(feats[:1], 3, cameras=[2**31 - 1]).ids.tolist() == [[-1, -1, -1]]
+
+
+def test_a_site_name_holds_no_comma_a_filter_would_split():
+    from fedreid.retrieval import fields
+
+    assert fields.site_list("Paris lobby, Lyon") == ["Paris lobby", "Lyon"]
+    with pytest.raises(fields.GalleryMetadataError, match="--site must be a name .* or commas .*got 'Paris, lobby'"):
+        fields.site("Paris, lobby", "--site")
 
 
 def test_every_door_checks_with_the_same_rules(tmp_path, feats, monkeypatch):
