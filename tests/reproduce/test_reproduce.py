@@ -43,6 +43,27 @@ def test_every_runnable_cell_has_a_loadable_config_and_a_distinct_run(name, tmp_
         assert len(runs) == 1
 
 
+@pytest.mark.parametrize("name", ["fedlmd-table3-mnist", "fedlmd-table3-cifar10", "fedlmd-table3-cifar100",
+                                  "fedlmd-table5"])
+def test_fedlmd_baselines_run_with_the_official_configs_settings(name, tmp_path):
+    """FedLMD Sec. 5.1 names no baseline settings: wnma3mz/FedLMD src/config/*.json decide."""
+    expected = {"fedprox": {"mu": 1.0}, "moon": {"mu": 0.1, "tau": 0.5}}
+    table, seen = TABLES[name], set()
+    for row in table.rows:
+        for j, cell in enumerate(row.cells):
+            if cell.missing:
+                continue
+            cfg = load_config(config_path(cell), cell_overrides(table, cell, 0, None, False, tmp_path / "run"))
+            if cfg.train.objective in expected:
+                assert cfg.train.objective_options == expected[cfg.train.objective], (row.label, j)
+                seen.add(cfg.train.objective)
+            for hook in cfg.fl.hooks:
+                if hook["name"] == "fedavgm":
+                    assert hook["momentum"] == 0.7, row.label
+                    seen.add("fedavgm")
+    assert seen == ({"fedavgm"} if name == "fedlmd-table5" else set(expected))
+
+
 def test_paper_numbers_are_transcribed():
     t3 = TABLES["fedlmd-table3-mnist"]
     by_slug = {r.slug: r for r in t3.rows}
