@@ -531,15 +531,21 @@ def test_fedntd_teacher_is_the_frozen_received_model():
 # ---------------------------------------------------------------------------
 
 
-def test_majority_labels_are_counts_above_n_over_c():
-    # n = 16, C = 4, n/C = 4: 10 > 4, 5 > 4 -> {0, 1}
+def test_majority_labels_are_counts_at_least_n_over_c():
+    # n = 16, C = 4, n/C = 4: 10 >= 4, 5 >= 4 -> {0, 1}
     assert majority_labels([10, 5, 1, 0]).tolist() == [True, True, False, False]
-    assert majority_labels([4, 4, 4, 4]).tolist() == [False] * 4  # strict: none above the mean
-    assert majority_labels([5, 3, 4, 4]).tolist() == [True, False, False, False]
-    # n = 4, C = 3, n/C = 1.33: only 2 > 1.33
-    assert majority_labels([2, 1, 1]).tolist() == [True, False, False]
+    # Sec. 4.2's ">=" (default) and the official strict ">" differ only at exactly the mean
+    assert majority_labels([4, 4, 4, 4]).tolist() == [True] * 4
+    assert majority_labels([4, 4, 4, 4], "above_mean").tolist() == [False] * 4
+    assert majority_labels([5, 3, 4, 4]).tolist() == [True, False, True, True]
+    assert majority_labels([5, 3, 4, 4], "above_mean").tolist() == [True, False, False, False]
+    # n = 4, C = 3, n/C = 1.33: only 2 >= 1.33, by either rule
+    for rule in ("at_least_mean", "above_mean"):
+        assert majority_labels([2, 1, 1], rule).tolist() == [True, False, False]
     with pytest.raises(ObjectiveError):
         majority_labels([3])
+    with pytest.raises(ObjectiveError, match="majority"):
+        majority_labels([2, 1, 1], "median")
 
 
 def test_lmd_masks_teacher_majority_and_true_student_true_only():

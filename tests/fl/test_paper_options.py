@@ -108,6 +108,22 @@ def test_fedlmd_kl_is_unscaled_by_default_and_tau_squared_on_request():
     assert FedLMD([10, 0, 1, 1, 0], tau=2.0).tau_sq is False
 
 
+def test_fedlmd_majority_is_the_papers_at_least_the_mean_unless_asked_for_the_official_strict_rule():
+    """Sec. 4.2: n_k^c >= n_k / C; wnma3mz/FedLMD Server.__init__: > (train.objective_options.majority)."""
+    from dataclasses import asdict
+
+    from fedreid.fl.local.objectives import build_objective, objective_options
+
+    balanced = [5, 5, 5, 5]
+    for name in ("fedlmd", "fedlmd_tf"):
+        paper = build_objective(name, class_counts=balanced, **asdict(objective_options(name, {})))
+        official = build_objective(name, class_counts=balanced,
+                                   **asdict(objective_options(name, {"majority": "above_mean"})))
+        assert paper.majority.tolist() == [True] * 4 and official.majority.tolist() == [False] * 4
+    with pytest.raises(ConfigError, match="majority"):
+        load_config(None, ["task=classification", "train.objective=fedlmd", "train.objective_options={majority: most}"])
+
+
 def _block_input_sizes(generator):
     sizes = {}
     hooks = [getattr(generator, name).register_forward_pre_hook(

@@ -10,9 +10,16 @@ Majority labels of client ``k``. Sec. 4.2 prints the condition as
 ``n_{k,y} >= n_k / n_{k,y}``, a typo for a comparison with the mean class
 count ``n_k / C``; the official ``Server.__init__`` uses
 ``np.where(data_map[k] > mean(data_map[k]))``, the mean over all ``C``
-classes, strictly::
+classes, strictly. The paper's ``>=`` is the default, the official ``>`` the
+option ``majority="above_mean"``::
 
-    M_k = { c : n_k^c > n_k / C }            (strict; classes the client lacks are minority)
+    M_k = { c : n_k^c >= n_k / C }           (paper; "above_mean": n_k^c > n_k / C)
+
+The two differ only for a class holding exactly the mean count: never under
+the paper's shards (a client's classes hold far more than the mean, the
+others none), and for balanced clients everything (``>=``: every label is a
+majority label, so the KD term is 0 and FedLMD trains as FedAvg; ``>``: none
+is, and it trains as FedNTD).
 
 Loss of one sample ``(x, y)`` with student logits ``z`` (local model) and
 teacher logits ``z^g`` (received global model, frozen), temperature ``tau``
@@ -103,20 +110,23 @@ from fedreid.fl.local.base import (
 )
 
 TF_TARGETS: tuple[str, ...] = ("paper", "official")
+MAJORITY_RULES: tuple[str, ...] = ("at_least_mean", "above_mean")
 MASKS: tuple[str, ...] = ("exact", "official")
 #: The official code's additive mask (``- 1000 * mask`` on the tempered logits).
 OFFICIAL_MASK_OFFSET = 1000.0
 
 
-def majority_labels(class_counts: Sequence[float] | Tensor) -> Tensor:
-    """Boolean ``[C]``: ``n_k^c > n_k / C`` (strict), ``C = len(class_counts)``, ``n_k = sum``."""
+def majority_labels(class_counts: Sequence[float] | Tensor, rule: str = "at_least_mean") -> Tensor:
+    """Boolean ``[C]``: ``n_k^c >= n_k / C`` (``rule="above_mean"``: ``>``), ``C = len(class_counts)``, ``n_k = sum``."""
+    check_choice("fedlmd majority", rule, MAJORITY_RULES)
     counts = torch.as_tensor(class_counts, dtype=torch.float64).reshape(-1)
     if counts.numel() < 2:
         raise ObjectiveError(f"fedlmd: class_counts needs one count per class (>= 2 classes), got {counts.numel()}")
     if bool((counts < 0).any()) or not bool(torch.isfinite(counts).all()):
         raise ObjectiveError("fedlmd: class counts must be finite and >= 0")
-    # n_c > n / C  <=>  n_c * C > n: no rounding of n / C
-    return counts * counts.numel() > counts.sum()
+    # n_c >= n / C  <=>  n_c * C >= n: no rounding of n / C
+    scaled, total = counts * counts.numel(), counts.sum()
+    return scaled > total if rule == "above_mean" else scaled >= total
 
 
 def teacher_support(labels: Tensor, majority: Tensor) -> Tensor:
@@ -232,6 +242,9 @@ class FedLMDTfOptions:
     mask: Literal["exact", "official"] = "exact"
     #: Multiply the KL term by ``tau^2``.
     tau_sq: bool = False
+    #: Majority labels: ``at_least_mean`` (Sec. 4.2's ``>=`` the mean class count) or
+    #: ``above_mean`` (the official ``Server.__init__``'s strict ``>``).
+    majority: Literal["at_least_mean", "above_mean"] = "at_least_mean"
 
 
 @dataclass
@@ -266,9 +279,10 @@ class FedLMD(LocalObjective):
         tf_target: str = "paper",
         mask: str = "exact",
         tau_sq: bool = False,
+        majority: str = "at_least_mean",
     ) -> None:
         super().__init__()
-        self.majority = majority_labels(class_counts)
+        self.majority = majority_labels(class_counts, majority)
         self.tau = check_positive("fedlmd tau", tau, allow_zero=False)
         self.beta = check_positive("fedlmd beta", beta)
         self.teacher_free = bool(teacher_free)
@@ -348,6 +362,7 @@ class FedLMDTf(FedLMD):
         tf_target: str = "paper",
         mask: str = "exact",
         tau_sq: bool = False,
+        majority: str = "at_least_mean",
     ) -> None:
         super().__init__(
             class_counts,
@@ -358,6 +373,7 @@ class FedLMDTf(FedLMD):
             tf_target=tf_target,
             mask=mask,
             tau_sq=tau_sq,
+            majority=majority,
         )
 
 
