@@ -105,6 +105,7 @@ def test_ensemble_weights_by_hand_including_empty_class():
     assert torch.allclose(a[:, :3].sum(0), torch.ones(3, dtype=torch.float64))
     sizes = ensemble_weights(COUNTS, "client_size")
     assert torch.allclose(sizes, torch.tensor([40 / 85, 30 / 85, 15 / 85], dtype=torch.float64)[:, None].expand(3, 4))
+    assert torch.equal(ensemble_weights(COUNTS, "uniform"), torch.full((3, 4), 1 / 3, dtype=torch.float64))
 
 
 def test_label_sampling_draws_from_the_generator():

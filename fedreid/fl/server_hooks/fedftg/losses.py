@@ -72,10 +72,14 @@ def ensemble_weights(class_counts: Any, mode: str = "class") -> Tensor:
     participating client holds the ratio is ``0/0``; it is 0 for every client
     (the official ``n / (sum + 1e-6)`` gives the same), so a pseudo sample of
     such a class (drawn only under uniform label sampling) adds nothing to
-    ``L_md`` or ``L_cls``. "client_size" (Table 4 ablation): ``n_k / n`` for
-    every class, the FedAvg weights.
+    ``L_md`` or ``L_cls``. "uniform" (the Table 4 ablation, Sec. 3.2's
+    "widely used" ensemble): ``1 / |S_t|`` for every client and class.
+    "client_size": ``n_k / n`` for every class, the FedAvg weights (equal to
+    "uniform" for clients of equal size, as the paper's).
     """
     counts = _counts(class_counts)
+    if mode == "uniform":
+        return torch.full(counts.shape, 1.0 / counts.shape[0], dtype=torch.float64)
     if mode == "client_size":
         sizes = counts.sum(dim=1, keepdim=True)
         return (sizes / sizes.sum()).expand_as(counts).clone()

@@ -17,7 +17,7 @@ from fedreid.models.generator import LAYER_ORDERS
 
 MDDivergence = Literal["kl", "kl_teacher_first", "l1"]
 LabelSampling = Literal["customized", "uniform", "stratified"]
-EnsembleWeighting = Literal["class", "client_size"]
+EnsembleWeighting = Literal["class", "uniform", "client_size"]
 GeneratorUpdate = Literal["joint", "per_client"]
 GlobalBN = Literal["eval", "train"]
 GeneratorBN = Literal["batch", "running"]
@@ -26,7 +26,7 @@ PairMetric = Literal["l1", "l2", "cosine"]
 
 MD_DIVERGENCES: tuple[str, ...] = ("kl", "kl_teacher_first", "l1")
 LABEL_SAMPLINGS: tuple[str, ...] = ("customized", "uniform", "stratified")
-ENSEMBLE_WEIGHTINGS: tuple[str, ...] = ("class", "client_size")
+ENSEMBLE_WEIGHTINGS: tuple[str, ...] = ("class", "uniform", "client_size")
 GENERATOR_UPDATES: tuple[str, ...] = ("joint", "per_client")
 GLOBAL_BNS: tuple[str, ...] = ("eval", "train")
 GENERATOR_BNS: tuple[str, ...] = ("batch", "running")
@@ -121,8 +121,8 @@ class FedFTGConfig:
     #: Pseudo labels: ``customized`` (``y ~ p_t(y)``, paper), ``uniform`` over all classes (Table 4 ablation)
     #: or ``stratified`` (official: allotted in proportion to ``p_t``, shuffled).
     label_sampling: LabelSampling = "customized"
-    #: Teacher weights: ``class`` (``alpha^{k,y} = n_k^y / sum_i n_i^y``, paper) or ``client_size``
-    #: (``n_k / n``, Table 4 ablation).
+    #: Teacher weights: ``class`` (``alpha^{k,y} = n_k^y / sum_i n_i^y``, paper), ``uniform``
+    #: (``1 / |S_t|``, Sec. 3.2's "widely used" weights: the Table 4 ablation) or ``client_size`` (``n_k / n``).
     ensemble: EnsembleWeighting = "class"
     # official-code variants
     #: The global model's ``L_md``: ``kl`` (``KL(global || teacher)``, Eq. 3-4), ``kl_teacher_first``
