@@ -88,7 +88,7 @@ from fedreid.utils.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from fedreid.utils.io import atomic_path, claim_output_dir, write_text_atomic
+from fedreid.utils.io import atomic_path, atomic_write_leftovers, claim_output_dir, write_text_atomic
 from fedreid.utils.logging import MetricsLogger, flatten
 from fedreid.utils.seeding import deterministic_mode
 
@@ -100,9 +100,9 @@ RUN_KIND = "run"
 #: The partition heat-map of a classification run (clients x classes).
 PARTITION_PICTURE = "partition.png"
 
-#: Config keys that may differ when a run is resumed.
-RESUMABLE_CHANGES = ("fl.rounds", "run.", "eval.batch_size", "eval.workers", "train.workers",
-                     "train.persistent_workers")
+#: Config keys that may differ when a run is resumed. Not ``train.workers``: each loader
+#: worker reseeds its own copy of the training transform, so the count sets the augmentations.
+RESUMABLE_CHANGES = ("fl.rounds", "run.", "eval.batch_size", "eval.workers", "train.persistent_workers")
 
 
 #: Runs one round on clients in other processes: ``record = remote_round(server)``.
@@ -140,7 +140,9 @@ def claim_run_dir(run_dir: str | Path, *, resume: bool, tool: str = "fedreid") -
     earlier version ours. Any other folder holding files (a user's
     ``report.md``...) raises :class:`~fedreid.utils.io.OutputDirError`
     naming the folder and the files in the way. ``tool`` names the writer in
-    that message. The folder is created and marked on success.
+    that message. The folder is created and marked on success, and the
+    temporary files of writes a kill interrupted there (a partial checkpoint)
+    are deleted.
     """
     run_dir = Path(run_dir)
     path = latest_checkpoint(run_dir)
@@ -151,6 +153,8 @@ def claim_run_dir(run_dir: str | Path, *, resume: bool, tool: str = "fedreid") -
         )
     ckpt = load_checkpoint(path) if path is not None else None
     claim_output_dir(run_dir, RUN_KIND, tool=tool, adopt=ckpt is not None)
+    for leftover in atomic_write_leftovers(run_dir):
+        leftover.unlink()
     return ckpt
 
 
@@ -328,7 +332,8 @@ def _run(cfg: Config, run_dir: Path, ckpt, *, progress: bool, callbacks, dataset
     environment = run_environment()
     if ckpt is not None:
         check_resume(ckpt, fingerprints, environment, run_dir)
-    if fed.class_counts is not None and not (run_dir / PARTITION_PICTURE).is_file():
+    if fed.class_counts is not None and (ckpt is None or not (run_dir / PARTITION_PICTURE).is_file()):
+        # a fresh run draws its own partition; a folder it reuses may hold another run's picture
         from fedreid.data.partition import save_partition_heatmap
 
         c = cfg.classification

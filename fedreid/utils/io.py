@@ -64,6 +64,26 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
             tmp_path.unlink()
 
 
+#: The name :func:`atomic_path` gives its temporary file: ``.<name>.<mkstemp's 8 characters>.tmp``.
+_ATOMIC_TEMP = re.compile(r"\..+\.[a-z0-9_]{8}\.tmp")
+
+
+def atomic_write_leftovers(folder: str | Path) -> list[Path]:
+    """The temporary files :func:`atomic_path` writes under ``folder`` (recursively) that a kill left, sorted.
+
+    Only for a folder no other process writes into at the same time: a
+    live writer's temporary file looks the same.
+    """
+    folder = Path(folder)
+    found = []
+    for dirpath, _dirnames, filenames in os.walk(folder):
+        for name in filenames:
+            path = Path(dirpath) / name
+            if _ATOMIC_TEMP.fullmatch(name) and path.is_file() and not path.is_symlink():
+                found.append(path)
+    return sorted(found)
+
+
 def write_text_atomic(path: str | Path, text: str) -> None:
     with atomic_path(path) as tmp:
         tmp.write_text(text)

@@ -116,3 +116,26 @@ def test_learning_rate_decays_per_round(tmp_path):
     hist = run_simulation(cfg_with("train.lr=0.04", "train.lr_round_decay=0.5"), tmp_path / "decay", progress=False)
     for rec, expected in zip(hist, (0.04, 0.02, 0.01)):
         assert [m["lr"] for m in rec["client_metrics"].values()] == pytest.approx([expected] * 5)
+
+
+def test_a_fresh_run_in_a_reused_folder_draws_its_partition_and_drops_partial_writes(tmp_path):
+    """A run killed before its first checkpoint leaves a folder a new run may take: not its picture or temp files."""
+    def killer(event, info):
+        if event == "client_end" and info["round"] == 0:
+            raise Kill()
+
+    run = tmp_path / "run"
+    with pytest.raises(Kill):
+        run_simulation(cfg_with("classification.alpha=0.1"), run, progress=False, callbacks=[killer])
+    stale = (run / PARTITION_PICTURE).read_bytes()
+    partial = [run / ".checkpoint.pt.k1ll3d_x.tmp", run / ".metrics.jsonl.a0b1c2d3.tmp"]
+    for path in partial:
+        path.write_bytes(b"half a write")
+    kept = run / ".notes.tmp"  # not an atomic write's name
+    kept.write_text("mine")
+    run_simulation(cfg_with("classification.partition=iid", "fl.rounds=1"), run, progress=False)
+    clean = tmp_path / "clean"
+    run_simulation(cfg_with("classification.partition=iid", "fl.rounds=1"), clean, progress=False)
+    assert (run / PARTITION_PICTURE).read_bytes() != stale
+    assert (run / PARTITION_PICTURE).read_bytes() == (clean / PARTITION_PICTURE).read_bytes()
+    assert not any(path.exists() for path in partial) and kept.read_text() == "mine"

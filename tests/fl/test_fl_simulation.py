@@ -118,6 +118,8 @@ def test_resume_is_bit_identical(baseline, world, tmp_path, kill_event, kill_rou
         run_simulation(tiny_config(world, FULL), run_dir, progress=False)
     with pytest.raises(ConfigError, match="fl.kd_every"):
         run_simulation(tiny_config(world, FULL + ["fl.kd_every=3"]), run_dir, resume=True, progress=False)
+    with pytest.raises(ConfigError, match="changed keys: train.workers"):  # the workers' seeds set the augmentations
+        run_simulation(tiny_config(world, FULL + ["train.workers=2"]), run_dir, resume=True, progress=False)
     hist_b = resume(run_dir, progress=False)
     assert_same_run(dir_a, hist_a, run_dir, hist_b)
 
