@@ -98,7 +98,7 @@ from fedreid.inference.dataset_features import (
     save_dataset_features,
 )
 from fedreid.inference.model_io import find_model_file, load_model, run_config_path
-from fedreid.utils.cli import add_config_arguments, checked_overrides, run_main
+from fedreid.utils.cli import add_config_arguments, checked_overrides, positive_int, run_main
 from fedreid.utils.logging import METRICS_JSONL, add_pictures, read_metrics
 
 
@@ -117,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--prepared-root", metavar="DIR", help="prepared datasets root (data.prepared_root)")
     ev.add_argument("--ap", choices=("standard", "official"), help="AP definition (eval.ap)")
     ev.add_argument("--rerank", action="store_true", help="k-reciprocal re-ranking (k1=20, k2=6, lambda=0.3)")
-    ev.add_argument("--batch-size", type=int, metavar="N", help="images per batch (eval.batch_size)")
+    ev.add_argument("--batch-size", type=positive_int, metavar="N", help="images per batch (eval.batch_size)")
     ev.add_argument("--save-features", metavar="DIR", help="write DIR/<dataset>.npz for later --features runs")
     ev.add_argument(
         "--pictures", type=int, default=3, metavar="N", help="best/worst-AP ranked-list PNGs per dataset (default 3)"
@@ -147,8 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--model", required=True, metavar="PATH", help="run folder, model_final.pt or checkpoint.pt")
     ex.add_argument("--format", required=True, choices=("onnx", "torchscript"), help="file format")
     ex.add_argument("--out", required=True, metavar="FILE", help="the file to write (and FILE.json beside it)")
-    ex.add_argument("--height", type=int, metavar="H", help="input height (default: the model config's)")
-    ex.add_argument("--width", type=int, metavar="W", help="input width (default: the model config's)")
+    ex.add_argument("--height", type=positive_int, metavar="H", help="input height (default: the model config's)")
+    ex.add_argument("--width", type=positive_int, metavar="W", help="input width (default: the model config's)")
     ex.add_argument("--opset", type=int, default=17, metavar="N", help="ONNX opset (default 17)")
     ex.add_argument("--client", metavar="NAME", help="a local-training baseline run: whose model to export")
     return parser

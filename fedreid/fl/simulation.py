@@ -508,6 +508,7 @@ def _checkpoint_payload(cfg: Config, server: Server, clients: Sequence[Client], 
 def _save_final_model(run_dir: Path, cfg: Config, server: Server) -> None:
     payload = {
         "format": "fedreid.model",
+        "task": cfg.task,
         "model": to_dict(cfg.model),
         "mode": cfg.fl.mode,
         "round": server.round,

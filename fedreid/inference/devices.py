@@ -23,7 +23,11 @@ __all__ = ["resolve_backend_device", "resolve_device", "resolve_speedups"]
 
 
 def resolve_device(device: str = "auto") -> torch.device:
-    """``auto``: CUDA when available, else CPU. Raises :class:`EvalInputError` when torch cannot be imported."""
+    """``auto``: CUDA when available, else CPU.
+
+    Raises :class:`EvalInputError` when torch cannot be imported, for a name
+    that is no device, and for a CUDA device this machine does not have.
+    """
     try:
         import torch
     except ImportError as exc:
@@ -35,9 +39,16 @@ def resolve_device(device: str = "auto") -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
-        return torch.device(device)
+        resolved = torch.device(device)
     except RuntimeError:
         raise EvalInputError(f"--device {device!r} is not a device: expected auto, cpu, cuda or cuda:N") from None
+    if resolved.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise EvalInputError(f"--device {device}: no CUDA device is available here; give --device cpu or auto")
+        if resolved.index is not None and resolved.index >= count:
+            raise EvalInputError(f"--device {device}: this machine has {count} CUDA device(s), cuda:0 to cuda:{count - 1}")
+    return resolved
 
 
 def resolve_backend_device(device: str, backend: str) -> Any:

@@ -158,11 +158,17 @@ def read_sidecar(path: str | Path, *, check_file: bool = True) -> dict[str, Any]
 
 
 def _is_our_export(path: Path) -> bool:
+    """Whether ``path`` has the sidecar this module writes for it, whether or not the pair still agrees.
+
+    The file is replaced before its sidecar is written, so an export stopped
+    in between leaves a sidecar describing the previous file: the name is
+    still this module's to write again.
+    """
     try:
-        read_sidecar(path)
+        meta = read_sidecar(path, check_file=False)
     except ExportError:
         return False
-    return True
+    return meta.get("file") == path.name
 
 
 def _claim_export_path(path: Path) -> None:
@@ -228,11 +234,16 @@ def export_model(
         with atomic_path(path) as tmp, warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the exporters' deprecation and tracer notes are not the user's concern
             if format == "onnx":
-                torch.onnx.export(
-                    graph, (example,), str(tmp), input_names=[INPUT_NAME], output_names=[OUTPUT_NAME],
-                    dynamic_axes={INPUT_NAME: {0: "batch"}, OUTPUT_NAME: {0: "batch"}},
-                    opset_version=int(opset), do_constant_folding=True, dynamo=False,
-                )
+                try:
+                    torch.onnx.export(
+                        graph, (example,), str(tmp), input_names=[INPUT_NAME], output_names=[OUTPUT_NAME],
+                        dynamic_axes={INPUT_NAME: {0: "batch"}, OUTPUT_NAME: {0: "batch"}},
+                        opset_version=int(opset), do_constant_folding=True, dynamo=False,
+                    )
+                except Exception as exc:  # noqa: BLE001 - the exporter's refusal of this opset, in its words
+                    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+                    raise ExportError(f"ONNX export at --opset {opset} failed: {first[:200]} "
+                                      f"(the default, {DEFAULT_OPSET}, exports this model)") from None
             else:
                 with torch.no_grad():
                     traced = torch.jit.trace(graph, (example,), check_trace=False)

@@ -209,9 +209,14 @@ def _rgb_array(image: Any, i: int) -> np.ndarray:
         if image.dtype != np.uint8 or image.ndim != 3 or image.shape[2] != 3 or 0 in image.shape:
             raise EvalInputError(f"image {i}: expected an RGB uint8 array [H, W, 3], got {image.dtype} {image.shape}")
         return image
-    from PIL import Image
+    from PIL import Image, ImageOps
 
     if isinstance(image, Image.Image):
+        image = ImageOps.exif_transpose(image)  # OpenCV turns a file by its EXIF orientation too
+        if image.mode.startswith("I;16") or image.mode == "I":
+            # 16-bit grey: OpenCV keeps the high byte; PIL's convert("RGB") would clip at 255
+            grey = (np.asarray(image).astype(np.int64) >> 8).clip(0, 255).astype(np.uint8)
+            return np.repeat(grey[..., None], 3, axis=2)
         return np.asarray(image.convert("RGB"))
     raise EvalInputError(f"image {i}: expected an RGB uint8 array [H, W, 3] or a PIL image, got {type(image).__name__}")
 
@@ -229,9 +234,11 @@ def array_features(
     transform: resize to the model's height x width, ImageNet mean/std; then
     :func:`~fedreid.inference.model_io.model_features`: flip-averaged,
     L2-normalised, or the exported file's own feature), so an image gives
-    the same feature from memory as from a file. PIL images are converted to
-    RGB first; decode bytes with :func:`decode_image_bytes` to match files
-    exactly (PIL's JPEG decoder may differ from OpenCV's by a few levels).
+    the same feature from memory as from a file. PIL images are turned by
+    their EXIF orientation and converted to RGB (16-bit grey by its high
+    byte), as OpenCV reads files; decode bytes with :func:`decode_image_bytes`
+    to match files exactly (PIL's JPEG decoder may differ from OpenCV's by a
+    few levels).
     Safe to call from several threads at once (each call builds its own transform).
     """
     if int(batch_size) < 1:

@@ -147,10 +147,13 @@ def _model_payload(
     data = _read_model_file(path)
     fmt = data.get("format") if isinstance(data, dict) else None
     try:
+        task = data.get("task", "reid") if fmt == MODEL_FORMAT else (data.get("config") or {}).get("task", "reid")
+        if task != "reid":
+            raise EvalInputError(f"{path} holds a {task} model, not a person re-identification model")
         if fmt == MODEL_FORMAT:
             return dict(data["model"]), _pick_state(path, data, client), data.get("round")
         if fmt == CHECKPOINT_FORMAT:
-            return dict(data["config"]["model"]), data["server"]["global_state"], data.get("round")
+            return dict(data["config"]["model"]), _pick_state(path, _checkpoint_models(data), client), data.get("round")
     except (KeyError, TypeError) as exc:
         raise EvalInputError(f"model file {path} ({fmt}) lacks entry {exc}") from None
     what = f"its format is {fmt!r}" if fmt is not None else (
@@ -162,9 +165,24 @@ def _model_payload(
     )
 
 
+def _checkpoint_models(data: Mapping[str, Any]) -> dict[str, Any]:
+    """A checkpoint's models laid out as a model file's: ``state``, and ``client_states`` in a local-training baseline.
+
+    Its global state is the untrained start there: the server never aggregates.
+    """
+    server = data["server"]
+    models: dict[str, Any] = {"state": server["global_state"]}
+    if (data["config"].get("fl") or {}).get("mode") == "local":
+        names = list(server["client_names"])
+        models["client_states"] = {names[int(k)]: state for k, state in server["local_states"].items()}
+    return models
+
+
 def _pick_state(path: Path, data: Mapping[str, Any], client: Optional[str]) -> Mapping[str, torch.Tensor]:
     """The global state, or in a local-training baseline the chosen client's own model."""
     clients = data.get("client_states")
+    if clients == {}:
+        raise EvalInputError(f"{path} is a local-training baseline whose clients have not trained yet: no model to load")
     if clients is None:
         if client is not None:
             raise EvalInputError(f"{path} holds one global model, not per-client models: drop --client")
@@ -206,8 +224,9 @@ def load_model(
         load_shared_state(model, shared)
     except StateMismatchError as exc:
         raise EvalInputError(f"model file {file}: saved state does not fit its model config: {exc}") from None
-    except (RuntimeError, KeyError) as exc:  # timm: unknown backbone name
-        raise EvalInputError(f"model file {file}: cannot build backbone {cfg.get('backbone')!r}: {exc}") from None
+    except (RuntimeError, KeyError, ValueError, TypeError, AttributeError) as exc:  # a config the models refuse
+        raise EvalInputError(f"model file {file}: cannot build the model its config describes "
+                             f"(backbone {cfg.get('backbone')!r}): {exc}") from None
     cfg.setdefault("height", 256)
     cfg.setdefault("width", 128)
     fingerprint = model_fingerprint(model, cfg)

@@ -33,6 +33,17 @@ USER_PATH_ERRORS: tuple[type[OSError], ...] = (
 BROKEN_PIPE_EXIT = 141
 
 
+def positive_int(text: str) -> int:
+    """An ``argparse`` type: an integer >= 1 (a size or a count, where 0 would silently mean "the default")."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
+
+
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     """``--config FILE`` and the ``key=value`` overrides (see :func:`add_override_arguments`)."""
     parser.add_argument(

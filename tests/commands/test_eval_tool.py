@@ -210,6 +210,51 @@ def test_local_baseline_needs_a_client(world, tmp_path, capsys):
     assert tool.main(["evaluate", "--model", str(run), "--client", "tiny", "--out", str(tmp_path / "ev")]) == 0
 
 
+def test_a_local_baseline_checkpoint_gives_the_clients_trained_models(world, tmp_path, capsys):
+    """checkpoint.pt of fl.mode=local: the clients' own models, never the untrained global start."""
+    from fedreid.inference.model_io import load_model
+    from fedreid.utils.checkpoint import CHECKPOINT_FORMAT
+
+    payload = torch.load(world["run"] / "model_final.pt", weights_only=True)
+    start = payload["state"]
+    trained = {k: v * 0.9 if v.is_floating_point() else v for k, v in start.items()}
+    checkpoint = {"format": CHECKPOINT_FORMAT, "round": 2,
+                  "config": {"task": "reid", "model": payload["model"], "fl": {"mode": "local"}},
+                  "server": {"global_state": start, "local_states": {1: trained, 0: start},
+                             "client_names": ["tiny", "tiny2"]}}
+    run = tmp_path / "local"
+    shutil.copytree(world["run"], run)  # its config.yaml names the datasets
+    (run / "model_final.pt").unlink()  # an interrupted run: the checkpoint is what there is
+    torch.save(checkpoint, run / "checkpoint.pt")
+    x = torch.randn(2, 3, 32, 16)
+    expected = load_model(world["run"]).model.embed(x)
+    assert not torch.equal(load_model(run, client="tiny2").model.embed(x), expected)
+    assert torch.equal(load_model(run, client="tiny").model.embed(x), expected)
+    err = _cli_error(["evaluate", "--model", str(run)], capsys)
+    assert "local-training baseline" in err and "--client (tiny, tiny2)" in err
+    checkpoint["server"]["local_states"] = {}
+    torch.save(checkpoint, run / "checkpoint.pt")
+    assert "have not trained yet" in _cli_error(["evaluate", "--model", str(run), "--client", "tiny"], capsys)
+    checkpoint["config"] = dict(checkpoint["config"], task="classification", fl={"mode": "fedpav"})
+    torch.save(checkpoint, run / "checkpoint.pt")
+    assert "holds a classification model, not a person re-identification model" in _cli_error(
+        ["evaluate", "--model", str(run)], capsys)
+
+
+def test_a_cuda_device_this_machine_lacks_is_one_line(monkeypatch):
+    from fedreid.inference.devices import resolve_device
+    from fedreid.inference.errors import EvalInputError
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(EvalInputError, match="--device cuda: no CUDA device is available here"):
+        resolve_device("cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(EvalInputError, match="has 2 CUDA device\\(s\\), cuda:0 to cuda:1"):
+        resolve_device("cuda:2")
+    assert resolve_device("cuda:1") == torch.device("cuda:1")
+
+
 # --------------------------------------------------------------------------
 # Pictures without a query x gallery matrix (the rows of the drawn queries only)
 # --------------------------------------------------------------------------

@@ -154,6 +154,34 @@ def test_cli_writes_replaces_its_own_and_refuses_other_files(world, fmt, capsys)
     assert load_extractor(small)(torch.zeros(2, 3, 32, 16)).shape == (2, 32)
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_an_export_stopped_before_its_sidecar_is_written_can_be_redone(world, fmt, tmp_path):
+    out = tmp_path / f"pair.{fmt}"
+    export_model(world["loaded"], out, fmt, (HEIGHT, WIDTH))
+    out.write_bytes(out.read_bytes() + b"\0")  # the file replaced, its sidecar still the previous one's
+
+    with pytest.raises(ExportError, match="changed, damaged or replaced; export it again"):
+        load_extractor(out)
+    export_model(world["loaded"], out, fmt, (HEIGHT, WIDTH))  # the tool's own name: written again
+    assert np.abs(load_extractor(out)(world["images"]) - world["reference"]).max() <= TOLERANCE
+
+
+def test_a_zero_size_or_batch_is_refused_not_replaced_by_the_default(world, capsys):
+    for argv, flag in ((["export", "--model", str(world["run"]), "--format", "torchscript", "--out", "x.pt",
+                         "--height", "0"], "--height"),
+                       (["evaluate", "--model", str(world["run"]), "--batch-size", "0"], "--batch-size")):
+        with pytest.raises(SystemExit):
+            tool.main(argv)
+        assert f"argument {flag}: expected an integer >= 1, got '0'" in capsys.readouterr().err
+
+
+@needs_ort
+def test_an_opset_the_exporter_refuses_is_one_line(world, tmp_path):
+    with pytest.raises(ExportError, match="ONNX export at --opset 99 failed") as info:
+        export_model(world["loaded"], tmp_path / "m.onnx", "onnx", (HEIGHT, WIDTH), opset=99)
+    assert "\n" not in str(info.value) and not (tmp_path / "m.onnx").exists()
+
+
 def _one_line(exc: pytest.ExceptionInfo) -> str:
     text = str(exc.value)
     assert "\n" not in text and text

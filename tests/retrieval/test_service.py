@@ -135,6 +135,30 @@ def test_in_memory_features_equal_file_features(world):
         decode_image_bytes(b"not an image at all")
 
 
+def test_pil_images_are_turned_and_scaled_as_files_are_read(world, tmp_path):
+    """A PIL image's EXIF orientation and a 16-bit grey PNG's range: what OpenCV does with the file."""
+    from PIL import Image
+
+    rng = np.random.default_rng(3)
+    grey16 = tmp_path / "grey16.png"
+    cv2.imwrite(str(grey16), rng.integers(0, 65536, (40, 20), dtype=np.uint16))
+    turned = tmp_path / "turned.png"
+    exif = Image.Exif()
+    exif[0x0112] = 6  # Orientation: rotate 90 degrees clockwise to view
+    Image.fromarray(rng.integers(0, 256, (20, 40, 3), dtype=np.uint8)).save(turned, exif=exif)
+    for path in (grey16, turned):
+        with Image.open(path) as pil:
+            assert np.array_equal(read_image(path), np.asarray(_rgb_from_pil(pil))), path.name
+            from_memory = array_features(world["loaded"], [pil])
+        np.testing.assert_allclose(from_memory, image_features(world["loaded"], [path]).features, atol=1e-6)
+
+
+def _rgb_from_pil(pil):
+    from fedreid.inference.images import _rgb_array
+
+    return _rgb_array(pil, 0)
+
+
 # --------------------------------------------------------------------------
 # Authentication and the page
 # --------------------------------------------------------------------------
