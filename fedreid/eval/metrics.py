@@ -383,7 +383,7 @@ def evaluate_scores(
         scores = scores.cpu().numpy()
     check_sets(*scores.shape)
     q_pids, g_pids, q_camids, g_camids = _prepare_ids(*scores.shape, q_pids, g_pids, q_camids, g_camids)
-    rows = min(scores.shape[0], block_rows(scores.shape[1], block_size, max_block_bytes))
+    rows = min(scores.shape[0], block_rows(scores.shape[1], block_size, max_block_bytes, scores.dtype.itemsize))
     index = build_match_index(q_pids, g_pids, q_camids, g_camids)
     workers = _check_threads(num_threads)
     ranks_of_matches = match_ranks(given_score_blocks(scores, rows), index, workers=workers)

@@ -305,8 +305,10 @@ def prepare_features(qf: Any, gf: Any) -> tuple[Any, Any]:
 # --------------------------------------------------------------------------
 
 
-def block_rows(n_gallery: int, block_size: int | None, max_block_bytes: int) -> int:
-    """Query rows per numpy score block: ``block_size``, else the most float32 rows within ``max_block_bytes``.
+def block_rows(n_gallery: int, block_size: int | None, max_block_bytes: int, itemsize: int = 4) -> int:
+    """Query rows per numpy score block: ``block_size``, else the most rows within ``max_block_bytes``.
+
+    ``itemsize``: bytes a score (4: float32; 8: float64 scores given as such).
 
     Raises :class:`EvalDataError` for ``block_size < 1`` or a budget that
     cannot hold one row of ``n_gallery`` scores.
@@ -315,11 +317,12 @@ def block_rows(n_gallery: int, block_size: int | None, max_block_bytes: int) -> 
         if int(block_size) < 1:
             raise EvalDataError(f"block_size must be >= 1, got {block_size}")
         return int(block_size)
-    if max_block_bytes < 4 * n_gallery:
+    if max_block_bytes < itemsize * n_gallery:
         raise EvalDataError(
-            f"max_block_bytes={max_block_bytes} cannot hold one query row of {n_gallery} float32 scores"
+            f"max_block_bytes={max_block_bytes} cannot hold one query row of {n_gallery} "
+            f"{'float64' if itemsize == 8 else 'float32'} scores"
         )
-    return max(1, max_block_bytes // (4 * n_gallery))
+    return max(1, max_block_bytes // (itemsize * n_gallery))
 
 
 def score_blocks(

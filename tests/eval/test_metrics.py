@@ -319,6 +319,10 @@ def test_evaluate_scores_ranks_float64_scores_in_float64(as_tensor):
     assert (result["rank1"], result["mAP"]) == (1.0, 1.0)
     tied = evaluate_scores(scores.astype(np.float32), [1], [2, 1], [0], [1, 1])
     assert (tied["rank1"], tied["mAP"]) == (0.0, 0.5)
+    # a float64 block costs 8 bytes a score: the budget holds half the rows
+    ids = ([1] * 4, [2, 1], [0] * 4, [1, 1])
+    assert evaluate_scores(np.repeat(scores, 4, axis=0), *ids, max_block_bytes=32)["block_size"] == 2
+    assert evaluate_scores(np.repeat(scores, 4, axis=0).astype(np.float32), *ids, max_block_bytes=32)["block_size"] == 4
 
 
 # --------------------------------------------------------------------------
