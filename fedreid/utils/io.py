@@ -69,19 +69,17 @@ _ATOMIC_TEMP = re.compile(r"\..+\.[a-z0-9_]{8}\.tmp")
 
 
 def atomic_write_leftovers(folder: str | Path) -> list[Path]:
-    """The temporary files :func:`atomic_path` writes under ``folder`` (recursively) that a kill left, sorted.
+    """The temporary files :func:`atomic_path` writes in ``folder`` (not its subfolders) that a kill left, sorted.
 
     Only for a folder no other process writes into at the same time: a
-    live writer's temporary file looks the same.
+    live writer's temporary file looks the same. Subfolders are left alone
+    (another tool may be writing there, e.g. an evaluation of a run folder).
     """
     folder = Path(folder)
-    found = []
-    for dirpath, _dirnames, filenames in os.walk(folder):
-        for name in filenames:
-            path = Path(dirpath) / name
-            if _ATOMIC_TEMP.fullmatch(name) and path.is_file() and not path.is_symlink():
-                found.append(path)
-    return sorted(found)
+    if not folder.is_dir():
+        return []
+    return sorted(p for p in folder.iterdir()
+                  if _ATOMIC_TEMP.fullmatch(p.name) and p.is_file() and not p.is_symlink())
 
 
 def write_text_atomic(path: str | Path, text: str) -> None:
