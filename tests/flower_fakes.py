@@ -20,16 +20,20 @@ class FakeGrid:
     ``registered``: ``{node_id: name}``, the name each node's key was registered
     under on the SuperLink (``flwr supernode register --name``), which
     :meth:`get_nodes` reports as Flower's ``NodeInfo.name`` does.
+    ``latency``: a reply is missing from the first ``latency`` pulls that ask
+    for it, as a real node's answer is not there the instant its query is sent.
     """
 
     def __init__(self, client_app, nodes: dict[int, dict], *, tamper: Optional[Callable] = None,
-                 registered: Optional[dict[int, str]] = None) -> None:
+                 registered: Optional[dict[int, str]] = None, latency: int = 0) -> None:
         self.client_app = client_app
         self.nodes = dict(nodes)
         self.tamper = tamper
         self.registered = dict(registered or {})
         self.sent: list[Message] = []
         self.replies: dict[str, Message] = {}
+        self.latency = int(latency)
+        self._waits: dict[str, int] = {}
         self._count = 0
         # What a ServerApp process has set when its main() runs (Message() reads it).
         self._saved = (TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id)
@@ -69,7 +73,16 @@ class FakeGrid:
                 reply = self.tamper(node, msg, reply)
             if reply is not None:
                 self.replies[mid] = reply
+                self._waits[mid] = self.latency
         return ids
 
     def pull_messages(self, message_ids: Iterable[str]) -> list[Message]:
-        return [self.replies.pop(mid) for mid in list(message_ids) if mid in self.replies]
+        out = []
+        for mid in list(message_ids):
+            if mid not in self.replies:
+                continue
+            if self._waits.get(mid, 0) > 0:
+                self._waits[mid] -= 1
+                continue
+            out.append(self.replies.pop(mid))
+        return out

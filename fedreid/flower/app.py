@@ -53,7 +53,7 @@ from flwr.serverapp import Grid, ServerApp
 from fedreid.config import Config, ConfigError, dump_config, load_config, load_config_text
 from fedreid.errors import FedReIDError
 from fedreid.flower.codec import CodecError, pack, unpack, update_from_plain, update_to_plain
-from fedreid.flower.search import SEARCH_KEYS, SitePolicy, run_config_flag, site_reply
+from fedreid.flower.search import SEARCH_KEYS, SitePolicy, run_config_flag, run_config_seconds, site_reply
 from fedreid.flower.search_codec import is_search_query
 from fedreid.flower.search_session import SESSION_KEYS
 
@@ -69,6 +69,9 @@ NODE_PATHS = {
     "classification-root": "classification.root",
     "device": "run.device",
 }
+#: Every key a node config may hold; ``partition-id`` and ``num-partitions`` are what Flower's simulation sets.
+NODE_KEYS = frozenset({"client", "state-dir", "gallery-store", "gallery-root", "thumbnail-size", "search-thumbnails",
+                       "partition-id", "num-partitions", *NODE_PATHS})
 
 
 @dataclass(frozen=True)
@@ -99,11 +102,11 @@ class ServerSettings:
             config=config,
             overrides=shlex.split(str(run_config.get("overrides", ""))),
             out=Path(str(run_config["out"])),
-            resume=run_config_flag(run_config.get("resume", False)),
-            round_timeout=float(run_config.get("round-timeout", 3600.0)),
-            join_timeout=float(run_config.get("join-timeout", 300.0)),
-            secure_aggregation=run_config_flag(run_config.get("secure-aggregation", False)),
-            node_auth=run_config_flag(run_config.get("node-auth", False)),
+            resume=run_config_flag(run_config, "resume"),
+            round_timeout=run_config_seconds(run_config, "round-timeout", 3600.0),
+            join_timeout=run_config_seconds(run_config, "join-timeout", 300.0, zero=True),
+            secure_aggregation=run_config_flag(run_config, "secure-aggregation"),
+            node_auth=run_config_flag(run_config, "node-auth"),
         )
 
 
@@ -123,6 +126,10 @@ class NodeSettings:
 
     @classmethod
     def from_node_config(cls, node_config: Mapping[str, Any]) -> "NodeSettings":
+        unknown = sorted(set(node_config) - NODE_KEYS)
+        if unknown:
+            raise ConfigError(f"flower node config: unknown key(s) {', '.join(unknown)}; allowed: "
+                              f"{', '.join(sorted(NODE_KEYS))}")
         client = str(node_config.get("client", "")).strip() or None
         partition = node_config.get("partition-id")
         if client is None and partition is None:
@@ -137,10 +144,16 @@ class NodeSettings:
         except (TypeError, ValueError):
             raise ConfigError(f"flower node config: thumbnail-size: expected pixels (an integer), got "
                               f"{node_config.get('thumbnail-size')!r}") from None
-        policy = SitePolicy(thumbnails=run_config_flag(node_config.get("search-thumbnails", False)),
+        policy = SitePolicy(thumbnails=run_config_flag(node_config, "search-thumbnails"),
                             thumbnail_size=size,
                             image_root=Path(root) if root else None)
-        return cls(client, state_dir, overrides, None if client is not None else int(partition),
+        if client is None:
+            try:
+                partition = int(partition)
+            except (TypeError, ValueError):
+                raise ConfigError(f"flower node config: partition-id: expected a client number, "
+                                  f"got {partition!r}") from None
+        return cls(client, state_dir, overrides, None if client is not None else partition,
                    gallery_store=Path(store) if store else None, search_policy=policy)
 
     @property
@@ -203,6 +216,8 @@ class GridRound:
         self.strangers: set[int] = set()
         self.hellos: dict[str, tuple[int, float]] = {}  # message id -> (node id, sent at)
         self.claims: dict[int, tuple[str, int]] = {}  # refused node -> (client it claims, node holding it)
+        #: Whether a round of this process has waited for the clients to join (a resumed run's first too).
+        self.joined = False
 
     def _ask_new_nodes(self) -> None:
         present = set(self.grid.get_node_ids())
@@ -239,6 +254,8 @@ class GridRound:
                 continue
             try:
                 answer = unpack(reply.content, "hello")
+                if not isinstance(answer, dict):
+                    raise TypeError(f"the answer is a {type(answer).__name__}, not a mapping")
                 name = str(answer.get("client"))
                 if "partition" in answer and 0 <= int(answer["partition"]) < len(client_names):
                     name = client_names[int(answer["partition"])]
@@ -278,8 +295,8 @@ class GridRound:
     def __call__(self, server: Server) -> dict[str, Any]:
         names = server.client_names
         self.run_id = server.run_id
-        wait = self.settings.join_timeout if server.round == 0 and not self.nodes else 0.0
-        self.discover(names, wait=wait)
+        self.discover(names, wait=0.0 if self.joined else self.settings.join_timeout)
+        self.joined = True
         plan = server.begin_round()
         failures: dict[str, str] = {}
         messages, targets, sent_to = [], [], {}

@@ -32,7 +32,12 @@ class CodecError(FedReIDError, ValueError):
 
 
 def flatten(value: Any, prefix: str = "") -> tuple[Any, dict[str, Tensor]]:
-    """``value`` with its tensors replaced by placeholders, and the tensors by key."""
+    """``value`` with its tensors replaced by placeholders, and the tensors by key.
+
+    A tensor's key is its path of mapping keys and list positions joined by
+    ``/``, so a mapping key holding ``/`` is refused: ``{"a/b": x}`` and
+    ``{"a": {"b": y}}`` would share one.
+    """
     from torch import Tensor
 
     tensors: dict[str, Tensor] = {}
@@ -43,8 +48,8 @@ def flatten(value: Any, prefix: str = "") -> tuple[Any, dict[str, Tensor]]:
             return {TENSOR_TAG: path}
         if isinstance(v, Mapping):
             for key in v:
-                if not isinstance(key, str):
-                    raise CodecError(f"{path or 'value'}: only string keys can travel, got {key!r}")
+                if not isinstance(key, str) or "/" in key:
+                    raise CodecError(f"{path or 'value'}: only string keys without '/' can travel, got {key!r}")
             return {k: walk(x, f"{path}/{k}") for k, x in v.items()}
         if isinstance(v, (list, tuple)):
             return [walk(x, f"{path}/{i}") for i, x in enumerate(v)]

@@ -596,11 +596,33 @@ def decode_vector(text: str) -> np.ndarray:
     return np.frombuffer(raw, dtype="<f4").astype(np.float32)
 
 
-def run_config_flag(value: Any) -> bool:
-    """A yes/no value of a Flower run config (a TOML bool, or text such as ``true``/``1``/``on``)."""
+_YES, _NO = {"1", "true", "yes", "on"}, {"0", "false", "no", "off", ""}
+
+
+def run_config_flag(config: Mapping[str, Any], key: str, default: bool = False) -> bool:
+    """The yes/no value ``key`` of a Flower run or node config: a TOML bool, or true/false, yes/no, on/off, 1/0.
+
+    Anything else is a :class:`ConfigError` naming ``key``: a misspelt value
+    must not switch a feature off without a word.
+    """
+    value = config.get(key, default)
     if isinstance(value, bool):
         return value
-    return str(value).strip().lower() in {"1", "true", "yes", "on"}
+    text = str(value).strip().lower()
+    if text in _YES or text in _NO:
+        return text in _YES
+    raise ConfigError(f"flower config: {key}: expected true or false, got {value!r}")
+
+
+def run_config_seconds(config: Mapping[str, Any], key: str, default: float, *, zero: bool = False) -> float:
+    """The duration ``key`` of a Flower run config: finite seconds > 0 (``zero``: >= 0), else a :class:`ConfigError`."""
+    try:
+        value = float(config.get(key, default))
+    except (TypeError, ValueError):
+        raise ConfigError(f"flower run config: {key}: expected seconds, got {config.get(key)!r}") from None
+    if not math.isfinite(value) or value < 0 or (value == 0 and not zero):
+        raise ConfigError(f"flower run config: {key}: expected seconds {'>= 0' if zero else '> 0'}, got {value}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -653,15 +675,13 @@ class SearchSettings:
         k = int(run_config.get("search-k", 10))
         if not 1 <= k <= MAX_K:
             raise ConfigError(f"flower run config: search-k: expected 1..{MAX_K}, got {k}")
-        timeout = float(run_config.get("search-timeout", 30.0))
-        if not (math.isfinite(timeout) and timeout > 0):
-            raise ConfigError(f"flower run config: search-timeout: expected seconds > 0, got {timeout}")
+        timeout = run_config_seconds(run_config, "search-timeout", 30.0)
         out = str(run_config.get("out", "")).strip()
         return cls(feature=decode_vector(text), k=k, fingerprint=parsed("search-fingerprint"), filters=filters,
-                   timeout=timeout, thumbnails=run_config_flag(run_config.get("search-thumbnails", False)),
+                   timeout=timeout, thumbnails=run_config_flag(run_config, "search-thumbnails"),
                    expect=tuple(shlex.split(str(run_config.get("search-expect", "")))),
-                   join_timeout=float(run_config.get("join-timeout", 30.0)), out=Path(out) if out else None,
-                   node_auth=run_config_flag(run_config.get("node-auth", False)))
+                   join_timeout=run_config_seconds(run_config, "join-timeout", 30.0, zero=True), out=Path(out) if out else None,
+                   node_auth=run_config_flag(run_config, "node-auth"))
 
 
 def _check_result_path(path: Path) -> None:

@@ -144,7 +144,7 @@ class SessionSettings:
 
         return cls(socket=Path(path), timeout=seconds("search-timeout", 30.0, zero=False),
                    expect=tuple(shlex.split(str(run_config.get("search-expect", "")))),
-                   node_auth=run_config_flag(run_config.get("node-auth", False)),
+                   node_auth=run_config_flag(run_config, "node-auth"),
                    idle_timeout=seconds("session-idle-timeout", 0.0, zero=True))
 
 

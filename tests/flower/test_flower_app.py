@@ -194,7 +194,8 @@ def test_server_resume_continues_bit_identically(world, simulated, tmp_path):
         serve(grid, {"config": str(cfg_path), "out": str(out), "overrides": "fl.rounds=1", "join-timeout": 5})
     assert len(load_checkpoint(out / "checkpoint.pt")["history"]) == 1
     first_id = load_checkpoint(out / "checkpoint.pt")["server"]["run_id"]
-    with FakeGrid(flower_app.client_app, nodes_for(tmp_path), tamper=fresh_process()) as grid:
+    # The nodes' answers take a poll to arrive: the resumed server waits for them as a fresh one does.
+    with FakeGrid(flower_app.client_app, nodes_for(tmp_path), tamper=fresh_process(), latency=1) as grid:
         serve(grid, {"config": str(cfg_path), "out": str(out), "resume": True, "join-timeout": 5})
     ours = load_checkpoint(out / "checkpoint.pt")
     assert states_equal(ours["server"]["global_state"], load_checkpoint(sim_dir / "checkpoint.pt")["server"]["global_state"])
@@ -319,6 +320,21 @@ def test_bad_kd_features_leave_the_client_out_not_the_run(world, tmp_path, caplo
     assert "dsb" in caplog.text and "dsc" in caplog.text
 
 
+def test_a_node_answering_hello_with_no_mapping_is_left_out_not_the_run(world, tmp_path, caplog):
+    cfg_path = write_config(tmp_path, tiny_config(world, ["fl.rounds=1", "eval.every=100"], names=NAMES))
+
+    def odd_hello(node, msg, reply):
+        if node == 102 and msg.metadata.group_id == "hello":
+            return Message(pack(hello=["x"]), reply_to=msg)
+        return reply
+
+    with caplog.at_level("WARNING"), FakeGrid(flower_app.client_app, nodes_for(tmp_path), tamper=odd_hello) as grid:
+        serve(grid, {"config": str(cfg_path), "out": str(tmp_path / "run"), "join-timeout": 1})
+    record = load_checkpoint(tmp_path / "run" / "checkpoint.pt")["history"][0]
+    assert sorted(record["clients"]) == ["dsa", "dsb"] and record["failed"]["dsc"] == "not connected"
+    assert "node 102: malformed answer (the answer is a list, not a mapping)" in caplog.text
+
+
 def test_wrong_dtype_and_nested_non_finite_metadata_are_rejected(world, tmp_path):
     cfg_path = write_config(tmp_path, tiny_config(world, ["fl.rounds=1", "eval.every=100"], names=NAMES))
 
@@ -410,6 +426,19 @@ def test_settings_and_refusals(world):
     assert node.local_overrides == ("data.prepared_root=/data/prepared", "run.device=cuda:1")
     assert flower_app.ServerSettings.from_run_config({"out": "r", "node-auth": "true"}).node_auth
     assert not flower_app.ServerSettings.from_run_config({"out": "r"}).node_auth
+    # A misspelt flag, a bad duration or an unknown node key is one line naming it, never a silent default.
+    for run_config, words in [({"resume": "maybe"}, "resume: expected true or false, got 'maybe'"),
+                              ({"round-timeout": "abc"}, "round-timeout: expected seconds, got 'abc'"),
+                              ({"round-timeout": -5}, "round-timeout: expected seconds > 0, got -5.0"),
+                              ({"join-timeout": "nan"}, "join-timeout: expected seconds >= 0, got nan")]:
+        with pytest.raises(ConfigError, match=words):
+            flower_app.ServerSettings.from_run_config({"out": "r", **run_config})
+    assert flower_app.ServerSettings.from_run_config({"out": "r", "join-timeout": 0, "resume": "no"}).join_timeout == 0
+    with pytest.raises(ConfigError, match="unknown key\\(s\\) prepard-root"):
+        flower_app.NodeSettings.from_node_config({"client": "dsa", "prepard-root": "/data"})
+    with pytest.raises(ConfigError, match="partition-id: expected a client number, got 'abc'"):
+        flower_app.NodeSettings.from_node_config({"partition-id": "abc", "num-partitions": 3})
+    assert flower_app.NodeSettings.from_node_config({"partition-id": 2, "num-partitions": 3}).site == "partition-2"
     with pytest.raises(ConfigError, match="fl.kd.*need"):
         flower_app.check_secure_aggregation(tiny_config(world, ["fl.kd=true"]), True)
     with pytest.raises(ConfigError, match="not supported"):
@@ -430,3 +459,8 @@ def test_codec_round_trips_nested_tensors_exactly():
     assert torch.equal(back.metadata["control"]["a.b"], meta["control"]["a.b"])
     assert back.metadata["control"]["c"].dtype == torch.float64
     assert back.metadata["counts"] == [3, 0, 2] and back.metadata["note"] is None
+    # "a/b" and "a" -> "b" would name one tensor: a key holding "/" does not travel
+    from fedreid.flower.codec import CodecError
+
+    with pytest.raises(CodecError, match="only string keys without '/' can travel, got 'a/b'"):
+        pack(update={"a/b": torch.zeros(1), "a": {"b": torch.ones(1)}})
