@@ -300,8 +300,8 @@ def write_page(table: Table, outcomes: list[list[CellOutcome]], *, pages: Path, 
     full = None
     for row in table.rows:
         for cell in row.cells:
-            if cell.config and not cell.missing:
-                full = load_config(config_path(cell)).fl.rounds
+            if cell.config and not cell.missing:  # the cell's own overrides may set it (FedFTG Table 4: 500)
+                full = load_config(config_path(cell), list(cell.overrides)).fl.rounds
                 break
         if full:
             break
@@ -389,6 +389,10 @@ def _plot(table: Table, outcomes: list[list[CellOutcome]], path: Path) -> Option
     from fedreid.utils.io import atomic_path
 
     series = {}
+    rows_of = {}  # run slug -> the rows it fills (one ReID run fills every dataset's row)
+    for row_out in outcomes:
+        for outcome in row_out:
+            rows_of[outcome.slug] = rows_of.get(outcome.slug, 0) + 1
     for row, row_out in zip(table.rows, outcomes):
         for j, outcome in enumerate(row_out):
             runs = [r for r in outcome.runs if r.history]
@@ -399,6 +403,8 @@ def _plot(table: Table, outcomes: list[list[CellOutcome]], path: Path) -> Option
             if length == 0:
                 continue
             label = row.label if table.kind == "reid" or len(table.columns) == 1 else f"{row.label}, {table.columns[j]}"
+            if table.kind == "reid" and rows_of[outcome.slug] > 1:
+                label = "the run, mean over its datasets"  # not the first row's dataset: the curve is the mean
             xs = curves[0][0][:length]
             ys = np.mean([c[1][:length] for c in curves], axis=0)
             series[label] = (outcome.slug, (xs, ys))

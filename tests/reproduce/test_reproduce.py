@@ -116,6 +116,43 @@ def test_table_runs_resume_and_page(tmp_path):
         run_table(table, [0], out=out, rounds=1)
 
 
+def test_a_schedule_the_cells_set_themselves_is_not_called_reduced(tmp_path):
+    """FedFTG Table 4's cells run 500 rounds on 1000-round configs: --rounds 500 is their full schedule."""
+    from fedreid.reproduce.runner import CellOutcome
+
+    table = TABLES["fedftg-table4"]
+    outcomes = [[CellOutcome(cell, table.cell_slug(row, j), []) for j, cell in enumerate(row.cells)]
+                for row in table.rows]
+    for rounds, reduced in ((500, False), (100, True)):
+        page, _ = write_page(table, outcomes, pages=tmp_path / str(rounds), seeds=[0], rounds=rounds,
+                             synthetic=False, command="python tools/reproduce.py fedftg-table4")
+        text = page.read_text()
+        assert ("**Reduced schedule" in text) is reduced
+        if reduced:
+            assert "(the configs' schedule: 500)" in text
+
+
+def test_one_run_filling_every_dataset_row_is_drawn_as_their_mean(tmp_path, monkeypatch):
+    """FedReID Table 4: one run, nine rows; its curve is the mean Rank-1, not the first row's dataset."""
+    import matplotlib.axes
+
+    from fedreid.reproduce.runner import CellOutcome, RunResult, _plot
+
+    table = TABLES["fedreid-table4"]
+    history = [{"round": r, "eval": {"msmt17": {"rank1": 0.1}, "market1501": {"rank1": 0.9}}} for r in (1, 2)]
+    outcomes = [[CellOutcome(cell, table.cell_slug(row, j), [RunResult(tmp_path, 0, "done", history, 2, 2)])
+                 for j, cell in enumerate(row.cells)] for row in table.rows]
+    drawn, plot = [], matplotlib.axes.Axes.plot
+
+    def recorded(self, xs, ys, label, **kw):
+        drawn.append((label, list(ys)))
+        return plot(self, xs, ys, label=label, **kw)
+
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot", recorded)
+    assert _plot(table, outcomes, tmp_path / "curve.png") is not None
+    assert drawn == [("the run, mean over its datasets", [50.0, 50.0])]
+
+
 def test_a_stopped_run_is_resumed_to_the_same_numbers(tmp_path):
     table = _digits_table()
     one = run_table(table, [0], out=tmp_path / "a", rounds=2)
