@@ -56,6 +56,7 @@ reseeds per (round, client, epoch), and
 
 from __future__ import annotations
 
+import math
 import random
 from typing import TYPE_CHECKING, Optional, Sequence
 
@@ -139,8 +140,31 @@ class ArrayImageTransform(ImageTransform):
         return np.ascontiguousarray(image.transpose(2, 0, 1))
 
 
-class _ErasingBox(A.Erasing):
-    """``A.Erasing`` that draws its rectangle as ``A.Erasing`` does and leaves the pixels alone.
+class ReferenceErasing(A.Erasing):
+    """``A.Erasing`` drawing its rectangle as Zhong et al.'s ``RandomErasing`` does (cap-ntu/FedReID ``random_erasing.py``).
+
+    Up to 100 tries of an area ``U(scale) * H * W`` and an aspect ``U(ratio)``,
+    ``h = round(sqrt(area * aspect))``, ``w = round(sqrt(area / aspect))``, kept
+    when ``h < H`` and ``w < W``; the corner is uniform; no rectangle when no
+    try fits. ``A.Erasing`` itself caps the area at what every aspect in
+    ``ratio`` fits (at 256x128, 15% of the image instead of 40%).
+    """
+
+    def get_params_dependent_on_data(self, params: dict, data: dict) -> dict:
+        height, width = params["shape"][:2]
+        for _ in range(100):
+            area = self.py_random.uniform(*self.scale) * height * width
+            aspect = self.py_random.uniform(*self.ratio)
+            h, w = int(round(math.sqrt(area * aspect))), int(round(math.sqrt(area / aspect)))
+            if w < width and h < height:
+                top, left = self.py_random.randint(0, height - h), self.py_random.randint(0, width - w)
+                return {"holes": np.array([[left, top, left + w, top + h]], dtype=np.int32),
+                        "seed": self.random_generator.integers(0, 2**32 - 1)}
+        return {"holes": np.zeros((0, 4), dtype=np.int32)}
+
+
+class _ErasingBox(ReferenceErasing):
+    """:class:`ReferenceErasing` that draws its rectangle and leaves the pixels alone.
 
     :class:`Uint8ImageTransform` reads the drawn rectangle (``holes``, ``None``
     when the step did not fire) and :class:`BatchNormalize` fills it.
@@ -276,7 +300,7 @@ def build_train_transform(
     if not defer_normalize:
         steps.append(A.Normalize(mean=tuple(mean), std=tuple(std), max_pixel_value=255.0))
     if random_erasing > 0:  # deferred: the rectangle is drawn here and filled by BatchNormalize
-        erasing = _ErasingBox if defer_normalize else A.Erasing
+        erasing = _ErasingBox if defer_normalize else ReferenceErasing
         steps.append(erasing(scale=(0.02, 0.4), ratio=(0.3, 1 / 0.3), fill=0, p=random_erasing))
     if defer_normalize:
         return Uint8ImageTransform(A.Compose(steps), BatchNormalize(mean, std), seed=seed)

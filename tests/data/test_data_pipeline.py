@@ -1,5 +1,6 @@
 """Training/test transforms, the image dataset and the seeded loader."""
 
+import math
 
 import cv2
 import numpy as np
@@ -119,6 +120,29 @@ def test_random_erasing_fills_zero_after_normalise():
         erased = (out == 0).all(dim=0) & (base != 0).any(dim=0)
         assert erased.any()
         torch.testing.assert_close(out[:, ~erased], base[:, ~erased])
+
+
+def test_random_erasing_draws_its_rectangle_as_the_reference():
+    """Zhong et al.'s RandomErasing (cap-ntu/FedReID random_erasing.py): area U(0.02, 0.4), aspect U(0.3, 3.33)."""
+    import random as stdlib_random
+
+    height, width, n = 256, 128, 2000
+    transform = build_train_transform(height, width, pad=0, flip=False, random_erasing=1.0, seed=0,
+                                      defer_normalize=True)
+    image = np.full((height, width, 3), 128, np.uint8)
+    ours = []
+    for _ in range(n):
+        top, bottom, left, right = transform(image)["erase"].tolist()
+        ours.append((bottom - top) * (right - left) / (height * width))
+    rng, reference = stdlib_random.Random(1), []
+    while len(reference) < n:  # the reference's loop, written out
+        area, aspect = rng.uniform(0.02, 0.4) * height * width, rng.uniform(0.3, 1 / 0.3)
+        h, w = int(round(math.sqrt(area * aspect))), int(round(math.sqrt(area / aspect)))
+        if w < width and h < height:
+            reference.append(h * w / (height * width))
+    ours, reference = np.array(ours), np.array(reference)
+    assert abs(ours.mean() - reference.mean()) < 0.01 and ours.max() > 0.35  # A.Erasing's own cap was 0.15
+    assert abs(np.quantile(ours, 0.9) - np.quantile(reference, 0.9)) < 0.02
 
 
 def test_color_jitter_changes_values_not_shape():
