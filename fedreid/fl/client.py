@@ -58,7 +58,14 @@ class ClientError(FedReIDError, ValueError):
     """A client cannot be built or run as configured; the message names it."""
 
 
-def check_split(split: ClientSplit, batch_size: int, drop_last: bool = True) -> None:
+def check_split(split: ClientSplit, batch_size: int, drop_last: bool = True, *, identities: bool = False) -> None:
+    """Refuse a split the client could not train on, in one line naming the client.
+
+    ``identities``: a ReID client, whose private head classifies its own
+    identities (one identity gives a loss of 0: nothing to learn, yet a
+    weight in the aggregation) and whose bottleneck BatchNorm cannot train
+    on a batch of one image.
+    """
     if len(split) == 0:
         raise ClientError(f"client {split.name!r} has an empty training split (no images to train on)")
     if len(split.labels) != len(split.records):
@@ -67,6 +74,17 @@ def check_split(split: ClientSplit, batch_size: int, drop_last: bool = True) -> 
         )
     if split.num_classes == 0:
         raise ClientError(f"client {split.name!r} has no identities")
+    if identities and split.num_classes == 1:
+        raise ClientError(
+            f"client {split.name!r} has one identity: its identity head over one class has nothing to learn "
+            "(the loss is 0), yet it would weigh in the aggregation; give it more identities or leave it out"
+        )
+    if identities and (batch_size == 1 or (not drop_last and len(split) % batch_size == 1)):
+        raise ClientError(
+            f"client {split.name!r}: train.batch_size={batch_size} with train.drop_last={str(drop_last).lower()} "
+            f"gives {len(split)} images a batch of one image, which BatchNorm cannot train on; "
+            "use train.drop_last=true (the reference) and a batch size of at least 2"
+        )
     if drop_last and len(split) < batch_size:
         raise ClientError(
             f"client {split.name!r} has {len(split)} training images, fewer than "
@@ -117,7 +135,7 @@ class Client:
         public_records: Optional[Sequence[Record]] = None,
         device: torch.device | str = "cpu",
     ) -> None:
-        check_split(split, cfg.train.batch_size, cfg.train.drop_last)
+        check_split(split, cfg.train.batch_size, cfg.train.drop_last, identities=cfg.task == "reid")
         self.split = split
         self.name = split.name
         self.index = index

@@ -187,6 +187,17 @@ def test_clear_errors(world, tmp_path):
     empty = ClientSplit("cam9", "dsa", [], np.zeros(0, dtype=np.int64), [])
     with pytest.raises(ClientError, match="'cam9' has an empty training split"):
         check_split(empty, 4)
+    lonely = ClientSplit("cam3", "dsa", list(range(6)), np.zeros(6, dtype=np.int64), [17])
+    with pytest.raises(ClientError, match="'cam3' has one identity: its identity head over one class"):
+        check_split(lonely, 4, identities=True)
+    pair = ClientSplit("cam4", "dsa", list(range(9)), np.array([0, 1] * 4 + [0]), [17, 18])
+    check_split(pair, 4, identities=True)  # drop_last: the ninth image is skipped, as the reference
+    with pytest.raises(ClientError, match="'cam4': train.batch_size=4 with train.drop_last=false gives 9 images "
+                                          "a batch of one image"):
+        check_split(pair, 4, drop_last=False, identities=True)
+    with pytest.raises(ClientError, match="train.batch_size=1"):
+        check_split(pair, 1, identities=True)
+    check_split(pair, 4, drop_last=False)  # classification: the classes are the dataset's, BatchNorm may be absent
     with pytest.raises(ClientError, match="fewer than train.batch_size=64"):
         build_federation(tiny_config(world, ["train.batch_size=64"]))
     with pytest.raises(ValueError, match="clients_per_round=5"):
