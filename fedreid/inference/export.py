@@ -242,8 +242,8 @@ def export_model(
                     )
                 except Exception as exc:  # noqa: BLE001 - the exporter's refusal of this opset, in its words
                     first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-                    raise ExportError(f"ONNX export at --opset {opset} failed: {first[:200]} "
-                                      f"(the default, {DEFAULT_OPSET}, exports this model)") from None
+                    hint = f" (the default opset is {DEFAULT_OPSET})" if int(opset) != DEFAULT_OPSET else ""
+                    raise ExportError(f"ONNX export at --opset {opset} failed: {first[:200]}{hint}") from None
             else:
                 with torch.no_grad():
                     traced = torch.jit.trace(graph, (example,), check_trace=False)
