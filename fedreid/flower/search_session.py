@@ -74,6 +74,7 @@ from fedreid.flower.search import (
     format_result,
     registered_sites,
     run_config_flag,
+    run_config_seconds,
 )
 from fedreid.flower.search_codec import MAX_K, SearchCodecError, SearchFilters
 
@@ -132,20 +133,10 @@ class SessionSettings:
             raise ConfigError("flower run config: mode=search-session needs 'session-socket' (a socket path on the "
                               "SuperLink's host; tools/flower_fed.py session fills it)")
 
-        def seconds(key: str, default: float, *, zero: bool) -> float:
-            try:
-                value = float(run_config.get(key, default))
-            except (TypeError, ValueError):
-                raise ConfigError(f"flower run config: {key}: expected seconds, got {run_config.get(key)!r}") from None
-            if not math.isfinite(value) or value < 0 or (value == 0 and not zero):
-                raise ConfigError(f"flower run config: {key}: expected seconds {'>= 0' if zero else '> 0'}, "
-                                  f"got {value}")
-            return value
-
-        return cls(socket=Path(path), timeout=seconds("search-timeout", 30.0, zero=False),
+        return cls(socket=Path(path), timeout=run_config_seconds(run_config, "search-timeout", 30.0),
                    expect=tuple(shlex.split(str(run_config.get("search-expect", "")))),
                    node_auth=run_config_flag(run_config, "node-auth"),
-                   idle_timeout=seconds("session-idle-timeout", 0.0, zero=True))
+                   idle_timeout=run_config_seconds(run_config, "session-idle-timeout", 0.0, zero=True))
 
 
 # =========================================================================== the socket
