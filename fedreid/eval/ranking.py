@@ -60,7 +60,7 @@ from __future__ import annotations
 import os
 import sys
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
@@ -230,6 +230,22 @@ def is_torch(x: Any) -> bool:
     return True
 
 
+@contextmanager
+def full_fp32_matmul() -> Iterator[None]:
+    """Torch fp32 matmuls in full precision inside, whatever ``train.tf32`` set for the process.
+
+    TF32 keeps 10 mantissa bits, which reorders near-tied gallery items: a
+    ranking on a GPU would no longer equal the CPU path's. The setting is put
+    back on exit, so training keeps its TF32.
+    """
+    saved = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(saved)
+
+
 def _check_finite(name: str, x: Any) -> None:
     """Raise on NaN/inf, in chunks so a big gallery needs no full-size mask."""
     rows_per_chunk = max(1, _FINITE_CHECK_ELEMENTS // max(1, x.shape[1]))
@@ -359,7 +375,8 @@ def score_rows(qf: Any, gf: Any, rows_per_block: int) -> Iterator[tuple[int, np.
         gt = gf.t()
         for start in range(0, n_q, rows):
             b = min(rows, n_q - start)
-            torch.mm(qf[start : start + b], gt, out=gpu_buffer[:b])
+            with full_fp32_matmul():
+                torch.mm(qf[start : start + b], gt, out=gpu_buffer[:b])
             torch.from_numpy(buffer[:b]).copy_(gpu_buffer[:b])
             yield start, buffer[:b]
         return
@@ -736,7 +753,8 @@ def torch_per_query_metrics(
         for start in range(0, n_q, rows):
             stop = min(n_q, start + rows)
             scores = buffer[: stop - start]
-            torch.mm(qf[start:stop], gt, out=scores)
+            with full_fp32_matmul():
+                torch.mm(qf[start:stop], gt, out=scores)
             g0, g1 = int(index.good_ptr[start]), int(index.good_ptr[stop])
             r0, r1 = int(index.removed_ptr[start]), int(index.removed_ptr[stop])
             owner = good_owner[g0:g1] - start

@@ -245,6 +245,61 @@ def test_cuda_evaluation_equals_the_numpy_path(ap):
     assert_same_results(expected, host)
 
 
+def test_scores_are_full_fp32_while_training_runs_tf32(monkeypatch):
+    # train.tf32 sets TF32 for the whole process; ranking must still score in
+    # full fp32 (TF32's 10-bit mantissa reorders near ties) and leave the
+    # training's setting as it found it.
+    from fedreid.utils.precision import set_tf32
+
+    precision_at_mm = []
+    real_mm = torch.mm
+
+    def spy_mm(*args, **kwargs):
+        precision_at_mm.append(
+            (torch.get_float32_matmul_precision(), torch.backends.cuda.matmul.allow_tf32)
+        )
+        return real_mm(*args, **kwargs)
+
+    saved = torch.get_float32_matmul_precision()
+    set_tf32(True)
+    try:
+        monkeypatch.setattr(torch, "mm", spy_mm)
+        qf, gf, *ids = random_case(2)
+        evaluate_torch(torch.from_numpy(qf), torch.from_numpy(gf), *ids, block_size=2)
+        list(ranking_torch.score_blocks(torch.from_numpy(qf), torch.from_numpy(gf), block_size=2))
+        after = (torch.get_float32_matmul_precision(), torch.backends.cuda.matmul.allow_tf32)
+    finally:
+        set_tf32(False)
+        torch.set_float32_matmul_precision(saved)
+    assert len(precision_at_mm) > 2
+    assert set(precision_at_mm) == {("highest", False)}
+    assert after == ("high", True)
+
+
+@pytest.mark.gpu
+def test_cuda_evaluation_under_tf32_equals_the_numpy_path():
+    from fedreid.utils.precision import set_tf32
+
+    rng = np.random.default_rng(3)
+    # Random unit features: TF32 would move their scores by about 1e-4, enough to reorder neighbours.
+    qf = rng.standard_normal((300, 512)).astype(np.float32)
+    gf = rng.standard_normal((3000, 512)).astype(np.float32)
+    qf /= np.linalg.norm(qf, axis=1, keepdims=True)
+    gf /= np.linalg.norm(gf, axis=1, keepdims=True)
+    ids = (rng.integers(0, 50, 300), rng.integers(0, 50, 3000), rng.integers(0, 6, 300), rng.integers(0, 6, 3000))
+    options = {"minp": True, "return_per_query": True}
+    expected = evaluate(qf, gf, *ids, **options)
+    saved = torch.get_float32_matmul_precision()
+    set_tf32(True)
+    try:
+        got = evaluate(*(torch.from_numpy(x).cuda() for x in (qf, gf)), *ids, **options)
+    finally:
+        set_tf32(False)
+        torch.set_float32_matmul_precision(saved)
+    assert got["device"].startswith("cuda")
+    assert_same_results(expected, got)
+
+
 class Embed(torch.nn.Module):
     """A model with ``embed``, what the training evaluator extracts features with."""
 
