@@ -151,7 +151,7 @@ class Client:
         self._train_transform = None
         self._train_dataset = None
         self._train_loader = None
-        self._public_loader = None
+        self._public_loaders: Optional[PublicLoaders] = None
         self.precision: Precision = resolve_precision(
             cfg.train.precision, self.device, channels_last=cfg.train.channels_last
         )
@@ -212,24 +212,23 @@ class Client:
     def public_loader(self, kd_seed: Optional[int] = None):
         """The public set for KD features (:mod:`fedreid.fl.server_hooks.kd`).
 
-        ``fl.kd_mode=eval``: in dataset order (built once). ``train``: shuffled
-        and augmented with the round's ``kd_seed`` (the server's student loader).
+        ``fl.kd_mode=eval``: in dataset order. ``train``: shuffled and
+        augmented with the round's ``kd_seed`` (the server's student loader's
+        batches). Built once (:class:`PublicLoaders`): its workers persist.
         """
         if self.public_records is None:
             raise ClientError(f"client {self.name!r}: a KD round needs the public set, none was given")
-        if kd_mode(self.cfg) == "train":
-            if kd_seed is None:
-                raise ClientError(
-                    f"client {self.name!r}: fl.kd_mode=train needs the round's kd_seed in the KD instructions"
-                )
-            return make_public_loader(self.public_records, self.cfg, shuffle=True, seed=int(kd_seed),
-                                      device=self.device, precision=self.precision)
-        if self._public_loader is None:  # read every KD round: its workers stay (dataset order, test transform)
-            self._public_loader = make_public_loader(
-                self.public_records, self.cfg, shuffle=False, persistent=self.cfg.train.persistent_workers,
-                device=self.device, precision=self.precision,
+        train_mode = kd_mode(self.cfg) == "train"
+        if train_mode and kd_seed is None:
+            raise ClientError(
+                f"client {self.name!r}: fl.kd_mode=train needs the round's kd_seed in the KD instructions"
             )
-        return self._public_loader
+        if self._public_loaders is None:
+            self._public_loaders = PublicLoaders(self.public_records, self.cfg, device=self.device,
+                                                 precision=self.precision)
+        if train_mode:
+            return self._public_loaders.loader(shuffle=True, seed=int(kd_seed))
+        return self._public_loaders.loader(shuffle=False)
 
     def data_fingerprint(self) -> dict[str, Any]:
         """What identifies this client's training data; a checkpoint records it, a resume compares it.
@@ -421,38 +420,58 @@ def kd_mode(cfg: Config) -> str:
     return kd.mode if kd is not None else cfg.fl.kd_mode
 
 
-def make_public_loader(records: Sequence[Record], cfg: Config, *, shuffle: bool, seed: int = 0,
-                       persistent: bool = False, device: Optional[torch.device] = None,
-                       precision: Precision = FP32):
-    """The public set for KD; dict batches carry ``index``.
+class PublicLoaders:
+    """The public set's KD loaders, built once and read every KD round; batches carry ``index``.
 
     The test transform with ``fl.kd_mode=eval``; the training transform (the
-    reference's ``kd_loader``) with ``train``, its augmentations seeded by
-    ``seed`` like the order, so equal seeds give equal batches. ``persistent``
-    keeps the loader workers between passes (``fl.kd_mode=eval`` in dataset
-    order only: every pass equals the first). ``device``: where the batches
-    are used; on CUDA they are pinned, and with ``train.normalize_on``
-    deferring there they are normalised there, in ``precision``'s layout.
+    reference's ``kd_loader``) with ``train``. :meth:`loader` gives the
+    batches of a fresh :func:`~fedreid.data.datasets.make_loader` seeded by
+    ``seed`` (order, and augmentations in ``train`` mode), shuffled or in
+    dataset order, so equal seeds give equal batches in every process. One
+    :class:`~fedreid.data.datasets.EpochLoader` serves every pass: with
+    ``train.workers > 0`` and ``train.persistent_workers`` its workers stay
+    between KD rounds instead of being started again each round. ``device``:
+    where the batches are used; on CUDA they are pinned, and with
+    ``train.normalize_on`` deferring there they are normalised there, in
+    ``precision``'s layout.
     """
-    from fedreid.data.datasets import ReIDImageDataset, make_loader, on_device
-    from fedreid.data.transforms import build_test_transform, build_train_transform, defers_normalize
 
-    m, t = cfg.model, cfg.train
-    kd = cfg.hook_settings("kd")
-    mode, batch_size = (kd.mode, kd.batch_size) if kd is not None else (cfg.fl.kd_mode, cfg.fl.kd_batch_size)
-    defer = device is not None and defers_normalize(t.normalize_on, device)
-    if mode == "train":
-        transform = build_train_transform(
-            m.height, m.width, random_erasing=t.random_erasing, color_jitter=t.color_jitter, seed=seed,
-            defer_normalize=defer,
+    def __init__(self, records: Sequence[Record], cfg: Config, *, device: Optional[torch.device] = None,
+                 precision: Precision = FP32) -> None:
+        from fedreid.data.datasets import EpochLoader, ReIDImageDataset
+        from fedreid.data.transforms import build_test_transform, build_train_transform, defers_normalize
+
+        m, t = cfg.model, cfg.train
+        kd = cfg.hook_settings("kd")
+        mode, batch_size = (kd.mode, kd.batch_size) if kd is not None else (cfg.fl.kd_mode, cfg.fl.kd_batch_size)
+        self.device = None if device is None else torch.device(device)
+        defer = self.device is not None and defers_normalize(t.normalize_on, self.device)
+        if mode == "train":
+            # seed=0 only until the first pass: every pass reseeds the augmentation with its own seed
+            self.transform = build_train_transform(
+                m.height, m.width, random_erasing=t.random_erasing, color_jitter=t.color_jitter, seed=0,
+                defer_normalize=defer,
+            )
+        else:
+            self.transform = build_test_transform(m.height, m.width, defer_normalize=defer)
+        self.dataset = ReIDImageDataset(list(records), None, transform=self.transform)
+        self.channels_last = precision.channels_last
+        self._epochs = EpochLoader(
+            self.dataset, batch_size, num_workers=t.workers, persistent=t.persistent_workers,
+            pin_memory=self.device is not None and self.device.type == "cuda",
         )
-    else:
-        transform = build_test_transform(m.height, m.width, defer_normalize=defer)
-    dataset = ReIDImageDataset(list(records), None, transform=transform)
-    loader = make_loader(dataset, batch_size, shuffle=shuffle, seed=seed, num_workers=t.workers,
-                         persistent_workers=persistent and mode != "train",
-                         pin_memory=device is not None and torch.device(device).type == "cuda")
-    return loader if device is None else on_device(loader, transform, device, channels_last=precision.channels_last)
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def loader(self, shuffle: bool, seed: int = 0):
+        """One pass over the public set, seeded by ``seed``, shuffled or in dataset order."""
+        from fedreid.data.datasets import on_device
+
+        batches = self._epochs.epoch(int(seed), shuffle=shuffle)
+        if self.device is None:
+            return batches
+        return on_device(batches, self.transform, self.device, channels_last=self.channels_last)
 
 
-__all__ = ["Client", "ClientError", "check_split", "make_public_loader", "records_fingerprint"]
+__all__ = ["Client", "ClientError", "PublicLoaders", "check_split", "records_fingerprint"]

@@ -30,7 +30,7 @@ from fedreid.data.prepared import PreparedDataset, Record, load_prepared
 from fedreid.data.scenarios import ClientSplit, build_clients, by_dataset
 from fedreid.fl import classification as classification_task
 from fedreid.fl.classification import AccuracyEvaluator, ClassificationClient
-from fedreid.fl.client import Client, make_public_loader
+from fedreid.fl.client import Client, PublicLoaders
 from fedreid.fl.evaluation import Evaluator
 from fedreid.fl.local.objectives import objective_options
 from fedreid.fl.server import Server
@@ -209,8 +209,7 @@ def build_reid_federation(
                              "image_channels": 3}
     if public is not None:
         precision = resolve_precision(cfg.train.precision, device, channels_last=cfg.train.channels_last)
-        known["public_loader"] = lambda shuffle, seed: make_public_loader(
-            public, cfg, shuffle=shuffle, seed=seed, device=device, precision=precision)
+        known["public_loader"] = PublicLoaders(public, cfg, device=device, precision=precision).loader
         known["public_size"] = len(public)
     hooks = build_server_hooks(cfg, hook_context(cfg, len(clients), device, **known))
     server = Server(cfg, global_model, [c.name for c in clients], hooks=hooks, evaluator=evaluator)

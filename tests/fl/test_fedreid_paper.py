@@ -21,11 +21,13 @@ from fedreid.data.prepared import PreparedDataset, Record, dataset_card
 from fedreid.data.scenarios import build_clients, by_identity, camera_count
 from fedreid.eval.metrics import evaluate
 from fedreid.eval.report import format_paper_summary, local_model_summary, paper_summary, write_report
-from fedreid.fl.client import make_public_loader as ORIGINAL_PUBLIC_LOADER
+from fedreid.fl.client import PublicLoaders
 from fedreid.fl.evaluation import Evaluator
 from fedreid.fl.server_hooks.kd import KDHook, public_features
 from fedreid.fl.state import states_equal
 from fedreid.utils.seeding import derive_seed
+
+ORIGINAL_PUBLIC_PASS = PublicLoaders.loader  # kept before any test patches it
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "configs" / "fedreid"
@@ -345,21 +347,17 @@ def world(tmp_path_factory):
 
 
 def kd_round(world, tmp_path, mode, monkeypatch):
-    """One KD round on the tiny world; returns the clients' updates and every public loader built."""
-    import fedreid.fl.client as client_mod
-    import fedreid.fl.federation as federation_mod
+    """One KD round on the tiny world; returns the clients' updates and every public-set pass read."""
     from fedreid.fl.simulation import run_simulation
 
     built = []
-    original = ORIGINAL_PUBLIC_LOADER  # not the attribute: an earlier call's patch may still be in place
+    original = ORIGINAL_PUBLIC_PASS  # not the attribute: an earlier call's patch may still be in place
 
-    def recording(records, cfg, *, shuffle, seed=0, **options):
-        loader = original(records, cfg, shuffle=shuffle, seed=seed, **options)
-        built.append((shuffle, seed, [(b["index"].clone(), b["image"].clone()) for b in loader]))
-        return original(records, cfg, shuffle=shuffle, seed=seed, **options)
+    def recording(self, shuffle, seed=0):
+        built.append((shuffle, seed, [(b["index"].clone(), b["image"].clone()) for b in original(self, shuffle, seed)]))
+        return original(self, shuffle, seed)  # the same seed again: the same batches
 
-    monkeypatch.setattr(client_mod, "make_public_loader", recording)
-    monkeypatch.setattr(federation_mod, "make_public_loader", recording)
+    monkeypatch.setattr(PublicLoaders, "loader", recording)
     cfg = tiny_config(world, ["fl.rounds=1", "fl.kd=true", "fl.kd_every=1", f"fl.kd_mode={mode}",
                               "eval.local_models=false", "train.batch_size=4"])
     updates = []
@@ -444,17 +442,48 @@ def test_every_fedreid_config_runs_one_round_on_tiny_data(path, tmp_path):
         assert ("kd" in record) == cfg.fl.kd
 
 
-def test_eval_mode_public_loader_keeps_its_workers_and_gives_the_same_batches(world):
-    from fedreid.data.datasets import make_loader
+def batches_of(loader):
+    return [(b["index"].clone(), b["image"].clone()) for b in loader]
+
+
+def same_batches(first, second):
+    return len(first) == len(second) > 1 and all(
+        torch.equal(i, j) and torch.equal(a, b) for (i, a), (j, b) in zip(first, second))
+
+
+@pytest.mark.parametrize("mode", ["eval", "train"])
+def test_public_loaders_keep_their_workers_and_give_a_fresh_loaders_batches(world, mode):
+    from fedreid.data.datasets import ReIDImageDataset, make_loader
+    from fedreid.data.transforms import build_test_transform, build_train_transform
     from fedreid.fl.federation import build_federation
 
-    client = build_federation(tiny_config(world, ["fl.kd=true", "train.workers=2"])).clients[0]
-    loader = client.public_loader()
-    first = [(b["index"].clone(), b["image"].clone()) for b in loader]
-    workers = [w.pid for w in loader._iterator._workers]  # the workers of the first pass
-    again = [(b["index"].clone(), b["image"].clone()) for b in client.public_loader()]
-    assert [w.pid for w in client.public_loader()._iterator._workers] == workers
-    assert len(first) == len(again) > 1
-    assert all(torch.equal(i, j) and torch.equal(a, b) for (i, a), (j, b) in zip(first, again))
-    with pytest.raises(ValueError, match="shuffled loader cannot keep its workers"):
-        make_loader(loader.dataset, 4, shuffle=True, seed=0, num_workers=2, persistent_workers=True)
+    cfg = tiny_config(world, ["fl.kd=true", f"fl.kd_mode={mode}", "train.workers=2", "fl.kd_batch_size=4"])
+    fed = build_federation(cfg)
+    client = fed.clients[0]
+    (kd,) = [hook for hook in fed.server.hooks if hook.name == "kd"]
+    if mode == "train":
+        transform = build_train_transform(cfg.model.height, cfg.model.width, seed=0)
+    else:
+        transform = build_test_transform(cfg.model.height, cfg.model.width)
+
+    def fresh(shuffle, seed):  # what a loader built anew for this KD round gives
+        dataset = ReIDImageDataset(client.public_records, None, transform=transform)
+        return batches_of(make_loader(dataset, 4, shuffle=shuffle, seed=seed, num_workers=2))
+
+    client_seed = 11 if mode == "train" else None
+    first = client.public_loader(client_seed)
+    client_batches = batches_of(first)
+    workers = [w.pid for w in first._iterator._workers]
+    assert same_batches(client_batches, fresh(mode == "train", client_seed or 0))
+    # the next KD rounds: the same workers; a new seed gives a fresh loader's batches for it
+    if mode == "train":
+        assert same_batches(batches_of(client.public_loader(12)), fresh(True, 12))
+        assert not same_batches(batches_of(client.public_loader(12)), client_batches)
+    again = client.public_loader(client_seed)
+    assert same_batches(batches_of(again), client_batches)
+    assert [w.pid for w in again._iterator._workers] == workers
+    student = kd.public_loader_fn(shuffle=True, seed=5)
+    assert same_batches(batches_of(student), fresh(True, 5))
+    student_workers = [w.pid for w in student._iterator._workers]
+    assert same_batches(batches_of(kd.public_loader_fn(shuffle=True, seed=7)), fresh(True, 7))
+    assert [w.pid for w in kd.public_loader_fn(shuffle=True, seed=7)._iterator._workers] == student_workers
