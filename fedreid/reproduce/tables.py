@@ -108,7 +108,8 @@ _METHODS = {  # slug -> (label, the overrides that select the method)
     "fedavg": ("FedAvg", ("train.objective=fedavg",)),
     "fedcurv": ("FedCurv", ("train.objective=fedcurv",)),
     "fedprox": ("FedProx", ("train.objective=fedprox", "train.objective_options={mu: 1.0}")),
-    "fednova": ("FedNova", ("fl.hooks=[{name: fednova}]",)),
+    # FedNova changes the aggregation only: its clients run plain SGD (the base configs' objective is FedLMD's)
+    "fednova": ("FedNova", ("train.objective=fedavg", "fl.hooks=[{name: fednova}]")),
     "scaffold": ("SCAFFOLD", ("train.objective=scaffold",)),
     "moon": ("MOON", ("train.objective=moon", "train.objective_options={mu: 0.1, tau: 0.5}")),
     "fedrs": ("FedRS", ("train.objective=fedrs",)),

@@ -43,6 +43,23 @@ def test_every_runnable_cell_has_a_loadable_config_and_a_distinct_run(name, tmp_
         assert len(runs) == 1
 
 
+@pytest.mark.parametrize("name", ["fedlmd-table3-mnist", "fedlmd-table3-cifar10", "fedlmd-table3-cifar100"])
+def test_each_fedlmd_table3_row_trains_its_own_clients_objective(name, tmp_path):
+    # The base configs train FedLMD's objective: a row that only adds a server hook must reset it.
+    objective_of_row = {"fedavg": "fedavg", "fedcurv": "fedcurv", "fedprox": "fedprox", "fednova": "fedavg",
+                        "scaffold": "scaffold", "moon": "moon", "fedrs": "fedrs", "fedntd": "fedntd",
+                        "fedlmd": "fedlmd"}
+    table = TABLES[name]
+    assert {row.slug for row in table.rows} == set(objective_of_row)
+    for row in table.rows:
+        for cell in row.cells:
+            if cell.missing:
+                continue
+            cfg = load_config(config_path(cell), cell_overrides(table, cell, 0, None, False, tmp_path / "run"))
+            assert cfg.train.objective == objective_of_row[row.slug], (row.label, cell.config)
+            assert [h["name"] for h in cfg.fl.hooks] == (["fednova"] if row.slug == "fednova" else []), row.label
+
+
 @pytest.mark.parametrize("name", ["fedlmd-table3-mnist", "fedlmd-table3-cifar10", "fedlmd-table3-cifar100",
                                   "fedlmd-table5"])
 def test_fedlmd_baselines_run_with_the_official_configs_settings(name, tmp_path):
