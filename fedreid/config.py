@@ -482,9 +482,10 @@ class ClassificationConfig:
     #: Debian's /usr/share/datasets/fashion-mnist; digits needs none).
     root: Optional[str] = None
     #: How the training split is divided: ``iid``, ``dirichlet`` (per class over clients),
-    #: ``dirichlet_prior`` (per client over classes, FedFTG Sec. 4.1), ``shards`` (sorted shards,
-    #: FedAvg/FedLMD).
-    partition: Literal["iid", "dirichlet", "dirichlet_prior", "shards"] = "dirichlet"
+    #: ``dirichlet_prior`` (per client over classes, FedFTG Sec. 4.1), ``shards`` (label-sorted
+    #: shards, McMahan et al. as FedLMD Sec. 5.1 cites), ``shards_per_class`` (one-class shards,
+    #: the sharding of FedNTD's and FedLMD's official code).
+    partition: Literal["iid", "dirichlet", "dirichlet_prior", "shards", "shards_per_class"] = "dirichlet"
     #: Number of clients the training split is divided into.
     num_clients: int = 10
     #: Dirichlet concentration: alpha of ``dirichlet`` (per class over clients),
@@ -496,7 +497,7 @@ class ClassificationConfig:
     min_size: int = 10
     #: ``dirichlet``: redraws after the first before giving up.
     max_retries: int = 100
-    #: ``shards``: shards each client gets (FedLMD's s).
+    #: ``shards`` and ``shards_per_class``: shards each client gets (FedLMD's s).
     shards_per_client: int = 2
     #: ``dirichlet_prior``: lognormal sigma of the client sizes (0: equal sizes).
     unbalanced_sigma: float = 0.0

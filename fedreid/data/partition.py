@@ -16,7 +16,9 @@ Kinds (:func:`partition` dispatches on these names):
   ``Dir(beta)`` class prior per client (FedDyn's and FedFTG's split, the
   formulation of Hsu et al. 2019).
 * ``shards`` -- :func:`shards`: label-sorted shards (FedAvg's pathological
-  non-IID split, also FedNTD's "sharding").
+  non-IID split, the "Sharding (McMahan et al., 2017)" of FedLMD Sec. 5.1).
+* ``shards_per_class`` -- :func:`shards_per_class`: one-class shards, the
+  sharding of FedNTD's and FedLMD's official code.
 
 :func:`class_counts` turns a split into its clients x classes table (what a
 FedFTG / FedLMD client reports), :func:`noisy_counts` perturbs such a table
@@ -48,6 +50,7 @@ __all__ = [
     "partition",
     "save_partition_heatmap",
     "shards",
+    "shards_per_class",
 ]
 
 
@@ -393,13 +396,15 @@ def dirichlet_prior(
 def shards(
     labels: np.ndarray, num_clients: int, shards_per_client: int, rng: np.random.Generator
 ) -> list[np.ndarray]:
-    """Pathological non-IID split by label-sorted shards (FedAvg, FedNTD).
+    """Pathological non-IID split by label-sorted shards (FedAvg; FedLMD Sec. 5.1).
 
     McMahan et al., "Communication-Efficient Learning of Deep Networks from
     Decentralized Data" (AISTATS 2017), Sec. 3: sort by label, cut into
     ``num_clients * shards_per_client`` shards, give each client
     ``shards_per_client`` of them at random (MNIST: 200 shards of 300, 2 per
-    client). FedNTD (Lee et al., NeurIPS 2022) uses the same "sharding".
+    client). FedLMD (Sec. 5.1) cites this for its "Sharding"; the official
+    code of FedNTD and FedLMD cuts every class on its own instead
+    (:func:`shards_per_class`).
 
     Exactly: the indices are sorted by label with a *stable* sort (within a
     class they stay in dataset order), cut with ``np.array_split`` into
@@ -436,11 +441,72 @@ def shards(
     return _finish([np.concatenate([pieces[j] for j in perm[i * s : (i + 1) * s]]) for i in range(num_clients)])
 
 
+def shards_per_class(
+    labels: np.ndarray, num_clients: int, shards_per_client: int, rng: np.random.Generator
+) -> list[np.ndarray]:
+    """Sharding as FedNTD's and FedLMD's official code does it: every shard holds one class.
+
+    Lee-Gihun/FedNTD ``train_tools/preprocessing/datasetter.py:sharding_partition``
+    (byte-identical in wnma3mz/FedLMD), which the FedLMD paper's "Sharding
+    (McMahan et al., 2017)" (Sec. 5.1) ran as; :func:`shards` is McMahan's
+    sort-and-cut, whose shards can span two classes when a class count is
+    not a multiple of the shard size (MNIST).
+
+    Exactly: with ``C`` classes and ``s = shards_per_client``, each class is
+    cut into ``P = s * num_clients / C`` shards: its indices in dataset order,
+    the first ``len - len % P`` of them in ``P`` equal runs, and the ``len % P``
+    left over appended one each to its first shards. The list ``[0..C-1] * P``
+    is shuffled (``rng.permutation``) and read ``s`` at a time: client ``i``
+    takes, for each label of its ``s``, a shard of that label drawn uniformly
+    from those still left (``rng.integers``). So a client has at most ``s``
+    classes (fewer when it draws one label twice). ``s * num_clients`` must
+    be a multiple of ``C`` (the official code cannot reshape otherwise), and
+    every class needs at least ``P`` samples.
+    """
+    labels = _check_labels(labels)
+    num_clients = _check_clients(num_clients, labels.size)
+    rng = _check_rng(rng)
+    if isinstance(shards_per_client, bool) or int(shards_per_client) != shards_per_client or shards_per_client < 1:
+        raise PartitionError(f"shards_per_client must be a positive integer, got {shards_per_client!r}")
+    s = int(shards_per_client)
+    classes = np.unique(labels)
+    if (s * num_clients) % classes.size:
+        raise PartitionError(
+            f"shards_per_class: {num_clients} clients x {s} shards = {s * num_clients} shards cannot be shared "
+            f"equally by the {classes.size} classes",
+            remedies=[("num_clients", "a value making clients x shards a multiple of " + str(classes.size)),
+                      ("shards_per_client", "such a {}")],
+        )
+    per_class = s * num_clients // classes.size
+    pool: dict[int, list[np.ndarray]] = {}
+    for label in classes:
+        members = np.flatnonzero(labels == label)
+        if members.size < per_class:
+            raise PartitionError(
+                f"shards_per_class: class {int(label)} has {members.size} samples, fewer than its "
+                f"{per_class} shards",
+                remedies=[("num_clients", "a smaller {}"), ("shards_per_client", "a smaller {}")],
+            )
+        leftover = members.size % per_class
+        cut = members[: members.size - leftover].reshape(per_class, -1)
+        shards_of_label = [np.asarray(run) for run in cut]
+        for i, index in enumerate(members[members.size - leftover :]):
+            shards_of_label[i] = np.append(shards_of_label[i], index)
+        pool[int(label)] = shards_of_label
+    plan = rng.permutation(np.tile(classes, per_class)).reshape(num_clients, s)  # list(range(C)) * P, shuffled
+    parts = []
+    for client_labels in plan:
+        taken = [pool[int(label)].pop(int(rng.integers(len(pool[int(label)])))) for label in client_labels]
+        parts.append(np.concatenate(taken))
+    return _finish(parts)
+
+
 PARTITION_KINDS: dict[str, Callable[..., list[np.ndarray]]] = {
     "iid": iid,
     "dirichlet": dirichlet_label,
     "dirichlet_prior": dirichlet_prior,
     "shards": shards,
+    "shards_per_class": shards_per_class,
 }
 
 
@@ -452,7 +518,7 @@ def partition(
     ``options`` are the partitioner's own arguments: ``alpha`` (and
     ``min_size``, ``max_retries``, ``balance``) for ``dirichlet``; ``beta``
     (and ``unbalanced_sigma``) for ``dirichlet_prior``; ``shards_per_client``
-    for ``shards``; none for ``iid``. An unknown kind or option raises
+    for ``shards`` and ``shards_per_class``; none for ``iid``. An unknown kind or option raises
     :class:`PartitionError` naming the valid ones.
     """
     fn = PARTITION_KINDS.get(kind)

@@ -124,6 +124,7 @@ def partition_clients(cfg: Config, train: ArrayDataset) -> list[ClientSplit]:
         "dirichlet": {"alpha": c.alpha, "min_size": c.min_size, "max_retries": c.max_retries},
         "dirichlet_prior": {"beta": c.alpha, "unbalanced_sigma": c.unbalanced_sigma},
         "shards": {"shards_per_client": c.shards_per_client},
+        "shards_per_class": {"shards_per_client": c.shards_per_client},
     }[c.partition]
     rng = np.random.default_rng(derive_seed(c.split_seed, "partition"))
     try:

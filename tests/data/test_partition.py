@@ -18,6 +18,7 @@ from fedreid.data.partition import (
     partition,
     save_partition_heatmap,
     shards,
+    shards_per_class,
 )
 from fedreid.errors import FedReIDError
 
@@ -26,6 +27,7 @@ OPTIONS = {
     "dirichlet": {"alpha": 0.5},
     "dirichlet_prior": {"beta": 0.5},
     "shards": {"shards_per_client": 2},
+    "shards_per_class": {"shards_per_client": 10},  # 5, 8 and 10 clients x 10 shards: a multiple of 10 classes
 }
 
 
@@ -275,6 +277,67 @@ def test_shards_structure_is_exactly_as_documented():
     assert ((counts > 0).sum(axis=1) <= 2 * s).all()
     sizes = [p.size for p in parts]
     assert max(sizes) - min(sizes) <= s
+
+
+MNIST_TRAIN_COUNTS = (5923, 6742, 5958, 6131, 5842, 5421, 5918, 6265, 5851, 5949)
+
+
+def mnist_like_labels(seed: int = 0) -> np.ndarray:
+    """MNIST's training class counts (60,000 images), shuffled: no count is a multiple of 300."""
+    return np.random.default_rng(seed).permutation(np.repeat(np.arange(10), MNIST_TRAIN_COUNTS))
+
+
+def expected_class_shards(labels: np.ndarray, per_class: int) -> set[frozenset]:
+    """FedNTD's ``sharding_partition`` cut: a class's indices in dataset order, in ``per_class``
+    equal runs, the leftover indices appended one each to its first runs."""
+    out = set()
+    for label in np.unique(labels):
+        members = np.flatnonzero(labels == label)
+        base = members.size // per_class
+        runs = [list(members[i * base:(i + 1) * base]) for i in range(per_class)]
+        for i, index in enumerate(members[base * per_class:]):
+            runs[i].append(index)
+        out.update(frozenset(int(x) for x in run) for run in runs)
+    return out
+
+
+def test_shards_per_class_cuts_each_class_as_the_official_code():
+    labels = mnist_like_labels()
+    s, k = 2, 100
+    parts = shards_per_class(labels, k, s, np.random.default_rng(0))
+    assert_exact_cover(parts, labels.size)
+    cut = expected_class_shards(labels, s * k // 10)
+    used = set()
+    for part in parts:
+        classes = np.unique(labels[part])
+        assert classes.size <= s
+        # the client's samples of each class are whole shards of that class (two when it drew it twice)
+        pieces = [frozenset(int(x) for x in part[labels[part] == c]) for c in classes]
+        for piece in pieces:
+            if piece in cut:
+                used.add(piece)
+            else:
+                assert classes.size == 1
+                halves = [shard for shard in cut if shard <= piece]
+                assert len(halves) == 2 and halves[0] | halves[1] == piece
+                used.update(halves)
+    assert used == cut
+    # McMahan's sort-and-cut on the same counts: some shards span two classes, some clients hold 3.
+    sorted_cut = shards(labels, k, s, np.random.default_rng(0))
+    assert max(np.unique(labels[p]).size for p in sorted_cut) == 3
+
+
+def test_shards_per_class_is_seeded_and_checks_its_inputs():
+    labels = balanced_labels(per_class=100)
+    first = shards_per_class(labels, 10, 2, np.random.default_rng(5))
+    again = shards_per_class(labels, 10, 2, np.random.default_rng(5))
+    other = shards_per_class(labels, 10, 2, np.random.default_rng(6))
+    assert all(np.array_equal(a, b) for a, b in zip(first, again))
+    assert not all(np.array_equal(a, b) for a, b in zip(first, other))
+    with pytest.raises(PartitionError, match="7 clients x 2 shards = 14 shards cannot be shared equally by the 10"):
+        shards_per_class(labels, 7, 2, np.random.default_rng(0))
+    with pytest.raises(PartitionError, match="class 3 has 4 samples, fewer than its 20 shards"):
+        shards_per_class(np.concatenate([labels[labels != 3], [3, 3, 3, 3]]), 50, 4, np.random.default_rng(0))
 
 
 def test_shards_too_many():
