@@ -518,8 +518,10 @@ class ClassificationConfig:
     #: Sec. 5.1; FedNTD's code ``RandomCrop(size, padding=4)`` +
     #: ``RandomHorizontalFlip()``); ``crop_flip_cutout``: the same plus Cutout(16)
     #: after normalisation, as FedNTD's loaders (which FedLMD's code uses) apply;
+    #: ``flip_mean_crop``: FedFTG's official loader, flip with p=0.5, then with
+    #: p=0.5 a 4-px padded random crop whose padding is the channel mean;
     #: ``none``. Normalisation is the same with and without augmentation.
-    augment: Literal["auto", "none", "crop_flip", "crop_flip_cutout"] = "auto"
+    augment: Literal["auto", "none", "crop_flip", "crop_flip_cutout", "flip_mean_crop"] = "auto"
     #: Accuracies whose first round is reported ("rounds to reach", the papers' tables).
     target_accuracies: list[float] = field(default_factory=lambda: [0.5, 0.7, 0.8])
 

@@ -372,25 +372,30 @@ def _seed_compose(compose: A.Compose, seed: Optional[int]) -> np.random.Generato
 
 
 #: Values of ``classification.augment`` besides ``auto`` (see :func:`build_classification_augment`).
-CLASSIFICATION_AUGMENTS: tuple[str, ...] = ("none", "crop_flip", "crop_flip_cutout")
+CLASSIFICATION_AUGMENTS: tuple[str, ...] = ("none", "crop_flip", "crop_flip_cutout", "flip_mean_crop")
 
 
 class ArrayAugment:
     """A seeded augmentation of ``uint8`` images: ``augment(image) -> image`` of the same shape and dtype.
 
     ``image`` is ``H x W`` (grey) or ``H x W x C``. The albumentations steps
-    run on the ``uint8`` pixels; :meth:`after_normalize` applies Cutout
-    (``cutout > 0``) to the normalised ``C x H x W`` tensor, which
+    run on the ``uint8`` pixels; :meth:`after_normalize` applies what must see
+    the normalised ``C x H x W`` tensor (a crop padded with ``mean_pad_crop``
+    zeros, then Cutout when ``cutout > 0``), which
     :class:`fedreid.data.classification.ClassificationDataset` calls after its
     normalisation. All draws (crop offset, flip, Cutout centre) come from the
     one numpy and one Python generator that :meth:`reseed` restarts.
     """
 
-    def __init__(self, compose: A.Compose, *, cutout: int = 0, seed: Optional[int] = None) -> None:
+    def __init__(self, compose: A.Compose, *, cutout: int = 0, mean_pad_crop: int = 0,
+                 seed: Optional[int] = None) -> None:
         if cutout < 0:
             raise ValueError(f"cutout must be >= 0, got {cutout}")
+        if mean_pad_crop < 0:
+            raise ValueError(f"mean_pad_crop must be >= 0, got {mean_pad_crop}")
         self.compose = compose
         self.cutout = int(cutout)
+        self.mean_pad_crop = int(mean_pad_crop)
         self.seed: Optional[int] = None
         self.reseed(seed)
 
@@ -409,13 +414,27 @@ class ArrayAugment:
         return np.ascontiguousarray(out.reshape(image.shape))
 
     def after_normalize(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Cutout (DeVries and Taylor 2017) as FedNTD's loaders apply it after ``Normalize``.
+        """The steps on the normalised ``C x H x W`` tensor: FedFTG's crop, then Cutout.
 
-        A centre ``(y, x)`` uniform over the pixels; the square
+        ``mean_pad_crop = P > 0`` (FedFTG's ``utils/util_dataset.py:Dataset.__getitem__``):
+        with probability 0.5 (``rng.random() > 0.5``), pad ``P`` zeros on
+        every side (the channel mean, after normalisation) and keep the
+        ``H x W`` window at offsets ``(dy, dx)`` uniform in ``0..2P``
+        (``rng.integers(2P + 1, size=2)``).
+
+        Cutout (DeVries and Taylor 2017) as FedNTD's loaders apply it after
+        ``Normalize``: a centre ``(y, x)`` uniform over the pixels; the square
         ``[y - L//2, y + L//2) x [x - L//2, x + L//2)`` clipped to the image is
-        set to 0 in every channel (the channel mean, after normalisation).
-        ``tensor`` is ``C x H x W``; returned unchanged when ``cutout == 0``.
+        set to 0 in every channel. The tensor comes back unchanged when
+        neither step is configured.
         """
+        if self.mean_pad_crop and self._rng.random() > 0.5:
+            pad = self.mean_pad_crop
+            h, w = tensor.shape[-2:]
+            dy, dx = (int(v) for v in self._rng.integers(2 * pad + 1, size=2))
+            padded = tensor.new_zeros((*tensor.shape[:-2], h + 2 * pad, w + 2 * pad))
+            padded[..., pad : pad + h, pad : pad + w] = tensor
+            tensor = padded[..., dy : dy + h, dx : dx + w].contiguous()
         if self.cutout == 0:
             return tensor
         h, w = tensor.shape[-2:]
@@ -426,7 +445,9 @@ class ArrayAugment:
         return tensor
 
     def __repr__(self) -> str:
-        steps = [type(t).__name__ for t in self.compose.transforms] + ([f"Cutout({self.cutout})"] if self.cutout else [])
+        steps = [type(t).__name__ for t in self.compose.transforms]
+        steps += [f"MeanPadCrop({self.mean_pad_crop})"] if self.mean_pad_crop else []
+        steps += [f"Cutout({self.cutout})"] if self.cutout else []
         return f"ArrayAugment([{', '.join(steps)}], seed={self.seed})"
 
 
@@ -441,8 +462,13 @@ def build_classification_augment(
     (offsets uniform in ``0..2*pad``, both axes), flip left-right with
     probability 0.5. ``crop_flip_cutout``: the same, then Cutout of side
     ``cutout`` on the normalised tensor (FedNTD's loaders append
-    ``Cutout(16)``; the FedLMD paper does not mention it). ``height`` and
-    ``width`` are the stored images' size: the output keeps it.
+    ``Cutout(16)``; the FedLMD paper does not mention it).
+    ``flip_mean_crop`` (FedFTG's official loader, ``utils/util_dataset.py:
+    Dataset.__getitem__``; the paper names no augmentation): flip left-right
+    with probability 0.5, then with probability 0.5 a ``pad``-padded random
+    crop whose padding is the channel mean (zeros of the normalised tensor,
+    :meth:`ArrayAugment.after_normalize`). ``height`` and ``width`` are the
+    stored images' size: the output keeps it.
     """
     if kind not in CLASSIFICATION_AUGMENTS:
         raise ValueError(f"unknown augmentation {kind!r}; known: {', '.join(CLASSIFICATION_AUGMENTS)}")
@@ -451,6 +477,8 @@ def build_classification_augment(
         raise ValueError(f"pad must be >= 0, got {pad}")
     if kind == "none":
         return None
+    if kind == "flip_mean_crop":
+        return ArrayAugment(A.Compose([A.HorizontalFlip(p=0.5)]), mean_pad_crop=pad, seed=seed)
     steps: list = []
     if pad > 0:
         steps.append(A.Pad(padding=pad, fill=0, border_mode=cv2.BORDER_CONSTANT))

@@ -162,6 +162,35 @@ def test_cutout_zeroes_one_clipped_square_of_at_most_16_pixels_after_normalisati
     assert (16, 16) in sides and len(sides) > 1  # whole squares inside, clipped ones at the border
 
 
+def test_flip_mean_crop_is_fedftgs_loader_flip_then_half_the_time_a_mean_padded_crop():
+    # FedFTG utils/util_dataset.py:Dataset.__getitem__: flip (p=0.5); with p=0.5, pad 4 zeros of the
+    # normalised tensor (the channel mean) and crop back at offsets uniform in 0..8.
+    data = rgb_data(n=1)
+    dataset = ClassificationDataset(data, build_classification_augment("flip_mean_crop", 32, 32, seed=4))
+    plain = ClassificationDataset(data)[0][0]
+    candidates = {}
+    for flipped in (False, True):
+        image = plain.flip(-1) if flipped else plain
+        candidates[(flipped, None)] = image
+        padded = torch.nn.functional.pad(image, (4, 4, 4, 4))
+        for dy in range(9):
+            for dx in range(9):
+                if (dy, dx) != (4, 4):  # the centre window is the image itself
+                    candidates[(flipped, (dy, dx))] = padded[:, dy:dy + 32, dx:dx + 32]
+    draws = []
+    for _ in range(800):
+        item = dataset[0][0]
+        (match,) = [key for key, image in candidates.items() if torch.equal(image, item)]
+        draws.append(match)
+    cropped = [offset is not None for _, offset in draws]
+    flipped = [f for f, _ in draws]
+    assert 0.44 < np.mean(cropped) < 0.56 and 0.44 < np.mean(flipped) < 0.56
+    assert {offset for _, offset in draws if offset is not None} == {
+        (dy, dx) for dy in range(9) for dx in range(9)} - {(4, 4)}
+    again = ClassificationDataset(data, build_classification_augment("flip_mean_crop", 32, 32, seed=4))
+    assert all(torch.equal(again[0][0], candidates[key]) for key in draws[:50])
+
+
 # --------------------------------------------------------------------------- seeding
 
 
