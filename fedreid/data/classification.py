@@ -522,7 +522,12 @@ def _load_cifar(
             meta_dict = _load_pickle(meta)
             if names_key not in meta_dict:
                 raise ClassificationDataError(f"{meta}: missing key {names_key!r}")
-            classes = _names(meta_dict[names_key])
+            names = _names(meta_dict[names_key])
+            if len(names) != len(classes):
+                raise ClassificationDataError(
+                    f"{meta}: {names_key!r} holds {len(names)} class names, expected {title}'s {len(classes)}"
+                )
+            classes = names
         parts = [_cifar_batch(pickles / f, label_key, len(classes)) for f in files[split]]
         images = np.concatenate([p[0] for p in parts])
         labels = np.concatenate([p[1] for p in parts])

@@ -64,7 +64,8 @@ def load_train_test(cfg: Config) -> tuple[ArrayDataset, ArrayDataset]:
     """The configured dataset's train and test splits (digits: a seeded stratified split).
 
     With ``classification.train_subset`` the training split is cut to
-    :func:`stratified_subset` of that size.
+    :func:`stratified_subset` of that size. An empty test split, or splits
+    naming different classes, raise :class:`~fedreid.config.ConfigError`.
     """
     c = cfg.classification
     if c.dataset == "digits":  # one draw gives both parts, so they are complementary
@@ -73,6 +74,17 @@ def load_train_test(cfg: Config) -> tuple[ArrayDataset, ArrayDataset]:
     else:
         train = load_classification_dataset(c.dataset, c.root, "train")
         test = load_classification_dataset(c.dataset, c.root, "test")
+    if len(test) == 0:
+        hint = f" (classification.test_fraction={c.test_fraction} holds out no image of any class)" \
+            if c.dataset == "digits" else ""
+        raise ConfigError(f"classification.dataset={c.dataset}: the test split is empty{hint}")
+    if list(train.classes) != list(test.classes):
+        # Labels number the classes of each split on its own: different lists would score
+        # a test image of one class against another class's label.
+        raise ConfigError(
+            f"classification.dataset={c.dataset} (root {c.root}): the test split's classes {test.classes[:10]} differ from "
+            f"the training split's {train.classes[:10]}; both splits must hold the same classes"
+        )
     if c.train_subset is not None:
         if c.train_subset > len(train):
             raise ConfigError(

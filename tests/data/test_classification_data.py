@@ -161,6 +161,14 @@ class _Evil:
         return (os.getcwd, ())
 
 
+def test_cifar10_meta_with_another_number_of_class_names_is_refused(tmp_path):
+    write_cifar10(tmp_path)
+    meta = tmp_path / "cifar-10-batches-py" / "batches.meta"
+    dump(meta, {"label_names": [f"class{k}" for k in range(12)], "num_vis": 3072})
+    with pytest.raises(ClassificationDataError, match=r"batches.meta: 'label_names' holds 12 class names, expected CIFAR-10's 10"):
+        load_cifar10(tmp_path, "train")
+
+
 def test_cifar_pickle_refuses_code(tmp_path):
     dump(tmp_path / "cifar-10-batches-py" / "test_batch", {"data": _Evil(), "labels": [0]})
     with pytest.raises(ClassificationDataError, match="refusing to load posix.getcwd"):

@@ -34,6 +34,28 @@ def test_digits_train_and_test_are_disjoint():
     assert len(train) + len(test) == 1797 and not any(image.tobytes() in seen for image in test.images)
 
 
+def test_an_empty_test_split_is_refused_before_training():
+    from fedreid.fl.classification import load_train_test
+
+    with pytest.raises(ConfigError, match=r"test split is empty \(classification.test_fraction=0.002"):
+        load_train_test(cfg_with("classification.test_fraction=0.002"))
+
+
+def test_image_folders_whose_splits_name_other_classes_are_refused(tmp_path):
+    import cv2
+
+    from fedreid.fl.classification import load_train_test
+
+    image = np.zeros((8, 8, 3), np.uint8)
+    for split, classes in (("train", ("a", "b", "c")), ("test", ("a", "c"))):
+        for cls in classes:
+            (tmp_path / split / cls).mkdir(parents=True)
+            cv2.imwrite(str(tmp_path / split / cls / "0.png"), image)
+    # class "c" would be label 2 in training and label 1 in the test split
+    with pytest.raises(ConfigError, match=r"test split's classes \['a', 'c'\] differ from the training split's"):
+        load_train_test(cfg_with("classification.dataset=imagefolder", f"classification.root={tmp_path}"))
+
+
 def test_partitioned_clients_cover_the_training_split_once():
     fed = build_classification_federation(cfg_with())
     indices = np.concatenate([np.asarray(s.records) for s in fed.splits])
