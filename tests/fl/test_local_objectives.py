@@ -46,6 +46,7 @@ from fedreid.fl.local.objectives import OBJECTIVES, build_objective
 from fedreid.fl.local.scaffold import (
     DELTA_C_KEY,
     Scaffold,
+    momentum_steps,
     scaffold_server_control_update,
     scaffold_server_model_update,
 )
@@ -336,6 +337,42 @@ def test_scaffold_gradient_mean_is_the_true_gradient_under_momentum(nesterov):
     assert run("gradient_mean", 0.9) == pytest.approx(0.5, abs=F32_TOL)
     # the literal displacement formula: sum of momentum-amplified steps / (K eta); 4.105 (heavy ball), 4.194 (Nesterov)
     assert run("displacement", 0.9) == pytest.approx(4.194 if nesterov else 4.105, abs=2e-3)
+    if not nesterov:  # FedNTD's divisor counts heavy-ball steps exactly
+        assert run("adaptive_division", 0.9) == pytest.approx(0.5, abs=1e-4)
+
+
+def test_scaffold_adaptive_division_is_the_official_momentum_weighted_gradient_mean():
+    # FedNTD algorithms/scaffold/ClientTrainer.py:__get_divisor with adaptive_divison: true:
+    # c_i+ = c_i - c + (x - y) / (new_K lr); under heavy-ball momentum that is sum_j w_j g_j / sum_j w_j
+    # with w_j = (1 - mu^(K-j+1)) / (1 - mu), g_j the uncorrected gradients.
+    gen = torch.Generator().manual_seed(5)
+    m = Tiny()
+    glob = {k: v.clone() for k, v in m.state_dict().items()}
+    obj = Scaffold(control_variate="adaptive_division")
+    c_i = {"body.weight": torch.randn(2, 2, generator=gen), "classifier.weight": torch.randn(3, 2, generator=gen)}
+    control = {"body.weight": torch.randn(2, 2, generator=gen), "classifier.weight": torch.randn(3, 2, generator=gen)}
+    obj.load_state_dict({"c_i": c_i})
+    obj.begin_round(m, glob, payload={"control": control})
+    opt = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
+    steps, grads = 20, []
+    for k in range(steps):
+        opt.zero_grad()
+        x = torch.randn(4, 2, generator=gen)
+        F.cross_entropy(m(x), torch.randint(0, 3, (4,), generator=gen)).backward()
+        grads.append({n: p.grad.detach().clone() for n, p in m.named_parameters()})
+        obj.before_step(m, opt)
+        opt.step()
+        obj.after_step(m, opt)
+    obj.end_round(m)
+    weights = [(1 - 0.9 ** (steps - j)) / (1 - 0.9) for j in range(steps)]  # j = 0 .. K-1
+    assert sum(weights) == pytest.approx(momentum_steps(steps, 0.9), rel=1e-12)
+    assert weights[0] / weights[-1] > 8.7  # the first step weighs most
+    for name in ("body.weight", "classifier.weight"):
+        expected = sum(w * g[name] for w, g in zip(weights, grads)) / sum(weights)
+        torch.testing.assert_close(obj.c_i[name], expected, atol=2e-5, rtol=1e-4)
+    assert momentum_steps(7, 0.0) == 7.0
+    with pytest.raises(ObjectiveError, match=r"momentum must be in \[0, 1\)"):
+        momentum_steps(7, 1.0)
 
 
 def test_scaffold_rejects_an_unknown_control_variate():

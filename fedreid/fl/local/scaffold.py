@@ -33,7 +33,21 @@ How ``c_i+`` is computed: ``control_variate`` (a named option)
   4.105 at ``mu = 0.9``, 8.2x) -- the control variates no longer estimate
   gradients and the correction ``c - c_i`` over-steers.
 
-``K eta_l`` (both options) is the sum of the learning rates the steps actually
+* ``"adaptive_division"``: the displacement form divided by the effective
+  number of heavy-ball steps instead of ``K``: ``c_i - c + (x - y_i) /
+  (K' eta_l)`` with ``K' = (K - mu (1 - mu^K) / (1 - mu)) / (1 - mu)``
+  (:func:`momentum_steps`), ``eta_l`` the round's last learning rate and
+  ``mu`` the optimizer's momentum. This is the official code of FedNTD and
+  FedLMD (Lee-Gihun/FedNTD ``algorithms/scaffold/ClientTrainer.py:__get_divisor``
+  with ``adaptive_divison: true``, their ``config/scaffold.json``). Under
+  heavy-ball momentum from a zero buffer at a constant rate, step ``j`` of
+  ``K`` moves ``y`` by ``eta (1 - mu^(K-j+1)) / (1 - mu)`` times its
+  corrected gradient in all, so this ``c_i+`` is the momentum-weighted mean
+  of the uncorrected gradients (the first step weighs ~10x the last at
+  ``mu = 0.9``), where ``gradient_mean`` weighs every step alike. With
+  ``mu = 0`` it is ``displacement``.
+
+``K eta_l`` (``gradient_mean`` and ``displacement``) is the sum of the learning rates the steps actually
 used, per parameter (read from the optimizer's param groups): with one
 constant rate it is exactly ``K eta_l``; with backbone/head groups at
 different rates, or a schedule, each parameter gets its own sum, and the
@@ -101,7 +115,7 @@ CONTROL_KEY = "control"
 #: Key of ``Delta c_i`` in the metadata returned by :meth:`Scaffold.end_round`.
 DELTA_C_KEY = "scaffold_delta_c"
 #: Ways to compute option II's ``c_i+`` (see the module docstring).
-CONTROL_VARIATES: tuple[str, ...] = ("gradient_mean", "displacement")
+CONTROL_VARIATES: tuple[str, ...] = ("gradient_mean", "displacement", "adaptive_division")
 #: Key of the server's pre-fine-tuning average in the round payload (``reference="average"``).
 AVERAGE_KEY = "average"
 #: Reference points ``x`` of the displacement form (see the module docstring).
@@ -126,6 +140,21 @@ def option_ii_control(
         denom = float(lr_sum[name])
         out[name] = base + (x[name] - y[name]) / denom if denom > 0 else base
     return out
+
+
+def momentum_steps(steps: int, momentum: float) -> float:
+    """``K' = (K - mu (1 - mu^K) / (1 - mu)) / (1 - mu)``: ``sum_j (1 - mu^(K-j+1)) / (1 - mu)`` over ``K`` steps.
+
+    How many steps' worth heavy-ball SGD with momentum ``mu`` (zero initial
+    buffer, constant rate) moves the parameters by in ``K`` steps of a
+    constant gradient; ``K`` itself at ``mu = 0``. FedNTD's SCAFFOLD divisor
+    ``new_K`` (``algorithms/scaffold/ClientTrainer.py:__get_divisor``).
+    """
+    if not 0.0 <= momentum < 1.0:
+        raise ObjectiveError(f"scaffold adaptive_division: momentum must be in [0, 1), got {momentum}")
+    if momentum == 0.0:
+        return float(steps)
+    return (steps - momentum * (1.0 - momentum**steps) / (1.0 - momentum)) / (1.0 - momentum)
 
 
 def option_ii_gradient_mean(
@@ -194,11 +223,13 @@ class ScaffoldOptions:
 
     #: How option II's ``c_i+`` (Karimireddy et al. 2020, Alg. 1 line 12) is computed:
     #: ``gradient_mean`` (the learning-rate-weighted mean of the local gradients, the
-    #: value option II stands for) or ``displacement`` (its literal ``(x - y_i) / (K eta_l)`` form).
-    control_variate: Literal["gradient_mean", "displacement"] = "gradient_mean"
-    #: The ``x`` of the displacement form: ``received`` (the model the client received,
+    #: value option II stands for), ``displacement`` (its literal ``(x - y_i) / (K eta_l)`` form)
+    #: or ``adaptive_division`` (divided by the effective heavy-ball steps, FedNTD's and FedLMD's
+    #: official code, ``adaptive_divison: true``).
+    control_variate: Literal["gradient_mean", "displacement", "adaptive_division"] = "gradient_mean"
+    #: The ``x`` of the displacement forms: ``received`` (the model the client received,
     #: Algorithm 1) or ``average`` (the server's average before FedFTG's fine-tuning, as
-    #: ZhangLin-PKU/FedFTG methods/SCAFFOLDGAN.py computes it; needs ``displacement``).
+    #: ZhangLin-PKU/FedFTG methods/SCAFFOLDGAN.py computes it; needs a displacement form).
     reference: Literal["received", "average"] = "received"
 
     def validate(self, prefix: str) -> None:
@@ -209,9 +240,9 @@ class ScaffoldOptions:
 
 def _reference_problem(control_variate: str, reference: str) -> Optional[str]:
     """Why ``reference`` cannot go with ``control_variate``, or None (each value alone is checked where it is read)."""
-    if reference == "average" and control_variate != "displacement":
-        return ("'average' applies to control_variate=displacement (the gradient mean does not use the "
-                "reference point); set both")
+    if reference == "average" and control_variate == "gradient_mean":
+        return ("'average' applies to control_variate=displacement or adaptive_division (the gradient mean "
+                "does not use the reference point); set both")
     return None
 
 
@@ -222,9 +253,10 @@ class Scaffold(AnchoredObjective):
     ``control_variate``: how option II's ``c_i+`` (Algorithm 1, line 12) is
     computed -- ``"gradient_mean"`` (default; the mean of the uncorrected local
     gradients, which option II's formula equals under plain SGD and which
-    stays right under momentum) or ``"displacement"`` (the literal
+    stays right under momentum), ``"displacement"`` (the literal
     ``c_i - c + (x - y_i) / (K eta_l)``, mis-scaled by ``~1/(1 - momentum)``
-    under SGD momentum). See the module docstring.
+    under SGD momentum) or ``"adaptive_division"`` (FedNTD's official
+    divisor, a momentum-weighted gradient mean). See the module docstring.
     """
 
     name = "scaffold"
@@ -246,6 +278,7 @@ class Scaffold(AnchoredObjective):
         self._lr_sum: dict[str, float] = {}
         self._grad_sum: dict[str, Tensor] = {}  # sum_k eta_k g_k ("gradient_mean")
         self._plain_sum: dict[str, Tensor] = {}  # sum_k g_k (parameters outside the optimizer)
+        self._last_rate: dict[str, tuple[float, float]] = {}  # (lr, momentum) of the last step ("adaptive_division")
 
     def begin_round(
         self,
@@ -319,9 +352,13 @@ class Scaffold(AnchoredObjective):
     def after_step(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """Count the step and add each parameter's current learning rate to its ``K eta_l`` sum."""
         super().after_step(model, optimizer)
-        lr_of = {id(p): float(g["lr"]) for g in optimizer.param_groups for p in g["params"]}
+        groups = _group_of(optimizer)
         for name, p in self._params.items():
-            self._lr_sum[name] += lr_of.get(id(p), 0.0)
+            group = groups.get(id(p))
+            lr = float(group["lr"]) if group is not None else 0.0
+            self._lr_sum[name] += lr
+            if self.control_variate == "adaptive_division":
+                self._last_rate[name] = (lr, float(group.get("momentum", 0.0) or 0.0) if group is not None else 0.0)
 
     def end_round(self, model: nn.Module) -> dict[str, Any]:
         """``c_i+`` (option II), ``c_i <- c_i+``; returns ``{"scaffold_delta_c": Delta c_i}`` (CPU)."""
@@ -331,12 +368,17 @@ class Scaffold(AnchoredObjective):
         y = OrderedDict((n, p.detach()) for n, p in self._params.items())
         if self.control_variate == "gradient_mean":
             new_ci = option_ii_gradient_mean(self._grad_sum, self._lr_sum, self._plain_sum, self.steps)
+        elif self.control_variate == "adaptive_division":
+            # K' eta_l with the last step's rate and momentum, as the official __get_divisor reads them
+            divisors = {n: momentum_steps(self.steps, momentum) * lr
+                        for n, (lr, momentum) in self._last_rate.items()}
+            new_ci = option_ii_control(self._ci, self._c, self._ref, y, divisors)
         else:
             new_ci = option_ii_control(self._ci, self._c, self._ref, y, self._lr_sum)
         delta = OrderedDict((n, new_ci[n] - self._ci[n]) for n in new_ci)
         self.c_i = cpu_clone(new_ci)
         self._params, self._ref, self._c, self._ci, self._correction = {}, {}, {}, {}, {}
-        self._grad_sum, self._plain_sum = {}, {}
+        self._grad_sum, self._plain_sum, self._last_rate = {}, {}, {}
         meta = super().end_round(model)
         meta[DELTA_C_KEY] = cpu_clone(delta)
         return meta
@@ -363,6 +405,7 @@ __all__ = [
     "DELTA_C_KEY",
     "REFERENCES",
     "Scaffold",
+    "momentum_steps",
     "option_ii_control",
     "option_ii_gradient_mean",
     "scaffold_server_control_update",
