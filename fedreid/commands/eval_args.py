@@ -1,4 +1,5 @@
-"""Options of the ``eval_reid`` commands: the model backend, speedups, evaluate's precision, unreadable images."""
+"""Options of the ``eval_reid`` commands: the model backend, speedups, evaluate's precision, unreadable images,
+and the extraction options that ``evaluate --features`` refuses."""
 
 from __future__ import annotations
 
@@ -103,3 +104,23 @@ def speedups(args: argparse.Namespace, device) -> dict:
     """``--amp`` / ``--channels-last`` decided for ``device``, as extraction keyword arguments."""
     amp, channels_last = devices.resolve_speedups(device, args.amp, args.channels_last)
     return {"amp": amp, "channels_last": channels_last}
+
+
+#: ``evaluate``'s options that steer a model's feature extraction (dest, flag), all None unless given:
+#: with ``--features`` the features are already extracted, so giving one is an error, not a silent no-op.
+EXTRACTION_OPTIONS = (
+    ("datasets", "--datasets"), ("prepared_root", "--prepared-root"), ("batch_size", "--batch-size"),
+    ("save_features", "--save-features"), ("precision", "--precision"), ("amp", "--amp/--no-amp"),
+    ("channels_last", "--channels-last/--no-channels-last"), ("device", "--device"), ("client", "--client"),
+)
+
+
+def refuse_extraction_options(args: argparse.Namespace) -> None:
+    """With ``--features``: an :class:`EvalInputError` naming the :data:`EXTRACTION_OPTIONS` given."""
+    given = [flag for dest, flag in EXTRACTION_OPTIONS if getattr(args, dest, None) is not None]
+    if given:
+        verb = "does" if len(given) == 1 else "do"
+        raise EvalInputError(
+            f"{', '.join(given)} {verb} not apply to --features (the files hold features already extracted): "
+            f"drop {'it' if len(given) == 1 else 'them'}, or evaluate with --model"
+        )

@@ -66,10 +66,21 @@ draws chosen queries too, as ranked_lists/<dataset>_query_q<index>.png: a
 query index (applied to every dataset) or a query image path or file name
 (from the dataset's query manifest). --protocol cuhk03 reports the old
 CUHK03 single-gallery-shot CMC (one random gallery image per identity, 10
-samplings from --seed, default the config's seed) with the standard mAP. A features file
-(--save-features DIR writes DIR/<dataset>.npz) holds the query and gallery
-features of one dataset; pass it back as --features FILE or NAME=FILE
-(comma-separated or repeated for several datasets).
+samplings from --seed, default the config's seed) with the standard mAP.
+results.json records the model file and round the features came from; the
+run's report.md shows it as the final model's numbers only when they are
+that model's (else it says whose they are). A run's report is rewritten only
+in a folder marked as a fedreid run (.fedreid-run.json).
+
+A features file (--save-features DIR writes DIR/<dataset>.npz) holds the
+query and gallery features of one dataset; pass it back as --features FILE
+or NAME=FILE (comma-separated or repeated for several datasets). An item that
+is an existing file is a file (its path may hold '='); otherwise NAME=FILE
+splits at the first '='. NAME must be the dataset the file holds, each
+dataset may come once, and all files must come from one model.
+--datasets, --prepared-root, --batch-size, --save-features, --precision,
+--amp, --channels-last, --device and --client act on a model's extraction,
+and are refused with --features.
 
 index, query, serve and export: `eval_reid.py <command> --help`. Every output
 folder (evaluate's --out and --save-features, index's --index, query's --out)
@@ -82,13 +93,13 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from fedreid.commands.eval_args import add_precision_arguments, evaluation_precision
+from fedreid.commands.eval_args import add_precision_arguments, evaluation_precision, refuse_extraction_options
 from fedreid.commands.eval_gallery import add_index_command, add_query_command
 from fedreid.commands.eval_serve import add_serve_command
 from fedreid.config import load_config
 from fedreid.eval import protocols
-from fedreid.eval.pipeline import claim_eval_dir, evaluate_and_report
-from fedreid.eval.report import EVAL_DIR, format_table, write_report
+from fedreid.eval.pipeline import CMC_PLOT, check_feature_sets, claim_eval_dir, evaluate_and_report
+from fedreid.eval.report import EVAL_DIR, RESULTS_FILE, format_table, write_report
 from fedreid.inference import devices
 from fedreid.inference.dataset_features import (
     claim_features_dir,
@@ -97,8 +108,10 @@ from fedreid.inference.dataset_features import (
     resolve_datasets,
     save_dataset_features,
 )
+from fedreid.inference.errors import EvalInputError
 from fedreid.inference.model_io import find_model_file, load_model, run_config_path
 from fedreid.utils.cli import add_config_arguments, checked_overrides, positive_int, run_main
+from fedreid.utils.io import marker_path, owns_folder
 from fedreid.utils.logging import METRICS_JSONL, add_pictures, read_metrics
 
 
@@ -131,7 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ev.add_argument("--seed", type=int, metavar="N", help="seed of --protocol cuhk03 (default: the config's seed)")
     ev.add_argument("--out", metavar="DIR", help="output folder (default: <run folder>/eval)")
-    ev.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:1...")
+    ev.add_argument("--device", help="auto (default: cuda if available), cpu, cuda, cuda:1...")
     ev.add_argument("--client", metavar="NAME", help="a local-training baseline run: whose model to evaluate")
     add_precision_arguments(ev)
     add_config_arguments(ev)
@@ -175,19 +188,36 @@ def _comma_list(items: list[str] | None) -> list[str]:
 
 
 def _feature_files(items: list[str]) -> list[tuple[str | None, str]]:
-    pairs = []
-    for item in ",".join(items).split(","):
-        if item.strip():
-            name, _, file = item.rpartition("=")
-            pairs.append((name or None, file))
+    """``--features`` items (comma-separated) as ``(NAME or None, FILE)``.
+
+    An item that is an existing file is a file, whatever ``=`` its path holds
+    (``runs/lr=0.1/features/market1501.npz``); otherwise ``NAME=FILE`` splits
+    at the first ``=``, and FILE must exist. An item that is neither is an
+    :class:`EvalInputError` naming it.
+    """
+    pairs: list[tuple[str | None, str]] = []
+    for item in (x.strip() for x in ",".join(items).split(",")):
+        if not item:
+            continue
+        name, eq, file = item.partition("=")
+        if Path(item).is_file():
+            pairs.append((None, item))
+        elif eq and name and Path(file).is_file():
+            pairs.append((name, file))
+        else:
+            why = f", nor NAME=FILE with an existing FILE ({file} does not exist)" if eq and name else ""
+            raise EvalInputError(f"--features {item}: not an existing file{why}")
     return pairs
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
     if args.features:
-        feats = [load_dataset_features(f, name) for name, f in _feature_files(args.features)]
-        source = ", ".join(f for _, f in _feature_files(args.features))
-        out = Path(args.out or Path(_feature_files(args.features)[0][1]).parent / "eval")
+        refuse_extraction_options(args)
+        pairs = _feature_files(args.features)
+        feats = [load_dataset_features(f, name) for name, f in pairs]
+        check_feature_sets(feats)  # before the output folder is claimed: a refused call changes nothing
+        source = ", ".join(f for _, f in pairs)
+        out = Path(args.out or Path(pairs[0][1]).parent / EVAL_DIR)
         claim_eval_dir(out)
         cfg = load_config(args.config, checked_overrides(args))
     else:
@@ -196,8 +226,12 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         cfg = load_config(run_cfg, args.overrides) if run_cfg and not args.config else load_config(args.config, checked_overrides(args))
         root = args.prepared_root or cfg.data.prepared_root
         names = args.datasets.split(",") if args.datasets else (cfg.eval.datasets or cfg.data.dataset_names())
-        names = resolve_datasets([n.strip() for n in names if n.strip()], root)
-        device = devices.resolve_device(args.device)
+        names = [n.strip() for n in names if n.strip()]
+        twice = next((n for i, n in enumerate(names) if n in names[:i]), None)
+        if twice is not None:
+            raise EvalInputError(f"--datasets names {twice!r} twice: each dataset is evaluated once")
+        names = resolve_datasets(names, root)
+        device = devices.resolve_device(args.device or "auto")
         precision = evaluation_precision(args, cfg.eval.precision, device)
         loaded = load_model(model_file, device, client=args.client)
         out = Path(args.out or model_file.parent / EVAL_DIR)
@@ -225,12 +259,19 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     what = f"{report['ap']} AP" + protocols.build_protocol(args.protocol).describe(seed)
     print(f"\n{'Re-ranked r' if args.rerank else 'R'}esults ({what}), in %:\n")
     print(format_table(report["datasets"]))
-    print(f"results: {out / 'results.json'}\ncmc plot: {report['cmc_plot']}")
+    print(f"results: {out / RESULTS_FILE}\ncmc plot: {out / CMC_PLOT}")
     print(f"ranked lists: {len(report['pictures'])} in {out / 'ranked_lists'}")
     run_dir = out.parent
     if out.name == EVAL_DIR and (run_dir / METRICS_JSONL).is_file():
+        from fedreid.fl.simulation import RUN_KIND  # here: importing it imports torch
+
+        if not owns_folder(run_dir, RUN_KIND):  # a metrics.jsonl of the user's: their report.md stays theirs
+            print(f"report: not written, {run_dir} is not a fedreid run folder "
+                  f"(no {marker_path(run_dir, RUN_KIND).name})")
+            return 0
         history = read_metrics(run_dir)
-        add_pictures(run_dir, [*report["pictures"], report["cmc_plot"]], int(history[-1]["round"]) if history else 0)
+        add_pictures(run_dir, [out / p for p in (*report["pictures"], report["cmc_plot"])],
+                     int(history[-1]["round"]) if history else 0)
         print(f"report: {write_report(run_dir, history)}")
     return 0
 

@@ -5,7 +5,7 @@ named by the user (:func:`chosen_queries`: an index, a path or a file name).
 Their rows of scores are computed again from their own query blocks
 (:func:`query_scores`), never a query x gallery matrix, filtered like the
 metrics (:func:`ranked_lists`) and drawn
-by :mod:`fedreid.eval.visualize` (:func:`draw_dataset_pictures`).
+by :mod:`fedreid.eval.visualize` (:func:`draw_ranked_lists`).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ __all__ = [
     "query_scores",
     "RankedList",
     "ranked_lists",
-    "draw_dataset_pictures",
+    "draw_ranked_lists",
 ]
 
 
@@ -169,27 +169,19 @@ def ranked_lists(
     return out
 
 
-def draw_dataset_pictures(
-    feats: DatasetFeatures,
-    result: Mapping[str, Any],
-    out_dir: str | Path,
-    n: int,
-    *,
-    queries: Sequence[int] = (),
-    reranked: Optional[np.ndarray] = None,
-    top_k: int = 10,
+def draw_ranked_lists(
+    feats: DatasetFeatures, lists: Sequence[RankedList], out_dir: str | Path, *, top_k: int = 10
 ) -> list[Path]:
-    """PNGs (green: true match, red: wrong) of :func:`ranked_lists` in ``out_dir``.
+    """PNGs (green: true match, red: wrong) of ``lists`` (:func:`ranked_lists` of ``feats``) in ``out_dir``.
 
-    Named ``<dataset>_{best,worst}_q<index>.png`` and, for the chosen
-    ``queries``, ``<dataset>_query_q<index>.png``.
+    Named ``<dataset>_{best,worst}_q<index>.png`` and, for chosen queries,
+    ``<dataset>_query_q<index>.png``.
     """
     from fedreid.eval.visualize import draw_ranked_list
 
     q, g = feats.query, feats.gallery
-    written = []
-    for r in ranked_lists(feats, result, pictures=n, queries=queries, reranked=reranked, top_k=top_k):
-        out = Path(out_dir) / f"{feats.name}_{r.tag}_q{r.query:05d}.png"
-        paths = [g.paths[j] for j in r.gallery]
-        written.append(draw_ranked_list(q.paths[r.query], paths, list(r.correct), r.scores, out, top_k=top_k))
-    return written
+    return [
+        draw_ranked_list(q.paths[r.query], [g.paths[j] for j in r.gallery], list(r.correct), r.scores,
+                         Path(out_dir) / f"{feats.name}_{r.tag}_q{r.query:05d}.png", top_k=top_k)
+        for r in lists
+    ]

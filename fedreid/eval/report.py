@@ -21,8 +21,11 @@ Market-1501 trapezoid AP, as the reference's ``evaluate.py`` ``testing_model``)
 next to the standard ones (queries without a match left out) when the run
 recorded them (``eval.extra_ap``).
 
-When ``tools/eval_reid.py evaluate`` has written ``<run>/eval/results.json``,
-the report also shows its table, CMC plot and ranked-list pictures.
+When ``tools/eval_reid.py evaluate`` has written ``<run>/eval/results.json``
+of the run's final model, the report also shows its table, CMC plot and
+ranked-list pictures (linked relative to the run folder, so they work from
+anywhere and after the folder moves); a ``results.json`` of another model or
+round is named as such, its numbers left out (:func:`evaluated_elsewhere`).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 from fedreid.utils.io import atomic_path, write_text_atomic
 
@@ -44,6 +47,22 @@ METRIC_LABELS: dict[str, str] = {
 }
 #: Where ``tools/eval_reid.py evaluate`` writes inside a run folder by default.
 EVAL_DIR = "eval"
+#: The evaluation's numbers in its folder (:func:`fedreid.eval.pipeline.evaluate_and_report`).
+RESULTS_FILE = "results.json"
+
+
+def recorded_path(folder: str | Path, recorded: str) -> Path:
+    """The file a path listed in ``folder/results.json`` names.
+
+    ``results.json`` lists its pictures relative to ``folder``; an earlier
+    fedreid listed them absolute or relative to the working directory of its
+    evaluation, which is tried when the path inside ``folder`` does not exist.
+    """
+    path = Path(recorded)
+    inside = Path(folder) / path
+    if path.is_absolute() or inside.exists() or not path.exists():
+        return inside  # an absolute path stays itself
+    return path
 
 
 def eval_rounds(history: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
@@ -397,28 +416,88 @@ def write_report(
     return path
 
 
+def _recorded_round(path: Path) -> Optional[int]:
+    """The ``round`` a model file or checkpoint records; None when it cannot be read or says none."""
+    try:
+        import torch
+
+        # mmap: the round without reading the weights; weights_only: nothing but tensors and plain values.
+        data = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:  # noqa: BLE001 - a file that cannot be read identifies no model, so nothing matches it
+        return None
+    rnd = data.get("round") if isinstance(data, dict) else None
+    return rnd if isinstance(rnd, int) else None
+
+
+def evaluated_elsewhere(results: Mapping[str, Any], run_dir: str | Path) -> Optional[str]:
+    """Why ``run_dir/eval``'s ``results`` are not the run's final model's numbers; None when they are.
+
+    The run's final model is what ``evaluate --model <run>`` takes
+    (:func:`~fedreid.inference.model_io.find_model_file`: ``model_final.pt``,
+    else ``checkpoint.pt``). ``results["model"]`` (written by
+    :func:`~fedreid.eval.pipeline.evaluate_and_report`) must name that same
+    file, relative to the eval folder, and the round that file records. The
+    model files record no fingerprint (computing one means building the
+    model), so file and round decide: a resumed run's later round and
+    another run's features differ there; a model trained again from scratch
+    into the same folder up to the same round would not. A ``results.json``
+    that records no model (an earlier fedreid's, or of features whose meta
+    names none) is never taken for the final model's.
+    """
+    from fedreid.inference.model_io import find_model_file
+
+    run_dir = Path(run_dir)
+    model = results.get("model")
+    if not isinstance(model, Mapping) or not isinstance(model.get("file"), str):
+        return "it records no model file and round (written by an earlier fedreid, or from features that name none)"
+    evaluated = run_dir / EVAL_DIR / model["file"]
+    shown = f"{os.path.normpath(os.path.abspath(evaluated))}, round {model.get('round')}"
+    try:
+        final = find_model_file(run_dir)
+    except FileNotFoundError:
+        return f"it belongs to {shown}, and this run folder has no final model to compare it with"
+    rnd = _recorded_round(final)
+    if evaluated.is_file() and os.path.samefile(evaluated, final) and rnd is not None and model.get("round") == rnd:
+        return None
+    return f"it belongs to another model or round ({shown}), not to this run's final model ({final.name}, round {rnd})"
+
+
 def _retrieval_section(run_dir: Path) -> list[str]:
-    """The eval_reid results of ``run_dir/eval`` as markdown lines (none if it has not run)."""
-    results_path = run_dir / EVAL_DIR / "results.json"
+    """The eval_reid results of ``run_dir/eval`` as markdown lines (none if it has not run).
+
+    Only the final model's results are shown (:func:`evaluated_elsewhere`);
+    others get a line saying whose they are. Picture links are relative to
+    ``run_dir``.
+    """
+    eval_dir = run_dir / EVAL_DIR
+    results_path = eval_dir / RESULTS_FILE
     if not results_path.is_file():
         return []
     results = json.loads(results_path.read_text())
+    heading = ["## Retrieval evaluation (tools/eval_reid.py)", ""]
+    elsewhere = evaluated_elsewhere(results, run_dir)
+    if elsewhere is not None:
+        return heading + [
+            f"`{EVAL_DIR}/{RESULTS_FILE}` is not shown: {elsewhere}. Evaluate the final model with "
+            f"`python tools/eval_reid.py evaluate --model {run_dir}`.",
+            "",
+        ]
 
     def link(path: str) -> str:
-        return Path(os.path.relpath(Path(path).resolve(), run_dir.resolve())).as_posix()
+        found = recorded_path(eval_dir, path)
+        return Path(os.path.relpath(os.path.abspath(found), os.path.abspath(run_dir))).as_posix()
 
     reranked = ", k-reciprocal re-ranking" if results.get("rerank") else ""
     if results.get("protocol"):
         from fedreid.eval.protocols import report_note
 
         reranked += report_note(results)
-    lines = [
-        "## Retrieval evaluation (tools/eval_reid.py)",
-        "",
-        f"Model `{Path(results.get('source') or '?').name}`, {results.get('ap', 'standard')} AP{reranked}, "
-        "whole filtered gallery, in %. The final model's own numbers (the last evaluation above, when the "
-        "last round was evaluated and the options match); compare with the paper through the paper-convention "
-        "table.",
+    model = results["model"]
+    lines = heading + [
+        f"Model `{Path(model['file']).name}` (round {model.get('round')}), {results.get('ap', 'standard')} "
+        f"AP{reranked}, whole filtered gallery, in %. The final model's own numbers (the last evaluation above, "
+        "when the last round was evaluated and the options match); compare with the paper through the "
+        "paper-convention table.",
         "",
         format_table(results["datasets"]),
         f"![CMC]({link(results['cmc_plot'])})",

@@ -103,7 +103,8 @@ def dataset_features(
     ``precision``: the arithmetic of the extraction (a resolved
     :class:`~fedreid.utils.precision.Precision`; default fp32): the forwards
     run under its autocast, in its layout (``channels_last``), and its name is
-    recorded in the features' ``meta``. Degenerate features (NaN/inf, all
+    recorded in the features' ``meta``, with the model file (absolute), its
+    round and fingerprint. Degenerate features (NaN/inf, all
     zero, all identical; :func:`~fedreid.inference.features.check_features`)
     raise an error naming the model and the dataset.
     """
@@ -129,7 +130,8 @@ def dataset_features(
         check_features(
             sets[split].features, f"model {loaded.source} on dataset {name!r}: {split}", paths=sets[split].paths
         )
-    meta = {"dataset": name, "model": str(loaded.source), "round": loaded.round, "flip": True,
+    # The model file absolute: a cache read from another working directory still names it.
+    meta = {"dataset": name, "model": str(Path(loaded.source).resolve()), "round": loaded.round, "flip": True,
             "precision": precision.name}
     if loaded.fingerprint:
         meta["model_fingerprint"] = loaded.fingerprint
@@ -153,7 +155,9 @@ def save_dataset_features(folder: str | Path, feats: DatasetFeatures) -> Path:
 def load_dataset_features(path: str | Path, name: Optional[str] = None) -> DatasetFeatures:
     """Read a cache written by :func:`save_dataset_features` (``name`` defaults to its meta).
 
-    Besides :func:`~fedreid.inference.features.load_features`'s checks, each split
+    A ``name`` other than the dataset the file's meta names is an
+    :class:`EvalInputError` naming the file and both names: a cache is never
+    relabelled as another dataset. Besides :func:`~fedreid.inference.features.load_features`'s checks, each split
     passes :func:`~fedreid.inference.features.check_features`: NaN/inf, all-zero or
     all-identical features are an error naming the file (and the split, row
     and image of a NaN).
@@ -171,7 +175,13 @@ def load_dataset_features(path: str | Path, name: Optional[str] = None) -> Datas
     def part(sl: slice) -> FeatureSet:
         return FeatureSet(fs.features[sl], fs.pids[sl], fs.camids[sl], fs.paths[sl])
 
-    name = name or meta.get("dataset") or Path(path).stem
+    recorded = meta.get("dataset")
+    if name and recorded and name != recorded:
+        raise EvalInputError(
+            f"feature file {path} holds the features of dataset {recorded!r}, not {name!r}: "
+            f"give it without a name or as {recorded}=FILE"
+        )
+    name = name or recorded or Path(path).stem
     feats = DatasetFeatures(name, part(slice(0, n)), part(slice(n, None)), meta, source=f"feature file {path}")
     _check_dataset_features(feats, f"feature file {path}")
     return feats

@@ -9,6 +9,7 @@ when loaded unsafely, so the tests cannot pass vacuously.
 from __future__ import annotations
 
 import csv
+import dataclasses
 import hashlib
 import json
 import pathlib
@@ -344,6 +345,91 @@ def test_evaluate_writes_only_into_its_own_output_folders(world, tmp_path, capsy
         next(folder.glob(".fedreid-*.json")).unlink()
     assert tool.main(base + ["--out", str(out), "--save-features", str(feats)]) == 0
     assert (out / ".fedreid-eval.json").is_file() and (feats / ".fedreid-features.json").is_file()
+    capsys.readouterr()
+
+
+@pytest.fixture(scope="module")
+def features(world):
+    """tiny.npz: the world model's features of the prepared dataset tiny (3 queries, 6 gallery images)."""
+    from fedreid.inference.dataset_features import dataset_features, save_dataset_features
+    from fedreid.inference.model_io import load_model
+
+    feats = dataset_features(load_model(world["run"]), world["prepared"], "tiny", batch_size=8)
+    return save_dataset_features(world["root"] / "features", feats)
+
+
+def test_evaluate_rewrites_a_report_only_in_a_fedreid_run_folder(features, tmp_path, capsys):
+    from fedreid.utils.io import marker_path
+
+    project = tmp_path / "my_project"
+    project.mkdir()
+    (project / "metrics.jsonl").write_text('{"round": 1, "loss": 0.3}\n')  # the user's own log
+    (project / "report.md").write_text("# My thesis notes\n")
+    (project / "curve_training.png").write_bytes(b"my own figure")
+    before = _snapshot(project)
+    argv = ["evaluate", "--features", str(features), "--out", str(project / "eval"), "--pictures", "0"]
+    assert tool.main(argv) == 0
+    assert f"report: not written, {project} is not a fedreid run folder" in capsys.readouterr().out
+    assert {k: v for k, v in _snapshot(project).items() if not k.startswith("eval")} == before
+    marker_path(project, "run").write_text('{"kind": "run"}')  # what train_fed marks its run folders with
+    assert tool.main(argv) == 0
+    assert (project / "report.md").read_text().startswith("# my_project")
+
+
+def _with_gallery(feats, features):
+    return dataclasses.replace(feats, gallery=feats.gallery._replace(features=features))
+
+
+def test_a_failed_evaluation_leaves_the_previous_outputs_as_they_were(features, tmp_path, capsys, monkeypatch):
+    from fedreid.eval import visualize
+    from fedreid.inference.dataset_features import load_dataset_features, save_dataset_features
+    from fedreid.inference.errors import EvalInputError
+
+    out = tmp_path / "eval"
+    base = ["evaluate", "--out", str(out), "--pictures", "2"]
+    assert tool.main(base + ["--features", str(features)]) == 0
+    before = _snapshot(out)
+    feats = load_dataset_features(features)
+    # The same model's features ranked otherwise (the gallery negated), then a dataset no query matches.
+    second = tmp_path / "second"
+    flipped = save_dataset_features(second, _with_gallery(feats, -feats.gallery.features))
+    nomatch = save_dataset_features(second, dataclasses.replace(
+        feats, name="nomatch", query=feats.query._replace(pids=np.full(len(feats.query.pids), 999))))
+    err = _cli_error(base + ["--features", f"{flipped},{nomatch}"], capsys)
+    assert "'nomatch'" in err and "has a true match" in err
+    assert _snapshot(out) == before
+
+    drawn = []
+
+    def second_picture_fails(*args, **kwargs):
+        if drawn:
+            raise EvalInputError("cannot read image x.png")
+        drawn.append(real(*args, **kwargs))
+        return drawn[-1]
+
+    real = visualize.draw_ranked_list
+    monkeypatch.setattr(visualize, "draw_ranked_list", second_picture_fails)
+    assert "cannot read image x.png" in _cli_error(base + ["--features", str(flipped)], capsys)
+    assert drawn and _snapshot(out) == before  # one picture was drawn, and not where the old one lies
+
+
+def test_pictures_no_longer_drawn_are_removed_and_no_other_file(features, tmp_path, capsys):
+    out = tmp_path / "eval"
+    pictures = out / "ranked_lists"
+    argv = ["evaluate", "--features", str(features), "--out", str(out)]
+    assert tool.main(argv + ["--pictures", "4"]) == 0
+    assert len(list(pictures.iterdir())) == 3  # 3 queries: the best 2 and the worst 1
+    (pictures / "mine.png").write_bytes(b"the user's")
+    assert tool.main(argv + ["--pictures", "1"]) == 0
+    listed = json.loads((out / "results.json").read_text())["pictures"]
+    assert len(listed) == 1 and sorted(p.name for p in pictures.iterdir()) == sorted([Path(listed[0]).name,
+                                                                                       "mine.png"])
+    # An earlier fedreid listed its pictures by absolute path: read as such.
+    results = json.loads((out / "results.json").read_text())
+    results["pictures"] = [str((out / p).resolve()) for p in results["pictures"]]
+    (out / "results.json").write_text(json.dumps(results))
+    assert tool.main(argv + ["--pictures", "0"]) == 0
+    assert [p.name for p in pictures.iterdir()] == ["mine.png"]
     capsys.readouterr()
 
 

@@ -86,12 +86,20 @@ def test_evaluate_defaults_from_run_config_with_rerank(world, capsys):
     assert len(list((world["run"] / "eval" / "ranked_lists").glob("tiny_*.png"))) == 1
 
 
-def test_evaluating_a_run_folder_adds_the_results_to_its_report(world, tmp_path, capsys):
-    run = tmp_path / "run"
-    shutil.copytree(world["run"], run)
-    row = {"round": 1, "mode": "fedpav", "clients": ["tiny"], "train_loss": 2.0,
+def _run_folder(world, folder: Path) -> Path:
+    """A copy of the world's run as train_fed leaves one: marked, with a metrics.jsonl (round 2, model_final's)."""
+    from fedreid.utils.io import marker_path
+
+    shutil.copytree(world["run"], folder)
+    marker_path(folder, "run").write_text('{"kind": "run"}')
+    row = {"round": 2, "mode": "fedpav", "clients": ["tiny"], "train_loss": 2.0,
            "comm": {"total_bytes": 2**20, "cumulative_bytes": 2**20}}
-    (run / "metrics.jsonl").write_text(json.dumps(row) + "\n")
+    (folder / "metrics.jsonl").write_text(json.dumps(row) + "\n")
+    return folder
+
+
+def test_evaluating_a_run_folder_adds_the_results_to_its_report(world, tmp_path, capsys):
+    run = _run_folder(world, tmp_path / "run")
     assert tool.main(["evaluate", "--model", str(run), "--pictures", "2"]) == 0
     assert f"report: {run / 'report.md'}" in capsys.readouterr().out
     report = (run / "report.md").read_text()
@@ -633,3 +641,118 @@ def test_an_unknown_dataset_under_a_relative_root_names_the_working_directory(tm
         resolve_datasets(["msmt17"], "datasets/prepared")
     assert (f"available under datasets/prepared (relative to the working directory {tmp_path}: "
             f"{tmp_path / 'datasets/prepared'}): none") in str(info.value)
+
+
+# --------------------------------------------------------------------------
+# --features items, and results.json: what the features came from, links of report.md
+# --------------------------------------------------------------------------
+
+
+def test_two_feature_files_of_one_dataset_are_refused_naming_both(world, cache, tmp_path, capsys):
+    path, _ = cache
+    a, b = tmp_path / "a" / "tiny.npz", tmp_path / "b" / "tiny.npz"
+    for copy in (a, b):
+        copy.parent.mkdir()
+        shutil.copy(path, copy)
+    for items in ([f"{a},{b}"], [str(a), f"tiny={b}"]):
+        argv = ["evaluate", "--out", str(tmp_path / "out")] + [x for item in items for x in ("--features", item)]
+        err = _cli_error(argv, capsys)
+        assert "dataset 'tiny' is given twice" in err and str(a) in err and str(b) in err
+    assert not (tmp_path / "out").exists()  # refused before the output folder is made
+    err = _cli_error(["evaluate", "--model", str(world["run"]), "--datasets", "tiny,tiny2,tiny",
+                      "--out", str(tmp_path / "out")], capsys)
+    assert "--datasets names 'tiny' twice" in err and not (tmp_path / "out").exists()
+
+
+def test_feature_files_of_different_models_are_refused(cache, tmp_path, capsys):
+    path, feats = cache
+    other_meta = {**feats.meta, "model": str(tmp_path / "other" / "model_final.pt"),
+                  "model_fingerprint": {**feats.meta["model_fingerprint"], "weights_sha256": "0" * 64}}
+    other = _write_cache(tmp_path / "tiny2.npz", dataclasses.replace(feats, meta=other_meta))
+    err = _cli_error(["evaluate", "--features", f"{path},{other}", "--out", str(tmp_path / "out")], capsys)
+    assert str(path) in err and str(other) in err and "come from different models" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_feature_path_holding_an_equals_sign_is_a_file(cache, tmp_path, capsys):
+    from fedreid.commands.eval_reid import _feature_files
+
+    path, _ = cache
+    odd = tmp_path / "runs" / "lr=0.1" / "features" / "tiny.npz"
+    odd.parent.mkdir(parents=True)
+    shutil.copy(path, odd)
+    assert _feature_files([str(odd)]) == [(None, str(odd))]
+    assert _feature_files([f"tiny={odd}"]) == [("tiny", str(odd))]
+    for item in (str(odd), f"tiny={odd}"):
+        out = tmp_path / f"out{len(item)}"
+        assert tool.main(["evaluate", "--features", item, "--out", str(out), "--pictures", "0"]) == 0
+        assert list(json.loads((out / "results.json").read_text())["datasets"]) == ["tiny"]
+    missing = f"tiny={tmp_path / 'runs' / 'lr=0.2' / 'tiny.npz'}"
+    err = _cli_error(["evaluate", "--features", missing, "--out", str(tmp_path / "o")], capsys)
+    assert f"--features {missing}: not an existing file, nor NAME=FILE with an existing FILE" in err
+
+
+def test_features_keep_their_dataset_name_and_refuse_extraction_options(cache, tmp_path, capsys):
+    path, _ = cache
+    out = tmp_path / "out"
+    err = _cli_error(["evaluate", "--features", f"dukemtmc={path}", "--out", str(out)], capsys)
+    assert str(path) in err and "dataset 'tiny', not 'dukemtmc'" in err
+    for extra in (["--datasets", "tiny"], ["--prepared-root", str(tmp_path)], ["--batch-size", "4"],
+                  ["--save-features", str(tmp_path / "saved")], ["--precision", "fp32"], ["--amp"],
+                  ["--no-channels-last"], ["--device", "cpu"], ["--client", "a"]):
+        err = _cli_error(["evaluate", "--features", str(path), "--out", str(out)] + extra, capsys)
+        assert extra[0] in err and "does not apply to --features" in err, extra
+    assert not out.exists() and not (tmp_path / "saved").exists()
+    assert tool.main(["evaluate", "--features", str(path), "--out", str(out), "--pictures", "0"]) == 0
+
+
+def _retrieval_section(report: Path) -> str:
+    text = report.read_text()
+    return text[text.index("## Retrieval evaluation"):]
+
+
+def test_report_links_hold_from_any_working_directory_and_after_a_move(world, tmp_path, monkeypatch, capsys):
+    from fedreid.eval.report import write_report
+    from fedreid.utils.logging import read_metrics
+
+    project = tmp_path / "project"
+    run = _run_folder(world, project / "runs" / "r")
+    monkeypatch.chdir(project)  # evaluated with a relative path from the project's root
+    assert tool.main(["evaluate", "--model", "runs/r", "--pictures", "2"]) == 0
+    results = json.loads((run / "eval" / "results.json").read_text())
+    assert results["cmc_plot"] == "cmc.png" and all(p.startswith("ranked_lists/tiny_") for p in results["pictures"])
+    moved = tmp_path / "archive" / "r"
+    moved.parent.mkdir()
+    shutil.move(run, moved)
+    monkeypatch.chdir(moved.parent)  # the report written again elsewhere (a resumed run, reproduce)
+    section = _retrieval_section(write_report(moved, read_metrics(moved)))
+    links = [line[line.index("](") + 2:-1] for line in section.splitlines() if line.startswith("![")]
+    assert len(links) == 3 and "eval/cmc.png" in links and all((moved / link).is_file() for link in links)
+
+
+def test_the_report_shows_eval_results_only_as_its_final_models(world, cache, tmp_path, capsys):
+    from fedreid.eval.report import write_report
+    from fedreid.utils.logging import read_metrics
+
+    run = _run_folder(world, tmp_path / "run")
+    assert tool.main(["evaluate", "--model", str(run), "--pictures", "1"]) == 0
+    model = json.loads((run / "eval" / "results.json").read_text())["model"]
+    assert model["file"] == "../model_final.pt" and model["round"] == 2
+    assert len(model["fingerprint"]["weights_sha256"]) == 64
+    section = _retrieval_section(run / "report.md")
+    assert "| tiny |" in section and "Model `model_final.pt` (round 2)" in section
+
+    # Another run's features (the same weights, another model file) evaluated into this run's eval folder.
+    path, _ = cache
+    assert tool.main(["evaluate", "--features", str(path), "--out", str(run / "eval"), "--pictures", "1"]) == 0
+    section = _retrieval_section(run / "report.md")
+    assert "is not shown: it belongs to another model or round" in section
+    assert str(world["run"] / "model_final.pt") in section and "| tiny |" not in section and "![" not in section
+
+    # The final model evaluated again, then the run resumed to a later round: the old results are not its.
+    assert tool.main(["evaluate", "--model", str(run), "--pictures", "1"]) == 0
+    payload = torch.load(run / "model_final.pt", weights_only=True)
+    torch.save({**payload, "round": 3}, run / "model_final.pt")
+    section = _retrieval_section(write_report(run, read_metrics(run)))
+    assert "round 2), not to this run's final model (model_final.pt, round 3)" in section
+    assert "| tiny |" not in section
