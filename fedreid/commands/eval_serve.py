@@ -103,15 +103,15 @@ def run_serve(
     ``load(args, device)`` loads the model (default: index and query's
     :func:`~fedreid.commands.eval_args.load_for_features` for ``--backend``).
     Every refusal happens before the port is opened: no token without ``--insecure-local``, ``--insecure-local``
-    off the loopback interface, a store built by another model, an uploads
-    folder holding other files.
+    off the loopback interface, a bad port or limit (before the model is
+    loaded), a store built by another model, an uploads folder holding other files.
     """
     from fedreid.inference.devices import resolve_backend_device
 
     token = check_serve_options(
         host=args.host, token=read_token(getattr(args, "token", None), getattr(args, "token_file", None)),
         insecure_local=bool(args.insecure_local), ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile,
-        port=args.port, max_upload_mb=args.max_upload_mb)
+        port=args.port, max_upload_mb=args.max_upload_mb, max_pixels=args.max_pixels, max_k=args.max_k)
     device = resolve_backend_device(args.device, args.backend)
     loaded = (load or load_for_features)(args, device)
     app = create_app(

@@ -45,6 +45,7 @@ __all__ = [
     "camera",
     "camera_list",
     "identity",
+    "is_integer_text",
     "item_values",
     "site",
     "site_list",
@@ -56,7 +57,7 @@ INT_MIN, INT_MAX = -(2**31), 2**31 - 1
 #: 0001-01-01T00:00:00Z and 9999-12-31T23:59:59Z in seconds since the epoch.
 TIME_MIN, TIME_MAX = -62_135_596_800.0, 253_402_300_799.0
 SITE_MAX_CHARS = 200
-_INTEGER_TEXT = re.compile(r"^[+-]?[0-9]+$")
+_INTEGER_TEXT = re.compile(r"[+-]?[0-9]+")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 _TIME_WORDS = (
     "seconds since the epoch or an ISO 8601 date/time from year 1 to 9999 (e.g. 1714550400, 2024-05-01, "
@@ -73,13 +74,22 @@ def _shown(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+def is_integer_text(text: str) -> bool:
+    """Whether ``text`` is an integer as every way in writes one: ASCII digits with an optional sign.
+
+    Python's ``int`` also takes ``1_0`` and non-ASCII digits (``"\u0663"``);
+    this rule does not, so one number has one spelling.
+    """
+    return _INTEGER_TEXT.fullmatch(text) is not None
+
+
 def _integer(value: Any, what: str) -> int:
     expected = f"{what} must be an integer from {INT_MIN} to {INT_MAX}, got {_shown(value)}"
     if isinstance(value, (bool, np.bool_)):
         raise GalleryMetadataError(expected)
     if isinstance(value, str):
         text = value.strip()
-        if not _INTEGER_TEXT.match(text) or len(text) > 40:
+        if not is_integer_text(text) or len(text) > 40:
             raise GalleryMetadataError(expected)
         value = int(text)
     elif isinstance(value, (int, np.integer)):

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import io
 import logging
+import math
 import os
 import re
 import socket
@@ -69,6 +70,7 @@ if TYPE_CHECKING:
     from fedreid.retrieval.store import GalleryStore
 
 __all__ = [
+    "DEFAULT_MAX_DECODES",
     "DEFAULT_MAX_K",
     "DEFAULT_MAX_PIXELS",
     "DEFAULT_MAX_UPLOAD_BYTES",
@@ -87,6 +89,8 @@ __all__ = [
 DEFAULT_MAX_PIXELS = 24_000_000
 DEFAULT_MAX_K = 100
 DEFAULT_K = 10
+#: Uploads decoded (and their features computed) at once: each may hold a full-size image's pixels.
+DEFAULT_MAX_DECODES = 2
 UPLOADS_KIND = "uploads"
 TOOL = "tools/eval_reid.py serve"
 #: Reads of one request: how often a read is repeated when another process replaced the store meanwhile.
@@ -97,6 +101,8 @@ WRITE_ATTEMPTS = 3
 RETRY_PAUSE_S = 0.05
 #: PIL format name -> file suffix of the uploads accepted (what the index tool reads: jpg/png/bmp).
 UPLOAD_FORMATS = {"JPEG": ".jpg", "PNG": ".png", "BMP": ".bmp"}
+#: The name ``POST /items`` gives an upload in its uploads folder: a uuid4's 32 hex digits and the format's suffix.
+_UPLOAD_NAME = re.compile("[0-9a-f]{32}(?:" + "|".join(re.escape(s) for s in UPLOAD_FORMATS.values()) + ")")
 _MEDIA_TYPES = {".jpg": "image/jpeg", ".jpeg": "image/jpeg", ".png": "image/png", ".bmp": "image/bmp"}
 _WEB_ASSETS = {"index.html": "text/html; charset=utf-8", "app.js": "text/javascript; charset=utf-8",
                "style.css": "text/css; charset=utf-8"}
@@ -146,11 +152,15 @@ def _check_uploads_location(uploads: Path, store_folder: Path) -> None:
 
 
 def _parse_int(value: str, name: str, low: Optional[int] = None, high: Optional[int] = None) -> int:
+    """``value`` as an integer from ``low`` to ``high``: ASCII digits with an optional sign
+    (:func:`fields.is_integer_text <fedreid.retrieval.fields.is_integer_text>`), else a 422 naming ``name``."""
     text = value.strip()
-    try:
-        number = int(text)
-    except ValueError:
-        number = None
+    number: Optional[int] = None
+    if field_rules.is_integer_text(text):
+        try:
+            number = int(text)
+        except ValueError:  # more digits than Python converts
+            number = None
     bounds = (f" from {low} to {high}" if high is not None else f" >= {low}") if low is not None else ""
     if number is None or (low is not None and number < low) or (high is not None and number > high):
         raise _RequestError(422, f"{name} must be an integer{bounds}, got {value[:40]!r}")
@@ -177,11 +187,12 @@ class _Service:
 
     def __init__(self, store: GalleryStore, loaded: LoadedModel, *, device: Any, uploads: Optional[Path], max_upload_bytes: int,
                  max_pixels: int, max_k: int, allow_model_mismatch: bool = False,
-                 warn: Optional[Callable[[str], None]] = None) -> None:
+                 warn: Optional[Callable[[str], None]] = None, max_decodes: int = DEFAULT_MAX_DECODES) -> None:
         self.store, self.loaded, self.device, self.uploads = store, loaded, device, uploads
         self.max_upload_bytes, self.max_pixels, self.max_k = max_upload_bytes, max_pixels, max_k
         self.allow_model_mismatch, self.warn = allow_model_mismatch, warn
         self.lock = _ReadWriteLock()
+        self.decodes = threading.BoundedSemaphore(max_decodes)
         self.stamp = header_stamp(store.folder)
 
     # -- the store on disk --------------------------------------------------
@@ -304,7 +315,16 @@ class _Service:
     # -- images and features ------------------------------------------------
 
     def decode(self, upload: _Upload) -> tuple[np.ndarray, str]:
-        """The upload as an RGB array and its file suffix, or a 400 naming what is wrong with it."""
+        """The upload as an RGB array and its file suffix, or a 400 naming what is wrong with it.
+
+        The pixels are OpenCV's (:func:`~fedreid.inference.images.decode_image_bytes`,
+        as a gallery file's). Before that, PIL reads the header only (format;
+        width x height against ``max_pixels``) and checks the file is whole
+        without a second full-size decode: a JPEG (which OpenCV may decode
+        half grey when cut) is decoded at 1/8 scale, a PNG's chunks and their
+        CRCs are read to the end (OpenCV refuses a PNG or BMP it cannot
+        finish). Callers bound how many run at once (:meth:`upload_features`).
+        """
         from PIL import Image, UnidentifiedImageError
 
         from fedreid.inference.errors import EvalInputError
@@ -325,8 +345,12 @@ class _Service:
                         400, f"{what} is {width}x{height} pixels: at most {self.max_pixels} pixels accepted"
                     )
                 try:
-                    probe.load()  # a truncated file fails here (OpenCV would decode it half grey)
-                except (OSError, ValueError, SyntaxError):
+                    if fmt == "JPEG":  # every coded block is still read, at 1/64 of the pixels
+                        probe.draft(None, (max(1, width // 8), max(1, height // 8)))
+                        probe.load()
+                    elif fmt == "PNG":
+                        probe.verify()
+                except (OSError, ValueError, SyntaxError, EOFError):
                     raise _RequestError(400, f"{what} is a damaged or truncated {fmt} file") from None
         except Image.DecompressionBombError:
             raise _RequestError(400, f"{what} declares too many pixels: at most {self.max_pixels} accepted") from None
@@ -334,14 +358,25 @@ class _Service:
             raise _RequestError(400, f"{what} is not an image: expected a JPEG, PNG or BMP file") from None
         try:
             image = decode_image_bytes(upload.data, what)
-        except EvalInputError as exc:
-            raise _RequestError(400, f"{exc}") from None
+        except EvalInputError:  # its header was read: the rest is damaged
+            raise _RequestError(400, f"{what} is a damaged or truncated {fmt} file") from None
         return image, UPLOAD_FORMATS[fmt]
 
     def features(self, image: np.ndarray) -> np.ndarray:
         from fedreid.inference.images import array_features
 
         return array_features(self.loaded, [image], device=self.device)
+
+    def upload_features(self, upload: _Upload) -> tuple[np.ndarray, str]:
+        """The feature [1, d] of an uploaded image and its file suffix (:meth:`decode`, :meth:`features`).
+
+        At most ``max_decodes`` uploads are decoded at once, each holding its
+        decoded pixels until its feature is computed, so many concurrent large
+        uploads wait rather than each taking its image's memory.
+        """
+        with self.decodes:
+            image, suffix = self.decode(upload)
+            return self.features(image), suffix
 
     # -- reading ------------------------------------------------------------
 
@@ -406,8 +441,7 @@ class _Service:
 
         if self.uploads is None:
             raise _RequestError(403, "adding items is off: the server was started without an uploads folder (--uploads DIR)")
-        image, suffix = self.decode(upload)
-        feature = self.features(image)
+        feature, suffix = self.upload_features(upload)
         path = self.uploads / f"{uuid.uuid4().hex}{suffix}"
         with atomic_path(path) as tmp:
             tmp.write_bytes(upload.data)
@@ -429,11 +463,7 @@ class _Service:
             return row, int(store.ntotal)
 
         row, items = self.update(erase)
-        path = Path(row["path"])
-        deleted = False
-        if self.uploads is not None and path.parent == self.uploads and path.is_file() and not path.is_symlink():
-            path.unlink()
-            deleted = True
+        deleted = _delete_upload_file(Path(row["path"]))
         return {"removed": item, "file_deleted": deleted, "items": items}
 
     def info(self) -> dict[str, Any]:
@@ -446,6 +476,36 @@ class _Service:
             "uploads": self.uploads is not None,
             "limits": {"max_k": self.max_k, "max_upload_bytes": self.max_upload_bytes, "max_pixels": self.max_pixels},
         }
+
+
+def _delete_upload_file(path: Path) -> bool:
+    """Delete ``path`` if ``POST /items`` wrote it; whether a file was deleted.
+
+    An upload is recognised wherever its folder is now (the service may have
+    been restarted with another ``--uploads`` or none): its name is the
+    service's (:data:`_UPLOAD_NAME`) and its folder, links resolved, holds
+    the uploads marker (:func:`fedreid.utils.io.owns_folder`). Anything else,
+    such as a gallery image indexed from the user's own folder, is never
+    deleted, nor a link or anything but a regular file.
+    """
+    from fedreid.utils.io import owns_folder
+
+    if not _UPLOAD_NAME.fullmatch(path.name):
+        return False
+    try:
+        folder = Path(os.path.realpath(path.parent, strict=True))
+    except (OSError, RuntimeError):  # the folder is gone, or a looping link
+        return False
+    if not owns_folder(folder, UPLOADS_KIND):
+        return False
+    target = folder / path.name
+    try:
+        if not stat.S_ISREG(os.lstat(target).st_mode):
+            return False
+        target.unlink()
+    except OSError:  # already gone, or not ours to delete (permissions): the answer says so
+        return False
+    return True
 
 
 def _inside(real: str, roots: Sequence[Path]) -> bool:
@@ -524,6 +584,7 @@ def create_app(
     device: Any = "cpu",
     allow_model_mismatch: bool = False,
     warn: Optional[Callable[[str], None]] = None,
+    max_decodes: int = DEFAULT_MAX_DECODES,
 ) -> FastAPI:
     """The FastAPI application serving the store at ``store_folder`` with the model ``loaded``.
 
@@ -539,7 +600,8 @@ def create_app(
     around the store folder); None turns ``POST /items`` off.
     ``max_upload_bytes``: largest image upload (bodies may be
     :data:`FORM_OVERHEAD` larger); ``max_pixels``: largest image; ``max_k``:
-    largest ``k``. Raises :class:`ServiceError` (or the store's/model check's
+    largest ``k``; ``max_decodes``: uploads decoded at once (each may hold a
+    ``max_pixels`` image; more wait). Raises :class:`ServiceError` (or the store's/model check's
     errors) before serving anything. ``device``: where a PyTorch model runs;
     an exported model (``loaded.extractor``) runs on the CPU, and an ONNX
     file without torch.
@@ -554,9 +616,10 @@ def create_app(
         raise ServiceError("no token: authentication can only be off with insecure_local (a loopback host)")
     if token is not None:
         token = check_serve_security("127.0.0.1", token, False)
-    for name, value in (("max_upload_bytes", max_upload_bytes), ("max_pixels", max_pixels), ("max_k", max_k)):
-        if int(value) < 1:
-            raise ServiceError(f"{name} must be >= 1, got {value}")
+    for name, value in (("max_upload_bytes", max_upload_bytes), ("max_pixels", max_pixels), ("max_k", max_k),
+                        ("max_decodes", max_decodes)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+            raise ServiceError(f"{name} must be an integer >= 1, got {value!r}")
     store = GalleryStore.open(store_folder)
     problem = check_index_model(store.header, loaded, store.folder, allow_mismatch=allow_model_mismatch)
     if problem and warn is not None:
@@ -579,7 +642,7 @@ def create_app(
         uploads_dir = uploads_dir.resolve()
     service = _Service(store, loaded, device=device, uploads=uploads_dir,
                        max_upload_bytes=int(max_upload_bytes), max_pixels=int(max_pixels), max_k=int(max_k),
-                       allow_model_mismatch=allow_model_mismatch, warn=warn)
+                       allow_model_mismatch=allow_model_mismatch, warn=warn, max_decodes=int(max_decodes))
     page = {name: _web_asset(name) for name in _WEB_ASSETS}
 
     app = FastAPI(title="fedreid gallery search", docs_url=None, redoc_url=None, openapi_url=None)
@@ -672,7 +735,7 @@ def create_app(
     async def search(request: Request) -> JSONResponse:
         started = time.perf_counter()
         fields = await read_form(request, _SEARCH_FIELDS)
-        k = _parse_int(fields["k"], "k", 1, service.max_k) if fields.get("k", "").strip() else DEFAULT_K
+        k = _parse_int(fields["k"], "k", 1, service.max_k) if fields.get("k", "").strip() else min(DEFAULT_K, service.max_k)
         filters: dict[str, Any] = {}
         if "cameras" in fields and (cams := field_rules.camera_list(fields["cameras"], "cameras")) is not None:
             filters["cameras"] = cams
@@ -692,8 +755,7 @@ def create_app(
         else:
             upload: _Upload = fields["image"]
             item = None
-            image, _ = await run_in_threadpool(service.decode, upload)
-            query = await run_in_threadpool(service.features, image)
+            query, _ = await run_in_threadpool(service.upload_features, upload)
             described = {"kind": "image", "name": upload.name}
         scores, ids, rows = await run_in_threadpool(service.search, query, item, k, filters)
         results = [
@@ -785,20 +847,28 @@ def run_server(app: FastAPI, *, host: str, port: int, ssl_certfile: Optional[str
 
 
 def check_serve_options(*, host: str, token: Optional[str], insecure_local: bool, ssl_certfile: Optional[str],
-                        ssl_keyfile: Optional[str], port: int, max_upload_mb: float) -> Optional[str]:
+                        ssl_keyfile: Optional[str], port: int, max_upload_mb: float,
+                        max_pixels: int = DEFAULT_MAX_PIXELS, max_k: int = DEFAULT_MAX_K) -> Optional[str]:
     """Refuse unsafe or impossible ``serve`` settings before anything is loaded; the token to require (None: none).
 
     No token without ``insecure_local``, ``insecure_local`` off the loopback
-    interface, half a TLS pair, a bad port or upload limit: each a one-line
-    :class:`ServiceError`. The ``[serve]`` extra must be installed.
+    interface, half a TLS pair, a bad port, an upload limit that is not a
+    finite number of MiB of at least one byte (``int(max_upload_mb * 2**20)``
+    is the limit in bytes), ``max_pixels`` or ``max_k`` under 1: each a
+    one-line :class:`ServiceError` naming the option. The ``[serve]`` extra
+    must be installed.
     """
     token = check_serve_security(host, token, insecure_local)
     if bool(ssl_certfile) != bool(ssl_keyfile):
         raise ServiceError("give both --ssl-certfile and --ssl-keyfile, or neither")
     if not 0 <= int(port) <= 65535:
         raise ServiceError(f"--port must be from 0 to 65535, got {port}")
-    if not max_upload_mb > 0:
-        raise ServiceError(f"--max-upload-mb must be > 0, got {max_upload_mb}")
+    if not (math.isfinite(max_upload_mb) and int(max_upload_mb * 2**20) >= 1):
+        raise ServiceError(f"--max-upload-mb must be a finite number of MiB of at least one byte "
+                           f"(>= {2**-20:.3g}), got {max_upload_mb}")
+    for option, value in (("--max-pixels", max_pixels), ("--max-k", max_k)):
+        if int(value) < 1:
+            raise ServiceError(f"{option} must be an integer >= 1, got {value}")
     _require_serve_extra()
     return token
 

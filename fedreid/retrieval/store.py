@@ -15,7 +15,10 @@
 * every update is staged beside the folder and swapped in whole (a kill leaves
   the old store or the new), under an exclusive lock that refuses a stale copy;
 * a search returns at most the item count of results, ranked by score then id;
-  filtered results always satisfy the filter;
+  every score is the inner product of the query with the item's stored vector
+  (an approximate index only picks the candidates: its recall stays
+  approximate, its scores never reach an answer); filtered results always
+  satisfy the filter;
 * nothing is unpickled; every file is checked against the header before it is
   parsed (once per file and process).
 
@@ -484,10 +487,11 @@ class GalleryStore:
         a CPU index either way. ``meta`` goes into the header as is, with
         ``model_fingerprint`` (when given) as ``meta["model_fingerprint"]``.
         ``side_files``: {name in :data:`SIDE_FILES`: a function writing the
-        file at the path it is given}. ``refine`` R > 1: searches take the
-        index's top ``R * k`` and re-score them exactly from the stored vectors
-        (search parameter ``refine``; for compressed factories such as PQ,
-        whose codes alone lose the order of close neighbours). The items are
+        file at the path it is given}. Searches of any index but a plain
+        ``Flat`` re-score the index's candidates exactly from the stored
+        vectors; ``refine`` R > 1 makes them the index's top ``R * k`` instead
+        of ``k`` (search parameter ``refine``; for compressed factories such
+        as PQ, whose codes alone lose close neighbours). The items are
         written as segments of at most :data:`SEGMENT_ITEMS`.
         """
         _with_refine({}, refine)
@@ -874,6 +878,8 @@ class GalleryStore:
     ) -> SearchResult:
         """Top-``k`` ids and scores of each query, optionally filtered (see the module docstring).
 
+        Scores are the exact inner products with the stored vectors for every
+        index kind; which items are candidates is the index's (approximate) choice.
         ``search_params`` overrides the stored ``nprobe``/``efSearch`` for this call.
         ``flat_index``: for a Flat store, an index to run unfiltered searches on
         instead of the segments' (e.g. a GPU copy of :meth:`flat_faiss_index`; same vectors, same order).
@@ -918,11 +924,19 @@ class GalleryStore:
 
     def _index_search(self, queries: np.ndarray, k: int, params: Mapping[str, int], selector: Any = None,
                       flat_index: Any = None) -> SearchResult:
-        """Each segment's index searched, the results merged by (score desc, id asc)."""
+        """Each segment's index searched, the results merged by (score desc, id asc).
+
+        Only a plain ``Flat`` index (or ``flat_index``) scores exactly. Any
+        other index (compressed codes, a pre-transform such as PCA, a graph)
+        only picks each query's ``refine * k`` candidates; those are re-scored
+        from the stored vectors (:meth:`_rescore`), so every score returned is
+        the true inner product and the same item scores the same whether the
+        search was filtered or not.
+        """
         nq = queries.shape[0]
         if self.ntotal == 0:
             return _empty_result(nq, k)
-        if self.kind == "flat" and selector is None:
+        if self.kind == "flat" and selector is None and (flat_index is not None or self._plain_flat()):
             from fedreid.retrieval.exact import search
 
             if flat_index is not None:
@@ -938,15 +952,17 @@ class GalleryStore:
             return _merge_topk(parts, nq, k)
         p = _search_params(self.kind, params, selector) if _accepts_search_parameters(self.template) else None
         refine = int(params.get("refine", 1) or 1)
-        want = k if refine <= 1 else min(k * refine, self.ntotal)
+        want = min(k * max(refine, 1), self.ntotal)
         parts = []
         for seg in self.segments:
             if seg.ntotal:
                 parts.append(_segment_topk(seg.index, queries, min(want, seg.ntotal), seg.ntotal, p))
         merged = _merge_topk(parts, nq, want)
-        if refine <= 1:
-            return merged
         return self._rescore(queries, merged.ids, k)
+
+    def _plain_flat(self) -> bool:
+        """Whether the index is a bare ``IndexFlat`` (no pre-transform): its scores are the stored vectors' own."""
+        return isinstance(faiss.downcast_index(self.template.index), faiss.IndexFlat)
 
     def _rescore(self, queries: np.ndarray, candidates: np.ndarray, k: int) -> SearchResult:
         """Exact inner products of ``candidates`` (ids, -1 pads) from the stored vectors; the best ``k`` of each row.

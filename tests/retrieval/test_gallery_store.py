@@ -328,6 +328,29 @@ def test_refine_orders_pq_candidates_by_their_exact_scores(tmp_path, feats):
         GalleryStore.create(tmp_path / "bad", feats, make_rows(N), factory="Flat", refine=0)
 
 
+@pytest.mark.parametrize("factory", ["IVF16,PQ4x4", "PQ8x4", "IVF16,SQ4", "SQ4", "PCA8,Flat"])
+def test_every_score_is_the_stored_vectors_inner_product(tmp_path, feats, factory):
+    s = GalleryStore.create(tmp_path / "st", feats, make_rows(N), factory=factory, seed=0)  # no refine
+    assert "refine" not in s.search_params
+    queries = feats[:60]
+    got = s.search(queries, 10)
+    true = np.einsum("qkd,qd->qk", s.vectors[np.searchsorted(s.ids, got.ids)], queries)
+    np.testing.assert_allclose(got.scores, true, rtol=0, atol=1e-6)
+    for scores, ids in zip(got.scores, got.ids):  # the candidates ranked by their true scores, then id
+        assert all(a > b or (a == b and i < j) for a, b, i, j in zip(scores, scores[1:], ids, ids[1:]))
+    # an item scores the same whether the search was filtered (exact over the allowed items) or not
+    cams = [0, 1]
+    filtered = s.search(queries, 10, cameras=cams)
+    shared = 0
+    for q in range(len(queries)):
+        plain = dict(zip(got.ids[q].tolist(), got.scores[q].tolist()))
+        for i, score in zip(filtered.ids[q].tolist(), filtered.scores[q].tolist()):
+            if i in plain:
+                assert plain[i] == score, (q, i)
+                shared += 1
+    assert shared > 100
+
+
 def test_refine_over_every_item_ranks_exactly_with_the_tie_rule(tmp_path, feats):
     twins = np.concatenate([feats[:300], feats[:300]])  # item i and i + 300 tie on every query
     s = GalleryStore.create(tmp_path / "st", twins, make_rows(600), factory="IVF16,PQ4x4", seed=0, refine=60)

@@ -9,6 +9,7 @@ import shutil
 import threading
 import time
 from pathlib import Path
+from urllib.parse import quote
 
 import cv2
 import numpy as np
@@ -62,12 +63,13 @@ def save_tiny_model(run: Path, seed: int = 0) -> Path:
     return save_tiny_run(run, HEIGHT, WIDTH, seed=seed)
 
 
-def build_store(folder: Path, loaded, paths: list[Path], rows: list[dict], roots: list[Path] | None = None):
-    """A Flat store of ``paths`` whose header records ``roots`` (default: the rows' folders) as its gallery roots."""
+def build_store(folder: Path, loaded, paths: list[Path], rows: list[dict], roots: list[Path] | None = None,
+                factory: str = "Flat"):
+    """A store of ``paths`` whose header records ``roots`` (default: the rows' folders) as its gallery roots."""
     feats = image_features(loaded, paths, batch_size=32)
     fp = loaded.fingerprint
     roots = gallery_roots([str(Path(r["path"]).resolve()) for r in rows]) if roots is None else [str(r) for r in roots]
-    return GalleryStore.create(folder, feats.features, rows, factory="Flat", model_fingerprint=fp,
+    return GalleryStore.create(folder, feats.features, rows, factory=factory, model_fingerprint=fp,
                                meta={"model_fingerprint": fp, "model": str(loaded.source), GALLERY_ROOTS_KEY: roots})
 
 
@@ -232,6 +234,28 @@ def test_search_by_item_uses_the_stored_feature(world, client):
     assert sorted(x["id"] for x in everything) == list(range(24))
 
 
+def test_the_default_k_is_cut_to_max_k(world):
+    with client_for(world, max_k=5) as c:
+        for files, data in (({}, {"item": "3"}),
+                            ({"image": ("q.png", world["paths"][3].read_bytes(), "image/png")}, {})):
+            body = c.post("/search", headers=AUTH, files=files or None, data=data).json()
+            assert body["k"] == 5 and len(body["results"]) == 5, body
+
+
+def test_a_compressed_store_answers_the_true_scores(world, tmp_path):
+    build_store(tmp_path / "pq", world["loaded"], world["paths"], world["rows"], factory="IVF2,PQ4x4")
+    vectors = np.asarray(GalleryStore.open(tmp_path / "pq").vectors)  # ids 0..23 are rows 0..23
+    with client_for(world, tmp_path / "pq") as c:
+        for item in (4, 10, 17):
+            plain = c.post("/search", headers=AUTH, data={"item": str(item), "k": "8"}).json()["results"]
+            some = c.post("/search", headers=AUTH, data={"item": str(item), "k": "8", "cameras": "0,1"}).json()["results"]
+            for x in plain + some:
+                assert x["score"] == pytest.approx(float(vectors[x["id"]] @ vectors[item]), abs=1e-6), (item, x)
+            assert [x["score"] for x in plain] == sorted((x["score"] for x in plain), reverse=True)
+            unfiltered = {x["id"]: x["score"] for x in plain}
+            assert all(unfiltered[x["id"]] == x["score"] for x in some if x["id"] in unfiltered)
+
+
 def test_filters_match_the_store(world, client):
     store = GalleryStore.open(world["store"])
     query = store.vectors[3:4]
@@ -286,6 +310,16 @@ def test_bad_search_fields_are_clear_json_errors(client, form, status, words):
     assert words in r.json()["error"]
 
 
+@pytest.mark.parametrize("text", ["1_0", "\u0661\u0660", "\uff11\uff10"])  # 10 with an underscore, Arabic, full-width
+def test_ids_and_k_are_ascii_digits_only(client, text):
+    r = client.get(f"/items/{quote(text)}", headers=AUTH)
+    assert r.status_code == 422 and "the item id must be an integer" in r.json()["error"], r.text
+    r = client.post("/search", headers=AUTH, data={"item": text})
+    assert r.status_code == 422 and "the item id must be an integer" in r.json()["error"], r.text
+    r = client.post("/search", headers=AUTH, data={"item": "1", "k": text})
+    assert r.status_code == 422 and "k must be an integer from 1 to 100" in r.json()["error"], r.text
+
+
 def test_bad_uploads_are_clear_json_errors(world, client):
     from PIL import Image
 
@@ -293,7 +327,9 @@ def test_bad_uploads_are_clear_json_errors(world, client):
     Image.new("RGB", (16, 32), (10, 200, 30)).save(gif, format="GIF")
     png = world["paths"][0].read_bytes()
     jpeg = cv2.imencode(".jpg", cv2.imread(str(world["paths"][0])))[1].tobytes()
+    bmp = cv2.imencode(".bmp", cv2.imread(str(world["paths"][0])))[1].tobytes()
     cases = [
+        ({"image": ("cut.bmp", bmp[: len(bmp) // 2], "image/bmp")}, {}, 400, "damaged or truncated BMP"),
         ({"image": ("cut.jpg", jpeg[: len(jpeg) * 2 // 3], "image/jpeg")}, {}, 400, "damaged or truncated JPEG"),
         ({"image": ("notes.txt", b"hello, not an image", "text/plain")}, {}, 400, "is not an image"),
         ({"image": ("empty.png", b"", "image/png")}, {}, 400, "is empty"),
@@ -317,6 +353,53 @@ def test_image_pixel_limit(world):
     with client_for(world, max_pixels=100_000) as c:
         r = c.post("/search", headers=AUTH, files={"image": ("big.png", png_bytes(big), "image/png")})
         assert r.status_code == 400 and "400x300" not in r.json()["error"] and "300x400 pixels" in r.json()["error"]
+
+
+def test_uploads_are_decoded_a_few_at_a_time_and_once(world, monkeypatch):
+    from PIL import PngImagePlugin
+
+    import fedreid.inference.images as images_mod
+
+    decode, load = images_mod.decode_image_bytes, PngImagePlugin.PngImageFile.load
+    lock, active, most, pil_loads = threading.Lock(), [0], [0], []
+
+    def slow_decode(data, what="image"):
+        with lock:
+            active[0] += 1
+            most[0] = max(most[0], active[0])
+        try:
+            time.sleep(0.2)
+            return decode(data, what)
+        finally:
+            with lock:
+                active[0] -= 1
+
+    def counted_load(self):
+        pil_loads.append(self.size)
+        return load(self)
+
+    monkeypatch.setattr(images_mod, "decode_image_bytes", slow_decode)
+    monkeypatch.setattr(PngImagePlugin.PngImageFile, "load", counted_load)
+    query = {"image": ("q.png", world["paths"][2].read_bytes(), "image/png")}
+    for limit, options in ((svc.DEFAULT_MAX_DECODES, {}), (1, {"max_decodes": 1})):
+        most[0], answers = 0, []
+        with client_for(world, **options) as c:
+            threads = [threading.Thread(target=lambda: answers.append(c.post("/search", headers=AUTH, files=query)))
+                       for _ in range(6)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        assert [r.status_code for r in answers] == [200] * 6
+        assert all(r.json()["results"][0]["id"] == 2 for r in answers)
+        assert most[0] == limit  # the others waited their turn
+    assert pil_loads == []  # OpenCV's decode is the only full one
+    assert 1 <= svc.DEFAULT_MAX_DECODES <= 4
+    with client_for(world, max_pixels=100_000) as c:  # the pixel limit is checked before any decode
+        most[0] = 0
+        big = png_bytes(np.zeros((400, 300, 3), np.uint8))
+        assert c.post("/search", headers=AUTH, files={"image": ("big.png", big, "image/png")}).status_code == 400
+        assert most[0] == 0 and pil_loads == []
 
 
 def test_oversized_bodies_get_413_before_being_read(world):
@@ -501,6 +584,38 @@ def test_add_search_and_delete_an_item(world, store_copy, tmp_path):
         assert 5 not in [x["id"] for x in c.post("/search", headers=AUTH, data={"item": "6", "k": "30"}).json()["results"]]
     reopened = GalleryStore.open(store_copy)
     assert reopened.rows([5, 24]) == [None, None] and reopened.ntotal == 23
+
+
+def test_an_upload_is_erased_after_a_restart_with_another_or_no_uploads_folder(world, store_copy, tmp_path):
+    uploads = tmp_path / "uploads"
+    with client_for(world, store_copy, uploads=uploads) as c:
+        new = [c.post("/items", headers=AUTH, files={"image": ("p.png", png_bytes(person_image(40 + i, 1, 0)),
+                                                              "image/png")}).json()["id"] for i in range(3)]
+
+    def saved() -> list[str]:
+        return sorted(p.name for p in uploads.iterdir() if not p.name.startswith("."))
+
+    assert len(saved()) == 3
+    with client_for(world, store_copy) as c:  # restarted without --uploads
+        assert c.delete(f"/items/{new[0]}", headers=AUTH).json() == {"removed": new[0], "file_deleted": True,
+                                                                     "items": 26}
+    assert len(saved()) == 2
+    with client_for(world, store_copy, uploads=tmp_path / "fresh") as c:  # restarted with another uploads folder
+        assert c.delete(f"/items/{new[1]}", headers=AUTH).json()["file_deleted"] is True
+    assert len(saved()) == 1
+
+    # files the service did not write are never deleted: a look-alike name outside an uploads folder, a file
+    # dropped into the uploads folder by hand
+    lookalike = write_png(tmp_path / "mine" / f"{'ab' * 16}.png", person_image(50, 0, 0))
+    dropped = write_png(uploads / "holiday.png", person_image(51, 0, 0))
+    store = GalleryStore.open(store_copy)
+    features = image_features(world["loaded"], [lookalike, dropped]).features
+    others = [int(i) for i in store.add(features, [{"path": str(p)} for p in (lookalike, dropped)])]
+    with client_for(world, store_copy, uploads=uploads) as c:
+        for item in others:
+            assert c.delete(f"/items/{item}", headers=AUTH).json()["file_deleted"] is False, item
+        assert c.delete(f"/items/{new[2]}", headers=AUTH).json()["file_deleted"] is True
+    assert lookalike.is_file() and dropped.is_file() and saved() == ["holiday.png"]
 
 
 def test_add_needs_an_uploads_folder_and_a_good_image(world, store_copy, tmp_path):
@@ -847,6 +962,21 @@ def test_run_serve_refuses_before_loading_anything(world, monkeypatch, tmp_path)
         serve_cmd.run_serve(_serve_args(world, token_file=str(token_file)), load=no_load)
     with pytest.raises(svc.ServiceError, match="not both"):
         serve_cmd.run_serve(_serve_args(world, token=TOKEN, token_file=str(token_file)), load=no_load)
+
+
+@pytest.mark.parametrize("option,value,words", [
+    ("max_upload_mb", float("inf"), "--max-upload-mb must be a finite number of MiB of at least one byte"),
+    ("max_upload_mb", 1e-9, "--max-upload-mb must be a finite number of MiB of at least one byte"),
+    ("max_k", 0, "--max-k must be an integer >= 1, got 0"),
+    ("max_pixels", 0, "--max-pixels must be an integer >= 1, got 0"),
+])
+def test_bad_serve_limits_are_refused_before_the_model_loads(world, option, value, words):
+    def no_load(args, device):
+        raise AssertionError("the model must not be loaded before the options are checked")
+
+    with pytest.raises(svc.ServiceError) as refused:
+        serve_cmd.run_serve(_serve_args(world, token=TOKEN, **{option: value}), load=no_load)
+    assert words in str(refused.value) and "\n" not in str(refused.value)
 
 
 def test_a_store_of_another_model_is_refused(world, tmp_path):

@@ -97,14 +97,15 @@ def test_a_remove_rewrites_only_the_segments_it_hits_and_leaves_no_trace(tmp_pat
 @pytest.mark.parametrize("factory", ["Flat", "IVF8,Flat", "IVF8,PQ4x4", "IVF8,PQ4x4fs", "HNSW16", "PQ4x4", "SQ8",
                                      "OPQ4,IVF8,PQ4x4"])
 def test_updated_store_searches_as_one_built_in_one_go(tmp_path, small_segments, factory):
-    """Ids and scores equal those of one index over the same items and training, ranked by (score desc, id asc).
+    """Ids and scores equal those of one index over the same items and training, re-scored exactly.
 
     For every kind, quantised ones included: each segment scores an item as the
     one-go index does (same template; every list probed), so the only freedom is
     which of several items tying at place k FAISS keeps, and the store keeps the
     lower ids. The reference therefore ranks all items of the one-go index by
-    the same rule (its own top-k cut may keep a higher id: fast-scan scores are
-    quantised, so such ties happen).
+    (score desc, id asc) (its own top-k cut may keep a higher id: fast-scan
+    scores are quantised, so such ties happen), and, as the store does, ranks
+    those k candidates again by their inner products with the stored vectors.
     """
     feats = unit(700, seed=1)
     queries = unit(30, seed=2)
@@ -130,7 +131,10 @@ def test_updated_store_searches_as_one_built_in_one_go(tmp_path, small_segments,
         scores, ids = one.search(queries, len(keep), params=search_params)
         assert (ids >= 0).all() if store.kind != "hnsw" else (ids >= 0).sum(1).min() >= 10
         order = np.lexsort((ids, -scores), axis=-1)[:, :10]
-        ref_ids, ref_scores = np.take_along_axis(ids, order, 1), np.take_along_axis(scores, order, 1)
+        candidates = np.take_along_axis(ids, order, 1)
+        true = np.einsum("qkd,qd->qk", feats[candidates], queries)
+        again = np.lexsort((candidates, -true), axis=-1)
+        ref_ids, ref_scores = np.take_along_axis(candidates, again, 1), np.take_along_axis(true, again, 1)
     np.testing.assert_array_equal(got.ids, ref_ids)
     np.testing.assert_allclose(got.scores, ref_scores, rtol=1e-5, atol=1e-6)
     exact = store.exact_search(queries, 10)
