@@ -58,13 +58,15 @@ class ClientError(FedReIDError, ValueError):
     """A client cannot be built or run as configured; the message names it."""
 
 
-def check_split(split: ClientSplit, batch_size: int, drop_last: bool = True, *, identities: bool = False) -> None:
+def check_split(split: ClientSplit, batch_size: int, drop_last: bool = True, *, identities: bool = False,
+                batch_norm: bool = False) -> None:
     """Refuse a split the client could not train on, in one line naming the client.
 
     ``identities``: a ReID client, whose private head classifies its own
     identities (one identity gives a loss of 0: nothing to learn, yet a
     weight in the aggregation) and whose bottleneck BatchNorm cannot train
-    on a batch of one image.
+    on a batch of one image. ``batch_norm``: the model trains BatchNorm
+    layers, so no batch may hold one image either.
     """
     if len(split) == 0:
         raise ClientError(f"client {split.name!r} has an empty training split (no images to train on)")
@@ -79,11 +81,12 @@ def check_split(split: ClientSplit, batch_size: int, drop_last: bool = True, *, 
             f"client {split.name!r} has one identity: its identity head over one class has nothing to learn "
             "(the loss is 0), yet it would weigh in the aggregation; give it more identities or leave it out"
         )
-    if identities and (batch_size == 1 or (not drop_last and len(split) % batch_size == 1)):
+    if (identities or batch_norm) and (batch_size == 1 or (not drop_last and len(split) % batch_size == 1)):
+        remedy = ("use train.drop_last=true (the reference) and a batch size of at least 2" if identities else
+                  "use train.drop_last=true, or a train.batch_size of at least 2 that leaves no batch of one")
         raise ClientError(
             f"client {split.name!r}: train.batch_size={batch_size} with train.drop_last={str(drop_last).lower()} "
-            f"gives {len(split)} images a batch of one image, which BatchNorm cannot train on; "
-            "use train.drop_last=true (the reference) and a batch size of at least 2"
+            f"gives {len(split)} images a batch of one image, which BatchNorm cannot train on; {remedy}"
         )
     if drop_last and len(split) < batch_size:
         raise ClientError(

@@ -30,7 +30,7 @@ from fedreid.data.prepared import PreparedDataset, Record, load_prepared
 from fedreid.data.scenarios import ClientSplit, build_clients, by_dataset
 from fedreid.fl import classification as classification_task
 from fedreid.fl.classification import AccuracyEvaluator, ClassificationClient
-from fedreid.fl.client import Client, PublicLoaders
+from fedreid.fl.client import Client, PublicLoaders, check_split
 from fedreid.fl.evaluation import Evaluator
 from fedreid.fl.local.objectives import objective_options
 from fedreid.fl.server import Server
@@ -305,6 +305,9 @@ def build_classification_federation(cfg: Config, *, datasets: Any = None) -> Fed
     except UnknownModelError as exc:
         raise ConfigError(f"model.backbone: {exc}") from None
     model.eval()
+    if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
+        for split in splits:
+            check_split(split, cfg.train.batch_size, cfg.train.drop_last, batch_norm=True)
     evaluator = AccuracyEvaluator(test, batch_size=cfg.eval.batch_size, device=device)
     context = hook_context(cfg, len(clients), device, num_classes=train.num_classes,
                            image_size=(int(height), int(width)), image_channels=train.channels)

@@ -56,6 +56,16 @@ def test_image_folders_whose_splits_name_other_classes_are_refused(tmp_path):
         load_train_test(cfg_with("classification.dataset=imagefolder", f"classification.root={tmp_path}"))
 
 
+def test_a_batch_of_one_image_is_refused_for_a_batchnorm_model_only():
+    from fedreid.fl.client import ClientError
+
+    # client002 holds 289 digits: with batches of 32 its last batch is one image
+    with pytest.raises(ClientError, match=r"client 'client002': .* gives 289 images a batch of one image"):
+        build_classification_federation(cfg_with("model.backbone=resnet18"))
+    build_classification_federation(cfg_with("model.backbone=resnet18", "train.drop_last=true"))
+    build_classification_federation(cfg_with())  # cnn_lmd has no BatchNorm
+
+
 def test_partitioned_clients_cover_the_training_split_once():
     fed = build_classification_federation(cfg_with())
     indices = np.concatenate([np.asarray(s.records) for s in fed.splits])
