@@ -46,10 +46,10 @@ from fedreid.fl.local.objectives import OBJECTIVES, build_objective
 from fedreid.fl.local.scaffold import (
     DELTA_C_KEY,
     Scaffold,
-    momentum_steps,
     scaffold_server_control_update,
     scaffold_server_model_update,
 )
+from fedreid.fl.local.sgd import heavy_ball_steps
 
 LN = math.log
 
@@ -365,14 +365,14 @@ def test_scaffold_adaptive_division_is_the_official_momentum_weighted_gradient_m
         obj.after_step(m, opt)
     obj.end_round(m)
     weights = [(1 - 0.9 ** (steps - j)) / (1 - 0.9) for j in range(steps)]  # j = 0 .. K-1
-    assert sum(weights) == pytest.approx(momentum_steps(steps, 0.9), rel=1e-12)
+    assert sum(weights) == pytest.approx(heavy_ball_steps(steps, 0.9), rel=1e-12)
     assert weights[0] / weights[-1] > 8.7  # the first step weighs most
     for name in ("body.weight", "classifier.weight"):
         expected = sum(w * g[name] for w, g in zip(weights, grads)) / sum(weights)
         torch.testing.assert_close(obj.c_i[name], expected, atol=2e-5, rtol=1e-4)
-    assert momentum_steps(7, 0.0) == 7.0
-    with pytest.raises(ObjectiveError, match=r"momentum must be in \[0, 1\)"):
-        momentum_steps(7, 1.0)
+    assert heavy_ball_steps(7, 0.0) == 7.0
+    with pytest.raises(ValueError, match="momentum must satisfy 0 <= momentum < 1"):
+        heavy_ball_steps(7, 1.0)
 
 
 def test_scaffold_rejects_an_unknown_control_variate():

@@ -36,7 +36,7 @@ How ``c_i+`` is computed: ``control_variate`` (a named option)
 * ``"adaptive_division"``: the displacement form divided by the effective
   number of heavy-ball steps instead of ``K``: ``c_i - c + (x - y_i) /
   (K' eta_l)`` with ``K' = (K - mu (1 - mu^K) / (1 - mu)) / (1 - mu)``
-  (:func:`momentum_steps`), ``eta_l`` the round's last learning rate and
+  (:func:`~fedreid.fl.local.sgd.heavy_ball_steps`), ``eta_l`` the round's last learning rate and
   ``mu`` the optimizer's momentum. This is the official code of FedNTD and
   FedLMD (Lee-Gihun/FedNTD ``algorithms/scaffold/ClientTrainer.py:__get_divisor``
   with ``adaptive_divison: true``, their ``config/scaffold.json``). Under
@@ -108,6 +108,7 @@ from fedreid.fl.local.base import (
     cpu_clone,
     register_objective,
 )
+from fedreid.fl.local.sgd import heavy_ball_steps
 from fedreid.fl.state import weighted_average
 
 #: Key of the server control variate in the round payload.
@@ -140,21 +141,6 @@ def option_ii_control(
         denom = float(lr_sum[name])
         out[name] = base + (x[name] - y[name]) / denom if denom > 0 else base
     return out
-
-
-def momentum_steps(steps: int, momentum: float) -> float:
-    """``K' = (K - mu (1 - mu^K) / (1 - mu)) / (1 - mu)``: ``sum_j (1 - mu^(K-j+1)) / (1 - mu)`` over ``K`` steps.
-
-    How many steps' worth heavy-ball SGD with momentum ``mu`` (zero initial
-    buffer, constant rate) moves the parameters by in ``K`` steps of a
-    constant gradient; ``K`` itself at ``mu = 0``. FedNTD's SCAFFOLD divisor
-    ``new_K`` (``algorithms/scaffold/ClientTrainer.py:__get_divisor``).
-    """
-    if not 0.0 <= momentum < 1.0:
-        raise ObjectiveError(f"scaffold adaptive_division: momentum must be in [0, 1), got {momentum}")
-    if momentum == 0.0:
-        return float(steps)
-    return (steps - momentum * (1.0 - momentum**steps) / (1.0 - momentum)) / (1.0 - momentum)
 
 
 def option_ii_gradient_mean(
@@ -370,7 +356,7 @@ class Scaffold(AnchoredObjective):
             new_ci = option_ii_gradient_mean(self._grad_sum, self._lr_sum, self._plain_sum, self.steps)
         elif self.control_variate == "adaptive_division":
             # K' eta_l with the last step's rate and momentum, as the official __get_divisor reads them
-            divisors = {n: momentum_steps(self.steps, momentum) * lr
+            divisors = {n: heavy_ball_steps(self.steps, momentum) * lr
                         for n, (lr, momentum) in self._last_rate.items()}
             new_ci = option_ii_control(self._ci, self._c, self._ref, y, divisors)
         else:
@@ -405,7 +391,6 @@ __all__ = [
     "DELTA_C_KEY",
     "REFERENCES",
     "Scaffold",
-    "momentum_steps",
     "option_ii_control",
     "option_ii_gradient_mean",
     "scaffold_server_control_update",
