@@ -19,6 +19,7 @@ from torch import nn
 from fedreid.fl.local.base import (
     FedAvg,
     ObjectiveError,
+    heavy_ball_steps,
     kl_teacher_student,
     masked_log_softmax,
     masked_softmax,
@@ -49,7 +50,6 @@ from fedreid.fl.local.scaffold import (
     scaffold_server_control_update,
     scaffold_server_model_update,
 )
-from fedreid.fl.local.sgd import heavy_ball_steps
 
 LN = math.log
 

@@ -200,6 +200,23 @@ def kl_teacher_student(p_teacher: Tensor, log_q_student: Tensor, support: Option
     return (p * (log_p - log_q)).sum(dim=1)
 
 
+def heavy_ball_steps(steps: int, momentum: float) -> float:
+    """``(K - mu (1 - mu^K) / (1 - mu)) / (1 - mu)``: how many steps' worth heavy-ball SGD moves in ``K`` steps.
+
+    With momentum ``mu``, a buffer starting at zero and a constant rate, the
+    gradient of step ``j`` (1-based) moves the parameters by
+    ``(1 - mu^(K-j+1)) / (1 - mu)`` steps in all, and these sum to this;
+    ``K`` at ``mu = 0``. FedNova's ``||a_i||_1`` (Wang et al. 2020, Sec. 5)
+    and the SCAFFOLD divisor of FedNTD's code. ``0 <= momentum < 1``.
+    """
+    rho = float(momentum)
+    if not 0.0 <= rho < 1.0:
+        raise ValueError(f"momentum must satisfy 0 <= momentum < 1, got {momentum!r}")
+    if rho == 0.0:
+        return float(steps)
+    return (steps - rho * (1.0 - rho**steps) / (1.0 - rho)) / (1.0 - rho)
+
+
 def one_hot_mask(labels: Tensor, num_classes: int) -> Tensor:
     """Boolean ``[B, C]`` mask, True at each sample's true class."""
     # F.one_hot itself rejects labels outside [0, num_classes)
@@ -354,6 +371,7 @@ __all__ = [
     "check_positive",
     "cpu_clone",
     "frozen_copy",
+    "heavy_ball_steps",
     "kl_teacher_student",
     "masked_log_softmax",
     "masked_softmax",

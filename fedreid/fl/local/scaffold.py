@@ -36,7 +36,7 @@ How ``c_i+`` is computed: ``control_variate`` (a named option)
 * ``"adaptive_division"``: the displacement form divided by the effective
   number of heavy-ball steps instead of ``K``: ``c_i - c + (x - y_i) /
   (K' eta_l)`` with ``K' = (K - mu (1 - mu^K) / (1 - mu)) / (1 - mu)``
-  (:func:`~fedreid.fl.local.sgd.heavy_ball_steps`), ``eta_l`` the round's last learning rate and
+  (:func:`~fedreid.fl.local.base.heavy_ball_steps`), ``eta_l`` the round's last learning rate and
   ``mu`` the optimizer's momentum. This is the official code of FedNTD and
   FedLMD (Lee-Gihun/FedNTD ``algorithms/scaffold/ClientTrainer.py:__get_divisor``
   with ``adaptive_divison: true``, their ``config/scaffold.json``). Under
@@ -106,9 +106,9 @@ from fedreid.fl.local.base import (
     ObjectiveError,
     check_choice,
     cpu_clone,
+    heavy_ball_steps,
     register_objective,
 )
-from fedreid.fl.local.sgd import heavy_ball_steps
 from fedreid.fl.state import weighted_average
 
 #: Key of the server control variate in the round payload.

@@ -58,23 +58,6 @@ def epoch_lr_scale(epoch: int, step_size: int = 40, gamma: float = 0.1) -> float
     return gamma ** ((epoch + 1) // step_size)
 
 
-def heavy_ball_steps(steps: int, momentum: float) -> float:
-    """``(K - mu (1 - mu^K) / (1 - mu)) / (1 - mu)``: how many steps' worth heavy-ball SGD moves in ``K`` steps.
-
-    With momentum ``mu``, a buffer starting at zero and a constant rate, the
-    gradient of step ``j`` (1-based) moves the parameters by
-    ``(1 - mu^(K-j+1)) / (1 - mu)`` steps in all, and these sum to this;
-    ``K`` at ``mu = 0``. FedNova's ``||a_i||_1`` (Wang et al. 2020, Sec. 5)
-    and the SCAFFOLD divisor of FedNTD's code. ``0 <= momentum < 1``.
-    """
-    rho = float(momentum)
-    if not 0.0 <= rho < 1.0:
-        raise ValueError(f"momentum must satisfy 0 <= momentum < 1, got {momentum!r}")
-    if rho == 0.0:
-        return float(steps)
-    return (steps - rho * (1.0 - rho**steps) / (1.0 - rho)) / (1.0 - rho)
-
-
 def build_optimizer(model: nn.Module, cfg: TrainConfig, lr_scale: float = 1.0) -> torch.optim.SGD:
     """Backbone at ``lr * lr_backbone_ratio``; bottleneck + head at ``lr``.
 

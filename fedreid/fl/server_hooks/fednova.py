@@ -57,7 +57,7 @@ import torch
 from torch import Tensor, nn
 
 from fedreid.fl.aggregate import Aggregate, size_weights, uniform_weights
-from fedreid.fl.local.sgd import heavy_ball_steps
+from fedreid.fl.local.base import heavy_ball_steps
 from fedreid.fl.server_hooks.base import AggregationInput, HookContext, ServerHook, register_hook
 from fedreid.fl.update import Update
 from fedreid.options import ConfigError
