@@ -664,6 +664,10 @@ class Config:
         if len(aggregating) > 1:
             raise ConfigError(f"fl.hooks: {' and '.join(aggregating)} each replace the server's aggregation; "
                               "a run can use one of them")
+        needed = OBJECTIVES.get(self.train.objective).requires_hook
+        if needed and needed not in names:
+            raise ConfigError(f"train.objective={self.train.objective} is the client half of the {needed!r} "
+                              f"server hook; add fl.hooks=[{{name: {needed}}}]")
         own = {cls.server_hook: name for name, cls in OBJECTIVES.items() if cls.server_hook}
         for c in classes:
             if self.task not in c.tasks:

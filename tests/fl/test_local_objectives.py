@@ -375,6 +375,43 @@ def test_scaffold_adaptive_division_is_the_official_momentum_weighted_gradient_m
         heavy_ball_steps(7, 1.0)
 
 
+def test_fednova_ccvr_subtracts_the_clients_last_normalised_update():
+    # FedNTD algorithms/fednova: d_i = (x - y_i) / (lr a_i) after a round, the next round's
+    # gradients g - d_i (weighted_d, never updated there, stays 0). A constant gradient 0.5
+    # under heavy-ball momentum 0.9: d_i = 0.5 after round 1, so round 2's gradient is 0 and
+    # the model stays put (d_i = 0 after it); round 3 trains as round 1 again.
+    m = Scalars(a=1.0)
+    obj = build_objective("fednova_ccvr")
+    moves, ds = [], []
+    for r in range(3):
+        start = float(m.a.detach())
+        obj.begin_round(m, {"a": m.a.detach().clone()}, round_index=r)
+        opt = torch.optim.SGD([m.a], lr=0.01, momentum=0.9)
+        for _ in range(50):
+            opt.zero_grad()
+            (0.5 * m.a).sum().backward()
+            obj.before_step(m, opt)
+            opt.step()
+            obj.after_step(m, opt)
+        obj.end_round(m)
+        moves.append(start - float(m.a.detach()))
+        ds.append(float(roundtrip(obj.state_dict())["d_i"]["a"]))
+    assert moves[0] == pytest.approx(0.01 * 0.5 * heavy_ball_steps(50, 0.9), rel=1e-5)
+    assert ds[0] == pytest.approx(0.5, abs=1e-5)
+    assert moves[1] == pytest.approx(0.0, abs=1e-6) and ds[1] == pytest.approx(0.0, abs=1e-4)
+    assert moves[2] == pytest.approx(moves[0], rel=1e-4) and ds[2] == pytest.approx(0.5, abs=1e-4)
+
+
+def test_fednova_ccvr_needs_the_fednova_server_hook():
+    from fedreid.config import ConfigError, load_config
+
+    base = ["task=classification", "fl.aggregation=fedavg", "model.backbone=cnn_lmd", "train.objective=fednova_ccvr"]
+    with pytest.raises(ConfigError, match=r"train.objective=fednova_ccvr is the client half of the 'fednova' "
+                                          r"server hook; add fl.hooks=\[\{name: fednova\}\]"):
+        load_config(None, base)
+    assert load_config(None, base + ["fl.hooks=[{name: fednova}]"]).hook_specs()[0][0] == "fednova"
+
+
 def test_scaffold_rejects_an_unknown_control_variate():
     with pytest.raises(ObjectiveError, match="control_variate"):
         Scaffold(control_variate="option_i")

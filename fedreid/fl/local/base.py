@@ -246,6 +246,8 @@ class LocalObjective:
     needs_class_counts: ClassVar[bool] = False
     #: The registered server hook that is this method's server half (SCAFFOLD, FedDyn), if any.
     server_hook: ClassVar[Optional[str]] = None
+    #: A server hook the run must configure itself for this client to make sense (FedNova's CCVR client).
+    requires_hook: ClassVar[Optional[str]] = None
 
     def __init__(self) -> None:
         self.round_index: int = 0

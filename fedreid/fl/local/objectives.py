@@ -6,21 +6,22 @@ the interface every objective follows is documented in
 dataclass (``cls.Options``), which ``train.objective_options`` is built into
 and checked against (:func:`objective_options`). Methods and their papers:
 
-=============  ==============================================  =================================
-name           class                                           paper
-=============  ==============================================  =================================
-fedavg         :class:`~fedreid.fl.local.base.FedAvg`          McMahan et al., AISTATS 2017
-fedprox        :class:`~fedreid.fl.local.fedprox.FedProx`      Li et al., MLSys 2020
-scaffold       :class:`~fedreid.fl.local.scaffold.Scaffold`    Karimireddy et al., ICML 2020
-feddyn         :class:`~fedreid.fl.local.feddyn.FedDyn`        Acar et al., ICLR 2021
-moon           :class:`~fedreid.fl.local.moon.Moon`            Li, He, Song, CVPR 2021
-fedntd         :class:`~fedreid.fl.local.fedntd.FedNTD`        Lee et al., NeurIPS 2022
-fedlmd         :class:`~fedreid.fl.local.fedlmd.FedLMD`        Lu et al., ACM MM 2023
-fedlmd_tf      :class:`~fedreid.fl.local.fedlmd.FedLMDTf`      Lu et al., ACM MM 2023
-fedgen         :class:`~fedreid.fl.local.fedgen.FedGen`        Zhu, Hong, Zhou, ICML 2021
-fedrs          :class:`~fedreid.fl.local.fedrs.FedRS`          Li & Zhan, KDD 2021
-fedcurv        :class:`~fedreid.fl.local.fedcurv.FedCurv`      Shoham et al., NeurIPS-W 2019
-=============  ==============================================  =================================
+=============  ======================================================  =========================================
+name           class                                                   paper
+=============  ======================================================  =========================================
+fedavg         :class:`~fedreid.fl.local.base.FedAvg`                  McMahan et al., AISTATS 2017
+fedprox        :class:`~fedreid.fl.local.fedprox.FedProx`              Li et al., MLSys 2020
+scaffold       :class:`~fedreid.fl.local.scaffold.Scaffold`            Karimireddy et al., ICML 2020
+feddyn         :class:`~fedreid.fl.local.feddyn.FedDyn`                Acar et al., ICLR 2021
+moon           :class:`~fedreid.fl.local.moon.Moon`                    Li, He, Song, CVPR 2021
+fedntd         :class:`~fedreid.fl.local.fedntd.FedNTD`                Lee et al., NeurIPS 2022
+fedlmd         :class:`~fedreid.fl.local.fedlmd.FedLMD`                Lu et al., ACM MM 2023
+fedlmd_tf      :class:`~fedreid.fl.local.fedlmd.FedLMDTf`              Lu et al., ACM MM 2023
+fedgen         :class:`~fedreid.fl.local.fedgen.FedGen`                Zhu, Hong, Zhou, ICML 2021
+fedrs          :class:`~fedreid.fl.local.fedrs.FedRS`                  Li & Zhan, KDD 2021
+fedcurv        :class:`~fedreid.fl.local.fedcurv.FedCurv`              Shoham et al., NeurIPS-W 2019
+fednova_ccvr   :class:`~fedreid.fl.local.fednova_ccvr.FedNovaCCVR`     FedNTD's code (FedNova, Wang et al. 2020)
+=============  ======================================================  =========================================
 
 A new objective is one module with a :class:`~fedreid.fl.local.base.LocalObjective`
 subclass decorated with :func:`~fedreid.fl.local.base.register_objective`, imported here.
@@ -36,6 +37,7 @@ from fedreid.fl.local.fedcurv import FedCurv
 from fedreid.fl.local.feddyn import FedDyn
 from fedreid.fl.local.fedgen import FedGen
 from fedreid.fl.local.fedlmd import FedLMD, FedLMDTf
+from fedreid.fl.local.fednova_ccvr import FedNovaCCVR
 from fedreid.fl.local.fedntd import FedNTD
 from fedreid.fl.local.fedprox import FedProx
 from fedreid.fl.local.fedrs import FedRS
@@ -76,7 +78,8 @@ def build_objective(name: str, *, class_counts: Optional[Sequence[float]] = None
 
 
 #: The built-in objectives, registered by their modules (``@register_objective``).
-BUILT_IN = (FedAvg, FedProx, Scaffold, FedDyn, Moon, FedNTD, FedLMD, FedLMDTf, FedGen, FedRS, FedCurv)
+BUILT_IN = (FedAvg, FedProx, Scaffold, FedDyn, Moon, FedNTD, FedLMD, FedLMDTf, FedGen, FedRS, FedCurv,
+            FedNovaCCVR)
 
 
 __all__ = ["OBJECTIVES", "build_objective", "objective_class", "objective_options", "register_objective"]

@@ -1,0 +1,125 @@
+"""FedNova's client with the "cross-client variance reduction" of FedNTD's and FedLMD's official code.
+
+The FedNova paper (Wang et al., NeurIPS 2020, Eq. 7) changes only the
+server's averaging (:mod:`fedreid.fl.server_hooks.fednova`): its clients run
+plain local SGD (``train.objective: fedavg``). The code the FedLMD paper ran
+its FedNova baseline with (Lee-Gihun/FedNTD ``algorithms/fednova/``, the same
+files in wnma3mz/FedLMD, ``config/fednova.json``: ``nova_ccvr: true``) also
+corrects every local gradient (``ClientTrainer._nova_step``)::
+
+    g <- g + c_i,   c_i = weighted_d - d_i
+
+where ``d_i = (x - y_i) / (eta a_i)`` is the client's normalised update of
+the last round it took part in (``Server._clients_training``: ``aidi /
+local_a``, ``aidi = (x - y_i) / eta`` with ``eta`` the round's learning rate,
+``a_i = ||a_i||_1`` of its heavy-ball steps, :func:`heavy_ball_steps`), zero
+before its first round. ``weighted_d`` is meant to be the clients'
+size-weighted mean of the ``d_i``, but ``Server._update_weighted_d`` is never
+called, so it stays zero and the correction is ``-d_i``. This objective does
+exactly that: ``train.objective: fednova_ccvr`` with the ``fednova`` server
+hook reproduces the official FedNova baseline.
+
+``d_i`` covers the shared trainable parameters
+(:func:`~fedreid.fl.local.base.shared_parameters`), persists in
+:meth:`state_dict`, and is computed from the round's steps ``K`` and the
+last step's learning rate and momentum, as the official code reads them.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any, ClassVar, Mapping, Optional
+
+import torch
+from torch import Tensor, nn
+
+from fedreid.fl.local.base import (
+    AnchoredObjective,
+    ObjectiveError,
+    cpu_clone,
+    heavy_ball_steps,
+    register_objective,
+)
+
+#: Key of ``d_i`` in :meth:`FedNovaCCVR.state_dict`.
+D_KEY = "d_i"
+
+
+@register_objective
+class FedNovaCCVR(AnchoredObjective):
+    """Local SGD on ``g - d_i`` (FedNTD's ``nova_ccvr``, see the module docstring); client state ``d_i``."""
+
+    name = "fednova_ccvr"
+    #: The FedNova server hook must aggregate (checked with the config).
+    requires_hook: ClassVar[Optional[str]] = "fednova"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.d_i: "OrderedDict[str, Tensor]" = OrderedDict()  # CPU, persisted
+        self._correction: dict[str, Tensor] = {}
+        self._last_rate: dict[str, tuple[float, float]] = {}
+
+    def begin_round(
+        self,
+        model: nn.Module,
+        global_state: Mapping[str, Tensor],
+        *,
+        round_index: int = 0,
+        payload: Optional[Mapping[str, Any]] = None,
+    ) -> None:
+        super().begin_round(model, global_state, round_index=round_index, payload=payload)
+        self._correction = OrderedDict()
+        for name, p in self._params.items():
+            d = self.d_i.get(name)
+            if d is not None and tuple(d.shape) != tuple(p.shape):
+                raise ObjectiveError(f"fednova_ccvr: d_i of {name} has shape {tuple(d.shape)}, "
+                                     f"parameter has {tuple(p.shape)}")
+            # c_i = weighted_d - d_i with the official weighted_d, which stays zero
+            self._correction[name] = (torch.zeros_like(p) if d is None
+                                      else -d.to(device=p.device, dtype=p.dtype)).detach()
+        self._last_rate = {}
+
+    def before_step(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """``g <- g + c_i`` on every shared parameter (one without a gradient gets ``c_i``)."""
+        self._check_in_round("before_step")
+        with torch.no_grad():
+            for name, p in self._params.items():
+                if p.grad is None:
+                    p.grad = self._correction[name].clone()
+                else:
+                    p.grad.add_(self._correction[name])
+
+    def after_step(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        super().after_step(model, optimizer)
+        groups = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+        for name, p in self._params.items():
+            group = groups.get(id(p))
+            if group is not None:
+                self._last_rate[name] = (float(group["lr"]), float(group.get("momentum", 0.0) or 0.0))
+
+    def end_round(self, model: nn.Module) -> dict[str, Any]:
+        """``d_i = (x - y_i) / (eta a_i)`` for the client's next round (``Server._clients_training``)."""
+        self._check_in_round("end_round")
+        if self.steps == 0:
+            raise ObjectiveError("fednova_ccvr: end_round() after zero local steps")
+        new_d: "OrderedDict[str, Tensor]" = OrderedDict()
+        for name, p in self._params.items():
+            lr, momentum = self._last_rate.get(name, (0.0, 0.0))
+            scale = lr * heavy_ball_steps(self.steps, momentum)
+            move = self._ref[name] - p.detach()
+            new_d[name] = move / scale if scale > 0 else torch.zeros_like(move)
+        self.d_i = cpu_clone(new_d)
+        self._params, self._ref, self._correction, self._last_rate = {}, {}, {}, {}
+        return super().end_round(model)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {D_KEY: cpu_clone(self.d_i)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        unknown = set(state) - {D_KEY}
+        if unknown:
+            raise ObjectiveError(f"fednova_ccvr: unknown state keys {sorted(unknown)}")
+        self.d_i = cpu_clone(state.get(D_KEY, {}))
+
+
+__all__ = ["D_KEY", "FedNovaCCVR"]
