@@ -7,8 +7,8 @@ queries from the same distribution. For each factory, a
 
 * build    - seconds of ``GalleryStore.create`` (training, adding, writing the
              whole store: index, vectors, SQLite table, header with checksums);
-* index MB - size of the segments' indexes on disk (every ``seg-<n>.faiss``; ``--refine``
-             re-scores PQ candidates from the stored vectors, which are not counted) (the
+* index MB - size of the segments' indexes on disk (every ``seg-<n>.faiss``; every
+             factory but ``Flat`` re-scores its candidates from the stored vectors, which are not counted) (the
              store also keeps the raw vectors, ``seg-<n>.vectors.npy``, for exact
              verification and HNSW rebuilds);
 * recall   - recall@10 against exact search on ``--sample`` stored vectors
@@ -18,7 +18,7 @@ queries from the same distribution. For each factory, a
 * q/s 1t   - queries per second, one query per call, one thread;
 * q/s batch- queries per second, all queries in one call, all threads;
 * x exact  - both throughputs over the first factory's (list Flat first);
-* q/s cold - with ``--refine``: single-thread queries per second right after the
+* q/s cold - every factory but ``Flat``: single-thread queries per second right after the
              store is reopened and every ``seg-<n>.vectors.npy`` is dropped from the page cache
              (``posix_fadvise(DONTNEED)``), so re-scoring reads its rows from disk;
 * remove   - with ``--remove N``: one more line per factory, the seconds of
@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
             store.search(queries, 10)
             qpsb = args.queries / (time.perf_counter() - t0)
             cold = "-"
-            if refine > 1:
+            if factory != "Flat":  # its candidates are re-scored from the stored vectors
                 del store
                 store = GalleryStore.open(folder)  # maps the segments' vectors; no page of them is mapped in yet
                 for seg in store.segments:
