@@ -140,6 +140,49 @@ def reference_point(
     )
 
 
+def on_parameter(p: Tensor, value: Optional[Tensor], what: str) -> Tensor:
+    """Stored per-parameter state as a detached copy on ``p``'s device and dtype; zeros when ``value`` is None.
+
+    Another shape than ``p``'s is an :class:`ObjectiveError` naming ``what``
+    (e.g. ``"scaffold: client control body.weight"``).
+    """
+    if value is None:
+        return torch.zeros_like(p, memory_format=torch.contiguous_format).detach()
+    if tuple(value.shape) != tuple(p.shape):
+        raise ObjectiveError(f"{what} has shape {tuple(value.shape)}, parameter has {tuple(p.shape)}")
+    return value.detach().to(device=p.device, dtype=p.dtype, copy=True)
+
+
+def add_to_gradients(params: Mapping[str, Tensor], correction: Mapping[str, Tensor]) -> None:
+    """``p.grad += correction[name]`` for every parameter; one without a gradient gets the correction itself."""
+    with torch.no_grad():
+        for name, p in params.items():
+            if p.grad is None:
+                p.grad = correction[name].clone()
+            else:
+                p.grad.add_(correction[name])
+
+
+def param_groups_by_id(optimizer: torch.optim.Optimizer) -> dict[int, dict[str, Any]]:
+    """``id(parameter) -> its param group`` (learning rate, momentum, weight decay)."""
+    return {id(p): g for g in optimizer.param_groups for p in g["params"]}
+
+
+def step_rates(optimizer: torch.optim.Optimizer, params: Mapping[str, Tensor]) -> dict[str, tuple[float, float]]:
+    """``name -> (lr, momentum)`` of each parameter's group now; ``(0.0, 0.0)`` outside the optimizer."""
+    groups = param_groups_by_id(optimizer)
+    rates = {}
+    for name, p in params.items():
+        group = groups.get(id(p))
+        rates[name] = (0.0, 0.0) if group is None else (float(group["lr"]), float(group.get("momentum", 0.0) or 0.0))
+    return rates
+
+
+def heavy_ball_divisors(steps: int, rates: Mapping[str, tuple[float, float]]) -> dict[str, float]:
+    """``name -> lr * heavy_ball_steps(steps, momentum)``: what ``K`` heavy-ball steps at ``rates`` move per unit gradient."""
+    return {name: lr * heavy_ball_steps(steps, momentum) for name, (lr, momentum) in rates.items()}
+
+
 def cpu_clone(tensors: Mapping[str, Tensor]) -> "OrderedDict[str, Tensor]":
     return OrderedDict((k, v.detach().to("cpu", copy=True)) for k, v in tensors.items())
 
@@ -372,14 +415,19 @@ __all__ = [
     "check_choice",
     "check_positive",
     "cpu_clone",
+    "add_to_gradients",
     "frozen_copy",
+    "heavy_ball_divisors",
     "heavy_ball_steps",
     "kl_teacher_student",
     "masked_log_softmax",
     "masked_softmax",
+    "on_parameter",
     "one_hot_mask",
+    "param_groups_by_id",
     "reference_point",
     "register_objective",
     "representation",
     "shared_parameters",
+    "step_rates",
 ]

@@ -12,7 +12,7 @@ corrects every local gradient (``ClientTrainer._nova_step``)::
 where ``d_i = (x - y_i) / (eta a_i)`` is the client's normalised update of
 the last round it took part in (``Server._clients_training``: ``aidi /
 local_a``, ``aidi = (x - y_i) / eta`` with ``eta`` the round's learning rate,
-``a_i = ||a_i||_1`` of its heavy-ball steps, :func:`heavy_ball_steps`), zero
+``a_i = ||a_i||_1`` of its heavy-ball steps, :func:`~fedreid.fl.local.base.heavy_ball_steps`), zero
 before its first round. ``weighted_d`` is meant to be the clients'
 size-weighted mean of the ``d_i``, but ``Server._update_weighted_d`` is never
 called, so it stays zero and the correction is ``-d_i``. This objective does
@@ -36,9 +36,12 @@ from torch import Tensor, nn
 from fedreid.fl.local.base import (
     AnchoredObjective,
     ObjectiveError,
+    add_to_gradients,
     cpu_clone,
-    heavy_ball_steps,
+    heavy_ball_divisors,
+    on_parameter,
     register_objective,
+    step_rates,
 )
 
 #: Key of ``d_i`` in :meth:`FedNovaCCVR.state_dict`.
@@ -68,46 +71,32 @@ class FedNovaCCVR(AnchoredObjective):
         payload: Optional[Mapping[str, Any]] = None,
     ) -> None:
         super().begin_round(model, global_state, round_index=round_index, payload=payload)
-        self._correction = OrderedDict()
-        for name, p in self._params.items():
-            d = self.d_i.get(name)
-            if d is not None and tuple(d.shape) != tuple(p.shape):
-                raise ObjectiveError(f"fednova_ccvr: d_i of {name} has shape {tuple(d.shape)}, "
-                                     f"parameter has {tuple(p.shape)}")
-            # c_i = weighted_d - d_i with the official weighted_d, which stays zero
-            self._correction[name] = (torch.zeros_like(p) if d is None
-                                      else -d.to(device=p.device, dtype=p.dtype)).detach()
+        # c_i = weighted_d - d_i with the official weighted_d, which stays zero
+        self._correction = OrderedDict(
+            (name, on_parameter(p, None if name not in self.d_i else -self.d_i[name], f"fednova_ccvr: d_i of {name}"))
+            for name, p in self._params.items()
+        )
         self._last_rate = {}
 
     def before_step(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """``g <- g + c_i`` on every shared parameter (one without a gradient gets ``c_i``)."""
         self._check_in_round("before_step")
-        with torch.no_grad():
-            for name, p in self._params.items():
-                if p.grad is None:
-                    p.grad = self._correction[name].clone()
-                else:
-                    p.grad.add_(self._correction[name])
+        add_to_gradients(self._params, self._correction)
 
     def after_step(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         super().after_step(model, optimizer)
-        groups = {id(p): g for g in optimizer.param_groups for p in g["params"]}
-        for name, p in self._params.items():
-            group = groups.get(id(p))
-            if group is not None:
-                self._last_rate[name] = (float(group["lr"]), float(group.get("momentum", 0.0) or 0.0))
+        self._last_rate = step_rates(optimizer, self._params)
 
     def end_round(self, model: nn.Module) -> dict[str, Any]:
         """``d_i = (x - y_i) / (eta a_i)`` for the client's next round (``Server._clients_training``)."""
         self._check_in_round("end_round")
         if self.steps == 0:
             raise ObjectiveError("fednova_ccvr: end_round() after zero local steps")
+        divisors = heavy_ball_divisors(self.steps, self._last_rate)
         new_d: "OrderedDict[str, Tensor]" = OrderedDict()
         for name, p in self._params.items():
-            lr, momentum = self._last_rate.get(name, (0.0, 0.0))
-            scale = lr * heavy_ball_steps(self.steps, momentum)
             move = self._ref[name] - p.detach()
-            new_d[name] = move / scale if scale > 0 else torch.zeros_like(move)
+            new_d[name] = move / divisors[name] if divisors[name] > 0 else torch.zeros_like(move)
         self.d_i = cpu_clone(new_d)
         self._params, self._ref, self._correction, self._last_rate = {}, {}, {}, {}
         return super().end_round(model)

@@ -104,10 +104,14 @@ from fedreid.errors import ConfigError
 from fedreid.fl.local.base import (
     AnchoredObjective,
     ObjectiveError,
+    add_to_gradients,
     check_choice,
     cpu_clone,
-    heavy_ball_steps,
+    heavy_ball_divisors,
+    on_parameter,
+    param_groups_by_id,
     register_objective,
+    step_rates,
 )
 from fedreid.fl.state import weighted_average
 
@@ -283,12 +287,12 @@ class Scaffold(AnchoredObjective):
             if missing:
                 raise ObjectiveError(f"scaffold: the server's average has no {missing[0]}")
             self._ref = OrderedDict(
-                (n, self._on(p, average[n], f"server average {n}")) for n, p in self._params.items())
+                (n, on_parameter(p, average[n], f"scaffold: server average {n}")) for n, p in self._params.items())
         self._c = OrderedDict()
         self._ci = OrderedDict()
         for name, p in self._params.items():
-            self._c[name] = self._on(p, server_c.get(name) if server_c else None, f"server control {name}")
-            self._ci[name] = self._on(p, self.c_i.get(name), f"client control {name}")
+            self._c[name] = on_parameter(p, server_c.get(name) if server_c else None, f"scaffold: server control {name}")
+            self._ci[name] = on_parameter(p, self.c_i.get(name), f"scaffold: client control {name}")
         # g - c_i + c: the correction is the same every step of the round
         self._correction = OrderedDict((n, self._c[n] - self._ci[n]) for n in self._params)
         self._lr_sum = {n: 0.0 for n in self._params}
@@ -297,14 +301,6 @@ class Scaffold(AnchoredObjective):
             self._plain_sum = OrderedDict((n, torch.zeros_like(c)) for n, c in self._c.items())
         else:
             self._grad_sum, self._plain_sum = {}, {}
-
-    @staticmethod
-    def _on(p: Tensor, value: Optional[Tensor], what: str) -> Tensor:
-        if value is None:
-            return torch.zeros_like(p, memory_format=torch.contiguous_format).detach()
-        if tuple(value.shape) != tuple(p.shape):
-            raise ObjectiveError(f"scaffold: {what} has shape {tuple(value.shape)}, parameter has {tuple(p.shape)}")
-        return value.detach().to(device=p.device, dtype=p.dtype, copy=True)
 
     def before_step(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """``g <- g - c_i + c`` on every method parameter (unused ones get ``c - c_i``).
@@ -315,36 +311,34 @@ class Scaffold(AnchoredObjective):
         by the step's learning rate, to the round's sums.
         """
         self._check_in_round("before_step")
-        accumulate = self.control_variate == "gradient_mean"
-        groups = _group_of(optimizer) if accumulate else {}
+        if self.control_variate == "gradient_mean":
+            self._accumulate_gradients(optimizer)
+        add_to_gradients(self._params, self._correction)
+
+    def _accumulate_gradients(self, optimizer: torch.optim.Optimizer) -> None:
+        """Add this step's uncorrected ``g_k + wd * y_k``, and it times the step's rate, to the round's sums."""
+        groups = param_groups_by_id(optimizer)
         with torch.no_grad():
             for name, p in self._params.items():
-                if accumulate:
-                    group = groups.get(id(p))
-                    lr = float(group["lr"]) if group is not None else 0.0
-                    wd = float(group.get("weight_decay", 0.0) or 0.0) if group is not None else 0.0
-                    g = p.grad.detach() if p.grad is not None else None
-                    if wd:
-                        g = p.detach() * wd if g is None else g + p.detach() * wd
-                    if g is not None:
-                        self._plain_sum[name].add_(g)
-                        if lr:
-                            self._grad_sum[name].add_(g, alpha=lr)
-                if p.grad is None:
-                    p.grad = self._correction[name].clone()
-                else:
-                    p.grad.add_(self._correction[name])
+                group = groups.get(id(p))
+                lr = float(group["lr"]) if group is not None else 0.0
+                wd = float(group.get("weight_decay", 0.0) or 0.0) if group is not None else 0.0
+                g = p.grad.detach() if p.grad is not None else None
+                if wd:
+                    g = p.detach() * wd if g is None else g + p.detach() * wd
+                if g is not None:
+                    self._plain_sum[name].add_(g)
+                    if lr:
+                        self._grad_sum[name].add_(g, alpha=lr)
 
     def after_step(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """Count the step and add each parameter's current learning rate to its ``K eta_l`` sum."""
         super().after_step(model, optimizer)
-        groups = _group_of(optimizer)
-        for name, p in self._params.items():
-            group = groups.get(id(p))
-            lr = float(group["lr"]) if group is not None else 0.0
+        rates = step_rates(optimizer, self._params)
+        for name, (lr, _) in rates.items():
             self._lr_sum[name] += lr
-            if self.control_variate == "adaptive_division":
-                self._last_rate[name] = (lr, float(group.get("momentum", 0.0) or 0.0) if group is not None else 0.0)
+        if self.control_variate == "adaptive_division":
+            self._last_rate = rates
 
     def end_round(self, model: nn.Module) -> dict[str, Any]:
         """``c_i+`` (option II), ``c_i <- c_i+``; returns ``{"scaffold_delta_c": Delta c_i}`` (CPU)."""
@@ -356,9 +350,8 @@ class Scaffold(AnchoredObjective):
             new_ci = option_ii_gradient_mean(self._grad_sum, self._lr_sum, self._plain_sum, self.steps)
         elif self.control_variate == "adaptive_division":
             # K' eta_l with the last step's rate and momentum, as the official __get_divisor reads them
-            divisors = {n: heavy_ball_steps(self.steps, momentum) * lr
-                        for n, (lr, momentum) in self._last_rate.items()}
-            new_ci = option_ii_control(self._ci, self._c, self._ref, y, divisors)
+            new_ci = option_ii_control(self._ci, self._c, self._ref, y,
+                                       heavy_ball_divisors(self.steps, self._last_rate))
         else:
             new_ci = option_ii_control(self._ci, self._c, self._ref, y, self._lr_sum)
         delta = OrderedDict((n, new_ci[n] - self._ci[n]) for n in new_ci)
@@ -377,11 +370,6 @@ class Scaffold(AnchoredObjective):
         if unknown:
             raise ObjectiveError(f"scaffold: unknown state keys {sorted(unknown)}")
         self.c_i = cpu_clone(state.get("c_i", {}))
-
-
-def _group_of(optimizer: torch.optim.Optimizer) -> dict[int, dict[str, Any]]:
-    """``id(parameter) -> its param group`` (learning rate, weight decay)."""
-    return {id(p): g for g in optimizer.param_groups for p in g["params"]}
 
 
 __all__ = [
