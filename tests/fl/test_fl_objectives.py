@@ -87,6 +87,39 @@ def test_scaffold_server_model_is_the_unweighted_mean_of_client_models(world, tm
     assert torch.allclose(params[name].detach(), expected, atol=1e-6)
 
 
+@pytest.mark.parametrize("name, options", [
+    ("scaffold", {"server_weighting": "size"}),
+    ("feddyn", {"alpha": 0.1, "server_weighting": "size"}),
+    ("feddyn", {"alpha": 0.1}),
+])
+def test_server_halves_weigh_the_client_models_as_configured(world, tmp_path, name, options):
+    """server_weighting=size: the official FedNTD mean sum_k (n_k / n) y_k; uniform: the papers' 1/|S|."""
+    cfg = tiny_config(world, objective(name, **options) + ["fl.rounds=1", "eval.every=1"])
+    fed = build_federation(cfg)
+    sent = dict(fed.server.global_state)
+    updates = []
+
+    def fit(k, payload, instructions):
+        update = fed.clients[k].fit(fed.work_model, payload, instructions)
+        updates.append(update)
+        return update
+
+    fed.server.run_round(fit)
+    params = dict(fed.server.model.named_parameters())
+    name_p = next(n for n in sent if n in params and sent[n].is_floating_point())
+    sizes = [u.num_samples for u in updates]
+    by_size = sum(n / sum(sizes) * u.state[name_p] for n, u in zip(sizes, updates))
+    plain = sum(u.state[name_p] for u in updates) / len(updates)
+    assert not torch.allclose(by_size, plain, atol=1e-5)  # the clients' sizes differ enough to tell them apart
+    mean = by_size if options.get("server_weighting") == "size" else plain
+    if name == "scaffold":
+        expected = mean
+    else:  # h = -alpha (1/m) sum (theta_k - x), theta = mean - h / alpha
+        h = -options["alpha"] / len(fed.clients) * sum(u.state[name_p] - sent[name_p] for u in updates)
+        expected = mean - h / options["alpha"]
+    assert torch.allclose(params[name_p].detach(), expected, atol=1e-5)
+
+
 def test_scaffold_reference_average_is_the_aggregate_before_kd_changed_it(world, tmp_path):
     """reference=average: round 2's payload carries round 1's aggregate, not the KD-trained model sent."""
     from fedreid.fl.local.base import OBJECTIVE_PAYLOAD

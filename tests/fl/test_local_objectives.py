@@ -440,6 +440,12 @@ def test_scaffold_server_updates():
     # x + eta_g mean(Delta y) = 1 - 0.3 (eta_g = 1), 1 - 0.15 (eta_g = 0.5)
     assert scaffold_server_model_update(x, dys)["a"].item() == pytest.approx(0.7)
     assert scaffold_server_model_update(x, dys, global_lr=0.5)["a"].item() == pytest.approx(0.85)
+    # FedNTD's official size-weighted mean, client sizes 30 and 10: 1 + (0.75 * -0.2 + 0.25 * -0.4) = 0.75
+    assert scaffold_server_model_update(x, dys, weights=[30, 10])["a"].item() == pytest.approx(0.75)
+    with pytest.raises(ObjectiveError, match="scaffold server mean: 1 weights for 2 clients"):
+        scaffold_server_model_update(x, dys, weights=[1.0])
+    with pytest.raises(ObjectiveError, match="weights must be finite, non-negative and sum to > 0"):
+        scaffold_server_model_update(x, dys, weights=[0.0, 0.0])
 
 
 # ---------------------------------------------------------------------------
@@ -498,6 +504,18 @@ def test_feddyn_server_update_matches_paper_and_official_form():
     assert theta2["w"].item() == pytest.approx(1.675)
     # official: hist_1 = 0.2 - 0.1 = 0.1, hist_2 = 0.6 -> 1.5 + 0.7/4 = 1.675
     assert theta2["w"].item() == pytest.approx(1.5 + (0.1 + 0.6) / 4)
+
+
+def test_feddyn_server_update_with_size_weights_changes_the_mean_only():
+    """FedNTD's feddyn/Server.py:_aggregation: theta = sum_k (n_k/n) theta_k - h/alpha, h as the paper."""
+    prev = {"w": torch.tensor([1.0])}
+    clients = [{"w": torch.tensor([1.2])}, {"w": torch.tensor([1.6])}]
+    theta, h = feddyn_server_update(prev, clients, None, 0.1, 4, weights=[300, 100])
+    # h = -0.02 as with the plain mean; theta = 0.75 * 1.2 + 0.25 * 1.6 + 0.2 = 1.5
+    assert h["w"].item() == pytest.approx(-0.02)
+    assert theta["w"].item() == pytest.approx(1.5)
+    plain, _ = feddyn_server_update(prev, clients, None, 0.1, 4, weights=[1, 1])
+    assert plain["w"].item() == pytest.approx(1.6)
 
 
 # ---------------------------------------------------------------------------

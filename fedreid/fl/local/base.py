@@ -62,7 +62,7 @@ from __future__ import annotations
 
 import copy
 from collections import OrderedDict
-from typing import Any, ClassVar, Mapping, Optional
+from typing import Any, ClassVar, Mapping, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -100,6 +100,24 @@ def check_choice(name: str, value: str, choices: tuple[str, ...]) -> str:
     if value not in choices:
         raise ObjectiveError(f"unknown {name} {value!r}; choose one of {', '.join(choices)}")
     return value
+
+
+#: How the server halves of SCAFFOLD and FedDyn weigh the client models in their mean:
+#: ``uniform`` (``1 / |S|``, both papers' Algorithm 1) or ``size`` (``n_k / n``, FedNTD's and
+#: FedLMD's official ``BaseServer._aggregation`` and ``feddyn/Server.py:_aggregation``).
+SERVER_WEIGHTINGS: tuple[str, ...] = ("uniform", "size")
+
+
+def mean_weights(weights: Optional[Sequence[float]], count: int, what: str) -> list[float]:
+    """``weights`` (one non-negative number per client, positive sum) as floats; None means ``[1.0] * count``."""
+    if weights is None:
+        return [1.0] * count
+    values = [float(w) for w in weights]
+    if len(values) != count:
+        raise ObjectiveError(f"{what}: {len(values)} weights for {count} clients")
+    if any(not (w >= 0.0 and w < float("inf")) for w in values) or sum(values) <= 0.0:
+        raise ObjectiveError(f"{what}: weights must be finite, non-negative and sum to > 0, got {values}")
+    return values
 
 
 def representation(model: nn.Module, x: Tensor) -> Tensor:
@@ -409,6 +427,7 @@ __all__ = [
     "AnchoredObjective",
     "OBJECTIVES",
     "OBJECTIVE_PAYLOAD",
+    "SERVER_WEIGHTINGS",
     "FedAvg",
     "LocalObjective",
     "ObjectiveError",
@@ -422,6 +441,7 @@ __all__ = [
     "kl_teacher_student",
     "masked_log_softmax",
     "masked_softmax",
+    "mean_weights",
     "on_parameter",
     "one_hot_mask",
     "param_groups_by_id",

@@ -40,6 +40,10 @@ the signs agree. Differences of the official code, and how to get them here:
 * gradient-norm clipping at 10 (``max_norm``) in the local loop, and the
   server's plain (unweighted) mean over ``P_t`` (as the paper) -- the first is
   a training-loop option, not part of the objective.
+* FedNTD's and FedLMD's official FedDyn (Lee-Gihun/FedNTD
+  ``algorithms/feddyn/Server.py:_aggregation``) weighs the mean of the models
+  by client size, ``theta^t = sum_k (n_k / n) theta_k - h^t / alpha``, with the
+  same ``h`` update (an unweighted sum over ``P_t``): ``server_weighting: size``.
 * only ``model.parameters()`` take part (buffers are averaged separately); the
   same here: the method parameters are the shared trainable parameters
   (:func:`~fedreid.fl.local.base.shared_parameters`).
@@ -51,16 +55,19 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, ClassVar, Mapping, Optional, Sequence
+from typing import Any, ClassVar, Literal, Mapping, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
 
 from fedreid.fl.local.base import (
+    SERVER_WEIGHTINGS,
     AnchoredObjective,
     ObjectiveError,
+    check_choice,
     check_positive,
     cpu_clone,
+    mean_weights,
     register_objective,
 )
 from fedreid.fl.state import weighted_average
@@ -112,12 +119,16 @@ def feddyn_server_update(
     h: Optional[Mapping[str, Tensor]],
     alpha: float,
     num_clients: int,
+    weights: Optional[Sequence[float]] = None,
 ) -> tuple["OrderedDict[str, Tensor]", "OrderedDict[str, Tensor]"]:
     """``(theta^t, h^t)`` from Algorithm 1's server step; ``h=None`` means ``h^{t-1} = 0``.
 
     ``client_thetas``: the active clients' trained parameters (``|P_t|`` of
     them, the names of ``theta_prev``; pass parameters only -- buffers are
-    aggregated as usual); ``num_clients``: ``m``, all clients.
+    aggregated as usual); ``num_clients``: ``m``, all clients. ``weights``
+    (one per client, normalised here) replace the plain mean in
+    ``theta^t = sum_k p_k theta_k - h^t / alpha``; ``h^t`` keeps the plain
+    ``(1/m) sum`` either way, as the official code (module docstring).
     """
     a = check_positive("feddyn alpha", alpha, allow_zero=False)
     if not client_thetas:
@@ -126,7 +137,10 @@ def feddyn_server_update(
     if m < len(client_thetas):
         raise ObjectiveError(f"feddyn: num_clients={m} is smaller than the {len(client_thetas)} models received")
     names = list(theta_prev)
-    mean = weighted_average([OrderedDict((n, t[n]) for n in names) for t in client_thetas], [1.0] * len(client_thetas))
+    thetas = [OrderedDict((n, t[n]) for n in names) for t in client_thetas]
+    mean = weighted_average(thetas, [1.0] * len(thetas))
+    models = mean if weights is None else weighted_average(
+        thetas, mean_weights(weights, len(thetas), "feddyn server mean"))
     frac = len(client_thetas) / m  # (1/m) sum = (|P_t|/m) mean
     new_h: "OrderedDict[str, Tensor]" = OrderedDict()
     new_theta: "OrderedDict[str, Tensor]" = OrderedDict()
@@ -134,7 +148,7 @@ def feddyn_server_update(
         prev = theta_prev[n].to(mean[n])
         h_prev = h[n].to(mean[n]) if h is not None and n in h else torch.zeros_like(mean[n])
         new_h[n] = h_prev - a * frac * (mean[n] - prev)
-        new_theta[n] = mean[n] - new_h[n] / a
+        new_theta[n] = models[n] - new_h[n] / a
     return new_theta, new_h
 
 
@@ -146,6 +160,10 @@ class FedDynOptions:
     alpha: float = 0.01
     #: Client weight ``w_k``: a client's term uses ``alpha / w_k`` (1 for the paper's equal weights).
     client_weight: float = 1.0
+    #: The server's mean of the client models in ``theta^t = sum_k p_k theta_k - h / alpha``:
+    #: ``uniform`` (``p_k = 1/|P_t|``, Algorithm 1) or ``size`` (``p_k = n_k / n``, FedNTD's and
+    #: FedLMD's official ``feddyn/Server.py:_aggregation``). ``h`` is the same either way.
+    server_weighting: Literal["uniform", "size"] = "uniform"
 
 
 @register_objective
@@ -160,8 +178,10 @@ class FedDyn(AnchoredObjective):
     Options: ClassVar[type] = FedDynOptions
     server_hook: ClassVar[Optional[str]] = "feddyn"
 
-    def __init__(self, alpha: float = 0.01, *, client_weight: float = 1.0) -> None:
+    def __init__(self, alpha: float = 0.01, *, client_weight: float = 1.0, server_weighting: str = "uniform") -> None:
         super().__init__()
+        #: read by the server half (:class:`~fedreid.fl.server_hooks.objectives.FedDynHook`), not here
+        self.server_weighting = check_choice("feddyn server_weighting", server_weighting, SERVER_WEIGHTINGS)
         self.alpha = check_positive("feddyn alpha", alpha, allow_zero=False)
         self.client_weight = check_positive("feddyn client_weight", client_weight, allow_zero=False)
         self.grad: "OrderedDict[str, Tensor]" = OrderedDict()  # g_k on CPU, persisted
@@ -219,7 +239,8 @@ class FedDyn(AnchoredObjective):
         self.grad = cpu_clone(state.get("grad", {}))
 
     def __repr__(self) -> str:
-        return f"FedDyn(alpha={self.alpha}, client_weight={self.client_weight})"
+        return (f"FedDyn(alpha={self.alpha}, client_weight={self.client_weight}, "
+                f"server_weighting={self.server_weighting!r})")
 
 
 __all__ = [

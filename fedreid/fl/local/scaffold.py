@@ -57,6 +57,12 @@ rate), which keeps the two options equal under plain SGD.
 Server (Algorithm 1, lines 16-17), as pure functions here:
 ``x <- x + eta_g * mean_S(Delta y_i)`` (:func:`scaffold_server_model_update`) and
 ``c <- c + |S|/N * mean_S(Delta c_i)`` (:func:`scaffold_server_control_update`).
+The mean of the models is the paper's plain one by default; ``server_weighting:
+size`` weighs client ``i`` by ``n_i / n`` instead, as the official code of FedNTD
+and FedLMD does (Lee-Gihun/FedNTD ``algorithms/scaffold/Server.py:run`` averages
+the uploaded models with ``BaseServer._aggregation``, which weighs by
+``client_sizes``; no global step size). The control variate ``c`` stays the plain
+mean there too (``torch.stack(updated_c_amounts).mean(dim=0)``).
 
 The reference point ``x`` of the displacement form: ``reference`` (a named option)
 
@@ -102,12 +108,14 @@ from torch import Tensor, nn
 
 from fedreid.errors import ConfigError
 from fedreid.fl.local.base import (
+    SERVER_WEIGHTINGS,
     AnchoredObjective,
     ObjectiveError,
     add_to_gradients,
     check_choice,
     cpu_clone,
     heavy_ball_divisors,
+    mean_weights,
     on_parameter,
     param_groups_by_id,
     register_objective,
@@ -199,11 +207,17 @@ def scaffold_server_model_update(
     x: Mapping[str, Tensor],
     delta_ys: Sequence[Mapping[str, Tensor]],
     global_lr: float = 1.0,
+    weights: Optional[Sequence[float]] = None,
 ) -> "OrderedDict[str, Tensor]":
-    """``x + eta_g * mean_S(Delta y_i)`` (Algorithm 1, line 17) over the names of ``delta_ys``."""
+    """``x + eta_g * mean_S(Delta y_i)`` (Algorithm 1, line 17) over the names of ``delta_ys``.
+
+    ``weights``: one per client, normalised here; None is the paper's plain
+    mean. ``n_k`` gives FedNTD's official size-weighted average (with
+    ``eta_g = 1`` it is ``sum_i n_i y_i / n``).
+    """
     if not delta_ys:
         raise ObjectiveError("scaffold: no client model deltas to aggregate")
-    mean = weighted_average(delta_ys, [1.0] * len(delta_ys))
+    mean = weighted_average(delta_ys, mean_weights(weights, len(delta_ys), "scaffold server mean"))
     return OrderedDict((name, x[name].to(d) + float(global_lr) * d) for name, d in mean.items())
 
 
@@ -221,6 +235,10 @@ class ScaffoldOptions:
     #: Algorithm 1) or ``average`` (the server's average before FedFTG's fine-tuning, as
     #: ZhangLin-PKU/FedFTG methods/SCAFFOLDGAN.py computes it; needs a displacement form).
     reference: Literal["received", "average"] = "received"
+    #: The server's mean of the client models (``x + eta_g sum_i p_i (y_i - x)``):
+    #: ``uniform`` (``p_i = 1/|S|``, Algorithm 1 line 17) or ``size`` (``p_i = n_i / n``,
+    #: FedNTD's and FedLMD's official ``BaseServer._aggregation``). ``c`` is the plain mean either way.
+    server_weighting: Literal["uniform", "size"] = "uniform"
 
     def validate(self, prefix: str) -> None:
         problem = _reference_problem(self.control_variate, self.reference)
@@ -253,8 +271,11 @@ class Scaffold(AnchoredObjective):
     Options: ClassVar[type] = ScaffoldOptions
     server_hook: ClassVar[Optional[str]] = "scaffold"
 
-    def __init__(self, control_variate: str = "gradient_mean", reference: str = "received") -> None:
+    def __init__(self, control_variate: str = "gradient_mean", reference: str = "received",
+                 server_weighting: str = "uniform") -> None:
         super().__init__()
+        #: read by the server half (:class:`~fedreid.fl.server_hooks.objectives.ScaffoldHook`), not here
+        self.server_weighting = check_choice("scaffold server_weighting", server_weighting, SERVER_WEIGHTINGS)
         self.control_variate = check_choice("scaffold control_variate", control_variate, CONTROL_VARIATES)
         reference = check_choice("scaffold reference", reference, REFERENCES)
         problem = _reference_problem(self.control_variate, reference)

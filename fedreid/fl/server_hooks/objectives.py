@@ -9,16 +9,19 @@ it after the usual aggregation:
   16-17): sends the server control variate ``c`` to every sampled client; after
   the round, ``x <- x + eta_g * mean_S(y_i - x)`` and
   ``c <- c + |S|/N * mean_S(Delta c_i)``. The means are unweighted, as in the
-  paper; the parameters replace the size-weighted average the server computed,
-  buffers (BatchNorm statistics) keep it. With the client option
+  paper, unless the client option ``server_weighting: size`` weighs the
+  models' by client size (FedNTD's official code); the parameters replace the
+  average the server computed (``fl.weighting``), buffers (BatchNorm
+  statistics) keep it. With the client option
   ``reference: average`` it also sends the parameters it aggregated last
   round, as they were before any ``after_aggregate`` hook (FedFTG) changed
   them (the official FedFTG code's ``prev_params``, see
   :mod:`fedreid.fl.local.scaffold`).
 * :class:`FedDynHook` (Acar et al., ICLR 2021, Algorithm 1 server step):
   ``h <- h - alpha * (1/m) sum_k (theta_k - theta^{t-1})`` and
-  ``theta^t = mean_k(theta_k) - h / alpha`` over the parameters; buffers keep
-  the usual average.
+  ``theta^t = mean_k(theta_k) - h / alpha`` over the parameters (the mean
+  size-weighted under ``server_weighting: size``); buffers keep the usual
+  average.
 
 Both act on the trainable parameters named in the global state (the shared
 part: with FedPav the private identity heads stay out, as everywhere).
@@ -27,13 +30,13 @@ part: with FedPav the private identity heads stay out, as everywhere).
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
 
-from fedreid.fl.aggregate import Aggregate, uniform_weights
-from fedreid.fl.local.base import OBJECTIVE_PAYLOAD, cpu_clone
+from fedreid.fl.aggregate import Aggregate, size_weights, uniform_weights
+from fedreid.fl.local.base import OBJECTIVE_PAYLOAD, SERVER_WEIGHTINGS, check_choice, cpu_clone
 from fedreid.fl.local.feddyn import feddyn_server_update
 from fedreid.fl.local.scaffold import (
     AVERAGE_KEY,
@@ -57,6 +60,11 @@ def _with_parameters(
     return OrderedDict((k, parameters[k].to(v) if k in parameters else v) for k, v in average.items())
 
 
+def _client_weights(updates: Sequence[Update], weighting: str) -> list[float]:
+    """The normalised ``p_i`` of the server's model mean: ``n_i / n`` (``size``) or ``1 / |S|`` (``uniform``)."""
+    return size_weights(updates) if weighting == "size" else uniform_weights(updates)
+
+
 def _norm(tensors: Mapping[str, Tensor]) -> float:
     return float(torch.sqrt(sum((t.double() ** 2).sum() for t in tensors.values()))) if tensors else 0.0
 
@@ -75,7 +83,8 @@ class _RoundStart(ServerHook):
 class ScaffoldHook(_RoundStart):
     """SCAFFOLD's server: control variate ``c`` out, ``Delta c_i`` in (see the module docstring).
 
-    Built with the ``scaffold`` client objective; its step size ``eta_g`` is ``fl.server_lr``.
+    Built with the ``scaffold`` client objective, whose ``server_weighting`` it
+    follows; its step size ``eta_g`` is ``fl.server_lr``.
     """
 
     name = "scaffold"
@@ -83,13 +92,16 @@ class ScaffoldHook(_RoundStart):
     @classmethod
     def build(cls, options: Any, context: HookContext) -> "ScaffoldHook":
         send_average = getattr(context.objective, "reference", "received") == "average"
-        return cls(context.num_clients, global_lr=context.cfg.fl.server_lr, send_average=send_average)
+        return cls(context.num_clients, global_lr=context.cfg.fl.server_lr, send_average=send_average,
+                   weighting=getattr(context.objective, "server_weighting", "uniform"))
 
-    def __init__(self, num_clients: int, *, global_lr: float = 1.0, send_average: bool = False) -> None:
+    def __init__(self, num_clients: int, *, global_lr: float = 1.0, send_average: bool = False,
+                 weighting: str = "uniform") -> None:
         super().__init__()
         self.num_clients = int(num_clients)
         self.global_lr = float(global_lr)
         self.send_average = bool(send_average)
+        self.weighting = check_choice("scaffold server_weighting", weighting, SERVER_WEIGHTINGS)
         self.control: "OrderedDict[str, Tensor]" = OrderedDict()
         #: the parameters aggregated last round, before after_aggregate hooks (``send_average`` only)
         self.average: "OrderedDict[str, Tensor]" = OrderedDict()
@@ -118,7 +130,7 @@ class ScaffoldHook(_RoundStart):
         return None
 
     def aggregate(self, batch: AggregationInput) -> Aggregate:
-        """``x + eta_g mean_S(y_i - x)`` on the parameters, the server's average on the buffers; updates ``c``."""
+        """``x + eta_g sum_i p_i (y_i - x)`` on the parameters, the server's average on the buffers; updates ``c``."""
         updates = batch.updates
         missing = [u.client for u in updates if DELTA_C_KEY not in u.metadata]
         if missing:
@@ -127,7 +139,9 @@ class ScaffoldHook(_RoundStart):
         names = [n for n in batch.parameters if n in self._sent]
         x = OrderedDict((n, self._sent[n]) for n in names)
         deltas = [OrderedDict((n, u.state[n].to(x[n]) - x[n]) for n in names) for u in updates]
-        parameters = scaffold_server_model_update(x, deltas, self.global_lr)
+        weights = _client_weights(updates, self.weighting)
+        parameters = scaffold_server_model_update(x, deltas, self.global_lr,
+                                                  None if self.weighting == "uniform" else weights)
         state = _with_parameters(average.state, parameters)
         if self.send_average:
             self.average = cpu_clone(parameters)
@@ -135,9 +149,9 @@ class ScaffoldHook(_RoundStart):
             scaffold_server_control_update(self.control or None, [u.metadata[DELTA_C_KEY] for u in updates],
                                            self.num_clients)
         )
-        return Aggregate(state, uniform_weights(updates), "uniform", [u.client for u in updates],
-                         note=f"parameters: x + {self.global_lr:g} * mean(y_i - x); buffers: {average.weighting} "
-                              "weights", stats={"control_norm": _norm(self.control)})
+        return Aggregate(state, weights, self.weighting, [u.client for u in updates],
+                         note=f"parameters: x + {self.global_lr:g} * {self.weighting}-weighted mean(y_i - x); "
+                              f"buffers: {average.weighting} weights", stats={"control_norm": _norm(self.control)})
 
     def state_dict(self) -> dict[str, Any]:
         return {"control": cpu_clone(self.control), "average": cpu_clone(self.average)}
@@ -151,7 +165,7 @@ class ScaffoldHook(_RoundStart):
 class FedDynHook(_RoundStart):
     """FedDyn's server: the state ``h`` and the corrected model (see the module docstring).
 
-    Built with the ``feddyn`` client objective, whose ``alpha`` it shares.
+    Built with the ``feddyn`` client objective, whose ``alpha`` and ``server_weighting`` it shares.
     """
 
     name = "feddyn"
@@ -161,25 +175,30 @@ class FedDynHook(_RoundStart):
         alpha = getattr(context.objective, "alpha", None)
         if alpha is None:
             raise ValueError("the feddyn server hook runs with the feddyn client objective (train.objective=feddyn)")
-        return cls(context.num_clients, alpha=float(alpha))
+        return cls(context.num_clients, alpha=float(alpha),
+                   weighting=getattr(context.objective, "server_weighting", "uniform"))
 
-    def __init__(self, num_clients: int, *, alpha: float = 0.01) -> None:
+    def __init__(self, num_clients: int, *, alpha: float = 0.01, weighting: str = "uniform") -> None:
         super().__init__()
         self.num_clients = int(num_clients)
         self.alpha = float(alpha)
+        self.weighting = check_choice("feddyn server_weighting", weighting, SERVER_WEIGHTINGS)
         self.h: "OrderedDict[str, Tensor]" = OrderedDict()
 
     def aggregate(self, batch: AggregationInput) -> Aggregate:
-        """``theta = mean_k(theta_k) - h / alpha`` on the parameters, the server's average on the buffers."""
+        """``theta = sum_k p_k theta_k - h / alpha`` on the parameters, the server's average on the buffers."""
         average = batch.average()
         names = [n for n in batch.parameters if n in self._sent]
         theta_prev = OrderedDict((n, self._sent[n]) for n in names)
         thetas = [OrderedDict((n, u.state[n]) for n in names) for u in batch.updates]
-        theta, self.h = feddyn_server_update(theta_prev, thetas, self.h or None, self.alpha, self.num_clients)
+        weights = _client_weights(batch.updates, self.weighting)
+        theta, self.h = feddyn_server_update(theta_prev, thetas, self.h or None, self.alpha, self.num_clients,
+                                             None if self.weighting == "uniform" else weights)
         self.h = cpu_clone(self.h)
-        return Aggregate(_with_parameters(average.state, theta), uniform_weights(batch.updates), "uniform",
+        return Aggregate(_with_parameters(average.state, theta), weights, self.weighting,
                          [u.client for u in batch.updates],
-                         note=f"parameters: mean(theta_k) - h / alpha; buffers: {average.weighting} weights",
+                         note=f"parameters: {self.weighting}-weighted mean(theta_k) - h / alpha; "
+                              f"buffers: {average.weighting} weights",
                          stats={"h_norm": _norm(self.h)})
 
     def state_dict(self) -> dict[str, Any]:
