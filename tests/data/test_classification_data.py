@@ -31,6 +31,7 @@ from fedreid.data.classification import (
     ClassificationDataError,
     ClassificationDataset,
     DatasetNotFoundError,
+    default_augment,
     digits_train_test,
     load_cifar10,
     load_cifar100,
@@ -343,10 +344,12 @@ def test_digits_split_sizes_and_determinism():
     totals = np.bincount(sk().target)
     assert np.array_equal(test.class_counts(), np.floor(totals * 0.2 + 0.5).astype(int))
     assert np.array_equal(train.class_counts() + test.class_counts(), totals)
-    again = load_digits("test", rng=np.random.default_rng(0))
+    again = load_digits("test", seed=0)
     assert np.array_equal(again.images, test.images) and np.array_equal(again.labels, test.labels)
-    other = load_digits("test", rng=np.random.default_rng(1))
+    other = load_digits("test", seed=1)
     assert not np.array_equal(other.images, test.images)
+    with pytest.raises(ClassificationDataError, match="seed must be a non-negative integer"):
+        load_digits("test", seed=np.random.default_rng(0))  # type: ignore[arg-type]
     # train and test are complementary: together they hold every image once.
     every = np.rint(sk().images * 255 / 16).astype(np.uint8).reshape(-1, 64)
     both = np.concatenate([train.images, test.images]).reshape(-1, 64)
@@ -382,6 +385,23 @@ def test_image_folder_layouts(tmp_path):
     assert np.array_equal(via_registry.images, flat.images)
 
 
+def test_an_image_folder_named_like_a_known_dataset_gets_no_borrowed_statistics(tmp_path):
+    """A folder called mnist (or cifar10) is still an image folder: 0.5/0.5 and the channel rule's augmentation."""
+    rng = np.random.default_rng(0)
+    for name, grey in (("mnist", True), ("cifar10", False)):
+        for cls in ("a", "b"):
+            write_png(tmp_path / name / cls / "0.png", rng.integers(0, 256, (6, 6, 3), dtype=np.uint8))
+        data = load_image_folder(tmp_path / name, grey=grey)
+        assert (data.name, data.kind) == (name, "imagefolder")
+        view = ClassificationDataset(data)
+        assert view.mean.flatten().tolist() == [0.5] * data.channels
+        assert view.std.flatten().tolist() == [0.5] * data.channels
+        assert default_augment(data) == ("none" if grey else "crop_flip")
+        assert data.subset([1]).kind == "imagefolder"
+    mnist = ArrayDataset("mnist", np.zeros((2, 4, 4), np.uint8), np.array([0, 1]), ["0", "1"])
+    assert ClassificationDataset(mnist).mean.flatten().tolist() == pytest.approx([NORMALIZATION["mnist"][0][0]])
+
+
 def test_image_folder_errors(tmp_path):
     with pytest.raises(DatasetNotFoundError, match=r"split=None for a flat"):
         load_image_folder(tmp_path, "train")
@@ -407,10 +427,14 @@ def test_registry(tmp_path):
     assert list(CLASSIFICATION_DATASETS) == ["cifar10", "cifar100", "mnist", "fashion_mnist", "digits", "imagefolder"]
     with pytest.raises(ClassificationDataError, match="known: cifar10, cifar100, mnist, fashion_mnist, digits, imagefolder"):
         load_classification_dataset("svhn", tmp_path)
-    with pytest.raises(ClassificationDataError, match="needs rng"):
+    with pytest.raises(ClassificationDataError, match="needs seed"):
         load_classification_dataset("digits")
-    digits = load_classification_dataset("digits", split="test", rng=np.random.default_rng(0))
+    digits = load_classification_dataset("digits", split="test", seed=0)
     assert len(digits) == 359
+    # two calls of one seed are the two halves of one split: no test image is also a training image
+    train = load_classification_dataset("digits", split="train", seed=0)
+    assert len(train) + len(digits) == 1797
+    assert not set(map(bytes, train.images.reshape(len(train), -1))) & set(map(bytes, digits.images.reshape(len(digits), -1)))
     with pytest.raises(ClassificationDataError, match="needs root"):
         load_classification_dataset("cifar10")
     with pytest.raises(ClassificationDataError, match="split must be"):
