@@ -19,6 +19,7 @@ from fedreid.retrieval.guard import (
     _is_loopback,
 )
 from fedreid.retrieval.service import (
+    DEFAULT_MAX_DECODES,
     DEFAULT_MAX_K,
     DEFAULT_MAX_PIXELS,
     check_serve_options,
@@ -86,6 +87,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"largest image in pixels (default {DEFAULT_MAX_PIXELS})")
     parser.add_argument("--max-k", type=int, default=DEFAULT_MAX_K, metavar="K",
                         help=f"largest k a search may ask for (default {DEFAULT_MAX_K})")
+    parser.add_argument("--max-decodes", type=int, default=DEFAULT_MAX_DECODES, metavar="N",
+                        help=f"uploads decoded at once (default {DEFAULT_MAX_DECODES}); each may hold a "
+                        "--max-pixels image in memory, so memory grows with N; more requests wait their turn")
     parser.add_argument("--allow-model-mismatch", action="store_true",
                         help="serve even when --model is not the model the store was built with (prints a WARNING)")
     parser.add_argument("--ssl-certfile", metavar="FILE", help="serve HTTPS with this certificate (PEM)")
@@ -111,13 +115,14 @@ def run_serve(
     token = check_serve_options(
         host=args.host, token=read_token(getattr(args, "token", None), getattr(args, "token_file", None)),
         insecure_local=bool(args.insecure_local), ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile,
-        port=args.port, max_upload_mb=args.max_upload_mb, max_pixels=args.max_pixels, max_k=args.max_k)
+        port=args.port, max_upload_mb=args.max_upload_mb, max_pixels=args.max_pixels, max_k=args.max_k,
+        max_decodes=args.max_decodes)
     device = resolve_backend_device(args.device, args.backend)
     loaded = (load or load_for_features)(args, device)
     app = create_app(
         args.index, loaded, token=token, insecure_local=bool(args.insecure_local),
         max_upload_bytes=int(args.max_upload_mb * 2**20), max_pixels=args.max_pixels, max_k=args.max_k,
-        uploads=args.uploads, device=device, allow_model_mismatch=bool(args.allow_model_mismatch),
+        max_decodes=args.max_decodes, uploads=args.uploads, device=device, allow_model_mismatch=bool(args.allow_model_mismatch),
         warn=lambda message: print(f"WARNING: {message}", flush=True),
     )
     service = app.state.service

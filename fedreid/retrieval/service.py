@@ -848,13 +848,14 @@ def run_server(app: FastAPI, *, host: str, port: int, ssl_certfile: Optional[str
 
 def check_serve_options(*, host: str, token: Optional[str], insecure_local: bool, ssl_certfile: Optional[str],
                         ssl_keyfile: Optional[str], port: int, max_upload_mb: float,
-                        max_pixels: int = DEFAULT_MAX_PIXELS, max_k: int = DEFAULT_MAX_K) -> Optional[str]:
+                        max_pixels: int = DEFAULT_MAX_PIXELS, max_k: int = DEFAULT_MAX_K,
+                        max_decodes: int = DEFAULT_MAX_DECODES) -> Optional[str]:
     """Refuse unsafe or impossible ``serve`` settings before anything is loaded; the token to require (None: none).
 
     No token without ``insecure_local``, ``insecure_local`` off the loopback
     interface, half a TLS pair, a bad port, an upload limit that is not a
     finite number of MiB of at least one byte (``int(max_upload_mb * 2**20)``
-    is the limit in bytes), ``max_pixels`` or ``max_k`` under 1: each a
+    is the limit in bytes), ``max_pixels``, ``max_k`` or ``max_decodes`` under 1: each a
     one-line :class:`ServiceError` naming the option. The ``[serve]`` extra
     must be installed.
     """
@@ -866,7 +867,7 @@ def check_serve_options(*, host: str, token: Optional[str], insecure_local: bool
     if not (math.isfinite(max_upload_mb) and int(max_upload_mb * 2**20) >= 1):
         raise ServiceError(f"--max-upload-mb must be a finite number of MiB of at least one byte "
                            f"(>= {2**-20:.3g}), got {max_upload_mb}")
-    for option, value in (("--max-pixels", max_pixels), ("--max-k", max_k)):
+    for option, value in (("--max-pixels", max_pixels), ("--max-k", max_k), ("--max-decodes", max_decodes)):
         if int(value) < 1:
             raise ServiceError(f"{option} must be an integer >= 1, got {value}")
     _require_serve_extra()

@@ -969,6 +969,7 @@ def test_run_serve_refuses_before_loading_anything(world, monkeypatch, tmp_path)
     ("max_upload_mb", 1e-9, "--max-upload-mb must be a finite number of MiB of at least one byte"),
     ("max_k", 0, "--max-k must be an integer >= 1, got 0"),
     ("max_pixels", 0, "--max-pixels must be an integer >= 1, got 0"),
+    ("max_decodes", 0, "--max-decodes must be an integer >= 1, got 0"),
 ])
 def test_bad_serve_limits_are_refused_before_the_model_loads(world, option, value, words):
     def no_load(args, device):
@@ -977,6 +978,20 @@ def test_bad_serve_limits_are_refused_before_the_model_loads(world, option, valu
     with pytest.raises(svc.ServiceError) as refused:
         serve_cmd.run_serve(_serve_args(world, token=TOKEN, **{option: value}), load=no_load)
     assert words in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_serve_passes_max_decodes_to_the_service(world, monkeypatch):
+    """--max-decodes N: the service decodes at most N uploads at once (its semaphore holds N)."""
+    served = []
+    monkeypatch.setattr(serve_cmd, "run_server", lambda app, **kw: served.append(app))
+    loaded = load_model(world["root"] / "run", "cpu")
+    args = _serve_args(world, token=TOKEN, max_decodes=3, device="cpu")
+    assert serve_cmd.run_serve(args, load=lambda a, device: loaded) == 0
+    semaphore = served[0].state.service.decodes
+    assert [semaphore.acquire(blocking=False) for _ in range(4)] == [True, True, True, False]
+    parser = argparse.ArgumentParser()
+    serve_cmd.add_serve_arguments(parser)
+    assert parser.parse_args(["--model", "m", "--index", "i"]).max_decodes == svc.DEFAULT_MAX_DECODES
 
 
 def test_a_store_of_another_model_is_refused(world, tmp_path):
