@@ -699,7 +699,8 @@ def load_config(
         return from_dict(cls, apply_overrides(data, overrides))
     except ConfigError as exc:
         overridden = {item.partition("=")[0].strip() for item in overrides}
-        if path is None or exc.key is None or any(exc.key == k or exc.key.startswith(k + ".") for k in overridden):
+        if path is None or exc.key is None or any(exc.key == k or exc.key.startswith((k + ".", k + "["))
+                                                  for k in overridden):
             raise
         line = _key_line(Path(path), exc.key)
         where = f"config file {path}" + (f", line {line}" if line else "")

@@ -198,6 +198,10 @@ def test_a_typo_gets_a_did_you_mean_and_a_file_error_names_its_line(tmp_path):
     with pytest.raises(ConfigError) as info:  # the same key from an override: no file, no line
         load_config(None, ["train.lrr=0.1"])
     assert str(info.value).startswith("unknown config key train.lrr (did you mean train.lr?)")
+    bad.write_text("seed: 0\nfl:\n  rounds: 2\n")  # a list entry's key from an override: not the file's line either
+    with pytest.raises(ConfigError) as info:
+        load_config(bad, ["fl.hooks=[{name: fedavgm, momentm: 0.7}]"])
+    assert not str(info.value).startswith("config file") and "fl.hooks[0].momentm" in str(info.value)
     bad.write_text("seed: 0\ntrain:\n  batch_size: many\n")
     with pytest.raises(ConfigError, match=rf"^config file {bad}, line 3: train.batch_size: expected an integer"):
         load_config(bad)
