@@ -90,6 +90,7 @@ from fedreid.utils.checkpoint import (
 )
 from fedreid.utils.io import atomic_path, atomic_write_leftovers, claim_output_dir, write_text_atomic
 from fedreid.utils.logging import MetricsLogger, flatten
+from fedreid.utils.precision import resolve_precision
 from fedreid.utils.seeding import deterministic_mode
 
 log = logging.getLogger(__name__)
@@ -208,19 +209,29 @@ def run_simulation(
                     remote_round=remote_round)
 
 
-def run_environment() -> dict[str, Any]:
+def run_environment(cfg: Optional[Config] = None, device: Optional[torch.device] = None) -> dict[str, Any]:
     """What a run's numbers depend on besides config and seed, as recorded with the run.
 
     ``torch_threads`` (:func:`torch.get_num_threads`: float sums are split
     differently over another thread count), ``torch`` and ``python``
-    versions, ``machine`` (OS and architecture).
+    versions, ``machine`` (OS and architecture). With the run's ``cfg`` and
+    training ``device`` also ``device`` (``cpu``, or ``cuda`` with the card's
+    name) and ``precision``, the training arithmetic ``train.precision``
+    resolved there (``auto`` is bf16 on a bf16 card), with ``+tf32`` when
+    ``train.tf32`` lets fp32 matmuls use TF32 on CUDA.
     """
-    return {
+    environment: dict[str, Any] = {
         "torch_threads": int(torch.get_num_threads()),
         "torch": str(torch.__version__),
         "python": platform.python_version(),
         "machine": f"{platform.system()} {platform.machine()}",
     }
+    if cfg is not None and device is not None:
+        cuda = device.type == "cuda"
+        environment["device"] = f"cuda ({torch.cuda.get_device_name(device)})" if cuda else device.type
+        precision = resolve_precision(cfg.train.precision, device).name
+        environment["precision"] = precision + ("+tf32" if cuda and cfg.train.tf32 else "")
+    return environment
 
 
 def data_fingerprints(fed: Federation) -> dict[str, dict[str, dict[str, Any]]]:
@@ -310,6 +321,10 @@ def check_resume(ckpt: Mapping[str, Any], fingerprints: Mapping[str, Any], envir
     if saved_env.get("torch") != environment["torch"]:
         log.warning("%s was written under torch %s, this is torch %s: the resumed run's numbers may differ from "
                     "an uninterrupted run's", where, saved_env.get("torch"), environment["torch"])
+    for key in ("device", "precision"):
+        if key in saved_env and key in environment and saved_env[key] != environment[key]:
+            log.warning("%s was trained with %s %s, this process trains with %s: the resumed run's numbers will "
+                        "differ from an uninterrupted run's", where, key, saved_env[key], environment[key])
 
 
 def torch_threads_phrase(threads: int) -> str:
@@ -319,7 +334,8 @@ def torch_threads_phrase(threads: int) -> str:
 
 def config_header(environment: Mapping[str, Any]) -> str:
     """The comment lines atop a run's ``config.yaml``: the environment the numbers came from."""
-    return (f"# fedreid run config, trained under torch {environment['torch']} with "
+    on = f" on {environment['device']} in {environment['precision']}" if "device" in environment else ""
+    return (f"# fedreid run config, trained{on} under torch {environment['torch']} with "
             f"{torch_threads_phrase(environment['torch_threads'])} (Python {environment['python']}, "
             f"{environment['machine']}).\n"
             "# The same config, seed, thread count, torch version and machine give the same numbers.\n")
@@ -329,7 +345,7 @@ def _run(cfg: Config, run_dir: Path, ckpt, *, progress: bool, callbacks, dataset
          remote_round: Optional[RemoteRound] = None) -> list[dict[str, Any]]:
     fed = build_federation(cfg, datasets=datasets)
     fingerprints = data_fingerprints(fed)
-    environment = run_environment()
+    environment = run_environment(cfg, fed.device)
     if ckpt is not None:
         check_resume(ckpt, fingerprints, environment, run_dir)
     if fed.class_counts is not None and (ckpt is None or not (run_dir / PARTITION_PICTURE).is_file()):

@@ -24,7 +24,8 @@ Format (a dict; tensors on CPU; loadable with ``weights_only=True``)::
                 checkpoints of older versions
     environment what the numbers depend on besides the config
                 (fedreid.fl.simulation.run_environment): torch_threads,
-                torch version, Python, machine; absent in older checkpoints
+                torch version, Python, machine, the training device and
+                precision; absent (or without the last two) in older checkpoints
 
 Every file is read with ``torch.load(weights_only=True)`` (:func:`load_torch_file`):
 tensors and plain values only, so a file planted in a run folder cannot run

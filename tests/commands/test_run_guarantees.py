@@ -182,6 +182,20 @@ def test_the_thread_count_is_recorded_and_a_different_one_warns(one_round, tmp_p
             "will not be bit-identical") in caplog.text
 
 
+def test_the_device_and_precision_are_recorded_and_a_different_one_warns(one_round, tmp_path, caplog):
+    """A page or a resume can tell a CPU fp32 run from a GPU bf16 one: both are in the checkpoint and config.yaml."""
+    _, run = _copy(one_round, tmp_path)
+    path = checkpoint_path(run)
+    assert {k: load_checkpoint(path)["environment"][k] for k in ("device", "precision")} == {
+        "device": "cpu", "precision": "fp32"}
+    assert "trained on cpu in fp32 under torch" in (run / "config.yaml").read_text().splitlines()[0]
+    _rewrite_checkpoint(path, lambda ckpt: ckpt["environment"].update(device="cuda (NVIDIA H100)", precision="bf16"))
+    with caplog.at_level(logging.WARNING, logger="fedreid"):
+        assert tool.main(["--resume", str(run), "--rounds", "2", "--no-progress"]) == 0
+    assert "was trained with device cuda (NVIDIA H100), this process trains with cpu" in caplog.text
+    assert "was trained with precision bf16, this process trains with fp32" in caplog.text
+
+
 def test_resume_refuses_changed_data_through_the_library_too(one_round, tmp_path):
     from fedreid.fl.simulation import resume
 
