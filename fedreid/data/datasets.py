@@ -122,6 +122,18 @@ class ReIDImageDataset(Dataset):
         return f"ReIDImageDataset({len(self)} images, {labelled}, transform={self.transform!r})"
 
 
+def single_threaded_opencv() -> None:
+    """Make OpenCV run sequentially in this (loader worker) process.
+
+    ``setNumThreads(0)``, not ``1``: in a process forked after its parent ran
+    OpenCV's thread pool (a large resize or blur in the main process),
+    ``setNumThreads(1)`` waits forever for pool threads the fork did not copy,
+    while ``0`` switches the pool off without them. One worker per core does
+    the parallel work; OpenCV's own threads would only oversubscribe the cores.
+    """
+    cv2.setNumThreads(0)
+
+
 def seed_worker(worker_id: int) -> None:
     """``worker_init_fn``: reseed the worker's copy of the dataset's transform.
 
@@ -133,7 +145,7 @@ def seed_worker(worker_id: int) -> None:
     info = get_worker_info()
     if info is None:  # pragma: no cover - only called inside workers
         return
-    cv2.setNumThreads(1)
+    single_threaded_opencv()
     reseed = getattr(info.dataset, "reseed", None)
     if callable(reseed):
         reseed(info.seed % 2**32)
@@ -266,7 +278,7 @@ class _EpochSeededItems(Dataset):
 
 
 def _single_threaded_opencv(worker_id: int) -> None:
-    cv2.setNumThreads(1)
+    single_threaded_opencv()
 
 
 class EpochLoader:

@@ -274,6 +274,41 @@ def test_workers_get_distinct_reproducible_augmentations(tmp_path):
     assert not torch.equal(a[0], a[1])  # worker 0 and worker 1 differ
 
 
+_FORK_AFTER_OPENCV_THREADS = """
+import sys
+import cv2, numpy as np
+from fedreid.data.datasets import EpochLoader, make_loader
+
+big = np.random.default_rng(0).integers(0, 255, (3000, 3000, 3), dtype=np.uint8)
+for _ in range(3):  # the parent runs OpenCV's thread pool before the workers are forked
+    cv2.resize(big, (1500, 1500)); cv2.GaussianBlur(big, (9, 9), 0)
+
+class Images:
+    def __len__(self): return 4
+    def __getitem__(self, i): return int(cv2.resize(big[:64, :64], (32, 16)).sum())
+
+print(len(list(make_loader(Images(), 2, shuffle=False, seed=0, num_workers=2))),
+      len(list(EpochLoader(Images(), 2, num_workers=2).epoch(0, shuffle=False))), flush=True)
+"""
+
+
+def test_loader_workers_start_after_the_parent_used_opencvs_thread_pool(tmp_path):
+    """Workers make OpenCV single-threaded without waiting for pool threads the fork did not copy (no hang)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "fork_after_opencv.py"
+    script.write_text(_FORK_AFTER_OPENCV_THREADS)
+    if cv2.getNumThreads() < 2:
+        pytest.skip("OpenCV runs single-threaded here: there is no thread pool to inherit")
+    try:
+        done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the loader's workers hung in their start-up (cv2.setNumThreads after a fork)")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["2", "2"]
+
+
 @pytest.mark.parametrize("workers", [0, 2])
 def test_persistent_loader_epochs_equal_fresh_loaders(records, workers):
     # Three epochs (one abandoned after its first batch, as the CDW batch is, and one with
