@@ -37,6 +37,15 @@ model fingerprint; they answer with ids, scores, cameras, times and file names. 
 --node-auth each answer counts under the site name its node's key was registered with
 (`register --site`), whatever the answer says.
 
+`run` prints flwr's output as it comes: the ServerApp's round lines and errors. It checks
+--config (with --resume, <out>/config.yaml) here before submitting, and the ServerApp reads
+the same absolute path on the server host, so both must hold that file. When --out is on
+this machine (the SuperLink runs here, or the run wrote there) the exit code is 0 only if
+every planned round is in its checkpoint. Otherwise the run folder is on the SuperLink's
+host and the exit code is flwr's: 0 says the run was submitted and followed to its end, not
+that it succeeded; the ServerApp's lines and report.md on that host say how it ended.
+`local` and `simulate` write flwr's output to flwr_run.log in their work folder.
+
 `local` and `simulate` stop every process they started when they end, on
 Ctrl-C, SIGTERM or SIGHUP, and (Linux) when the tool itself is killed. Before
 starting anything they check --out (a new or empty folder or a run folder;
@@ -79,9 +88,9 @@ def cmd_node_key(args: argparse.Namespace) -> int:
 
 
 def _exec(cmd: list[str], print_only: bool) -> int:
-    from fedreid.flower.launch import flower_env
+    from fedreid.flower.launch import command_line, flower_env
 
-    print(" ".join(cmd), flush=True)
+    print(command_line(cmd), flush=True)  # pasted into a shell, the same argv
     if print_only:
         return 0
     os.execvpe(cmd[0], cmd, flower_env())
@@ -123,24 +132,42 @@ def _prepare(args: argparse.Namespace):  # -> PreparedRun
 
 
 def _finish(out: Path, rounds: int, rc: int, log: Optional[Path]) -> int:
+    """The end of a run whose folder ``out`` is on this machine: exit code 0 only if flwr ended well and every
+    planned round is in the folder's checkpoint."""
     from fedreid.flower.deployment import rounds_done
 
     done = rounds_done(out)
     if rc == 0 and done >= rounds:
         print(f"run finished: {done} rounds, report: {out / 'report.md'}")
         return 0
-    where = f" (flwr's output: {log})" if log else ""
+    where = f" (flwr's output: {log})" if log else " (flwr's output above)"
     print(f"run stopped after {done} of {rounds} rounds, flwr exit code {rc}{where}; "
           f"continue it with --resume", file=sys.stderr)
     return 1
 
 
+def _finish_elsewhere(out: Path, superlink: str, rc: int) -> int:
+    """The end of a run whose folder is on the SuperLink's host, not here: flwr's exit code, said as such."""
+    if rc != 0:
+        print(f"flwr run failed with exit code {rc} (its output above)", file=sys.stderr)
+        return rc if rc > 0 else 1
+    print(f"flwr run ended (exit code 0). The run's folder {out} is on the SuperLink's host ({superlink}), "
+          "not on this machine: the ServerApp's lines above say how the run ended, and its report.md and "
+          "checkpoint are there.")
+    return 0
+
+
 def cmd_run(args: argparse.Namespace) -> int:
-    from fedreid.flower.launch import FlowerCli
+    from fedreid.flower.deployment import folder_stamp
+    from fedreid.flower.launch import FlowerCli, on_this_host
 
     ca = ca_option(args, "run")
     run = _prepare(args)
-    return _finish(run.out, run.rounds, FlowerCli(args.superlink, root_cert=ca).run(run.run_config), None)
+    before = folder_stamp(run.out)
+    rc = FlowerCli(args.superlink, root_cert=ca).run(run.run_config)  # flwr's output: on the console
+    if on_this_host(args.superlink) or folder_stamp(run.out) != before:  # the ServerApp ran here
+        return _finish(run.out, run.rounds, rc, None)
+    return _finish_elsewhere(run.out.resolve(), args.superlink, rc)
 
 
 def cmd_local(args: argparse.Namespace) -> int:
@@ -233,7 +260,8 @@ def build_parser() -> argparse.ArgumentParser:
         q.add_argument("--join-timeout", type=float, help="seconds to wait for all clients at the start (300)")
         add_override_arguments(q, help="config overrides (anywhere among the options)")
 
-    p = sub.add_parser("run", help="submit a training run to a SuperLink and follow it to the end")
+    p = sub.add_parser("run", help="submit a training run to a SuperLink and follow it to the end, printing "
+                       "the ServerApp's output")
     p.add_argument("--superlink", required=True, metavar="HOST:PORT", help="the SuperLink's address")
     security(p)
     p.add_argument("--node-auth", action="store_true",

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import numpy as np
 import torch
@@ -149,6 +149,22 @@ def client_datasets(cfg: Config) -> list[str]:
     return [n for n in names if n != cfg.scenario.target] if cfg.scenario.kind == "leave_one_out" else names
 
 
+def evaluated_datasets(cfg: Config, trained: Sequence[str]) -> list[str]:
+    """The datasets a ReID run evaluates on, the global model and each client's own (``eval.local_models``).
+
+    ``eval.datasets`` when set; else under ``leave_one_out`` the target alone
+    (Protocol-1: the unseen domain only); else ``trained``, the datasets the
+    clients train on, once each in order. A client's model is evaluated on its
+    own dataset only when that dataset is in this list, in a simulation and on
+    a Flower node alike.
+    """
+    if cfg.eval.datasets is not None:
+        return list(cfg.eval.datasets)
+    if cfg.scenario.kind == "leave_one_out":
+        return [cfg.scenario.target]
+    return list(dict.fromkeys(trained))
+
+
 def check_public_set(cfg: Config) -> None:
     """Refuse a KD public set that is the leave-one-out target: it would show the model the unseen domain."""
     if cfg.scenario.kind != "leave_one_out" or not needs_public_set(cfg):
@@ -195,11 +211,7 @@ def build_reid_federation(
     global_model = reid_model(cfg, num_classes, device)
     work_model = copy.deepcopy(global_model)
 
-    eval_names = cfg.eval.datasets
-    if eval_names is None and cfg.scenario.kind == "leave_one_out":
-        eval_names = [cfg.scenario.target]  # Protocol-1: the unseen domain only
-    elif eval_names is None:
-        eval_names = list(dict.fromkeys(s.dataset for s in splits))
+    eval_names = evaluated_datasets(cfg, [s.dataset for s in splits])
     unknown = [n for n in eval_names if n not in datasets]
     if unknown:
         datasets.update({n: load_prepared(cfg.data.prepared_root, n) for n in unknown})
@@ -329,6 +341,7 @@ __all__ = [
     "check_model_name",
     "check_public_set",
     "client_datasets",
+    "evaluated_datasets",
     "hook_context",
     "load_datasets",
     "needs_public_set",

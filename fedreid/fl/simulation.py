@@ -120,7 +120,9 @@ def config_changes(old: Config, new: Config) -> list[str]:
     return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
 
 
-def _check_resumable(saved: Config, cfg: Config) -> None:
+def check_resumable(saved: Config, cfg: Config) -> None:
+    """Refuse, as a one-line :class:`ConfigError`, resuming ``saved``'s run with ``cfg`` if it changes any
+    key but :data:`RESUMABLE_CHANGES`."""
     changed = [k for k in config_changes(saved, cfg) if not k.startswith(RESUMABLE_CHANGES)]
     if changed:
         raise ConfigError(
@@ -200,7 +202,7 @@ def run_simulation(
         if cfg is None:
             cfg = saved
         else:
-            _check_resumable(saved, cfg)
+            check_resumable(saved, cfg)
     assert cfg is not None
     if local_inputs and resume:
         check_inputs(cfg)

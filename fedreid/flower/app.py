@@ -181,6 +181,20 @@ def check_secure_aggregation(cfg: Config, requested: bool) -> None:
                       "run without secure-aggregation (use TLS for transport security)")
 
 
+def check_training_run(cfg: Config, settings: ServerSettings) -> None:
+    """Refuse a training run the ServerApp cannot serve, as a one-line :class:`ConfigError`.
+
+    Secure aggregation (:func:`check_secure_aggregation`) and ``fl.mode``
+    other than ``federated`` (the local-training baseline has no server).
+    The ServerApp checks this before its first round; ``tools/flower_fed.py``
+    checks it before it starts any process
+    (:func:`fedreid.flower.deployment.prepare_run`).
+    """
+    check_secure_aggregation(cfg, settings.secure_aggregation)
+    if cfg.fl.mode != "federated":
+        raise ConfigError("fl.mode: the local-training baseline has no server; run it with tools/train_fed.py")
+
+
 # ------------------------------------------------------------------ server
 
 
@@ -386,9 +400,7 @@ def server_main(grid: Grid, context: Context) -> None:
         raise ConfigError("flower run config: 'config' (the YAML on the server machine) is required unless resuming")
     # Without a config, a resumed run is its saved one.
     effective = cfg if cfg is not None else load_config(settings.out / "config.yaml", settings.overrides)
-    check_secure_aggregation(effective, settings.secure_aggregation)
-    if effective.fl.mode != "federated":
-        raise ConfigError("fl.mode: the local-training baseline has no server; run it with tools/train_fed.py")
+    check_training_run(effective, settings)
     holder: dict[str, GridRound] = {}
 
     def remote_round(server: Server) -> dict[str, Any]:
@@ -470,4 +482,5 @@ def client_train(msg: Message, context: Context) -> Message:
     return Message(pack(update=update_to_plain(update)), reply_to=msg)
 
 
-__all__ = ["server_app", "client_app", "ServerSettings", "NodeSettings", "GridRound", "check_secure_aggregation"]
+__all__ = ["server_app", "client_app", "ServerSettings", "NodeSettings", "GridRound", "check_secure_aggregation",
+           "check_training_run"]

@@ -102,7 +102,22 @@ class PreparedRun:
 def prepare_run(*, out: str, config: Optional[str], overrides: Sequence[str], resume: bool,
                 round_timeout: Optional[float] = None, join_timeout: Optional[float] = None,
                 node_auth: bool = False) -> PreparedRun:
-    """Load and check the run's config (the run's own ``config.yaml`` with ``resume``), before any process starts."""
+    """Load and check the run's config (the run's own ``config.yaml`` with ``resume``), before any process starts.
+
+    Refused here, with the one-line :class:`ConfigError` the ServerApp would
+    give once SuperLink and SuperNodes were up: the run config as the
+    ServerApp reads it (:meth:`fedreid.flower.app.ServerSettings.from_run_config`
+    on Flower's parse of it: ``round_timeout`` finite and > 0,
+    ``join_timeout`` finite and >= 0), a run the ServerApp does not serve
+    (:func:`fedreid.flower.app.check_training_run`: ``fl.mode=local``), and
+    with ``resume`` an override of a key the run may not change
+    (:func:`fedreid.fl.simulation.check_resumable`, against ``config.yaml``).
+    """
+    from flwr.common.config import parse_config_args
+
+    from fedreid.fl.simulation import check_resumable
+    from fedreid.flower.app import ServerSettings, check_training_run
+
     out_path = Path(out)
     if resume:
         if config:
@@ -114,9 +129,13 @@ def prepare_run(*, out: str, config: Optional[str], overrides: Sequence[str], re
         if not config:
             raise ConfigError("--config is required (or --resume)")
         config_path = Path(config)
-    cfg = load_config(config_path, list(overrides))
     text = run_config_string(config_path, out_path, overrides, resume=resume, round_timeout=round_timeout,
                              join_timeout=join_timeout, node_auth=node_auth)
+    settings = ServerSettings.from_run_config(parse_config_args([text]))  # what the ServerApp will be given
+    cfg = load_config(config_path, list(overrides))
+    check_training_run(cfg, settings)
+    if resume:
+        check_resumable(load_config(config_path), cfg)
     return PreparedRun(out_path, text, cfg.fl.rounds, cfg)
 
 
@@ -126,6 +145,26 @@ def rounds_done(out: Path) -> int:
 
     ckpt_path = latest_checkpoint(out)
     return len(load_checkpoint(ckpt_path)["history"]) if ckpt_path is not None else 0
+
+
+def folder_stamp(folder: Path) -> Optional[tuple[tuple[str, int, int], ...]]:
+    """What ``folder`` holds, as (name, size, modification time) of each entry; None when it is no folder.
+
+    Two stamps differ when anything was written there in between (a run's
+    checkpoint, config or marker).
+    """
+    try:
+        entries = list(Path(folder).iterdir())
+    except OSError:
+        return None
+    stamp = []
+    for entry in entries:
+        try:
+            st = entry.stat()
+        except OSError:
+            continue
+        stamp.append((entry.name, st.st_size, st.st_mtime_ns))
+    return tuple(sorted(stamp))
 
 
 def claim_local_folders(out: Path, workdir: Optional[str], resume: bool) -> Path:
@@ -218,6 +257,7 @@ __all__ = [
     "checked_ca",
     "claim_local_folders",
     "client_names",
+    "folder_stamp",
     "prepare_run",
     "register_node_key",
     "rounds_done",

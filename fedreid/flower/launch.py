@@ -227,16 +227,43 @@ def supernode_command(superlink: str, client: str, state_dir: str | Path, *, por
     return cmd
 
 
+def command_line(cmd: Sequence[str]) -> str:
+    """``cmd`` as one line that a POSIX shell (bash, sh, zsh) parses back into exactly ``cmd``.
+
+    An argument with a single quote but nothing a double-quoted string would
+    expand (``"``, ``$``, backquote, backslash, ``!``) is double-quoted, so a
+    ``--node-config`` value reads as ``"client='market1501' state-dir='...'"``;
+    any other argument is quoted as :func:`shlex.quote` does.
+    """
+    def word(arg: str) -> str:
+        quoted = shlex.quote(arg)
+        if quoted != arg and "'" in arg and not any(c in arg for c in '"$`\\!'):
+            return f'"{arg}"'
+        return quoted
+
+    return " ".join(word(str(arg)) for arg in cmd)
+
+
 def run_config_string(config: Path, out: Path, overrides: Sequence[str] = (), *, resume: bool = False,
                       round_timeout: Optional[float] = None, join_timeout: Optional[float] = None,
                       node_auth: bool = False) -> str:
-    """``--run-config`` text for :class:`fedreid.flower.app.ServerSettings` (paths made absolute)."""
+    """``--run-config`` text for :class:`fedreid.flower.app.ServerSettings` (paths made absolute).
+
+    Flower reads it as TOML values: the paths as literal strings, the
+    overrides as one basic string of shell words (an override with spaces,
+    such as ``fl.hooks=[{name: fedavgm}]``, stays one word). Raises
+    :class:`LaunchError` on what cannot be passed that way: a quote or a
+    backslash in an override, a single quote in a path, a line break.
+    """
     for item in overrides:
-        if "'" in item:
-            raise LaunchError(f"override {item!r}: single quotes cannot be passed to flwr run")
-    parts = {"config": str(Path(config).resolve()), "out": str(Path(out).resolve()),
-             "overrides": " ".join(shlex.quote(o) for o in overrides)}
-    text = " ".join(f"{k}='{v}'" for k, v in parts.items())
+        if any(c in item for c in "'\"\\\n\r"):
+            raise LaunchError(f"override {item!r}: quotes, backslashes and line breaks cannot be passed to flwr run")
+    paths = {"config": str(Path(config).resolve()), "out": str(Path(out).resolve())}
+    for key, value in paths.items():
+        if any(c in value for c in "'\n\r"):
+            raise LaunchError(f"{key} path {value!r}: single quotes and line breaks cannot be passed to flwr run")
+    text = " ".join(f"{k}='{v}'" for k, v in paths.items())
+    text += ' overrides="' + " ".join(shlex.quote(o) for o in overrides) + '"'
     text += f" resume={'true' if resume else 'false'}"
     if round_timeout is not None:
         text += f" round-timeout={float(round_timeout)}"
@@ -328,6 +355,11 @@ def simulation_federation_config(num_supernodes: int, *, client_cpus: Optional[i
 class FlowerCli:
     """The ``flwr`` command against one SuperLink, with a private FLWR_HOME holding its connection.
 
+    ``home``: the FLWR_HOME folder, made and given its ``config.toml`` here
+    (a deployment keeps it in its work folder). Without one, every ``flwr``
+    call gets a fresh temporary folder, removed when the call ends, so
+    nothing is left behind; :meth:`start`, whose ``flwr`` outlives the call,
+    then needs ``home``. The user's ``~/.flwr`` is never used.
     ``federation_config``: settings of a SuperLink in simulation mode
     (:func:`simulation_federation_config`), sent with every ``flwr run``.
     """
@@ -335,30 +367,57 @@ class FlowerCli:
     def __init__(self, superlink: str, *, root_cert: Optional[Path] = None, home: Optional[Path] = None,
                  federation_config: Optional[Mapping[str, int | float]] = None) -> None:
         self.superlink = superlink
+        self.root_cert = Path(root_cert).resolve() if root_cert is not None else None
         self.federation_config = dict(federation_config or {})
-        self.home = Path(home) if home is not None else Path(tempfile.mkdtemp(prefix="fedreid-flwr-"))
-        self.home.mkdir(parents=True, exist_ok=True)
-        lines = ["[superlink]", 'default = "fedreid"', "", "[superlink.fedreid]", f'address = "{superlink}"']
-        lines.append("insecure = true" if root_cert is None else f'root-certificates = "{Path(root_cert).resolve()}"')
-        (self.home / "config.toml").write_text("\n".join(lines) + "\n")
+        self.home = Path(home) if home is not None else None
+        if self.home is not None:
+            self._write_home(self.home)
+
+    def _write_home(self, home: Path) -> None:
+        home.mkdir(parents=True, exist_ok=True)
+        lines = ["[superlink]", 'default = "fedreid"', "", "[superlink.fedreid]", f'address = "{self.superlink}"']
+        lines.append("insecure = true" if self.root_cert is None else f'root-certificates = "{self.root_cert}"')
+        (home / "config.toml").write_text("\n".join(lines) + "\n")
+
+    @contextmanager
+    def _flwr_home(self) -> Iterator[Path]:
+        """``home``, or a temporary FLWR_HOME removed when the block ends."""
+        if self.home is not None:
+            yield self.home
+            return
+        with tempfile.TemporaryDirectory(prefix="fedreid-flwr-") as tmp:
+            self._write_home(Path(tmp))
+            yield Path(tmp)
 
     def _run(self, args: Sequence[str], *, timeout: Optional[float], log: Optional[Path] = None,
-             cwd: Optional[Path] = None) -> subprocess.CompletedProcess:
-        """``flwr ARGS`` in its own process group, stopped with it if this process stops waiting (timeout, signal)."""
+             capture: bool = False, cwd: Optional[Path] = None) -> subprocess.CompletedProcess:
+        """``flwr ARGS`` in its own process group, stopped with it if this process stops waiting (timeout, signal).
+
+        Its output (stdout and stderr together) is appended to ``log``, or
+        returned with ``capture``, or else goes to this process's stdout.
+        """
         cmd = [_exe("flwr"), *args]
-        env = flower_env({"FLWR_HOME": str(self.home)})
-        out = open(log, "ab") if log is not None else subprocess.PIPE
-        try:
-            proc = popen_group(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=cwd)
+        with self._flwr_home() as home:
+            env = flower_env({"FLWR_HOME": str(home)})
+            if capture:
+                out = subprocess.PIPE
+            elif log is not None:
+                out = open(log, "ab")
+            else:
+                sys.stdout.flush()  # what this process printed comes before flwr's lines
+                out = None
             try:
-                stdout, _ = proc.communicate(timeout=timeout)
-            except BaseException:  # TimeoutExpired, Ctrl-C, Terminated: flwr goes too
-                stop_group(proc, wait=10.0)
-                raise
-            return subprocess.CompletedProcess(cmd, proc.returncode, stdout)
-        finally:
-            if log is not None:
-                out.close()
+                proc = popen_group(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                   cwd=cwd)
+                try:
+                    stdout, _ = proc.communicate(timeout=timeout)
+                except BaseException:  # TimeoutExpired, Ctrl-C, Terminated: flwr goes too
+                    stop_group(proc, wait=10.0)
+                    raise
+                return subprocess.CompletedProcess(cmd, proc.returncode, stdout)
+            finally:
+                if out not in (None, subprocess.PIPE):
+                    out.close()
 
     def register(self, public_key: Path, *, name: Optional[str] = None, timeout: float = 60) -> None:
         """Allow the SuperNode holding the private half of ``public_key`` (``--enable-supernode-auth``).
@@ -376,7 +435,7 @@ class FlowerCli:
             except GalleryMetadataError as exc:
                 raise LaunchError(str(exc)) from None
             args += ["--name", name]
-        done = self._run(args, timeout=timeout)
+        done = self._run(args, timeout=timeout, capture=True)
         if done.returncode != 0:
             raise LaunchError(f"flwr supernode register {public_key} failed: {done.stdout.decode(errors='replace')}")
 
@@ -389,20 +448,48 @@ class FlowerCli:
 
     def run(self, run_config: str, *, log: Optional[Path] = None, timeout: Optional[float] = None,
             cwd: Optional[Path] = None) -> int:
-        """``flwr run`` the fedreid app and stream its logs until it ends; returns flwr's exit code."""
+        """``flwr run`` the fedreid app and stream its logs until it ends; returns flwr's exit code.
+
+        The logs (the ServerApp's round lines and errors, Flower's own) are
+        appended to ``log``, or else printed on this process's stdout. flwr's
+        exit code says whether the run was submitted and followed, not how
+        the ServerApp ended (a failed ServerApp still gives 0).
+        """
         return self._run(self.run_args(run_config), timeout=timeout, log=log, cwd=cwd).returncode
 
     def start(self, run_config: str, *, log: Path) -> subprocess.Popen:
         """:meth:`run` without waiting: ``flwr run --stream`` in its own process group, its output in ``log``.
 
-        The caller stops it with :func:`stop_group` (stopping ``flwr`` does not
-        stop the run on the SuperLink: a search session is ended by its
-        ``close`` request, see :mod:`fedreid.flower.search_session`).
+        Needs ``home`` (the flwr process outlives this call). The caller stops
+        it with :func:`stop_group` (stopping ``flwr`` does not stop the run on
+        the SuperLink: a search session is ended by its ``close`` request, see
+        :mod:`fedreid.flower.search_session`).
         """
+        if self.home is None:
+            raise LaunchError("FlowerCli.start needs a home folder: its flwr process outlives the call")
         env = flower_env({"FLWR_HOME": str(self.home)})
         with open(log, "ab") as out:
             return popen_group([_exe("flwr"), *self.run_args(run_config)], env=env, stdout=out,
                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+
+
+def on_this_host(address: str) -> bool:
+    """Whether ``address`` (``HOST:PORT``, ``[IPv6]:PORT``) names this machine: one of its addresses resolves
+    to an interface here (loopback included). An unresolvable host is not this machine."""
+    host = address.rsplit(":", 1)[0] if ":" in address else address
+    host = host.strip("[]")
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError):
+        return False
+    for family, _, _, _, sockaddr in infos:
+        try:
+            with socket.socket(family, socket.SOCK_STREAM) as s:
+                s.bind((sockaddr[0], 0, *sockaddr[2:]))  # only an address of this machine can be bound
+            return True
+        except OSError:
+            continue
+    return False
 
 
 def free_port() -> int:
@@ -541,7 +628,7 @@ class LocalDeployment:
         self.stop()
 
 
-__all__ = ["LaunchError", "TLSFiles", "FlowerCli", "LocalDeployment", "Terminated", "die_with_parent", "flower_env",
-           "free_port", "node_config_string", "popen_group", "run_config_string", "search_run_config_string",
-           "session_run_config_string",
-           "simulation_federation_config", "stop_group", "stop_on_signals", "superlink_command", "supernode_command"]
+__all__ = ["LaunchError", "TLSFiles", "FlowerCli", "LocalDeployment", "Terminated", "command_line", "die_with_parent",
+           "flower_env", "free_port", "node_config_string", "on_this_host", "popen_group", "run_config_string",
+           "search_run_config_string", "session_run_config_string", "simulation_federation_config", "stop_group",
+           "stop_on_signals", "superlink_command", "supernode_command"]

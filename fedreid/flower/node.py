@@ -188,10 +188,19 @@ class NodeClient:
         return update
 
     def local_evaluator(self):
-        """The evaluator of this client's own dataset (ReID, ``eval.local_models``), else None."""
+        """The evaluator of this client's own dataset, else None.
+
+        Only a ReID run with ``eval.local_models`` whose evaluated datasets
+        (:func:`fedreid.fl.federation.evaluated_datasets`, the simulation's
+        rule) include this client's dataset evaluates here.
+        """
+        from fedreid.fl.federation import evaluated_datasets
+
         cfg = self.cfg
         dataset = self.client.split.dataset
-        wanted = cfg.eval.datasets is None or dataset in cfg.eval.datasets
+        # With eval.datasets unset, the clients' own datasets are evaluated (this one among them) unless
+        # leave_one_out keeps the evaluation to its target; the rule does not need the other clients' names.
+        wanted = dataset in evaluated_datasets(cfg, [dataset])
         if cfg.task != "reid" or not cfg.eval.local_models or not wanted:
             return None
         if self._evaluator is None:

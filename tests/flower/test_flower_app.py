@@ -92,6 +92,22 @@ def test_flower_run_equals_the_simulation(world, simulated, tmp_path):
     assert sent_keys and not any(k.startswith(private_prefixes()) for k in sent_keys)  # no head goes out either
 
 
+@pytest.mark.parametrize("overrides", [[], ["eval.datasets=[dsa,dsc]"]], ids=["target-only", "eval-datasets"])
+def test_leave_one_out_records_equal_the_simulation(world, tmp_path, overrides):
+    # Protocol-1 evaluates the unseen target only: no node adds a local evaluation the simulation lacks.
+    cfg = tiny_config(world, ["scenario.kind=leave_one_out", "scenario.target=dsc", "fl.rounds=1", "eval.every=1",
+                              *overrides], names=NAMES)
+    sim_history = run_simulation(cfg, tmp_path / "sim", progress=False)
+    cfg_path = write_config(tmp_path, cfg)
+    out = tmp_path / "flower_run"
+    with FakeGrid(flower_app.client_app, nodes_for(tmp_path, NAMES[:2]), tamper=fresh_process()) as grid:
+        serve(grid, {"config": str(cfg_path), "out": str(out), "join-timeout": 5})
+    ours = load_checkpoint(out / "checkpoint.pt")
+    assert states_equal(ours["server"]["global_state"],
+                        load_checkpoint(tmp_path / "sim" / "checkpoint.pt")["server"]["global_state"])
+    assert strip_time(ours["history"]) == strip_time(sim_history)
+
+
 def test_simulation_engine_partitions_map_to_clients(world, simulated, tmp_path):
     # Flower's simulation engine gives nodes partition-id/num-partitions, not a client name.
     sim_dir, _ = simulated
