@@ -109,12 +109,14 @@ def prepare_run(*, out: str, config: Optional[str], overrides: Sequence[str], re
     ServerApp reads it (:meth:`fedreid.flower.app.ServerSettings.from_run_config`
     on Flower's parse of it: ``round_timeout`` finite and > 0,
     ``join_timeout`` finite and >= 0), a run the ServerApp does not serve
-    (:func:`fedreid.flower.app.check_training_run`: ``fl.mode=local``), and
+    (:func:`fedreid.flower.app.check_training_run`: ``fl.mode=local``), an
+    unknown ``model.backbone`` (:func:`fedreid.fl.federation.check_model_name`), and
     with ``resume`` an override of a key the run may not change
     (:func:`fedreid.fl.simulation.check_resumable`, against ``config.yaml``).
     """
     from flwr.common.config import parse_config_args
 
+    from fedreid.fl.federation import check_model_name
     from fedreid.fl.simulation import check_resumable
     from fedreid.flower.app import ServerSettings, check_training_run
 
@@ -134,6 +136,7 @@ def prepare_run(*, out: str, config: Optional[str], overrides: Sequence[str], re
     settings = ServerSettings.from_run_config(parse_config_args([text]))  # what the ServerApp will be given
     cfg = load_config(config_path, list(overrides))
     check_training_run(cfg, settings)
+    check_model_name(cfg)
     if resume:
         check_resumable(load_config(config_path), cfg)
     return PreparedRun(out_path, text, cfg.fl.rounds, cfg)

@@ -105,6 +105,15 @@ def test_the_door_refuses_local_mode_as_the_server_app_does(tmp_path):
     assert str(door.value).startswith("fl.mode:")
 
 
+def test_the_door_refuses_an_unknown_backbone(tmp_path):
+    cfg = tiny_config(tmp_path / "prepared", ["model.backbone=resnet5O"])
+    path = tmp_path / "run.yaml"
+    path.write_text(dump_config(cfg))
+    with pytest.raises(ConfigError, match="resnet5O") as door:
+        prepare_run(out=str(tmp_path / "run"), config=str(path), overrides=[], resume=False)
+    assert "\n" not in str(door.value) and not (tmp_path / "run").exists()
+
+
 def test_the_door_refuses_a_resume_changing_a_fixed_key_as_the_server_app_does(tmp_path):
     world = write_world(tmp_path / "prepared")
     cfg = tiny_config(world, ["fl.rounds=1", "eval.every=100"])
