@@ -92,3 +92,15 @@ def tiny_config(prepared_root: Path, overrides: Sequence[str] = (), names: Seque
 def strip_time(history: list[dict]) -> list[dict]:
     """Round records without their wall-clock entries."""
     return [{k: v for k, v in rec.items() if k != "time"} for rec in history]
+
+
+def recorded_round(fed) -> tuple[dict, list]:
+    """One round of ``fed``'s server with its own clients in this process: ``(round record, the clients' updates)``."""
+    updates = []
+
+    def fit(k, payload, instructions):
+        update = fed.clients[k].fit(fed.work_model, payload, instructions)
+        updates.append(update)
+        return update
+
+    return fed.server.run_round(fit), updates

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from fl_helpers import strip_time, tiny_config, write_world
+from fl_helpers import recorded_round, strip_time, tiny_config, write_world
 
 from fedreid.config import ConfigError
 from fedreid.fl.federation import build_federation
@@ -73,14 +73,8 @@ def test_scaffold_server_model_is_the_unweighted_mean_of_client_models(world, tm
     cfg = tiny_config(world, objective("scaffold") + ["fl.rounds=1", "eval.every=1"])
     fed = build_federation(cfg)
     sent = dict(fed.server.global_state)
-    states = []
-
-    def fit(k, payload, instructions):
-        update = fed.clients[k].fit(fed.work_model, payload, instructions)
-        states.append(update.state)
-        return update
-
-    fed.server.run_round(fit)
+    _, updates = recorded_round(fed)
+    states = [u.state for u in updates]
     params = dict(fed.server.model.named_parameters())
     name = next(n for n in sent if n in params and sent[n].is_floating_point())
     expected = sent[name] + sum(s[name] - sent[name] for s in states) / len(states)
@@ -97,14 +91,7 @@ def test_server_halves_weigh_the_client_models_as_configured(world, tmp_path, na
     cfg = tiny_config(world, objective(name, **options) + ["fl.rounds=1", "eval.every=1"])
     fed = build_federation(cfg)
     sent = dict(fed.server.global_state)
-    updates = []
-
-    def fit(k, payload, instructions):
-        update = fed.clients[k].fit(fed.work_model, payload, instructions)
-        updates.append(update)
-        return update
-
-    fed.server.run_round(fit)
+    _, updates = recorded_round(fed)
     params = dict(fed.server.model.named_parameters())
     name_p = next(n for n in sent if n in params and sent[n].is_floating_point())
     sizes = [u.num_samples for u in updates]

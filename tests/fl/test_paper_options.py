@@ -5,6 +5,7 @@ from collections import OrderedDict
 import numpy as np
 import pytest
 import torch
+from fl_helpers import recorded_round
 from tolerances import F32_TOL
 
 from fedreid.config import ConfigError, load_config
@@ -62,14 +63,7 @@ def test_server_lr_and_weighting_in_a_classification_round():
         cfg = load_config(None, base + extra)
         fed = build_classification_federation(cfg)
         start = clone_state(fed.server.global_state)
-        updates = []
-
-        def fit(k, payload, instructions):
-            update = fed.clients[k].fit(fed.work_model, payload, instructions)
-            updates.append(update)
-            return update
-
-        record = fed.server.run_round(fit)
+        record, updates = recorded_round(fed)
         return start, updates, fed.server.global_state, record
 
     start, updates, plain_state, record = one_round(["fl.weighting=uniform"])
