@@ -34,7 +34,7 @@ import os
 import time
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Iterator, Mapping, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -46,7 +46,7 @@ from fedreid.errors import FedReIDError
 from fedreid.fl.aggregate import cdw_distance
 from fedreid.fl.local.base import OBJECTIVE_PAYLOAD, LocalObjective
 from fedreid.fl.local.objectives import build_objective, objective_class
-from fedreid.fl.local.sgd import LocalResult, train_local
+from fedreid.fl.local.sgd import LocalResult, device_batch, train_local
 from fedreid.fl.server_hooks.kd import KD_FEATURES, public_features
 from fedreid.fl.state import bn_buffers, clone_state, host_state, split_state
 from fedreid.fl.update import Update, private_prefixes
@@ -212,6 +212,11 @@ class Client:
         )
         return on_device(loader, self._train_transform, self.device, channels_last=self.precision.channels_last)
 
+    def training_pass(self, seed: int) -> Iterator[tuple[Tensor, Tensor]]:
+        """One pass of :meth:`train_loader` (seeded by ``seed``) as ``(images, labels)`` on the client's device."""
+        for batch in self.train_loader(seed):
+            yield device_batch(batch, self.device)
+
     def public_loader(self, kd_seed: Optional[int] = None):
         """The public set for KD features (:mod:`fedreid.fl.server_hooks.kd`).
 
@@ -335,7 +340,12 @@ class Client:
             "time_train": result.seconds,
         }
         if objective is not None:
-            metadata.update(objective.end_round(model))
+            if objective.wants_training_pass:
+                with forked_torch_rng(derive_seed(seed, "objective-pass-dropout"), self.device):
+                    metadata.update(objective.end_round(
+                        model, training_batches=lambda: self.training_pass(derive_seed(seed, "objective-pass"))))
+            else:
+                metadata.update(objective.end_round(model))
         if start is not None:
             t0 = time.perf_counter()
             metadata["cdw_distance"] = self.cdw_distance(start, model, seed)

@@ -29,6 +29,7 @@ from fedreid.fl.local.fedcurv import (
     V_KEY,
     W_KEY,
     FedCurv,
+    batches_past,
     contribution_sums,
     diagonal_fisher,
     fedcurv_penalty,
@@ -292,7 +293,7 @@ def test_fedcurv_fisher_is_the_mean_squared_gradient_on_the_last_batches_at_the_
     # linear softmax: d CE_b / d W = (1/B) sum_i (p_i - y_i) x_i^T, d CE_b / d bias = (1/B) sum_i (p_i - y_i)
     gen = torch.Generator().manual_seed(0)
     model = Linear()
-    obj = FedCurv(lam=0.0, fisher_batches=2)
+    obj = FedCurv(lam=0.0, fisher_estimate="last_batches", fisher_batches=2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     obj.begin_round(model, shared(model))
     batches = []
@@ -325,7 +326,7 @@ def test_fedcurv_fisher_is_the_mean_squared_gradient_on_the_last_batches_at_the_
     # the client keeps what it sent, to subtract it next round
     state = roundtrip(obj.state_dict())
     assert torch.equal(state["fisher"]["classifier.weight"], meta[FISHER_KEY]["classifier.weight"])
-    twin = FedCurv()
+    twin = FedCurv(fisher_estimate="last_batches")
     twin.load_state_dict(state)
     assert all(torch.equal(twin.state_dict()[k][n], state[k][n]) for k in state for n in state[k])
     with pytest.raises(ObjectiveError, match="unknown state keys"):
@@ -349,15 +350,97 @@ def test_diagonal_fisher_matches_autograd_per_batch():
         diagonal_fisher(model, params, [])
 
 
-def test_fedcurv_end_round_needs_a_batch_and_options_are_checked():
-    obj = FedCurv()
+class Normed(nn.Module):
+    """``features = BatchNorm1d(Linear(x))``, ``logits = classifier(features)``: train and eval mode differ."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(3)
+        self.body = nn.Linear(3, 4)
+        self.norm = nn.BatchNorm1d(4)
+        self.classifier = nn.Linear(4, 2)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen))
+            self.norm.running_mean.copy_(torch.tensor([0.5, -0.5, 1.0, 0.0]))
+            self.norm.running_var.copy_(torch.tensor([2.0, 0.5, 1.0, 3.0]))
+
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.body(x))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.features(x))
+
+
+def test_batches_past_stops_once_more_than_the_samples_were_seen():
+    batches = [(torch.zeros(4, 1), torch.zeros(4)) for _ in range(5)]
+    assert len(list(batches_past(batches, 8))) == 3  # 4, 8 (not more than 8), 12: FedNTD's `> size`
+    assert len(list(batches_past(batches, 7))) == 2
+    assert len(list(batches_past(batches, 500))) == 5  # fewer images than asked: the whole pass
+
+
+def test_fedcurv_official_fisher_is_a_train_mode_pass_that_leaves_the_model_as_trained():
+    gen = torch.Generator().manual_seed(2)
+    batches = [(torch.randn(4, 3, generator=gen), torch.randint(0, 2, (4,), generator=gen)) for _ in range(5)]
+    model = Normed()
+    obj = FedCurv(lam=0.0, fisher_samples=8)
+    obj.begin_round(model, shared(model))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = batches[0]
+    loss = obj.loss(model, x, y, model(x))
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    trained = shared(model)
+    grads_before = {n: p.grad.clone() for n, p in model.named_parameters()}
+    served = []
+
+    def training_batches():
+        for b in batches:
+            served.append(b)
+            yield b
+
+    meta = obj.end_round(model, training_batches=training_batches)
+    assert len(served) == 3  # 12 > 8 images after the third batch: the pass stops there
+    assert model.training and all(torch.equal(v, trained[k]) for k, v in model.state_dict().items())
+    assert all(torch.equal(p.grad, grads_before[n]) for n, p in model.named_parameters())
+    # the oracle: each batch's squared CE gradient in train mode (batch statistics), on a copy
+    oracle, eval_mode = Normed(), Normed()
+    oracle.load_state_dict(trained)
+    eval_mode.load_state_dict(trained)
+    oracle.train()
+    eval_mode.eval()
+    for name in ("body.weight", "norm.weight", "classifier.bias"):
+        squares, eval_squares = [], []
+        for net, out in ((oracle, squares), (eval_mode, eval_squares)):
+            for x, y in batches[:3]:
+                net.zero_grad()
+                F.cross_entropy(net(x), y).backward()
+                out.append(dict(net.named_parameters())[name].grad.detach() ** 2)
+        torch.testing.assert_close(meta[FISHER_KEY][name], sum(squares) / 3)
+        assert not torch.allclose(meta[FISHER_KEY][name], sum(eval_squares) / 3)  # not the eval-mode estimate
+
+
+def test_fedcurv_end_round_needs_its_batches_and_options_are_checked():
+    obj = FedCurv(fisher_estimate="last_batches")
     obj.begin_round(Params(), shared(Params()))
     with pytest.raises(ObjectiveError, match="no training batch"):
         obj.end_round(Params())
+    official = FedCurv()
+    assert official.wants_training_pass and not obj.wants_training_pass
+    official.begin_round(Params(), shared(Params()))
+    with pytest.raises(ObjectiveError, match="fisher_estimate=official needs the client's training_batches"):
+        official.end_round(Params())
     with pytest.raises(ObjectiveError, match="lam must be >= 0"):
         FedCurv(lam=-1.0)
     with pytest.raises(ObjectiveError, match="fisher_batches must be >= 1"):
-        FedCurv(fisher_batches=0)
+        FedCurv(fisher_estimate="last_batches", fisher_batches=0)
+    with pytest.raises(ObjectiveError, match="fisher_samples must be >= 1"):
+        FedCurv(fisher_samples=0)
+    with pytest.raises(ObjectiveError, match="fisher_batches applies to fisher_estimate=last_batches only"):
+        FedCurv(fisher_batches=3)
+    with pytest.raises(ObjectiveError, match="unknown fedcurv fisher_estimate 'eval'"):
+        FedCurv(fisher_estimate="eval")
     bad = contribution_sums([contribution(*FISHERS["j1"])])
     bad[U_KEY]["a"] = torch.zeros(4)
     with pytest.raises(ObjectiveError, match="has shape"):
@@ -458,7 +541,10 @@ def test_config_errors_name_the_option():
     with pytest.raises(ConfigError, match=r"train.objective_options.alpha: must be in \[0, 1\]"):
         cfg_with("train.objective=fedrs", "train.objective_options={alpha: 2}")
     with pytest.raises(ConfigError, match="train.objective_options.fisher_batches: must be >= 1"):
-        cfg_with("train.objective=fedcurv", "train.objective_options={fisher_batches: 0}")
+        cfg_with("train.objective=fedcurv", "train.objective_options={fisher_estimate: last_batches, fisher_batches: 0}")
+    with pytest.raises(ConfigError, match="train.objective_options.fisher_batches: applies to "
+                                          "fisher_estimate=last_batches only, not official"):
+        cfg_with("train.objective=fedcurv", "train.objective_options={fisher_batches: 5}")
     with pytest.raises(ConfigError, match="server half of train.objective=fedcurv"):
         cfg_with("fl.hooks=[{name: fedcurv}]")
     cfg = cfg_with("train.objective=fedcurv", "train.objective_options={lam: 0.5}")
@@ -473,7 +559,8 @@ def test_on_digits_fedrs_alpha_one_and_fedcurv_lam_zero_train_as_fedavg_exactly(
     rs = run_simulation(cfg_with("fl.rounds=2", "train.objective=fedrs"), tmp_path / "rs", progress=False)
     assert without_time(rs) != without_time(fedavg)
     assert all(0.1 < r["eval"]["test"]["accuracy"] <= 1 for r in rs)
-    # lam = 0: the Fisher pass (eval mode, no random draws) leaves training exactly as FedAvg's
+    # lam = 0: the official Fisher pass (its own loader seed and dropout generator, BatchNorm statistics
+    # put back) leaves training exactly as FedAvg's
     curv0 = run_simulation(cfg_with("fl.rounds=2", "train.objective=fedcurv", "train.objective_options={lam: 0.0}"),
                            tmp_path / "curv0", progress=False)
     for a, b in zip(curv0, fedavg):
@@ -484,7 +571,7 @@ def test_on_digits_fedrs_alpha_one_and_fedcurv_lam_zero_train_as_fedavg_exactly(
 
 
 def test_fedcurv_on_digits_keeps_client_and_server_state_and_resumes_bit_identically(tmp_path):
-    cfg = cfg_with("train.objective=fedcurv", "train.objective_options={lam: 1.0, fisher_batches: 3}")
+    cfg = cfg_with("train.objective=fedcurv", "train.objective_options={lam: 1.0}")  # the official Fisher pass
     full = run_simulation(cfg, tmp_path / "full", progress=False)
     fedavg = run_simulation(cfg_with("fl.rounds=2"), tmp_path / "avg", progress=False)
     assert full[0]["client_metrics"] == fedavg[0]["client_metrics"]  # round 1: no sums yet, no penalty

@@ -810,9 +810,11 @@ def test_documented_training_loop_runs_every_objective(name, device):
     for r in range(2):
         glob = OrderedDict((k, v.clone()) for k, v in model.state_dict().items() if k.startswith("body."))
         obj.begin_round(model, glob, round_index=r, payload={"control": {}})
+        seen = []
         for _ in range(3):
             images = torch.randn(4, 2, generator=gen).to(device)
             labels = torch.randint(0, 3, (4,), generator=gen).to(device)
+            seen.append((images, labels))
             features = representation(model, images) if obj.needs_features else None
             logits = model.classifier(features) if features is not None else model(images)
             loss = obj.loss(model, images, labels, logits, features)
@@ -822,7 +824,10 @@ def test_documented_training_loop_runs_every_objective(name, device):
             obj.before_step(model, opt)
             opt.step()
             obj.after_step(model, opt)
-        meta = obj.end_round(model)
+        if obj.wants_training_pass:  # a fresh pass over the training data (FedCurv's official Fisher)
+            meta = obj.end_round(model, training_batches=lambda: iter(seen))
+        else:
+            meta = obj.end_round(model)
         assert obj.steps == 3
         assert isinstance(meta, dict)
         for value in meta.values():  # tensors that travel in an Update are on CPU

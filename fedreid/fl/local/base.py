@@ -25,7 +25,10 @@ no global randomness. A training loop drives it like this::
         obj.before_step(model, optimizer)              # SCAFFOLD: g <- g - c_i + c
         optimizer.step()
         obj.after_step(model, optimizer)               # counts steps (and, for SCAFFOLD, learning rates)
-    metadata = obj.end_round(model)                    # updates the client state; goes into Update.metadata
+    if obj.wants_training_pass:                        # FedCurv's official Fisher: a fresh, seeded pass
+        metadata = obj.end_round(model, training_batches=make_training_pass)
+    else:
+        metadata = obj.end_round(model)                # updates the client state; goes into Update.metadata
     saved = obj.state_dict()                           # checkpoint it with the client
 
 Contract of the arguments:
@@ -309,6 +312,11 @@ class LocalObjective:
     server_hook: ClassVar[Optional[str]] = None
     #: A server hook the run must configure itself for this client to make sense (FedNova's CCVR client).
     requires_hook: ClassVar[Optional[str]] = None
+    #: Whether :meth:`end_round` wants a fresh pass over the client's training data: the client then
+    #: calls ``end_round(model, training_batches=...)`` with a callable that returns a seeded, augmented
+    #: pass of ``(images, labels)`` on the model's device, under a seeded dropout generator
+    #: (FedCurv's official Fisher).
+    wants_training_pass: bool = False
 
     def __init__(self) -> None:
         self.round_index: int = 0

@@ -45,27 +45,32 @@ trainable parameters named in the received global state
 identity head have no global value and get none). The reference penalises
 ``model.parameters()``, which is the same set for a fully shared classifier.
 
-The Fisher (the documented choice; the paper leaves the estimator open). At
-the end of local training (:meth:`FedCurv.end_round`), at the final local
-parameters ``theta_s``, over the last ``fisher_batches`` training batches the
-objective saw in :meth:`FedCurv.loss` (their images and labels are kept, not
-their graphs)::
+The Fisher (the paper leaves the estimator open, so the reference code's is
+the default). After local training (:meth:`FedCurv.end_round`), at the final
+local parameters ``theta_s``, over ``m`` mini-batches::
 
     F_{s,p} = (1/m) sum_{b=1..m} ( d CE_b / d theta_p )^2
 
 ``CE_b`` is the batch-mean cross-entropy (negative log-likelihood of the true
 labels: the empirical Fisher) of batch ``b`` under the final model, its
 gradient taken with ``torch.autograd.grad`` (``.grad`` of the parameters is
-not touched). This is the reference's estimator (``upload_local_fisher``: the
-mean over mini-batches of the squared mini-batch gradient of the criterion,
-after training, until more than ``size = 500`` samples are seen -- 11 batches
-of 50; ``fisher_batches = 10`` is 500 samples at that batch size). Two
-differences, both deliberate: the batches are the last ones of local
-training rather than a fresh pass over the loader (the objective sees no
-loader), and the model is put in eval mode for it (BatchNorm uses its
-running statistics and does not update them, dropout is off): the
-estimate draws no random numbers and leaves the BatchNorm statistics that go
-into the update as training left them; the reference runs it in train mode.
+not touched). Which batches, ``fisher_estimate``:
+
+* ``official`` (default): the reference's ``ClientTrainer.upload_local_fisher``
+  (``Lee-Gihun/FedNTD``, ``algorithms/fedcurv/ClientTrainer.py``): a fresh
+  pass over the client's training loader (shuffled and augmented, seeded by
+  the client's round seed), model in train mode (BatchNorm on batch
+  statistics, dropout on, from a seeded generator), batches taken until more
+  than ``fisher_samples`` images have been seen (the reference config's
+  ``size: 500``: 11 batches of 50), or the whole loader if it holds fewer.
+  The reference uploads the model before this pass, so the BatchNorm running
+  statistics the pass moves are put back: the update is the trained model.
+  The client hands the pass in (:attr:`LocalObjective.wants_training_pass`).
+* ``last_batches``: the last ``fisher_batches`` batches local training saw
+  (their images and labels are kept, not their graphs), model in eval mode
+  (running statistics, no dropout): no extra pass over the data, and the
+  estimate draws no random numbers.
+
 Squared gradients are accumulated neither in ``before_step`` (that gradient
 includes the penalty's and is taken at parameters that keep moving) nor in
 ``after_step``.
@@ -81,7 +86,7 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from dataclasses import dataclass
-from typing import Any, ClassVar, Iterable, Mapping, Optional, Sequence
+from typing import Any, Callable, ClassVar, Iterable, Iterator, Mapping, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -90,6 +95,7 @@ from torch import Tensor, nn
 from fedreid.fl.local.base import (
     AnchoredObjective,
     ObjectiveError,
+    check_choice,
     check_positive,
     cpu_clone,
     register_objective,
@@ -134,13 +140,19 @@ def fedcurv_penalty(
 
 
 def diagonal_fisher(
-    model: nn.Module, params: Mapping[str, nn.Parameter], batches: Iterable[tuple[Tensor, Tensor]]
+    model: nn.Module,
+    params: Mapping[str, nn.Parameter],
+    batches: Iterable[tuple[Tensor, Tensor]],
+    *,
+    train_mode: bool = False,
 ) -> "OrderedDict[str, Tensor]":
     """``(1/m) sum_b (d CE_b / d theta)^2`` per name over the ``m`` batches ``(images, labels)``.
 
-    ``CE_b``: the batch-mean cross-entropy of ``model(images)``. Runs in eval
-    mode (restored after) with gradients enabled; returns detached tensors
-    on the parameters' devices. A parameter the loss does not reach gets 0.
+    ``CE_b``: the batch-mean cross-entropy of ``model(images)``. Runs with
+    gradients enabled in eval mode, or in train mode with ``train_mode``
+    (the mode is restored after; BatchNorm statistics a train-mode pass moves
+    are the caller's to keep or restore). Returns detached tensors on the
+    parameters' devices. A parameter the loss does not reach gets 0.
     """
     batches = list(batches)
     if not batches:
@@ -151,7 +163,7 @@ def diagonal_fisher(
         return OrderedDict()
     sums = [torch.zeros_like(p, memory_format=torch.contiguous_format).detach() for p in tensors]
     was_training = model.training
-    model.eval()
+    model.train(train_mode)
     try:
         with torch.enable_grad():
             for images, labels in batches:
@@ -165,6 +177,24 @@ def diagonal_fisher(
     return OrderedDict((n, s / len(batches)) for n, s in zip(names, sums))
 
 
+def batches_past(batches: Iterable[tuple[Tensor, Tensor]], samples: int) -> Iterator[tuple[Tensor, Tensor]]:
+    """The batches of ``batches`` until more than ``samples`` images have been seen (the last one included).
+
+    The reference's stopping rule (``upload_local_fisher``: append, then
+    ``if samples_so_far > size: break``); all of them if they hold fewer.
+    """
+    seen = 0
+    for images, labels in batches:
+        yield images, labels
+        seen += int(labels.shape[0])
+        if seen > samples:
+            return
+
+
+#: ``fisher_estimate`` values (module docstring).
+FISHER_ESTIMATES: tuple[str, ...] = ("official", "last_batches")
+
+
 @dataclass
 class FedCurvOptions:
     """Options of ``train.objective: fedcurv`` (its server half is the ``fedcurv`` hook)."""
@@ -172,15 +202,32 @@ class FedCurvOptions:
     #: Weight lambda of the penalty ``sum_{j != s} (theta - theta_j)^T diag(F_j) (theta - theta_j)``
     #: (Shoham et al. 2019; reference config ``lam: 1.0``).
     lam: float = 1.0
-    #: Number of the round's last local training batches the diagonal empirical Fisher is averaged
-    #: over, at the final local parameters (the reference: about 500 samples, 10 batches of 50).
-    fisher_batches: int = 10
+    #: Which batches the diagonal empirical Fisher is averaged over, at the final local parameters:
+    #: ``official`` (a fresh train-mode pass over the training loader until more than
+    #: ``fisher_samples`` images, as FedNTD's ``upload_local_fisher``) or ``last_batches``
+    #: (the last ``fisher_batches`` batches of local training, eval mode).
+    fisher_estimate: str = "official"
+    #: ``official`` only: the pass stops once more than this many images were seen
+    #: (unset: 500, the reference config's ``size``).
+    fisher_samples: Optional[int] = None
+    #: ``last_batches`` only: how many of the round's last training batches (unset: 10).
+    fisher_batches: Optional[int] = None
 
     def validate(self, prefix: str) -> None:
         if not float(self.lam) >= 0:
             raise ConfigError(f"{prefix}.lam: must be >= 0, got {self.lam!r}")
-        if int(self.fisher_batches) < 1:
-            raise ConfigError(f"{prefix}.fisher_batches: must be >= 1, got {self.fisher_batches!r}")
+        if self.fisher_estimate not in FISHER_ESTIMATES:
+            raise ConfigError(f"{prefix}.fisher_estimate: must be one of {', '.join(FISHER_ESTIMATES)}, "
+                              f"got {self.fisher_estimate!r}")
+        for key, applies in (("fisher_samples", "official"), ("fisher_batches", "last_batches")):
+            value = getattr(self, key)
+            if value is None:
+                continue
+            if self.fisher_estimate != applies:
+                raise ConfigError(f"{prefix}.{key}: applies to fisher_estimate={applies} only, "
+                                  f"not {self.fisher_estimate}")
+            if int(value) < 1:
+                raise ConfigError(f"{prefix}.{key}: must be >= 1, got {value!r}")
 
 
 @register_objective
@@ -197,12 +244,20 @@ class FedCurv(AnchoredObjective):
     server_hook: ClassVar[Optional[str]] = "fedcurv"
     keeps_reference: ClassVar[bool] = False
 
-    def __init__(self, lam: float = 1.0, fisher_batches: int = 10) -> None:
+    def __init__(self, lam: float = 1.0, fisher_estimate: str = "official", fisher_samples: Optional[int] = None,
+                 fisher_batches: Optional[int] = None) -> None:
         super().__init__()
         self.lam = check_positive("fedcurv lam", lam)
-        if int(fisher_batches) < 1:
-            raise ObjectiveError(f"fedcurv fisher_batches must be >= 1, got {fisher_batches!r}")
-        self.fisher_batches = int(fisher_batches)
+        self.fisher_estimate = check_choice("fedcurv fisher_estimate", fisher_estimate, FISHER_ESTIMATES)
+        self.wants_training_pass = self.fisher_estimate == "official"
+        for key, value, applies in (("fisher_samples", fisher_samples, "official"),
+                                    ("fisher_batches", fisher_batches, "last_batches")):
+            if value is not None and self.fisher_estimate != applies:
+                raise ObjectiveError(f"fedcurv {key} applies to fisher_estimate={applies} only")
+            if value is not None and int(value) < 1:
+                raise ObjectiveError(f"fedcurv {key} must be >= 1, got {value!r}")
+        self.fisher_samples = 500 if fisher_samples is None else int(fisher_samples)
+        self.fisher_batches = 10 if fisher_batches is None else int(fisher_batches)
         # the client's own last contribution (CPU, persisted)
         self.own: dict[str, "OrderedDict[str, Tensor]"] = {k: OrderedDict() for k in STATE_KEYS}
         self._u: dict[str, Tensor] = {}
@@ -260,21 +315,37 @@ class FedCurv(AnchoredObjective):
         logits: Tensor,
         features: Optional[Tensor] = None,
     ) -> Tensor:
-        """``CE + penalty``; keeps ``(images, labels)`` among the last ``fisher_batches`` for the Fisher."""
+        """``CE + penalty``; under ``last_batches`` keeps ``(images, labels)`` among the last ``fisher_batches``."""
         ce = super().loss(model, images, labels, logits, features)
-        self._batches.append((images.detach(), labels.detach()))
+        if not self.wants_training_pass:
+            self._batches.append((images.detach(), labels.detach()))
         if not self._u:
             return ce
         penalty = fedcurv_penalty(self._params, self._u, self._v, self._w, self.lam).to(ce.device)
         self.last_terms["fedcurv"] = penalty.detach()
         return ce + penalty
 
-    def end_round(self, model: nn.Module) -> dict[str, Any]:
-        """Estimate ``F_s`` at the trained parameters; keep and return ``(F_s, F_s theta_s, W_s)`` (CPU)."""
+    def end_round(
+        self,
+        model: nn.Module,
+        *,
+        training_batches: Optional[Callable[[], Iterable[tuple[Tensor, Tensor]]]] = None,
+    ) -> dict[str, Any]:
+        """Estimate ``F_s`` at the trained parameters; keep and return ``(F_s, F_s theta_s, W_s)`` (CPU).
+
+        ``official`` needs ``training_batches``: a fresh, seeded pass over the
+        client's training data as ``(images, labels)`` on the model's device.
+        """
         self._check_in_round("end_round")
-        if not self._batches:
-            raise ObjectiveError("fedcurv: end_round() after no training batch; the Fisher needs at least one")
-        fisher = diagonal_fisher(model, self._params, self._batches)
+        if self.wants_training_pass:
+            if training_batches is None:
+                raise ObjectiveError("fedcurv: fisher_estimate=official needs the client's training_batches "
+                                     "in end_round()")
+            fisher = self._fresh_pass_fisher(model, training_batches)
+        else:
+            if not self._batches:
+                raise ObjectiveError("fedcurv: end_round() after no training batch; the Fisher needs at least one")
+            fisher = diagonal_fisher(model, self._params, self._batches)
         with torch.no_grad():
             theta = OrderedDict((n, p.detach()) for n, p in self._params.items())
             fisher_theta = OrderedDict((n, fisher[n] * theta[n]) for n in fisher)
@@ -289,6 +360,19 @@ class FedCurv(AnchoredObjective):
         meta[FISHER_THETA_SQ_KEY] = cpu_clone(self.own["fisher_theta_sq"])
         return meta
 
+    def _fresh_pass_fisher(
+        self, model: nn.Module, training_batches: Callable[[], Iterable[tuple[Tensor, Tensor]]]
+    ) -> "OrderedDict[str, Tensor]":
+        """The official estimate: train mode over the fresh pass; BatchNorm statistics put back after."""
+        kept = [(b, b.detach().clone()) for b in model.buffers()]
+        try:
+            return diagonal_fisher(model, self._params, batches_past(training_batches(), self.fisher_samples),
+                                   train_mode=True)
+        finally:
+            with torch.no_grad():
+                for buffer, value in kept:
+                    buffer.copy_(value)
+
     def state_dict(self) -> dict[str, Any]:
         return {k: cpu_clone(self.own[k]) for k in STATE_KEYS}
 
@@ -302,7 +386,9 @@ class FedCurv(AnchoredObjective):
         self.own = own
 
     def __repr__(self) -> str:
-        return f"FedCurv(lam={self.lam}, fisher_batches={self.fisher_batches})"
+        if self.wants_training_pass:
+            return f"FedCurv(lam={self.lam}, fisher_estimate='official', fisher_samples={self.fisher_samples})"
+        return f"FedCurv(lam={self.lam}, fisher_estimate='last_batches', fisher_batches={self.fisher_batches})"
 
 
 def contribution_sums(
@@ -325,6 +411,7 @@ def contribution_sums(
 
 __all__ = [
     "CONTRIBUTION_KEYS",
+    "FISHER_ESTIMATES",
     "FISHER_KEY",
     "FISHER_THETA_KEY",
     "FISHER_THETA_SQ_KEY",
@@ -334,6 +421,7 @@ __all__ = [
     "U_KEY",
     "V_KEY",
     "W_KEY",
+    "batches_past",
     "contribution_sums",
     "diagonal_fisher",
     "fedcurv_penalty",

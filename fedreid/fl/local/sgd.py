@@ -87,7 +87,8 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig, lr_scale: float = 1.0) -
     )
 
 
-def _batch(batch: Any, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def device_batch(batch: Any, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(images, labels)`` of a ``{"image", "label", ...}`` dict or a tuple batch, on ``device`` (labels long)."""
     if isinstance(batch, dict):
         images, labels = batch["image"], batch["label"]
     else:
@@ -173,7 +174,7 @@ def train_local(
             ep_correct = torch.zeros((), dtype=torch.int64, device=device)
             ep_images = 0
             for batch in make_epoch_loader(epoch):
-                images, labels = _batch(batch, device)
+                images, labels = device_batch(batch, device)
                 b = images.shape[0]
                 if cfg.drop_last and b < cfg.batch_size:  # the reference skips partial batches
                     continue
