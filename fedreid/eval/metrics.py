@@ -18,7 +18,12 @@ Ties: the ranking of a query is the *stable* sort of its gallery by
 descending score, i.e. among equal scores the lower gallery index ranks
 first (:func:`~fedreid.eval.ranking.ranking_order`). Every path here, the
 top-k search in :mod:`fedreid.retrieval.exact` and the pictures in
-:mod:`fedreid.eval.visualize` follow that rule.
+:mod:`fedreid.eval.visualize` follow that rule. It decides scores that come
+out equal: the float32 matmul rounds in an order that depends on the block's
+shape and a column's place in it, so identical gallery features may score an
+ulp or two apart, and another ``block_size`` may order items that close
+differently (the same inputs and options on the same machine always get the
+same blocks, scores and results).
 
 The ranking itself is :mod:`fedreid.eval.ranking`'s kernel: the rules above
 (:func:`gallery_masks`, :func:`ranking_order`, re-exported here), query
@@ -305,11 +310,13 @@ def evaluate(
     with ``"numpy"`` the bytes of one float32 score block (default
     :data:`DEFAULT_BLOCK_BYTES`), with ``"torch"`` the working set of one
     block (:data:`~fedreid.eval.ranking.BYTES_PER_SCORE` per score;
-    default: a share of the free memory on CUDA, :data:`DEFAULT_BLOCK_BYTES`
+    default: a share of the card's memory on CUDA (:func:`~fedreid.eval.ranking.device_budget`), :data:`DEFAULT_BLOCK_BYTES`
     elsewhere). ``num_threads`` threads (default: the usable CPUs, at most 8)
     share the numpy backend's per-query counting (the torch backend uses
     torch's own threads and reports ``torch.get_num_threads()``). Results do
-    not depend on either.
+    not depend on the threads; the blocks fix the float32 matmul's rounding,
+    so another block size can reorder scores within a few ulp of each other
+    (the module docstring's "Ties").
     ``return_per_query`` adds ``"per_query"``: arrays ``first_match_rank``
     (0 = no match), ``ap``, ``inp``, ``num_matches`` and ``valid`` (the query
     has a true match), one entry per query, computed in the same block pass

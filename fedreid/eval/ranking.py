@@ -22,7 +22,12 @@ The contract, for every function of this module:
   its gallery by descending score, i.e. among equal scores the lower gallery
   index ranks first. :func:`top_k_rows`, :func:`order_by_rule`,
   :func:`match_ranks` and the torch path all follow it; ``-0.0`` and ``+0.0``
-  are equal scores.
+  are equal scores. The rule decides scores that come out bit-equal: a BLAS
+  (or cuBLAS) float32 matmul rounds in an order set by the block's shape and
+  a column's place in it, so identical features can score an ulp or two
+  apart, and another block size can reorder items that close. Blocks are a
+  function of the inputs and options (and, on CUDA, of the card:
+  :func:`device_budget`), so a rerun gets the same scores.
 * **Memory.** The full query x gallery score matrix is never materialised:
   queries are scored in blocks (:func:`score_blocks`, at most
   ``max_block_bytes`` of float32 scores in one reused buffer; on the torch
@@ -121,7 +126,10 @@ _DENSE_SORT_FRACTION = 0.5
 #: double buffers (keys and int64 values), two bool masks, and slack for the
 #: allocator's rounding.
 BYTES_PER_SCORE = 48
-#: Share of the free CUDA memory (plus the allocator's unused cache) one block may use;
+#: Share of the card's total memory one block of the torch path uses on CUDA: fixed per card, so
+#: the same card scores the same blocks (the float32 matmul's last bits depend on the block's shape).
+CUDA_TOTAL_SHARE = 1 / 8
+#: At most this share of the free CUDA memory (plus the allocator's unused cache) goes to one block;
 #: the rest stays for whatever else lives on the card (a model, its optimiser).
 CUDA_FREE_SHARE = 0.5
 #: Elements of one score block at most: sort and nonzero index with 32-bit
@@ -635,18 +643,28 @@ def rows_within(n_gallery: int, budget_bytes: int) -> int:
 
 
 def device_budget(device: torch.device) -> int | None:
-    """Bytes one block may use on ``device``: :data:`CUDA_FREE_SHARE` of the free memory on CUDA.
+    """Bytes one block may use on ``device``: :data:`CUDA_TOTAL_SHARE` of the card's memory on CUDA.
 
-    Free memory is ``torch.cuda.mem_get_info`` plus what the caching
-    allocator holds unused (it serves the block from there first). None for
-    other devices, whose budget the caller fixes.
+    The budget depends on the card only, so a run evaluates in the same
+    blocks every time, whatever training left allocated: the float32 scores'
+    last bits depend on the block's shape (cuBLAS, like any BLAS, picks its
+    kernel and tiling by shape), and so, for near ties, do the ranks. Only
+    when that budget exceeds :data:`CUDA_FREE_SHARE` of the free memory
+    (``torch.cuda.mem_get_info`` plus what the caching allocator holds
+    unused, which it serves the block from first) is it halved until it fits:
+    a card that full gets smaller blocks rather than an out-of-memory error.
+    None for other devices, whose budget the caller fixes.
     """
     if device.type != "cuda":
         return None
     load_torch()
-    free, _total = torch.cuda.mem_get_info(device)
+    free, total = torch.cuda.mem_get_info(device)
     cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    return int(CUDA_FREE_SHARE * (free + cached))
+    budget = int(CUDA_TOTAL_SHARE * total)
+    room = int(CUDA_FREE_SHARE * (free + cached))
+    while budget > room and budget > 1:
+        budget //= 2
+    return budget
 
 
 def _torch_block_match_ranks(

@@ -189,13 +189,19 @@ def test_cpu_blocks_come_from_a_fixed_byte_budget():
     assert evaluate_torch(*case)["block_size"] == case[0].shape[0]
 
 
-def test_cuda_blocks_are_sized_from_the_free_memory(monkeypatch):
+def test_cuda_blocks_are_sized_from_the_card_not_from_what_is_allocated(monkeypatch):
     # No CUDA here: the memory queries are stubbed, the sizing rule is what is checked.
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (6 * 2**30, 80 * 2**30))
-    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 3 * 2**30)
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 1 * 2**30)
-    budget = ranking_torch.device_budget(torch.device("cuda", 0))
-    assert budget == int(ranking_torch.CUDA_FREE_SHARE * 8 * 2**30)
+    memory = {"free": 60 * 2**30, "reserved": 3 * 2**30, "allocated": 1 * 2**30}
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (memory["free"], 80 * 2**30))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: memory["reserved"])
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: memory["allocated"])
+    cuda = torch.device("cuda", 0)
+    budget = ranking_torch.device_budget(cuda)
+    assert budget == 10 * 2**30  # an eighth of the 80 GiB card
+    memory["free"] = 30 * 2**30  # training took more: the same blocks, so the same float32 scores
+    assert ranking_torch.device_budget(cuda) == budget
+    memory["free"] = 6 * 2**30  # half of 6 + 2 GiB cannot hold 10 GiB: halved until it fits
+    assert ranking_torch.device_budget(cuda) == int(2.5 * 2**30)
     assert ranking_torch.device_budget(torch.device("cpu")) is None
     n_gallery = 82_161
     rows = ranking_torch.rows_within(n_gallery, budget)
