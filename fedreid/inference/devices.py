@@ -90,7 +90,7 @@ def resolve_speedups(
     asked = [flag for flag, value in (("--amp", amp), ("--channels-last", channels_last)) if value]
     if asked and not on_cuda:
         raise EvalInputError(
-            f"{' and '.join(asked)} only apply on a CUDA device, but the device is {device}: "
-            "drop them or use --device cuda"
+            f"{' and '.join(asked)} only {'apply' if len(asked) > 1 else 'applies'} on a CUDA device, "
+            f"but the device is {device}: drop {'them' if len(asked) > 1 else 'it'} or use --device cuda"
         )
     return (on_cuda if amp is None else bool(amp)), (on_cuda if channels_last is None else bool(channels_last))

@@ -7,9 +7,17 @@ and the normalisation happen *outside* the network, in
 (:func:`feature_graph`) holds all of it, using the same two operations
 (``features._flip_lr``, ``nn.functional.normalize``): its output
 ``features`` [B, d] float32 *is* the index feature, so a consumer without
-PyTorch has nothing to re-implement. Input ``images`` is [B, 3, H, W]
-float32, the output of :func:`fedreid.data.transforms.build_test_transform`
-(resize to H x W, ImageNet normalisation, CHW); the batch axis is dynamic.
+PyTorch has nothing of the feature to re-implement. The preprocessing is the
+caller's: input ``images`` is [B, 3, H, W] float32, the output of
+:func:`fedreid.data.transforms.build_test_transform` (RGB, resized to H x W
+with OpenCV's bicubic ``INTER_CUBIC`` without antialiasing, scaled by 1/255,
+ImageNet mean/std-normalised, CHW); the batch axis is dynamic. The sidecar
+records these steps as numbers (``input.preprocessing_spec``,
+:func:`fedreid.inference.images.preprocessing_record`, next to the older prose
+``input.preprocessing``), and an ONNX file carries the same record in its
+``metadata_props`` (key :data:`ONNX_PREPROCESSING_KEY`, JSON). The runners
+refuse a batch that is not floating point (raw ``uint8`` pixels) in one line
+naming the file and the expected input; floating batches are cast to float32.
 
 Each exported file ``F`` has a sidecar ``F.json`` (:data:`EXPORT_FORMAT`):
 backend, input size, feature size, the model fingerprint
@@ -64,6 +72,7 @@ __all__ = [
     "INPUT_NAME",
     "OUTPUT_NAME",
     "DEFAULT_OPSET",
+    "ONNX_PREPROCESSING_KEY",
     "ExportError",
     "feature_graph",
     "export_model",
@@ -84,6 +93,8 @@ EXPORT_FORMATS = ("onnx", "torchscript")
 BACKENDS = ("pytorch", *EXPORT_FORMATS)
 INPUT_NAME, OUTPUT_NAME = "images", "features"
 DEFAULT_OPSET = 17
+#: The ONNX ``metadata_props`` key holding the preprocessing record (JSON) of an exported file.
+ONNX_PREPROCESSING_KEY = "fedreid.preprocessing"
 
 
 class ExportError(EvalInputError):
@@ -209,6 +220,8 @@ def export_model(
     """
     import torch
 
+    from fedreid.inference.images import preprocessing_record
+
     if format not in EXPORT_FORMATS:
         raise ExportError(f"export format {format!r}: expected one of {', '.join(EXPORT_FORMATS)}")
     height, width = (int(v) for v in input_size)
@@ -223,6 +236,7 @@ def export_model(
     if fp:
         fp.update(height=height, width=width)
     _claim_export_path(path)
+    preprocessing = preprocessing_record(height, width)
 
     modes = {module: module.training for module in model.modules()}
     device = next((t.device for t in model.parameters()), torch.device("cpu"))
@@ -244,6 +258,7 @@ def export_model(
                     first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
                     hint = f" (the default opset is {DEFAULT_OPSET})" if int(opset) != DEFAULT_OPSET else ""
                     raise ExportError(f"ONNX export at --opset {opset} failed: {first[:200]}{hint}") from None
+                _add_onnx_metadata(tmp, {ONNX_PREPROCESSING_KEY: json.dumps(preprocessing, sort_keys=True)})
             else:
                 with torch.no_grad():
                     traced = torch.jit.trace(graph, (example,), check_trace=False)
@@ -261,7 +276,8 @@ def export_model(
         "file_sha256": sha256_file(path),
         "input": {"name": INPUT_NAME, "shape": ["batch", 3, height, width], "dtype": "float32",
                   "height": height, "width": width,
-                  "preprocessing": "RGB, resize to height x width (bicubic), ImageNet mean/std, CHW"},
+                  "preprocessing": "RGB, resize to height x width (bicubic), ImageNet mean/std, CHW",
+                  "preprocessing_spec": preprocessing},
         "output": {"name": OUTPUT_NAME, "shape": ["batch", dim], "dtype": "float32",
                    "feature": "embed(x) + embed(flip_lr(x)), L2-normalised"},
         "opset": int(opset) if format == "onnx" else None,
@@ -272,10 +288,56 @@ def export_model(
     return path
 
 
-def _as_array(images: Any, height: int, width: int, where: Path) -> np.ndarray:
+def _add_onnx_metadata(path: Path, props: Mapping[str, str]) -> None:
+    """Set ``props`` in the ``metadata_props`` of the ONNX file ``path`` (rewritten in place); needs ``onnx``.
+
+    Without the ``onnx`` package (the ``[onnx]`` extra installs it) the file
+    keeps no metadata and only the sidecar records the preprocessing.
+    """
+    try:
+        import onnx
+    except ImportError:
+        return
+    proto = onnx.load(str(path))
+    kept = [entry for entry in proto.metadata_props if entry.key not in props]
+    del proto.metadata_props[:]
+    proto.metadata_props.extend(kept)
+    for key, value in props.items():
+        entry = proto.metadata_props.add()
+        entry.key, entry.value = key, value
+    onnx.save(proto, str(path))
+
+
+def _expected_input(meta: Mapping[str, Any]) -> str:
+    """The input an exported file of sidecar ``meta`` expects, in words (from its preprocessing record)."""
+    height, width = int(meta["input"]["height"]), int(meta["input"]["width"])
+    spec = (meta.get("input") or {}).get("preprocessing_spec")
+    shape = f"float32 images [batch, 3, {height}, {width}] (NCHW)"
+    try:
+        resize = spec["resize"]
+        return (
+            f"{shape}: {spec['color']} pixels resized to {resize['height']}x{resize['width']} "
+            f"({resize['interpolation']}, {'antialiased' if resize.get('antialias') else 'no antialiasing'}), scaled by {spec['scale']:.6g} to [0, 1], then "
+            f"(x - mean) / std with mean {spec['mean']} and std {spec['std']} (its sidecar's input.preprocessing_spec)"
+        )
+    except (KeyError, TypeError):  # a sidecar of an older export: its prose only
+        return f"{shape}: RGB, resized, scaled to [0, 1], ImageNet mean/std-normalised (its sidecar's input.preprocessing)"
+
+
+def _as_array(images: Any, height: int, width: int, where: Path, expected: str = "") -> np.ndarray:
+    """``images`` as a C-contiguous float32 [B, 3, H, W] array; floating input only (float64 etc. are cast)."""
     if hasattr(images, "detach"):  # a torch tensor, without importing torch here
-        images = images.detach().cpu().numpy()
-    x = np.ascontiguousarray(images, dtype=np.float32)
+        images = images.detach().cpu()
+        if str(images.dtype) == "torch.bfloat16":  # numpy has no bfloat16
+            images = images.float()
+        images = images.numpy()
+    x = np.asarray(images)
+    if not np.issubdtype(x.dtype, np.floating):
+        raise ExportError(
+            f"exported model {where} takes {expected or 'float32 images'}; got {x.dtype} values "
+            "(raw pixels are not its input: preprocess them first)"
+        )
+    x = np.ascontiguousarray(x, dtype=np.float32)
     if x.ndim != 4 or x.shape[1] != 3 or x.shape[2:] != (height, width):
         raise ExportError(
             f"exported model {where} takes images [batch, 3, {height}, {width}], got shape {tuple(x.shape)}"
@@ -350,15 +412,19 @@ class _Extractor:
         #: The model fingerprint recorded at export (weights SHA-256, backbone, input size, feature kind).
         self.fingerprint: dict[str, Any] = dict(self.meta["model_fingerprint"])
         self.file_sha256: str = self.meta["file_sha256"]
+        #: The input this file expects, in words (from the sidecar's preprocessing record).
+        self.expected_input: str = _expected_input(self.meta)
 
     def __call__(self, images: Any) -> np.ndarray:
         """Features [B, d] float32 (L2-normalised, flip-averaged) of ``images`` [B, 3, H, W] (numpy or torch).
 
+        ``images`` must be floating point, preprocessed as the sidecar records
+        (``input.preprocessing_spec``); integer pixels raise :class:`ExportError`.
         An output of any other shape (not one row per image, or not the
         declared d) raises :class:`ExportError` naming the file, so no caller
         pairs features with the wrong images.
         """
-        x = _as_array(images, self.height, self.width, self.path)
+        x = _as_array(images, self.height, self.width, self.path, self.expected_input)
         out = np.ascontiguousarray(self._run(x), dtype=np.float32)
         if out.ndim != 2 or out.shape[0] != x.shape[0] or (self.dim is not None and out.shape[1] != self.dim):
             raise ExportError(

@@ -44,6 +44,7 @@ __all__ = [
     "image_features",
     "decode_image_bytes",
     "array_features",
+    "preprocessing_record",
     "write_skipped_csv",
 ]
 
@@ -85,9 +86,15 @@ class SkippedImage:
 
 
 def _skip_reason(exc: BaseException) -> str:
+    import cv2
+
+    from fedreid.data.images import opencv_refusal
+
     cause = exc.__cause__
     if isinstance(cause, OSError):
         return f"cannot read the file ({cause.strerror or type(cause).__name__})"
+    if isinstance(cause, cv2.error):
+        return f"cannot decode the image: {opencv_refusal(cause)}"
     return "cannot decode the image (empty, corrupt or not an image)"
 
 
@@ -112,6 +119,43 @@ def _preprocessing(loaded: LoadedModel) -> tuple[Callable[[np.ndarray], Any], Ca
     import torch
 
     return transforms.build_test_transform(height, width), lambda batch: _collate(batch, torch.stack)
+
+
+def preprocessing_record(height: int, width: int) -> dict[str, Any]:
+    """What an image goes through before a ``height x width`` model sees it, as plain values.
+
+    Read from the test transform itself (the one :func:`_preprocessing` gives
+    an exported model, whose steps the PyTorch path's tensor transform
+    shares), not typed again: the decoder, the colour order, the resize
+    (OpenCV interpolation, no antialiasing), ``scale`` (1 / the transform's
+    ``max_pixel_value``), per-channel ``mean`` and ``std``, and the layout.
+    One image's input is ``((resize(rgb) * scale - mean) / std)`` transposed to
+    ``[3, H, W]`` float32; a batch stacks them (NCHW). The exported files'
+    sidecars record it (:func:`fedreid.inference.export.export_model`).
+    """
+    import albumentations as A
+    import cv2
+
+    from fedreid.data import transforms
+
+    steps = transforms.build_test_array_transform(int(height), int(width)).compose.transforms
+    resize = next(t for t in steps if isinstance(t, A.Resize))
+    normalize = next(t for t in steps if isinstance(t, A.Normalize))
+    names = {getattr(cv2, n): f"cv2.{n}" for n in ("INTER_NEAREST", "INTER_LINEAR", "INTER_CUBIC", "INTER_AREA",
+                                                   "INTER_LANCZOS4", "INTER_LINEAR_EXACT", "INTER_NEAREST_EXACT")}
+    return {
+        "decode": "OpenCV imdecode IMREAD_COLOR (EXIF orientation applied, alpha dropped, 16-bit to high byte)",
+        "color": "RGB",
+        "resize": {"height": int(resize.height), "width": int(resize.width),
+                   "interpolation": names.get(resize.interpolation, str(resize.interpolation)),
+                   "antialias": bool(getattr(resize, "area_for_downscale", None))},
+        "scale": 1.0 / float(normalize.max_pixel_value),
+        "mean": [float(v) for v in normalize.mean],
+        "std": [float(v) for v in normalize.std],
+        "formula": "(pixel * scale - mean) / std, per channel",
+        "layout": "NCHW",
+        "dtype": "float32",
+    }
 
 
 def _image_batches(
@@ -188,16 +232,23 @@ def decode_image_bytes(data: bytes, what: str = "image") -> np.ndarray:
     """An encoded image (JPEG/PNG/BMP/... bytes) as an RGB uint8 ``[H, W, 3]`` array, decoded as files are.
 
     The same decoder and flags as :func:`fedreid.data.images.read_image`
-    (OpenCV, colour, EXIF orientation applied, grey becomes RGB), so the
-    bytes of a gallery file give the very pixels its path gives. Empty or
-    undecodable bytes raise :class:`EvalInputError` naming ``what``.
+    (OpenCV, colour, EXIF orientation applied, grey becomes RGB, alpha
+    dropped), so the bytes of a gallery file give the very pixels its path
+    gives. Empty or undecodable bytes (OpenCV's own refusals included, such as
+    more pixels than ``CV_IO_MAX_IMAGE_PIXELS``) raise :class:`EvalInputError`
+    naming ``what``.
     """
     import cv2
+
+    from fedreid.data.images import opencv_refusal
 
     buffer = np.frombuffer(memoryview(data), dtype=np.uint8)
     if buffer.size == 0:
         raise EvalInputError(f"{what} is empty (0 bytes): expected an encoded image (JPEG, PNG, BMP)")
-    image = cv2.imdecode(buffer, cv2.IMREAD_COLOR)
+    try:
+        image = cv2.imdecode(buffer, cv2.IMREAD_COLOR)
+    except cv2.error as exc:
+        raise EvalInputError(f"{what} cannot be decoded: {opencv_refusal(exc)}") from None
     if image is None:
         raise EvalInputError(f"{what} cannot be decoded: expected an encoded image (JPEG, PNG, BMP), not {buffer.size} "
                              "bytes of something else or a damaged file")

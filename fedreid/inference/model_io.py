@@ -117,6 +117,8 @@ def _read_model_file(path: Path) -> Any:
 
     import torch
 
+    from fedreid.utils.checkpoint import unreadable_reason
+
     try:
         kind = file_kind(path)
     except OSError as exc:
@@ -133,9 +135,9 @@ def _read_model_file(path: Path) -> Any:
             f"loaded (loading them can run code); {_EXPECTED_MODEL}"
         ) from None
     except Exception as exc:  # noqa: BLE001 - any reader failure is the file's fault
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise EvalInputError(
-            f"model file {path} is a damaged or truncated PyTorch file ({first[:200]}); {_EXPECTED_MODEL}"
+            f"model file {path} is a damaged or truncated PyTorch file: {unreadable_reason(path, exc)}; "
+            f"{_EXPECTED_MODEL}"
         ) from None
 
 
@@ -211,6 +213,7 @@ def load_model(
 
     file = find_model_file(path)
     cfg, state, rnd = _model_payload(file, client)
+    model = None
     try:
         model = create_reid_model(
             cfg.get("backbone", "resnet50"),
@@ -223,7 +226,11 @@ def load_model(
         shared = {k: v for k, v in state.items() if not k.startswith(PRIVATE_PREFIXES)}
         load_shared_state(model, shared)
     except StateMismatchError as exc:
-        raise EvalInputError(f"model file {file}: saved state does not fit its model config: {exc}") from None
+        raise EvalInputError(
+            f"model file {file}: saved state does not fit the model its config describes (backbone "
+            f"{cfg.get('backbone', 'resnet50')!r}, bottleneck_dim {cfg.get('bottleneck_dim', 512)}): "
+            f"{_state_mismatch(model, shared, exc)}"
+        ) from None
     except (RuntimeError, KeyError, ValueError, TypeError, AttributeError) as exc:  # a config the models refuse
         raise EvalInputError(f"model file {file}: cannot build the model its config describes "
                              f"(backbone {cfg.get('backbone')!r}): {exc}") from None
@@ -232,6 +239,33 @@ def load_model(
     fingerprint = model_fingerprint(model, cfg)
     model.to(device).eval()
     return LoadedModel(model=model, config=cfg, source=file, round=rnd, fingerprint=fingerprint)
+
+
+def _state_mismatch(model: Any, state: Mapping[str, Any], exc: Exception, shown: int = 3) -> str:
+    """How ``state`` misses ``model``'s shared keys, in one short line: a count of each kind, ``shown`` keys in all."""
+    from fedreid.models.reid import PRIVATE_PREFIXES
+
+    if model is None:
+        return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    target = {k: v for k, v in model.state_dict().items() if not k.startswith(PRIVATE_PREFIXES)}
+
+    def shape(value: Any) -> tuple[int, ...]:
+        return tuple(getattr(value, "shape", ()))
+
+    kinds = (
+        ("missing keys", [k for k in target if k not in state]),
+        ("unexpected keys", [k for k in state if k not in target]),
+        ("shape mismatches", [f"{k} {shape(state[k])} in the file vs {shape(target[k])}"
+                              for k in state if k in target and shape(state[k]) != shape(target[k])]),
+    )
+    parts = []
+    for what, keys in kinds:
+        if keys:
+            listed = keys[:shown]
+            shown -= len(listed)
+            more = f", {len(keys) - len(listed)} more" if len(keys) > len(listed) else ""
+            parts.append(f"{len(keys)} {what}" + (f" ({', '.join(listed)}{more})" if listed else ""))
+    return "; ".join(parts) or (str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
 
 
 def model_fingerprint(model: nn.Module, config: Mapping[str, Any]) -> dict[str, Any]:

@@ -544,7 +544,7 @@ def test_speedup_flags_reach_the_extraction(world, tmp_path, monkeypatch, capsys
     monkeypatch.setattr("fedreid.inference.model_io.extract_features", recording)
     err = _cli_error(["index", "--model", str(world["run"]), "--gallery", ".", "--index", "x", "--device", "cpu",
                       "--channels-last"], capsys)
-    assert "--channels-last only apply on a CUDA device" in err
+    assert "--channels-last only applies on a CUDA device" in err
 
     # What the resolution decides (on for CUDA) is what index and query's extraction gets.
     monkeypatch.setattr(devices, "resolve_speedups", lambda device, amp, cl: (True, True))
@@ -594,7 +594,7 @@ def test_evaluate_extracts_in_the_runs_eval_precision(world, tmp_path, monkeypat
     err = _cli_error(base + ["--out", str(tmp_path / "d"), "--amp", "--precision", "fp32"], capsys)
     assert "--amp and --precision both given" in err
     err = _cli_error(base + ["--out", str(tmp_path / "d"), "--channels-last"], capsys)
-    assert "--channels-last only apply on a CUDA device" in err and "device is cpu" in err
+    assert "--channels-last only applies on a CUDA device" in err and "device is cpu" in err
     assert not (tmp_path / "d").exists()  # refused before any work
     seen.clear()
     assert tool.main(base + ["--out", str(tmp_path / "e"), "--no-amp"]) == 0

@@ -105,6 +105,57 @@ def test_sidecar_records_the_model(world, fmt):
     assert extractor.fingerprint == world["loaded"].fingerprint and len(extractor.file_sha256) == 64
 
 
+def _preprocess_by_hand(spec: dict, path: Path) -> np.ndarray:
+    """One image file as the recorded preprocessing says, with OpenCV and numpy only: [3, H, W] float32."""
+    assert spec["color"] == "RGB" and spec["layout"] == "NCHW" and spec["dtype"] == "float32"
+    assert spec["resize"]["antialias"] is False
+    bgr = cv2.imdecode(np.fromfile(str(path), dtype=np.uint8), cv2.IMREAD_COLOR)
+    rgb = cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB)
+    interpolation = getattr(cv2, spec["resize"]["interpolation"].removeprefix("cv2."))
+    size = (spec["resize"]["width"], spec["resize"]["height"])
+    x = cv2.resize(rgb, size, interpolation=interpolation).astype(np.float32) * np.float32(spec["scale"])
+    x = (x - np.array(spec["mean"], np.float32)) / np.array(spec["std"], np.float32)
+    return np.ascontiguousarray(x.transpose(2, 0, 1))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_the_recorded_preprocessing_fed_by_hand_gives_the_pytorch_feature(world, fmt):
+    from fedreid.data.transforms import IMAGENET_MEAN, IMAGENET_STD
+
+    path = export_model(world["loaded"], _out(world, f"spec.{fmt}"), fmt, (HEIGHT, WIDTH))
+    meta = read_sidecar(path)
+    spec = meta["input"]["preprocessing_spec"]
+    assert meta["input"]["preprocessing"].startswith("RGB, resize")  # the prose stays for older readers
+    assert spec["resize"] == {"height": HEIGHT, "width": WIDTH, "interpolation": "cv2.INTER_CUBIC",
+                              "antialias": False}
+    assert spec["scale"] == 1 / 255 and spec["mean"] == list(IMAGENET_MEAN) and spec["std"] == list(IMAGENET_STD)
+    paths = sorted((world["root"] / "images").glob("*.png"))
+    batch = np.stack([_preprocess_by_hand(spec, p) for p in paths])
+    features = load_extractor(path)(batch)
+    assert np.abs(features - world["reference"]).max() <= 1e-5
+    if fmt == "onnx":  # the ONNX file carries the same record itself
+        onnx = pytest.importorskip("onnx")
+        props = {e.key: e.value for e in onnx.load(str(path)).metadata_props}
+        assert json.loads(props["fedreid.preprocessing"]) == spec
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_raw_integer_pixels_are_refused_naming_the_file_and_the_expected_input(world, fmt):
+    path = export_model(world["loaded"], _out(world, f"dtype.{fmt}"), fmt, (HEIGHT, WIDTH))
+    extractor = load_extractor(path)
+    pixels = np.random.default_rng(0).integers(0, 256, (2, 3, HEIGHT, WIDTH), dtype=np.uint8)
+    for raw in (pixels, torch.from_numpy(pixels), pixels.astype(np.int64)):
+        with pytest.raises(ExportError) as exc:
+            extractor(raw)
+        text = _one_line(exc)
+        assert str(path) in text and f"float32 images [batch, 3, {HEIGHT}, {WIDTH}] (NCHW)" in text
+        assert "RGB" in text and "cv2.INTER_CUBIC" in text and "[0.485, 0.456, 0.406]" in text
+        assert str(np.asarray(raw).dtype) in text
+    # floating input of another width is still accepted (cast to float32)
+    images = world["images"][:2].numpy()
+    np.testing.assert_array_equal(extractor(images.astype(np.float64)), extractor(images))
+
+
 def test_export_restores_training_flags(tmp_path):
     model = create_reid_model("resnet18", 0, bottleneck_dim=8, seed=1)
     model.train()

@@ -1,0 +1,58 @@
+"""Image input of the evaluation tool: OpenCV's refusals become one line, or a skipped image."""
+
+from __future__ import annotations
+
+import struct
+import zlib
+
+import cv2
+import numpy as np
+import pytest
+from tiny_runs import save_tiny_run
+
+from fedreid.inference.errors import EvalInputError
+from fedreid.inference.images import decode_image_bytes, image_features
+from fedreid.inference.model_io import load_model
+
+
+def _png_header_only(width: int, height: int) -> bytes:
+    """A tiny PNG whose header declares ``width x height`` RGB pixels (OpenCV refuses above 2^30 pixels)."""
+
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body) & 0xFFFFFFFF)
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 100))
+            + chunk(b"IEND", b""))
+
+
+def test_bytes_declaring_more_pixels_than_opencv_decodes_are_one_line():
+    with pytest.raises(EvalInputError) as info:
+        decode_image_bytes(_png_header_only(40000, 40000), "upload 'bomb.png'")
+    text = str(info.value)
+    assert text.startswith("upload 'bomb.png' cannot be decoded") and "CV_IO_MAX_IMAGE_PIXELS" in text
+    assert "\n" not in text
+
+
+def test_an_image_opencv_refuses_is_skipped_or_one_line_naming_it(tmp_path):
+    run = save_tiny_run(tmp_path / "run", 64, 32)
+    gallery = tmp_path / "gallery"
+    gallery.mkdir()
+    paths = []
+    for k in range(2):
+        paths.append(gallery / f"{k:04d}_c1s1_000001_00.png")
+        cv2.imwrite(str(paths[-1]), np.random.default_rng(k).integers(0, 256, (80, 40, 3), dtype=np.uint8))
+    bomb = gallery / "0009_c2s1_000001_00.png"
+    bomb.write_bytes(_png_header_only(40000, 40000))
+    paths.insert(1, bomb)
+    loaded = load_model(run)
+
+    with pytest.raises(EvalInputError) as info:  # without --skip-bad-images: one line naming the file
+        image_features(loaded, paths, batch_size=2)
+    text = str(info.value)
+    assert str(bomb) in text and "--skip-bad-images" in text and "\n" not in text
+
+    skipped = []  # with --skip-bad-images: listed, the other images go on
+    fs = image_features(loaded, paths, batch_size=2, skipped=skipped)
+    assert fs.paths == [str(paths[0]), str(paths[2])]
+    assert [s.path for s in skipped] == [str(bomb)] and "CV_IO_MAX_IMAGE_PIXELS" in skipped[0].reason
