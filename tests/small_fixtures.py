@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import struct
+import zlib
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
@@ -25,6 +27,20 @@ def write_image(path: Path, empty: bool = False, value: int = 0) -> Path:
         if not cv2.imwrite(str(path), pixels):
             raise OSError(f"cv2 could not write {path}")
     return path
+
+
+def png_header_only(width: int, height: int) -> bytes:
+    """A tiny PNG whose header declares ``width x height`` RGB 8-bit pixels and holds almost no data.
+
+    OpenCV refuses to decode more than ``CV_IO_MAX_IMAGE_PIXELS`` (2^30) pixels before allocating them.
+    """
+
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body) & 0xFFFFFFFF)
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 100))
+            + chunk(b"IEND", b""))
 
 
 def write_viper(root: Path, num_ids: int, empty: bool = False) -> Path:

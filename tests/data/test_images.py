@@ -2,24 +2,12 @@
 
 from __future__ import annotations
 
-import struct
-import zlib
 from pathlib import Path
 
 import pytest
+from small_fixtures import png_header_only
 
 from fedreid.data.images import ImageReadError, read_image
-
-
-def png_header_only(width: int, height: int) -> bytes:
-    """A tiny PNG whose header declares ``width x height`` pixels (RGB 8-bit) and holds almost no data."""
-
-    def chunk(kind: bytes, body: bytes) -> bytes:
-        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body) & 0xFFFFFFFF)
-
-    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 100))
-            + chunk(b"IEND", b""))
 
 
 def test_a_header_declaring_more_pixels_than_opencv_decodes_is_an_image_read_error(tmp_path: Path):

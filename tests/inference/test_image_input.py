@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import struct
-import zlib
-
 import cv2
 import numpy as np
 import pytest
+from small_fixtures import png_header_only
 from tiny_runs import save_tiny_run
 
 from fedreid.inference.errors import EvalInputError
@@ -15,20 +13,9 @@ from fedreid.inference.images import decode_image_bytes, image_features
 from fedreid.inference.model_io import load_model
 
 
-def _png_header_only(width: int, height: int) -> bytes:
-    """A tiny PNG whose header declares ``width x height`` RGB pixels (OpenCV refuses above 2^30 pixels)."""
-
-    def chunk(kind: bytes, body: bytes) -> bytes:
-        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body) & 0xFFFFFFFF)
-
-    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 100))
-            + chunk(b"IEND", b""))
-
-
 def test_bytes_declaring_more_pixels_than_opencv_decodes_are_one_line():
     with pytest.raises(EvalInputError) as info:
-        decode_image_bytes(_png_header_only(40000, 40000), "upload 'bomb.png'")
+        decode_image_bytes(png_header_only(40000, 40000), "upload 'bomb.png'")
     text = str(info.value)
     assert text.startswith("upload 'bomb.png' cannot be decoded") and "CV_IO_MAX_IMAGE_PIXELS" in text
     assert "\n" not in text
@@ -43,7 +30,7 @@ def test_an_image_opencv_refuses_is_skipped_or_one_line_naming_it(tmp_path):
         paths.append(gallery / f"{k:04d}_c1s1_000001_00.png")
         cv2.imwrite(str(paths[-1]), np.random.default_rng(k).integers(0, 256, (80, 40, 3), dtype=np.uint8))
     bomb = gallery / "0009_c2s1_000001_00.png"
-    bomb.write_bytes(_png_header_only(40000, 40000))
+    bomb.write_bytes(png_header_only(40000, 40000))
     paths.insert(1, bomb)
     loaded = load_model(run)
 
