@@ -77,10 +77,12 @@ query and gallery features of one dataset; pass it back as --features FILE
 or NAME=FILE (comma-separated or repeated for several datasets). An item that
 is an existing file is a file (its path may hold '='); otherwise NAME=FILE
 splits at the first '='. NAME must be the dataset the file holds, each
-dataset may come once, and all files must come from one model.
---datasets, --prepared-root, --batch-size, --save-features, --precision,
---amp, --channels-last, --device and --client act on a model's extraction,
-and are refused with --features.
+dataset may come once, and all files must come from one model (a file
+whose meta names no model is named in a WARNING line when evaluated with
+others). --datasets, --prepared-root, --batch-size, --save-features,
+--precision, --amp, --channels-last, --device and --client act on a model's
+extraction, and are refused with --features. Every option is checked before
+any feature is extracted or any folder made: a refused call leaves nothing.
 
 index, query, serve and export: `eval_reid.py <command> --help`. Every output
 folder (evaluate's --out and --save-features, index's --index, query's --out)
@@ -98,10 +100,19 @@ from fedreid.commands.eval_gallery import add_index_command, add_query_command
 from fedreid.commands.eval_serve import add_serve_command
 from fedreid.config import load_config
 from fedreid.eval import protocols
-from fedreid.eval.pipeline import CMC_PLOT, check_feature_sets, claim_eval_dir, evaluate_and_report
+from fedreid.eval.pipeline import (
+    CMC_PLOT,
+    EVAL_KIND,
+    check_feature_sets,
+    check_queries,
+    claim_eval_dir,
+    evaluate_and_report,
+    unrecorded_models,
+)
 from fedreid.eval.report import EVAL_DIR, RESULTS_FILE, format_table, write_report
 from fedreid.inference import devices
 from fedreid.inference.dataset_features import (
+    DatasetFeatures,
     claim_features_dir,
     dataset_features,
     load_dataset_features,
@@ -210,20 +221,116 @@ def _feature_files(items: list[str]) -> list[tuple[str | None, str]]:
     return pairs
 
 
+def _protocol_options(args: argparse.Namespace, cfg) -> tuple[str, int]:
+    """``(ap, seed)`` of the evaluation, once ``--protocol``, the AP form and ``--rerank`` are checked together.
+
+    A protocol may report some AP forms only (cuhk03: the standard AP): an
+    explicit ``--ap`` is refused there, a config's ``eval.ap`` is not the
+    user's request for this protocol.
+    """
+    protocol = protocols.EVAL_PROTOCOLS.get(args.protocol, where="--protocol")
+    ap = args.ap or protocol.default_ap(cfg.eval.ap)
+    protocols.check_protocol(args.protocol, ap, args.rerank)
+    return ap, (cfg.seed if args.seed is None else args.seed)
+
+
+def _manifest_queries(root: str | Path, name: str) -> DatasetFeatures:
+    """Prepared dataset ``name``'s query set as its manifest lists it, without features (zero columns).
+
+    What ``--queries`` is checked against (:func:`check_queries`) before any
+    feature is extracted: the query images in the order, and with the paths,
+    that :func:`dataset_features` gives them.
+    """
+    import numpy as np
+
+    from fedreid.data.prepared import load_prepared
+    from fedreid.inference.features import FeatureSet
+
+    paths = [str(r.path) for r in load_prepared(root, name).split("query")]
+    query = FeatureSet(np.zeros((len(paths), 0), np.float32), None, None, paths)
+    return DatasetFeatures(name, query, FeatureSet(np.zeros((0, 0), np.float32), None, None, []))
+
+
+def _claim_output_folders(out: Path, features_dir: str | None) -> None:
+    """Claim ``--out``, then ``--save-features``; when the second is refused the first is put back as it was.
+
+    The same folder for both is refused first. Putting ``--out`` back removes
+    only what its claim added: its marker, and the folders it created (only
+    while they are empty), so a refused call leaves nothing behind.
+    """
+    if features_dir is not None and out.resolve() == Path(features_dir).resolve():
+        raise EvalInputError(
+            f"--out and --save-features name the same folder ({out}): the results and the feature caches "
+            "go to separate folders; choose another for one of them"
+        )
+    created = [p for p in (out, *out.parents) if not p.exists()]  # deepest first: what the claim will make
+    marked = marker_path(out, EVAL_KIND).exists()
+    claim_eval_dir(out)
+    if features_dir is None:
+        return
+    try:
+        claim_features_dir(features_dir)
+    except BaseException:
+        if not marked:
+            marker_path(out, EVAL_KIND).unlink(missing_ok=True)
+        for folder in created:
+            try:
+                folder.rmdir()
+            except OSError:  # not empty (someone else's file): it stays
+                break
+        raise
+
+
+def _warn_unrecorded_models(names: list[str], files: dict[str, str]) -> None:
+    """One WARNING line naming the feature files that record no model (:func:`unrecorded_models`)."""
+    if names:
+        shown = ", ".join(files[n] for n in names)
+        verb = "records" if len(names) == 1 else "record"
+        print(f"WARNING: feature file{'s' if len(names) > 1 else ''} {shown} {verb} no model (an earlier fedreid's "
+              f"cache?): the mean over the {len(files)} datasets cannot be checked to come from one model", flush=True)
+
+
+def _without_match_line(rows: dict[str, dict]) -> str | None:
+    """The line after the table on queries without a true match; None when every query has one.
+
+    The standard AP (and the CUHK03 protocol) leaves them out of Rank-k and
+    mAP; ``--ap official`` scores them 0 and averages over all queries
+    (FedReID's evaluate.py). The counts of each row say which.
+    """
+    counted = {name: row for name, row in rows.items() if row.get("num_queries_without_match")}
+    if not counted:
+        return None
+    hows = {name: ("left out of Rank-k and mAP" if row["num_valid_queries"] < row["num_queries"]
+                   else "scored 0 in Rank-k and mAP") for name, row in counted.items()}
+    one = len(set(hows.values())) == 1
+    parts = [f"{name} {row['num_queries_without_match']} of {row['num_queries']}" + ("" if one else f" ({hows[name]})")
+             for name, row in counted.items()]
+    return "queries without a true match: " + ", ".join(parts) + (f" ({next(iter(hows.values()))})" if one else "")
+
+
 def cmd_evaluate(args: argparse.Namespace) -> int:
+    # Every check comes first: no folder is created or marked and no feature extracted until all pass,
+    # so a refused call leaves nothing behind.
+    queries = _comma_list(args.queries)
     if args.features:
         refuse_extraction_options(args)
         pairs = _feature_files(args.features)
         feats = [load_dataset_features(f, name) for name, f in pairs]
-        check_feature_sets(feats)  # before the output folder is claimed: a refused call changes nothing
+        check_feature_sets(feats)
+        cfg = load_config(args.config, checked_overrides(args))
+        ap, seed = _protocol_options(args, cfg)
+        check_queries(feats, queries)
         source = ", ".join(f for _, f in pairs)
         out = Path(args.out or Path(pairs[0][1]).parent / EVAL_DIR)
-        claim_eval_dir(out)
-        cfg = load_config(args.config, checked_overrides(args))
+        _claim_output_folders(out, None)
+        _warn_unrecorded_models(unrecorded_models(feats), {fs.name: f for (_, f), fs in zip(pairs, feats)})
     else:
         model_file = find_model_file(args.model)
         run_cfg = run_config_path(args.model)
         cfg = load_config(run_cfg, args.overrides) if run_cfg and not args.config else load_config(args.config, checked_overrides(args))
+        device = devices.resolve_device(args.device or "auto")
+        precision = evaluation_precision(args, cfg.eval.precision, device)
+        loaded = load_model(model_file, device, client=args.client)  # a broken model file is named before datasets
         root = args.prepared_root or cfg.data.prepared_root
         names = args.datasets.split(",") if args.datasets else (cfg.eval.datasets or cfg.data.dataset_names())
         names = [n.strip() for n in names if n.strip()]
@@ -231,13 +338,11 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         if twice is not None:
             raise EvalInputError(f"--datasets names {twice!r} twice: each dataset is evaluated once")
         names = resolve_datasets(names, root)
-        device = devices.resolve_device(args.device or "auto")
-        precision = evaluation_precision(args, cfg.eval.precision, device)
-        loaded = load_model(model_file, device, client=args.client)
+        ap, seed = _protocol_options(args, cfg)
+        if queries:
+            check_queries([_manifest_queries(root, name) for name in names], queries)
         out = Path(args.out or model_file.parent / EVAL_DIR)
-        claim_eval_dir(out)  # both refused before any extraction when they hold the user's files
-        if args.save_features:
-            claim_features_dir(args.save_features)
+        _claim_output_folders(out, args.save_features)  # both refused when they hold the user's files
         feats = []
         batch_size = args.batch_size or cfg.eval.batch_size
         for name in names:
@@ -247,18 +352,16 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
                 print(f"  saved {save_dataset_features(args.save_features, fs)}")
             feats.append(fs)
         source = str(model_file)
-    # A protocol may report some AP forms only (cuhk03: the standard AP): an explicit --ap is
-    # refused there, a config's eval.ap is not the user's request for this protocol.
-    protocol = protocols.EVAL_PROTOCOLS.get(args.protocol, where="--protocol")
-    ap = args.ap or protocol.default_ap(cfg.eval.ap)
-    seed = cfg.seed if args.seed is None else args.seed
     report = evaluate_and_report(
-        feats, out, ap=ap, rerank=args.rerank, pictures=args.pictures, queries=_comma_list(args.queries),
+        feats, out, ap=ap, rerank=args.rerank, pictures=args.pictures, queries=queries,
         protocol=args.protocol, seed=seed, source=source,
     )
     what = f"{report['ap']} AP" + protocols.build_protocol(args.protocol).describe(seed)
     print(f"\n{'Re-ranked r' if args.rerank else 'R'}esults ({what}), in %:\n")
     print(format_table(report["datasets"]))
+    without_match = _without_match_line(report["datasets"])
+    if without_match:
+        print(without_match)
     print(f"results: {out / RESULTS_FILE}\ncmc plot: {out / CMC_PLOT}")
     print(f"ranked lists: {len(report['pictures'])} in {out / 'ranked_lists'}")
     run_dir = out.parent

@@ -5,7 +5,9 @@
 lists (:func:`fedreid.eval.query_picking.ranked_lists`), and only then
 writes ``cmc.png``, ranked-list pictures and ``results.json``, so an
 evaluation that fails leaves the folder's previous outputs as they were;
-:func:`check_feature_sets` refuses feature sets that do not belong together;
+:func:`check_feature_sets` refuses feature sets that do not belong together
+(:func:`unrecorded_models` names those that cannot be checked);
+:func:`check_queries` checks ``--queries`` against the query sets;
 :func:`claim_eval_dir` claims its output folder. The features come from
 :mod:`fedreid.inference.dataset_features` (a model over a prepared dataset,
 or a feature cache); the tool's other steps (model files, devices, image
@@ -34,7 +36,7 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import numpy as np
 
-from fedreid.eval.protocols import _check_protocol, evaluate_dataset, summary_row
+from fedreid.eval.protocols import check_protocol, evaluate_dataset, summary_row
 from fedreid.eval.query_picking import chosen_queries, draw_ranked_lists, ranked_lists
 from fedreid.eval.report import RESULTS_FILE, recorded_path
 from fedreid.inference.dataset_features import DatasetFeatures
@@ -43,15 +45,20 @@ from fedreid.inference.errors import EvalInputError
 __all__ = [
     "RESULTS_FILE",
     "CMC_PLOT",
+    "EVAL_KIND",
     "PICTURES_DIR",
     "check_feature_sets",
+    "check_queries",
     "claim_eval_dir",
     "evaluate_and_report",
     "plot_cmc_curves",
+    "unrecorded_models",
 ]
 
 #: What :func:`evaluate_and_report` writes in its folder besides ``results.json`` (:data:`RESULTS_FILE`).
 CMC_PLOT, PICTURES_DIR = "cmc.png", "ranked_lists"
+#: The kind :func:`claim_eval_dir` marks its folder with (:func:`fedreid.utils.io.marker_path`).
+EVAL_KIND = "eval"
 #: Gallery images shown per ranked list.
 TOP_K = 10
 
@@ -124,6 +131,41 @@ def check_feature_sets(feature_sets: Sequence[DatasetFeatures]) -> Optional[dict
     return known[0][1] if known and len(known) == len(records) else None
 
 
+def unrecorded_models(feature_sets: Sequence[DatasetFeatures]) -> list[str]:
+    """The dataset names whose features record no model, when several sets are evaluated together (else ``[]``).
+
+    :func:`check_feature_sets` refuses sets that name different models, but
+    cannot check a set whose ``meta`` names none (a cache of an earlier
+    fedreid): a mean over datasets that holds one may mix models.
+    ``tools/eval_reid.py`` prints a WARNING naming their files and
+    ``results.json`` lists them (``unrecorded_model``).
+    """
+    if len(feature_sets) < 2:
+        return []
+    return [feats.name for feats in feature_sets if _model_record(feats) is None]
+
+
+def check_queries(feature_sets: Sequence[DatasetFeatures], queries: Sequence[str]) -> dict[str, list[int]]:
+    """``queries`` (``--queries`` specs) as query indices per dataset name; a bad spec is an :class:`EvalInputError`.
+
+    An index must exist in every dataset
+    (:func:`~fedreid.eval.query_picking.chosen_queries`), a path or file name
+    in at least one. Only the query sets' sizes and paths are read, so the
+    tool checks the manifests' query sets with it before extracting anything.
+    """
+    chosen = {f.name: chosen_queries(f, queries, missing_ok=True) for f in feature_sets}
+    for spec in queries:
+        if not (spec.isascii() and spec.isdigit()) and not any(
+            chosen_queries(f, [spec], missing_ok=True) for f in feature_sets
+        ):
+            names = ", ".join(repr(f.name) for f in feature_sets)
+            raise EvalInputError(
+                f"--queries {spec}: not a query index or an image of the query set of {names} "
+                "(give an index, a query image path, or its file name)"
+            )
+    return chosen
+
+
 # --------------------------------------------------------------------------
 # The whole evaluation report
 # --------------------------------------------------------------------------
@@ -188,7 +230,10 @@ def evaluate_and_report(
     rank10, mAP, cmc, counts}), ``mean`` (of rank1/5/10/mAP), ``ap``,
     ``protocol``, ``rerank``, ``source``, ``model`` (what the features came
     from, by their ``meta``: ``file`` relative to ``out_dir``, ``round``,
-    ``fingerprint``; None when they do not say), ``precision`` ({name: the
+    ``fingerprint``; None when they do not say), ``unrecorded_model`` (the
+    datasets whose features name no model when several are evaluated, so
+    that their mean may mix models: :func:`unrecorded_models`; usually
+    empty), ``precision`` ({name: the
     arithmetic of its features, from their ``meta``; None when they do not
     say}), ``pictures`` and ``cmc_plot`` (paths relative to ``out_dir``).
     """
@@ -198,17 +243,8 @@ def evaluate_and_report(
     if not feature_sets:
         raise EvalInputError("nothing to evaluate: no datasets given")
     model = check_feature_sets(feature_sets)
-    proto = _check_protocol(protocol, ap, rerank)
-    chosen = {f.name: chosen_queries(f, queries, missing_ok=True) for f in feature_sets}
-    for spec in queries:
-        if not (spec.isascii() and spec.isdigit()) and not any(
-            chosen_queries(f, [spec], missing_ok=True) for f in feature_sets
-        ):
-            names = ", ".join(repr(f.name) for f in feature_sets)
-            raise EvalInputError(
-                f"--queries {spec}: not a query index or an image of the query set of {names} "
-                "(give an index, a query image path, or its file name)"
-            )
+    proto = check_protocol(protocol, ap, rerank)
+    chosen = check_queries(feature_sets, queries)
     out_dir = Path(out_dir)
     results, rows, lists = {}, {}, {}
     for feats in feature_sets:
@@ -240,6 +276,7 @@ def evaluate_and_report(
     report = {
         "source": source,
         "model": None if model is None else {**model, "file": _relative_to(model["file"], out_dir)},
+        "unrecorded_model": unrecorded_models(feature_sets),
         "ap": ap,
         "protocol": protocol,
         "rerank": rerank,
@@ -293,4 +330,4 @@ def claim_eval_dir(folder: str | Path) -> Path:
 
     folder = Path(folder)
     adopt = folder.is_dir() and not folder.is_symlink() and _is_earlier_eval_folder(folder)
-    return claim_output_dir(folder, "eval", tool="tools/eval_reid.py evaluate --out", adopt=adopt)
+    return claim_output_dir(folder, EVAL_KIND, tool="tools/eval_reid.py evaluate --out", adopt=adopt)

@@ -46,6 +46,7 @@ __all__ = [
     "EvalProtocol",
     "StandardProtocol",
     "build_protocol",
+    "check_protocol",
     "evaluate_dataset",
     "register_protocol",
     "report_note",
@@ -252,8 +253,13 @@ def _protocol_class(protocol: str) -> type[EvalProtocol]:
     return EVAL_PROTOCOLS[protocol]
 
 
-def _check_protocol(protocol: str, ap: str, rerank: bool) -> EvalProtocol:
-    """The protocol ``protocol`` (default options) once ``ap`` and ``rerank`` are checked against it."""
+def check_protocol(protocol: str, ap: str, rerank: bool) -> EvalProtocol:
+    """The protocol ``protocol`` (default options) once ``ap`` and ``rerank`` are checked against it.
+
+    An unknown name, an AP form it does not report or a re-ranking it cannot
+    run is an :class:`EvalInputError` naming the option; ``tools/eval_reid.py
+    evaluate`` calls it before any folder is made or feature extracted.
+    """
     cls = _protocol_class(protocol)
     cls.check(ap=ap, rerank=rerank)
     return build_protocol(protocol)
@@ -305,7 +311,7 @@ def evaluate_dataset(
     naming the dataset and :attr:`DatasetFeatures.source`; degenerate
     features (:func:`~fedreid.inference.features.check_features`) are among them.
     """
-    proto = _check_protocol(protocol, ap, rerank)
+    proto = check_protocol(protocol, ap, rerank)
     ranks = tuple(range(1, CMC_RANKS + 1))
     try:
         _check_dataset_features(feats)

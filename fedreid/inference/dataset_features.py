@@ -188,8 +188,26 @@ def load_dataset_features(path: str | Path, name: Optional[str] = None) -> Datas
 
 
 def _check_dataset_features(feats: DatasetFeatures, where: Optional[str] = None) -> None:
+    """Refuse a split whose ids, cameras or paths (when given) are not one per feature row, then degenerate features.
+
+    Each error (an :class:`~fedreid.errors.EvalDataError`) names the split
+    (after ``where``): a path list of another length would put other images
+    in the ranked-list pictures.
+    """
+    from fedreid.errors import EvalDataError
+
     for split, fs in (("query", feats.query), ("gallery", feats.gallery)):
-        check_features(fs.features, f"{where}: {split}" if where else split, paths=fs.paths)
+        label = f"{where}: {split}" if where else split
+        shape = getattr(fs.features, "shape", ())
+        if len(shape) >= 1:
+            rows = int(shape[0])
+            given = {"ids": fs.pids, "cameras": fs.camids, "paths": fs.paths}
+            for what, values in given.items():
+                if values is not None and len(values) != rows:
+                    raise EvalDataError(
+                        f"{label}: {rows} feature rows but {len(values)} {what}: each row needs its own"
+                    )
+        check_features(fs.features, label, paths=fs.paths)
 
 
 def _is_feature_cache(path: Path) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 
@@ -59,6 +60,19 @@ def _features(seed: int = 0) -> DatasetFeatures:
     q_pids = [0, 1, 2, 3, 0, 1]
     g_pids = [p for p in range(4) for _ in range(4)]
     return DatasetFeatures("tiny", part(q_pids, [0] * 6), part(g_pids, [0, 1] * 8), source="test")
+
+
+@pytest.mark.parametrize("split,field,word", [("gallery", "paths", "paths"), ("query", "paths", "paths"),
+                                                ("query", "pids", "ids"), ("gallery", "camids", "cameras")])
+def test_ids_cameras_and_paths_need_one_entry_per_feature_row(split, field, word):
+    from fedreid.errors import EvalDataError
+
+    feats = _features()
+    part = getattr(feats, split)
+    rows = part.features.shape[0]
+    short = dataclasses.replace(feats, **{split: part._replace(**{field: getattr(part, field)[:1]})})
+    with pytest.raises(EvalDataError, match=rf"^dataset 'tiny' \(test\): {split}: {rows} feature rows but 1 {word}"):
+        protocols.evaluate_dataset(short)
 
 
 @dataclass
