@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections import Counter
 from pathlib import Path
 
 from fedreid.config import BENCHMARK_DATASETS, ConfigError, DataConfig, load_config
@@ -35,6 +34,7 @@ from fedreid.data.prepared import (
     format_summary,
     prepare_dataset,
     prepared_cards,
+    summarize_skips,
     synthetic_world,
 )
 from fedreid.data.raw import PUBLIC_DATASET, create_raw_dataset, list_raw_datasets
@@ -206,9 +206,7 @@ def print_report(report: PrepareReport) -> None:
             f"({report.seconds:.1f} s)"
         )
     if report.skipped:
-        rules = Counter(skip.rule.split(" (")[0] for skip in report.skipped)
-        for rule, count in rules.most_common():
-            example = next(s.path for s in report.skipped if s.rule.startswith(rule))
+        for rule, count, example in summarize_skips(report.skipped):
             print(f"  skipped {count} file(s): {rule} (e.g. {example})")
         print(f"  every skipped file is listed in {report.out_dir / 'skipped.csv'}")
     for note in report.notes:

@@ -12,7 +12,9 @@ so an interrupted run leaves no half dataset, and it never writes under the raw
 root. It only ever replaces or deletes folders it made itself: a target that
 holds its ``prepare.json`` naming the dataset, and its own hidden temporary
 folders (``.<name>.tmp-*``, ``.<name>.old-*``), which a killed run may leave
-behind and the next run of the same dataset removes. ``PreparedDataset.load``
+behind and the next run of the same dataset removes (except one that another
+host's run may still own, and a whole previous copy left aside without a
+target, which is moved back). ``PreparedDataset.load``
 reads the result back.
 
 Every prepared dataset is one benchmark's split: its train (and val)
@@ -26,6 +28,7 @@ on a raw folder that changed says the prepared copy is stale.
 from __future__ import annotations
 
 import csv
+import dataclasses
 import hashlib
 import io
 import json
@@ -437,7 +440,10 @@ def prepare_dataset(
     report = PrepareReport(parser.name, target)
     # First, before anything is moved or deleted: the raw data must be out of reach.
     _refuse_overlap(out_root, target, parser.raw_root)
-    report.notes = _remove_leftovers(out_root, parser.name, parser.raw_root)
+    # A --force run killed mid-swap may have left the previous copy whole aside: put it back
+    # before the leftovers are cleaned up and before the raw data is looked at.
+    report.notes = _restore_previous_copy(out_root, target, parser.raw_root)
+    report.notes += _remove_leftovers(out_root, parser.name, parser.raw_root)
     if is_prepared(target) and not force:
         report.skipped_existing = True
         report.card = json.loads((target / "card.json").read_text())
@@ -454,7 +460,7 @@ def prepare_dataset(
     result = parser.parse()
     raw_records = offset_test_ids(result.records, parser.test_pid_offset)
     _check_splits(parser, raw_records)
-    _check_not_empty(parser, raw_records)
+    _check_not_empty(parser, raw_records, result.skipped)
     out_root.mkdir(parents=True, exist_ok=True)
     tmp = swap_sibling(target, "tmp")
     try:
@@ -462,7 +468,7 @@ def prepare_dataset(
         write_json_atomic(tmp / OWNER_FILE, {"pid": os.getpid(), "host": socket.gethostname()})
         records, bad = _copy_images(parser, raw_records, tmp, resize, workers, progress)
         skipped = list(result.skipped) + bad
-        _check_not_empty(parser, records)
+        _check_not_empty(parser, records, skipped)
         card = dataset_card(records)
         warnings = count_mismatches(parser.name, card, expected_counts(parser))
         _write_metadata(
@@ -508,6 +514,66 @@ def _option_changes(
         for key, value in wanted.items()
         if made.get(key) != value
     ]
+    warnings += _recorded_changes(target, made, parser)
+    return warnings
+
+
+def parser_options_record(parser: RawDataset) -> dict:
+    """The parser's options as ``prepare.json`` records them (JSON values; ``{}`` for none)."""
+    options = getattr(parser, "options", None)
+    if options is None or not dataclasses.is_dataclass(options):
+        return {}
+    return json.loads(json.dumps(asdict(options), default=str))
+
+
+def _split_file_sha256(parser: RawDataset) -> Optional[str]:
+    """The sha256 of the split file's bytes; None without a split file or when it cannot be read."""
+    if parser.split_file is None:
+        return None
+    try:
+        return hashlib.sha256(parser.split_file.read_bytes()).hexdigest()
+    except OSError:
+        return None
+
+
+def _recorded_changes(target: Path, made: dict, parser: RawDataset) -> list[str]:
+    """Warnings for parser options and split-file contents that differ from the copy's record.
+
+    A record written before these were kept (no ``options`` or
+    ``split_file_sha256`` key) cannot be compared: as for a missing raw file
+    list (:func:`_raw_changes`), one warning says so where the run gives
+    options or a split file, and the copy is kept.
+    """
+    warnings = []
+    keep = "kept as is (use --force to prepare again)"
+    record = target / PREPARE_RECORD
+    options = parser_options_record(parser)
+    if "options" not in made:
+        if options:
+            warnings.append(
+                f"{parser.name}: {record} does not record the parser options (prepared by an older "
+                f"version), so whether they were {options!r} cannot be checked; {keep}"
+            )
+    elif made["options"] != options:
+        warnings.append(
+            f"{parser.name}: already prepared with options={made['options']!r}, not {options!r}; {keep}"
+        )
+    if parser.split_file is None or made.get("split_file") != str(parser.split_file):
+        return warnings  # no split file, or another path: the split_file comparison says so
+    now = _split_file_sha256(parser)
+    if "split_file_sha256" not in made:
+        warnings.append(
+            f"{parser.name}: {record} does not record the contents of the split file "
+            f"{parser.split_file} (prepared by an older version), so whether it changed cannot "
+            f"be checked; {keep}"
+        )
+    elif now is None:
+        warnings.append(f"{parser.name}: the split file {parser.split_file} cannot be read; {keep}")
+    elif made["split_file_sha256"] != now:
+        warnings.append(
+            f"{parser.name}: the split file {parser.split_file} has other contents than when the "
+            f"copy was prepared (sha256 {str(made['split_file_sha256'])[:12]}..., now {now[:12]}...); {keep}"
+        )
     return warnings
 
 
@@ -662,12 +728,62 @@ def _check_replaceable(target: Path, name: str) -> None:
         )
 
 
+def _restore_previous_copy(out_root: Path, target: Path, raw_root: Path) -> list[str]:
+    """Move a whole previous copy left at ``.<name>.old-*`` back to an absent ``target``.
+
+    :func:`~fedreid.utils.io.replace_dir_atomically` killed between its two
+    renames leaves the previous copy whole aside and no target. A leftover is
+    moved back only if it is a folder (not a link) holding a ``prepare.json``
+    for this dataset and a manifest whose images all exist (a copy partly
+    deleted after a finished swap is not whole); the newest such one wins, the
+    others are left to :func:`_remove_leftovers`. One note says so.
+    """
+    name = target.name
+    if target.exists() or target.is_symlink() or not out_root.is_dir():
+        return []
+    raw = raw_root.resolve()
+    whole = []
+    for path in swap_leftovers(out_root, name):
+        if not path.name.startswith(f".{name}.old-") or path.is_symlink() or not path.is_dir():
+            continue
+        if raw == path.resolve() or path.resolve() in raw.parents:
+            continue
+        created = _whole_copy(path, name)
+        if created is not None:
+            whole.append((created, path))
+    if not whole:
+        return []
+    _, path = max(whole)
+    os.replace(path, target)
+    return [
+        f"{name}: restored the previous prepared copy from {path.name} (a run that was "
+        f"replacing it was interrupted before the new copy was in place)"
+    ]
+
+
+def _whole_copy(folder: Path, name: str) -> Optional[tuple[str, int]]:
+    """A sort key (creation time) if ``folder`` is a complete prepared copy of ``name``, else None."""
+    try:
+        made = json.loads((folder / PREPARE_RECORD).read_text())
+        if not isinstance(made, dict) or made.get("dataset") != name:
+            return None
+        records = read_manifest(folder / MANIFEST)
+    except (OSError, ValueError):
+        return None
+    if made.get("images") not in (None, len(records)):
+        return None
+    if not all(rec.path.is_file() for rec in records) or not (folder / "card.json").is_file():
+        return None
+    return str(made.get("created", "")), (folder / PREPARE_RECORD).stat().st_mtime_ns
+
+
 def _remove_leftovers(out_root: Path, name: str, raw_root: Path) -> list[str]:
     """Remove this dataset's temporary folders left by a killed run; one line saying so.
 
     Only hidden folders named exactly as :func:`prepare_dataset` names them are
-    touched; one still owned by a running process, a link, or one holding the
-    raw root is left alone and reported.
+    touched; one still owned by a running process (or by a process on another
+    host, which cannot be checked), a link, or one holding the raw root is left
+    alone and reported.
     """
     if not out_root.is_dir():
         return []
@@ -680,9 +796,16 @@ def _remove_leftovers(out_root: Path, name: str, raw_root: Path) -> list[str]:
         if raw == path.resolve() or path.resolve() in raw.parents:
             notes.append(f"{name}: {path} holds the raw root {raw_root}; left alone")
             continue
-        owner = _live_owner(path)
+        owner = _owner(path)
         if owner is not None:
-            notes.append(f"{name}: {path} is being written by running process {owner}; left alone")
+            pid, host = owner
+            if host is None:
+                notes.append(f"{name}: {path} is being written by running process {pid}; left alone")
+            else:
+                notes.append(
+                    f"{name}: {path} belongs to process {pid} on host {host}, whose state cannot be "
+                    "checked from here; left alone (delete it by hand if no run is active there)"
+                )
             continue
         shutil.rmtree(path)
         removed.append(path.name)
@@ -695,6 +818,22 @@ def _remove_leftovers(out_root: Path, name: str, raw_root: Path) -> list[str]:
     return notes
 
 
+def _owner(tmp: Path) -> Optional[tuple[int, Optional[str]]]:
+    """Who may still be filling ``tmp``: ``(pid, None)`` for a running process on this
+    machine, ``(pid, host)`` for a process on another host (whose state cannot be
+    checked, so the folder must be kept), None when nobody is (no owner recorded,
+    or the owner on this machine is gone)."""
+    try:
+        owner = json.loads((tmp / OWNER_FILE).read_text())
+        pid, host = int(owner["pid"]), str(owner["host"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if host != socket.gethostname():
+        return pid, host  # cannot tell: a run on another node of a shared output root
+    live = _live_owner(tmp)
+    return None if live is None else (live, None)
+
+
 def _live_owner(tmp: Path) -> Optional[int]:
     """The id of the running process on this machine that is filling ``tmp``, if any."""
     try:
@@ -703,7 +842,7 @@ def _live_owner(tmp: Path) -> Optional[int]:
     except (OSError, ValueError, KeyError, TypeError):
         return None
     if host != socket.gethostname():
-        return None  # cannot tell; a shared output root across machines is not supported
+        return None  # another host: see _owner
     try:
         os.kill(pid, 0)  # signal 0: only checks that the process exists
     except ProcessLookupError:
@@ -713,14 +852,37 @@ def _live_owner(tmp: Path) -> Optional[int]:
     return pid
 
 
-def _check_not_empty(parser: RawDataset, records: Iterable[RawRecord]) -> None:
+def summarize_skips(skipped: Sequence[Skip]) -> list[tuple[str, int, Path]]:
+    """``(rule, count, example path)`` per skip rule, the most common first.
+
+    The rule is the text before its first `` (`` (the detail, e.g. a decoder's
+    message, differs from file to file); the example is the first file skipped
+    by it.
+    """
+    counts: dict[str, int] = {}
+    examples: dict[str, Path] = {}
+    for skip in skipped:
+        rule = skip.rule.split(" (")[0]
+        counts[rule] = counts.get(rule, 0) + 1
+        examples.setdefault(rule, skip.path)
+    order = sorted(counts, key=lambda rule: -counts[rule])  # stable: first seen wins a tie
+    return [(rule, counts[rule], examples[rule]) for rule in order]
+
+
+def _check_not_empty(
+    parser: RawDataset, records: Iterable[RawRecord], skipped: Sequence[Skip] = ()
+) -> None:
     splits = {r.split for r in records}
     required = ("train",) if parser.public else ("train", "query", "gallery")
     empty = [s for s in required if s not in splits and not (s == "train" and "val" in splits)]
     if empty:
+        why = ""
+        if skipped:
+            rule, count, example = summarize_skips(skipped)[0]
+            why = f"; {len(skipped):,} file(s) skipped, most often {count:,} x {rule} (e.g. {example})"
         raise PrepareError(
-            f"{parser.name}: the {', '.join(empty)} split is empty after parsing {parser.root} "
-            "(check the layout described in datasets/README.md)"
+            f"{parser.name}: the {', '.join(empty)} split is empty after parsing {parser.root}"
+            f"{why} (check the layout described in datasets/README.md)"
         )
 
 
@@ -835,6 +997,10 @@ def _write_metadata(
             "raw_files": fingerprint,
             "split_seed": parser.seed,
             "split_file": str(parser.split_file) if parser.split_file else None,
+            # The split file's contents: the same path may hold another split on a re-run.
+            "split_file_sha256": _split_file_sha256(parser),
+            # The parser's options (data.options.<name>), e.g. cuhk03np's boxes.
+            "options": parser_options_record(parser),
             "resize": list(resize) if resize is not None else None,
             "images": len(records),
             "skipped": len(skipped),

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -246,6 +248,77 @@ def test_raw_folder_removed_after_preparing_keeps_the_copy_with_a_note(tmp_path)
     again = prepare_dataset(ToyParser(raw), out, progress=False)
     assert again.skipped_existing and not again.warnings
     assert any(str(raw / "Toy") in note and "kept as is" in note for note in again.notes)
+    assert len(load_prepared(out, "toy")) == 10
+
+
+# -- parser options and split-file contents are recorded ------------------------------
+@dataclass
+class ToyOptions:
+    boxes: str = "detected"
+
+
+class OptionToyParser(ToyParser):
+    """The toy layout with a parser option, as cuhk03np's ``boxes``."""
+
+    Options = ToyOptions
+
+
+def test_rerun_with_other_parser_options_warns_and_keeps_the_copy(tmp_path):
+    raw = make_toy_raw(tmp_path / "raw")
+    out = tmp_path / "out"
+    prepare_dataset(OptionToyParser(raw), out, progress=False)
+    made = json.loads((out / "toy" / "prepare.json").read_text())
+    assert made["options"] == {"boxes": "detected"}
+    assert not prepare_dataset(OptionToyParser(raw), out, progress=False).warnings
+    stamp = (out / "toy" / "manifest.csv").stat().st_mtime_ns
+    again = prepare_dataset(OptionToyParser(raw, boxes="labeled"), out, progress=False)
+    assert again.skipped_existing
+    [warning] = again.warnings
+    assert "options={'boxes': 'detected'}" in warning and "'labeled'" in warning
+    assert "kept as is" in warning and "--force" in warning
+    assert (out / "toy" / "manifest.csv").stat().st_mtime_ns == stamp
+    forced = prepare_dataset(OptionToyParser(raw, boxes="labeled"), out, force=True, progress=False)
+    assert not forced.skipped_existing
+    assert not prepare_dataset(OptionToyParser(raw, boxes="labeled"), out, progress=False).warnings
+
+
+def test_rerun_with_an_edited_split_file_warns(tmp_path):
+    raw = make_toy_raw(tmp_path / "raw")
+    out = tmp_path / "out"
+    split = tmp_path / "split.json"
+    split.write_text(json.dumps({"train": [1, 2], "test": [5, 6]}))
+    prepare_dataset(ToyParser(raw, split_file=split), out, progress=False)
+    made = json.loads((out / "toy" / "prepare.json").read_text())
+    assert made["split_file_sha256"] == hashlib.sha256(split.read_bytes()).hexdigest()
+    assert not prepare_dataset(ToyParser(raw, split_file=split), out, progress=False).warnings
+    split.write_text(json.dumps({"train": [5, 6], "test": [1, 2]}))
+    again = prepare_dataset(ToyParser(raw, split_file=split), out, progress=False)
+    assert again.skipped_existing
+    [warning] = again.warnings
+    assert f"the split file {split} has other contents" in warning and "--force" in warning
+
+
+def test_old_prepare_record_without_options_or_split_hash_still_works(tmp_path):
+    raw = make_toy_raw(tmp_path / "raw")
+    out = tmp_path / "out"
+    split = tmp_path / "split.json"
+    split.write_text(json.dumps({"train": [1, 2], "test": [5, 6]}))
+    record = out / "toy" / "prepare.json"
+
+    def age_record() -> None:
+        made = json.loads(record.read_text())
+        del made["options"], made["split_file_sha256"]
+        record.write_text(json.dumps(made))
+
+    prepare_dataset(ToyParser(raw), out, progress=False)
+    age_record()
+    assert not prepare_dataset(ToyParser(raw), out, progress=False).warnings, "nothing to compare"
+    prepare_dataset(OptionToyParser(raw, split_file=split), out, force=True, progress=False)
+    age_record()
+    again = prepare_dataset(OptionToyParser(raw, split_file=split), out, progress=False)
+    assert again.skipped_existing and len(again.warnings) == 2
+    assert all("cannot be checked" in w and str(record) in w for w in again.warnings)
+    assert "parser options" in again.warnings[0] and str(split) in again.warnings[1]
     assert len(load_prepared(out, "toy")) == 10
 
 

@@ -118,6 +118,28 @@ def test_empty_split_is_an_error_naming_dataset_and_split(raw_root, tmp_path):
     assert not list((tmp_path / "out").glob(".toy.tmp-*"))
 
 
+class MisnamedParser(ToyParser):
+    """Every query and gallery file misnamed: those splits parse empty, with the skips."""
+
+    def parse(self) -> ParseResult:
+        result = super().parse()
+        kept = [r for r in result.records if r.split in ("train", "val")]
+        misnamed = [Skip(r.path, "name does not match '^(\\d+)_c(\\d+)'")
+                    for r in result.records if r not in kept]
+        return ParseResult(kept, result.skipped + misnamed, result.id_split)
+
+
+def test_empty_split_error_names_the_most_common_skip_rule(raw_root, tmp_path):
+    with pytest.raises(PrepareError) as info:
+        prepare_dataset(MisnamedParser(raw_root), tmp_path / "out", progress=False)
+    message = str(info.value)
+    first_gallery = sorted((raw_root / "Toy" / "gallery").glob("*.jpg"))[0]
+    assert message.startswith("toy: the query, gallery split is empty after parsing")
+    assert "5 file(s) skipped, most often 4 x name does not match" in message
+    assert f"(e.g. {first_gallery})" in message and "\n" not in message
+    assert not (tmp_path / "out" / "toy").exists()
+
+
 def test_idempotent_and_force(raw_root, tmp_path):
     out = tmp_path / "out"
     prepare_dataset(ToyParser(raw_root), out, progress=False)
@@ -321,6 +343,48 @@ def test_temp_folder_of_a_running_process_is_left_alone(raw_root, tmp_path):
     assert busy.is_dir()
     assert any("being written by running process" in n and str(busy) in n for n in report.notes)
     assert not (tmp_path / "out" / "toy" / ".owner.json").exists()
+
+
+def test_temp_folder_of_another_host_is_left_alone_and_named(raw_root, tmp_path):
+    import os
+
+    theirs = tmp_path / "out" / ".toy.tmp-0123abcd"
+    (theirs / "images").mkdir(parents=True)
+    (theirs / ".owner.json").write_text(json.dumps({"pid": os.getpid(), "host": "node-b.invalid"}))
+    report = prepare_dataset(ToyParser(raw_root), tmp_path / "out", progress=False)
+    assert theirs.is_dir() and (theirs / ".owner.json").is_file()
+    [note] = [n for n in report.notes if str(theirs) in n]
+    assert "node-b.invalid" in note and "left alone" in note and "\n" not in note
+    assert load_prepared(tmp_path / "out", "toy").records
+
+
+def test_whole_previous_copy_left_aside_is_moved_back(raw_root, tmp_path):
+    """A --force run killed between the two renames: old copy whole aside, no target."""
+    import shutil
+
+    out = tmp_path / "out"
+    prepare_dataset(ToyParser(raw_root), out, progress=False)
+    before = tree_digest(out / "toy")
+    aside = out / ".toy.old-0123abcd"
+    (out / "toy").rename(aside)
+    shutil.rmtree(raw_root / "Toy")  # the raw release is gone: the copy is all there is
+    report = prepare_dataset(ToyParser(raw_root), out, progress=False)
+    assert report.skipped_existing and not aside.exists()
+    assert tree_digest(out / "toy") == before
+    assert any("restored the previous prepared copy" in n and aside.name in n for n in report.notes)
+    assert len(load_prepared(out, "toy")) == 10
+
+
+def test_partial_or_foreign_old_leftover_is_not_moved_back(raw_root, tmp_path):
+    out = tmp_path / "out"
+    prepare_dataset(ToyParser(raw_root), out, progress=False)
+    aside = out / ".toy.old-0123abcd"
+    (out / "toy").rename(aside)
+    next(iter(sorted((aside / "images" / "gallery").iterdir()))).unlink()  # partly deleted
+    report = prepare_dataset(ToyParser(raw_root), out, progress=False)
+    assert not report.skipped_existing and not aside.exists(), "a partial copy is a leftover"
+    assert not any("restored" in n for n in report.notes)
+    assert len(load_prepared(out, "toy")) == 10
 
 
 def test_prepared_cards_lists_every_prepared_dataset(raw_root, tmp_path):

@@ -97,7 +97,28 @@ def test_viper_unequal_cameras_and_bad_names(tmp_path):
     assert len(result.records) == 8
 
     (base / "cam_b" / "007_90.bmp").unlink()
-    with pytest.raises(RawLayoutError, match="cam_a has 4 images but .*cam_b has 3"):
+    with pytest.raises(RawLayoutError, match=r"only in .*cam_a: 007_45\.bmp"):
+        VIPeR(tmp_path).parse()
+
+
+def test_viper_pairs_cameras_on_the_person_number(tmp_path):
+    """One file missing from each camera must not shift the later identities."""
+    base = write_viper(tmp_path, 6)  # numbers 001, 003, ..., 011
+    (base / "cam_a" / "001_45.bmp").unlink()
+    (base / "cam_b" / "007_90.bmp").unlink()
+    with pytest.raises(RawLayoutError) as info:
+        VIPeR(tmp_path).parse()
+    message = str(info.value)
+    assert f"only in {base / 'cam_a'}: 007_45.bmp" in message
+    assert f"only in {base / 'cam_b'}: 001_90.bmp" in message and "\n" not in message
+    (base / "cam_a" / "007_45.bmp").unlink()
+    (base / "cam_b" / "001_90.bmp").unlink()
+    result = VIPeR(tmp_path).parse()
+    for pid in ids(result.records):
+        numbers = {r.path.name.split("_")[0] for r in result.records if r.pid == pid}
+        assert len(numbers) == 1, f"pid {pid} pairs different persons: {numbers}"
+    write_image(base / "cam_a" / "003_0.bmp")
+    with pytest.raises(RawLayoutError, match=r"003_0\.bmp and 003_45\.bmp both show person 3"):
         VIPeR(tmp_path).parse()
 
 
@@ -138,6 +159,54 @@ def test_split_file_errors(tmp_path, content, message):
     with pytest.raises(RawLayoutError, match=message) as info:
         VIPeR(tmp_path, split_file=path).parse()
     assert str(path) in str(info.value)
+
+
+def test_benchmark_dgd_split_file_is_accepted(tmp_path):
+    """The benchmark's split.json: train = trainval, test = test_probe | test_gallery."""
+    write_viper(tmp_path, 6)
+    path = write_split(tmp_path, {"trainval": [0, 1, 5], "test_probe": [2, 3], "test_gallery": [2, 3, 4]})
+    result = VIPeR(tmp_path, split_file=path).parse()
+    s = by_split(result)
+    assert ids(train_all(result)) == {0, 1, 5}
+    assert ids(s["query"]) == ids(s["gallery"]) == {2, 3, 4}
+    assert result.id_split["train"] == [0, 1, 5] and result.id_split["test"] == [2, 3, 4]
+    bad = write_split(tmp_path, {"trainval": [0, 1, 5], "test_probe": [2, 3, 4]})
+    with pytest.raises(RawLayoutError, match="'test_gallery' is missing") as info:
+        VIPeR(tmp_path, split_file=bad).parse()
+    assert "test_probe" in str(info.value) and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("name", ["prid2011", "3dpes"])
+def test_benchmark_dgd_split_file_is_refused_where_ids_differ(tmp_path, name):
+    from fedreid.data.raw import get_raw_dataset
+
+    options = {}
+    if name == "prid2011":
+        write_prid(tmp_path, 4, 1, 2)
+        options = {"num_shared": 4}
+    else:
+        write_3dpes(tmp_path, {1: [1, 2], 2: [1, 2], 3: [1, 2], 4: [1, 2]})
+    path = write_split(tmp_path, {"trainval": [0, 1], "test_probe": [2, 3], "test_gallery": [2, 3]})
+    with pytest.raises(RawLayoutError, match="--layout fedreid") as info:
+        get_raw_dataset(name)(tmp_path, split_file=path, **options).parse()
+    assert str(path) in str(info.value) and "\n" not in str(info.value)
+
+
+DGD_ILIDS = Path("/work/shared/data/fedreid_dgd/ilids")
+
+
+@pytest.mark.skipif(not (DGD_ILIDS / "split.json").is_file() or not (DGD_ILIDS / "meta.json").is_file(),
+                    reason=f"the benchmark's i-LIDS split.json and meta.json are not in {DGD_ILIDS}")
+def test_ilids_with_the_benchmark_split_gives_table1(tmp_path):
+    from fedreid.data.prepared import card_counts, dataset_card
+
+    meta = json.loads((DGD_ILIDS / "meta.json").read_text())["identities"]
+    # The release's image count per person (DGD's meta lists every image, in person order).
+    write_ilids(tmp_path, {i + 1: sum(map(len, views)) for i, views in enumerate(meta)}, empty=True)
+    result = ILIDS(tmp_path, split_file=DGD_ILIDS / "split.json").parse()
+    c = card_counts(dataset_card(result.records))
+    assert (c.train_ids, c.train_images, c.query_ids, c.query_images, c.gallery_images) == (
+        59, 248, 60, 98, 130)
 
 
 def test_viper_real_size_gives_paper_numbers(tmp_path):

@@ -167,6 +167,10 @@ class RawDataset:
     Options: ClassVar[type] = NoOptions
     #: The layout the parser reads (``raw`` or ``fedreid``), named in option errors.
     layout: ClassVar[str] = "raw"
+    #: True where the benchmark's DGD converter numbered identities in sorted person
+    #: order, as this parser does, so that a benchmark ``split.json``
+    #: (``trainval``/``test_probe``/``test_gallery``) applies unchanged as a split file.
+    dgd_split_ids: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -220,7 +224,8 @@ class RawDataset:
     ) -> tuple[list[int], list[int], dict]:
         """Train and test identities of ``ids``, and the ``id_split`` record.
 
-        A user split file (``{"train": [...], "test": [...]}``) wins; otherwise a
+        A user split file (``{"train": [...], "test": [...]}``, or the benchmark's
+        DGD ``split.json`` where :attr:`dgd_split_ids`) wins; otherwise a
         seeded random split keeps the paper's proportion ``paper_train /
         paper_total``. The proportion (not a fixed count) lets a scaled-down copy
         of a layout split sensibly while the real data gives exactly the paper's
@@ -242,7 +247,26 @@ class RawDataset:
     def _validate_split_file(
         self, user: object, ids: list[int]
     ) -> tuple[list[int], list[int]]:
+        """Train and test ids of a split file, checked against ``ids``.
+
+        Two formats: ours, ``{"train": [ids], "test": [ids]}``, and the FedReID
+        benchmark's DGD ``split.json``, ``{"trainval", "test_probe",
+        "test_gallery"}`` (train = ``trainval``, test = ``test_probe`` ∪
+        ``test_gallery``), the latter only where :attr:`dgd_split_ids`.
+        """
         where = f"{self.name}: split file {self.split_file}"
+        dgd = isinstance(user, dict) and "train" not in user and "trainval" in user
+        if dgd and not self.dgd_split_ids:
+            raise RawLayoutError(
+                f"{where} is in the benchmark's DGD format (trainval/test_probe/test_gallery), whose "
+                f"identity numbers are not this parser's for {self.name} (the DGD converter ordered "
+                "the persons its own way); prepare the benchmark's files with --layout fedreid, or "
+                'give {"train": [ids], "test": [ids]} in this parser\'s ids'
+            )
+        expected = (
+            '{"trainval": [ids], "test_probe": [ids], "test_gallery": [ids]}' if dgd
+            else '{"train": [ids], "test": [ids]}'
+        )
 
         def id_list(key: str) -> list[int]:
             value = user.get(key) if isinstance(user, dict) else None
@@ -251,12 +275,16 @@ class RawDataset:
                 isinstance(v, int) and not isinstance(v, bool) for v in value
             ):
                 raise RawLayoutError(
-                    f'{where}: expected a JSON object {{"train": [ids], "test": [ids]}} '
+                    f"{where}: expected a JSON object {expected} "
                     f"with integer identity lists; {key!r} is missing or not a list of integers"
                 )
             return sorted(set(value))
 
-        train, test = id_list("train"), id_list("test")
+        if dgd:
+            train = id_list("trainval")
+            test = sorted(set(id_list("test_probe")) | set(id_list("test_gallery")))
+        else:
+            train, test = id_list("train"), id_list("test")
         known = set(ids)
         unknown = sorted((set(train) | set(test)) - known)
         if unknown:

@@ -37,6 +37,8 @@ class CUHK01(RawDataset):
 
     name = "cuhk01"
     dataset_dir = "CUHK01"
+    #: The DGD converter indexed persons in sorted order too: its split.json applies as is.
+    dgd_split_ids = True
     expected = ExpectedCounts(
         train_ids=485, train_images=1940, query_ids=486, query_images=972, gallery_images=972
     )

@@ -22,7 +22,8 @@ class CUHK02(RawDataset):
     CVPR 2013).
 
     1,816 persons, 7,264 images, five camera pairs (P1-P5: 971, 306, 107, 193
-    and 239 persons), two images per person and camera. By request to the
+    and 239 persons), two images per person and camera; P1 is CUHK01, so the
+    public set overlaps CUHK01's test persons (as in the paper). By request to the
     CUHK group.
 
     Layout::

@@ -22,7 +22,8 @@ class DukeMTMCreID(MarketStyleDataset):
     Statistics:
         1,404 identities + 408 distractors, 8 cameras.
         Train 702 ids / 16,522 images; query 702 ids / 2,228 images;
-        gallery 17,661 images.
+        gallery 17,661 images (the paper's Table 1 prints 17,611, a typo;
+        17,661 is the release's count and what is checked).
 
     Obtain the ``DukeMTMC-reID`` release from the authors and unpack it
     unchanged as ``<raw_root>/DukeMTMC-reID``.

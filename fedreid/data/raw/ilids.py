@@ -31,13 +31,18 @@ class ILIDS(RawDataset):
 
         i-LIDS_Pedestrian/Persons/0001001.jpg   NNNN person, xxx image
 
-    Each person's sorted images are halved into two pseudo-cameras. 59 ids
+    The FedReID paper's Table 1 calls it "iLIDS-VID"; its counts (119 ids)
+    are this QMUL i-LIDS set. Each person's sorted images are halved into two
+    pseudo-cameras, a deterministic stand-in for DGD's random choice (same
+    counts). The benchmark's DGD ``split.json`` applies as a split file. 59 ids
     (seeded) train; the other 60 give query (camera 0) and gallery (camera 1).
     Details: ``docs/datasets.md``.
     """
 
     name = "ilids"
     dataset_dir = "i-LIDS_Pedestrian"
+    #: The DGD converter indexed persons in sorted order too: its split.json applies as is.
+    dgd_split_ids = True
     # Image counts depend on which ids are drawn; only the id counts are fixed.
     expected = ExpectedCounts(train_ids=59, query_ids=60)
 

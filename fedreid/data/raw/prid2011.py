@@ -56,10 +56,11 @@ class PRID2011(RawDataset):
         prid_2011/single_shot/{cam_a,cam_b}/person_0001.png
         prid_2011/multi_shot/{cam_a,cam_b}/person_0001/0001.png
 
-    As the benchmark converted it: 100 of the 200 shared persons (seeded) are
+    With the benchmark's counts: 100 of the 200 shared persons (seeded) are
     test ids (single-shot query from camera A, gallery from camera B); the
     other shared and the camera-A-only persons train on up to ``max_frames``
-    multi-shot frames per camera; the camera-B-only persons are gallery
+    multi-shot frames per camera (evenly spaced, a deterministic stand-in for
+    DGD's random choice, same counts); the camera-B-only persons are gallery
     distractors. pids, the shared count and the split: ``docs/datasets.md``.
     """
 

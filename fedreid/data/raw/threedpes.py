@@ -30,7 +30,9 @@ class ThreeDPeS(RawDataset):
 
         3DPeS/RGB/<pid>_<view>_FRAME_<n>_RGB.bmp
 
-    Each person's sorted distinct views are halved into two pseudo-cameras.
+    Each person's sorted distinct views are halved into two pseudo-cameras,
+    a deterministic stand-in for DGD's random choice (same counts); the
+    benchmark's ``split.json`` does not apply (use ``--layout fedreid``).
     93 ids (seeded) train; the others give query (camera 0) and gallery
     (camera 1). Details: ``docs/datasets.md``.
     """
