@@ -17,7 +17,9 @@ Nothing under the raw root is ever modified, and only folders this tool prepared
 are ever replaced. A parser output with an image in two splits, or an identity
 in both train and query/gallery, is refused. <out>/<name>/card.md describes one
 dataset; <out>/cards.md summarises every dataset prepared under <out>, earlier
-runs' included.
+runs' included (a cards.md there that this tool did not write is refused).
+--synthetic reuses a world generated with the same synthetic.* settings and
+refuses one made with other settings unless --force regenerates it.
 See datasets/README.md for layouts.
 """
 
@@ -41,6 +43,34 @@ from fedreid.data.raw import PUBLIC_DATASET, create_raw_dataset, list_raw_datase
 from fedreid.data.raw.base import RawLayoutError
 from fedreid.utils.cli import add_config_arguments, checked_overrides, literal_override, run_main
 from fedreid.utils.io import write_text_atomic
+
+CARDS_FILE = "cards.md"
+# The first line of the cards.md this tool writes; any other file there is refused (never replaced).
+CARDS_MARKER = "<!-- written by tools/prepare_datasets.py"
+CARDS_HEADER = f"{CARDS_MARKER}: each run rewrites this file; keep notes elsewhere -->\n"
+# Before the marker the file began with its table header: such a file (table rows only) is the tool's too.
+_OLD_CARDS_HEADER = "| dataset | train ids | train imgs | query ids | query imgs | gallery imgs | cameras |"
+
+
+def _cards_is_ours(path: Path) -> bool:
+    text = path.read_text(encoding="utf-8", errors="replace")
+    if text.startswith(CARDS_MARKER):
+        return True
+    lines = [line for line in text.splitlines() if line.strip()]
+    return bool(lines) and lines[0] == _OLD_CARDS_HEADER and all(line.startswith("|") for line in lines)
+
+
+def check_out_root(out_root: Path) -> None:
+    """Refuse, before anything is prepared, an ``--out`` that is not a folder or a ``cards.md`` not ours."""
+    for parent in (out_root, *out_root.parents):
+        if parent.exists():
+            if not parent.is_dir():
+                raise ConfigError(f"--out {out_root}: expected a folder, but {parent} is a file")
+            break
+    cards = out_root / CARDS_FILE
+    if cards.exists() and (not cards.is_file() or not _cards_is_ours(cards)):
+        raise ConfigError(f"{cards} was not written by tools/prepare_datasets.py (its first line is not "
+                          f"{CARDS_MARKER!r}...); move it, or choose another --out")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -75,7 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--force",
         action="store_true",
-        help="prepare again even if done (replaces a copy this tool made, e.g. a stale one)",
+        help="prepare again even if done (replaces a copy this tool made, e.g. a stale one); with --synthetic, "
+        "also regenerate a synthetic world made with other settings",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     return parser
@@ -133,10 +164,18 @@ def main(argv: list[str] | None = None) -> int:
     names = resolve_names(data, with_public=not args.datasets or args.datasets.strip() == "all")
     progress = not args.no_progress and sys.stderr.isatty()
     raw_root = Path(data.raw_root)
-    if args.synthetic:
-        raw_root = generate_synthetic(cfg, names, progress)
-
     out_root = Path(data.prepared_root)
+    # At the door, before anything is generated or prepared: one line each, not one per dataset.
+    check_out_root(out_root)
+    if not args.synthetic and not raw_root.is_dir():
+        raise ConfigError(f"--raw-root {raw_root}: " + ("not a folder" if raw_root.exists() else "no such folder"))
+    for name in names:
+        split = data.split_files.get(name)
+        if split is not None and not Path(split).is_file():
+            raise ConfigError(f"--split-file {name}={split}: no such file")
+    if args.synthetic:
+        raw_root = generate_synthetic(cfg, names, progress, force=args.force)
+
     cards, failures = {}, []
     # The synthetic world records parser options its layout needs (e.g. how
     # many PRID persons both cameras share); explicit config options win.
@@ -161,8 +200,10 @@ def main(argv: list[str] | None = None) -> int:
                 progress=progress,
             )
         except (RawLayoutError, PrepareError, TypeError, ValueError) as exc:
-            failures.append(f"{name}: {exc}")
-            print(f"[{name}] FAILED: {exc}", file=sys.stderr)
+            message = str(exc)
+            # Most messages already start with the dataset's name: print it once.
+            failures.append(message if message.startswith(f"{name}:") else f"{name}: {message}")
+            print(f"[{name}] FAILED", file=sys.stderr)
             continue
         cards[name] = report.card
         print_report(report)
@@ -191,10 +232,10 @@ def write_combined_card(out_root: Path, cards: dict[str, dict]) -> None:
     merged = {**found, **cards}
     order = list(BENCHMARK_DATASETS) + [PUBLIC_DATASET]
     names = sorted(merged, key=lambda n: (order.index(n) if n in order else len(order), n))
-    write_text_atomic(out_root / "cards.md", format_summary({n: merged[n] for n in names}))
+    write_text_atomic(out_root / CARDS_FILE, CARDS_HEADER + format_summary({n: merged[n] for n in names}))
     earlier = len(set(merged) - set(cards))
     if earlier:
-        print(f"{out_root / 'cards.md'} also lists {earlier} dataset(s) prepared by earlier runs")
+        print(f"{out_root / CARDS_FILE} also lists {earlier} dataset(s) prepared by earlier runs")
 
 
 def print_report(report: PrepareReport) -> None:
@@ -215,7 +256,7 @@ def print_report(report: PrepareReport) -> None:
         print(f"  warning: {warning}")
 
 
-def generate_synthetic(cfg, names: list[str], progress: bool) -> Path:
+def generate_synthetic(cfg, names: list[str], progress: bool, force: bool = False) -> Path:
     from fedreid.data.synthetic import generate_world
 
     syn = cfg.synthetic
@@ -234,9 +275,21 @@ def generate_synthetic(cfg, names: list[str], progress: bool) -> Path:
         if all(made.get(k) == v for k, v in params.items()) and set(names) <= set(made.get("datasets", [])):
             print(f"synthetic world already in {root}")
             return root
+        recorded = {k: made.get(k) for k in params}
+        if recorded != params and not force:
+            # Its gallery and query images may be in use (the demo's index): never replaced silently.
+            raise ConfigError(
+                f"the synthetic world in {root} was generated with {_settings(recorded)}, not the asked "
+                f"{_settings(params)}; use the same synthetic.* settings, another synthetic.root, or --force "
+                "to regenerate it"
+            )
     print(f"generating the synthetic world in {root} ...")
     generate_world(root, datasets=names, progress=progress, **params)
     return root
+
+
+def _settings(params: dict) -> str:
+    return " ".join(f"{k}={v}" for k, v in params.items())
 
 
 def cli() -> None:

@@ -97,7 +97,7 @@ def _command(args: argparse.Namespace) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     from fedreid.reproduce import ReproduceError, resolve_tables, run_table, write_page
-    from fedreid.reproduce.runner import REPO_ROOT, check_pages, check_seeds, selected_cells
+    from fedreid.reproduce.runner import REPO_ROOT, check_folder_option, check_pages, check_seeds, selected_cells
 
     args = build_parser().parse_args(argv)
     if args.list:
@@ -112,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     selected_cells(table, args.rows, args.columns)  # unknown slugs refused here, before anything runs
     if args.synthetic and not table.synthetic:
         raise ReproduceError(f"{table.name} has no synthetic variant (only the FedReID tables do)")
+    check_folder_option("--out", Path(args.out))
     pages = Path(args.pages) if args.pages else REPO_ROOT / "docs" / "results"
     check_pages(table, pages, args.synthetic)  # a page the tool did not write: refused before hours of training
     progress = not args.no_progress and sys.stderr.isatty()

@@ -505,12 +505,23 @@ def _our_picture(picture: Path) -> bool:
         return False
 
 
+def check_folder_option(option: str, path: Path) -> None:
+    """Refuse, as a one-line :class:`ReproduceError` naming ``option``, a folder path that is (or lies under) a file."""
+    path = Path(path)
+    for parent in (path, *path.parents):
+        if parent.exists():
+            if not parent.is_dir():
+                raise ReproduceError(f"{option} {path}: expected a folder, but {parent} is a file")
+            return
+
+
 def check_pages(table: Table, pages: Path, synthetic: bool) -> None:
     """Refuse, as a one-line :class:`ReproduceError`, a page or picture there that the tool did not write.
 
     A page is the tool's when its first line starts with :data:`PAGE_MARKER`; a picture when it carries
     :data:`PICTURE_MARK` or stands beside a page of the tool's (the two are written together).
     """
+    check_folder_option("--pages", pages)
     page, picture = page_paths(table, pages, synthetic)
     for path in (page, picture):
         if path.exists() and not path.is_file():

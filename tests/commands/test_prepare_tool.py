@@ -93,6 +93,7 @@ def test_path_flags_are_taken_literally(tmp_path):
     raw = tmp_path / "my: raw #1"
     make_market1501_tree(raw)
     split = tmp_path / "split #2.json"
+    split.write_text("{}")  # market1501's split is the release's own; the file must still exist
     out = run_tool("--raw-root", str(raw), "--out", str(tmp_path / "run #2"), "--datasets", "market1501",
                    "--split-file", f"market1501={split}", "data.public_dataset=null", cwd=tmp_path)
     assert out.returncode == 0, out.stderr
@@ -150,3 +151,98 @@ def test_rerun_on_a_raw_folder_that_changed_says_stale_and_force_redoes_it(tmp_p
     assert extra.name in (tmp_path / "prep" / "market1501" / "manifest.csv").read_text()
     third = run_tool(*args, cwd=tmp_path)
     assert "stale" not in third.stdout and "already prepared" in third.stdout
+
+
+def test_a_cards_md_the_tool_did_not_write_is_refused_untouched(tmp_path):
+    raw = tmp_path / "raw"
+    make_market1501_tree(raw)
+    prep = tmp_path / "prep"
+    prep.mkdir()
+    (prep / "cards.md").write_text("MY NOTES\n")
+    out = run_tool("--raw-root", str(raw), "--out", str(prep), "--datasets", "market1501",
+                   "data.public_dataset=null", cwd=tmp_path)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1
+    assert f"{prep / 'cards.md'} was not written by tools/prepare_datasets.py" in out.stderr
+    assert "move it" in out.stderr
+    assert (prep / "cards.md").read_text() == "MY NOTES\n"
+    assert sorted(p.name for p in prep.iterdir()) == ["cards.md"], "nothing may be prepared first"
+
+
+def test_the_written_cards_md_carries_the_marker_and_an_old_generated_one_is_replaced(tmp_path):
+    raw = tmp_path / "raw"
+    make_market1501_tree(raw)
+    prep = tmp_path / "prep"
+    prep.mkdir()
+    # A cards.md of the tool before the marker: the table alone.
+    (prep / "cards.md").write_text(
+        "| dataset | train ids | train imgs | query ids | query imgs | gallery imgs | cameras |\n"
+        "|---|---:|---:|---:|---:|---:|---:|\n| viper | 316 | 632 | 316 | 316 | 316 | 2 |\n")
+    args = ("--raw-root", str(raw), "--out", str(prep), "--datasets", "market1501", "data.public_dataset=null")
+    out = run_tool(*args, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    cards = (prep / "cards.md").read_text()
+    assert cards.startswith("<!-- written by tools/prepare_datasets.py") and "| market1501 |" in cards
+    again = run_tool(*args, cwd=tmp_path)
+    assert again.returncode == 0, again.stderr
+
+
+def test_out_that_is_a_file_is_one_line_naming_the_option(tmp_path):
+    raw = tmp_path / "raw"
+    make_market1501_tree(raw)
+    (tmp_path / "file").write_text("x")
+    out = run_tool("--raw-root", str(raw), "--out", str(tmp_path / "file"), "--datasets", "market1501",
+                   "data.public_dataset=null", cwd=tmp_path)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.strip().splitlines() == [f"error: --out {tmp_path / 'file'}: expected a folder, "
+                                               f"but {tmp_path / 'file'} is a file"]
+
+
+def test_a_missing_raw_root_is_one_line_at_the_door(tmp_path):
+    out = run_tool("--raw-root", str(tmp_path / "nope"), "--out", str(tmp_path / "prep"), "--datasets", "all",
+                   cwd=tmp_path)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.strip().splitlines() == [f"error: --raw-root {tmp_path / 'nope'}: no such folder"]
+    assert not (tmp_path / "prep").exists()
+
+
+def test_a_missing_split_file_is_refused_before_any_dataset_is_prepared(tmp_path):
+    raw = tmp_path / "raw"
+    make_market1501_tree(raw)
+    make_msmt17_tree(raw)
+    out = run_tool("--raw-root", str(raw), "--out", str(tmp_path / "prep"), "--datasets", "market1501,msmt17",
+                   "--split-file", f"msmt17={tmp_path / 'missing.json'}", "data.public_dataset=null", cwd=tmp_path)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "--split-file msmt17=" in out.stderr and "no such file" in out.stderr
+    assert not (tmp_path / "prep" / "market1501").exists()
+
+
+def test_a_failure_is_printed_once_without_a_doubled_name(tmp_path):
+    raw = tmp_path / "raw"
+    make_market1501_tree(raw)
+    out = run_tool("--raw-root", str(raw), "--out", str(tmp_path / "prep"), "--datasets", "market1501,viper",
+                   cwd=tmp_path)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "viper: viper:" not in out.stderr
+    detail = [line for line in out.stderr.splitlines() if "viper:" in line]
+    assert len(detail) == 1, out.stderr
+
+
+def test_synthetic_world_of_other_settings_is_refused_and_force_regenerates_it(tmp_path):
+    world = tmp_path / "synraw"
+    args = ("--synthetic", "--datasets", "viper", "--out", str(tmp_path / "prep"), "--no-progress",
+            f"synthetic.root={world}", "synthetic.min_ids=12")
+    first = run_tool(*args, "synthetic.id_scale=0.04", cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    before = tree_digest(world)
+    same = run_tool(*args, "synthetic.id_scale=0.04", cwd=tmp_path)
+    assert same.returncode == 0 and "synthetic world already in" in same.stdout
+    other = run_tool(*args, "synthetic.id_scale=0.02", cwd=tmp_path)
+    assert other.returncode == 2 and "Traceback" not in other.stderr
+    assert len(other.stderr.strip().splitlines()) == 1
+    for fragment in (str(world), "id_scale=0.04", "id_scale=0.02", "--force"):
+        assert fragment in other.stderr
+    assert tree_digest(world) == before, "the recorded world must not change"
+    forced = run_tool(*args, "synthetic.id_scale=0.02", "--force", cwd=tmp_path)
+    assert forced.returncode == 0, forced.stderr
+    assert json.loads((world / "synthetic_world.json").read_text())["parameters"]["id_scale"] == 0.02

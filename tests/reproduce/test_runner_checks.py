@@ -291,3 +291,17 @@ def test_the_machine_line_shows_every_key_a_run_recorded(tmp_path):
     line = machine_description([run])
     assert "Linux x86_64, Python 3.11.7, torch 2.0 with 1 torch thread, device cuda (NVIDIA H100 80GB HBM3), " \
            "precision bf16+tf32 (1 run)" in line
+
+
+@pytest.mark.parametrize("option", ["--pages", "--out"])
+def test_a_file_as_pages_or_out_is_one_line_naming_the_option(tmp_path, option, capsys):
+    from fedreid.commands import reproduce as tool
+
+    file = tmp_path / "file"
+    file.write_text("mine\n")
+    paths = {"--pages": str(tmp_path / "pages"), "--out": str(tmp_path / "runs"), option: str(file)}
+    with pytest.raises(ReproduceError, match=rf"^{option} .*file: expected a folder, but .*file is a file$"):
+        tool.main(["mnist-augmentation", "--page-only", "--out", paths["--out"], "--pages", paths["--pages"]])
+    assert file.read_text() == "mine\n"
+    assert "[" not in capsys.readouterr().out  # refused before any cell is looked at
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
