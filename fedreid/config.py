@@ -745,9 +745,13 @@ def load_config_text(text: str, overrides: Sequence[str] = (), cls: type = Confi
 def read_yaml(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from exc
+    except UnicodeDecodeError as exc:  # a model file or other binary given as --config
+        raise ConfigError(
+            f"config file {path} is not UTF-8 YAML text (byte 0x{exc.object[exc.start]:02x} at offset {exc.start})"
+        ) from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:

@@ -89,7 +89,7 @@ from fedreid.utils.checkpoint import (
     save_checkpoint,
 )
 from fedreid.utils.io import atomic_path, atomic_write_leftovers, claim_output_dir, write_text_atomic
-from fedreid.utils.logging import MetricsLogger, flatten
+from fedreid.utils.logging import METRICS_JSONL, MetricsLogger, flatten
 from fedreid.utils.precision import resolve_precision
 from fedreid.utils.seeding import deterministic_mode
 
@@ -120,14 +120,39 @@ def config_changes(old: Config, new: Config) -> list[str]:
     return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
 
 
-def check_resumable(saved: Config, cfg: Config) -> None:
+def check_resumable(saved: Config, cfg: Config, completed_rounds: Optional[int] = None) -> None:
     """Refuse, as a one-line :class:`ConfigError`, resuming ``saved``'s run with ``cfg`` if it changes any
-    key but :data:`RESUMABLE_CHANGES`."""
+    key but :data:`RESUMABLE_CHANGES`, or asks for fewer ``fl.rounds`` than the ``completed_rounds``
+    its checkpoint holds (the run cannot be shortened: its config.yaml would contradict its checkpoint)."""
     changed = [k for k in config_changes(saved, cfg) if not k.startswith(RESUMABLE_CHANGES)]
     if changed:
         raise ConfigError(
             "cannot resume with a different config; changed keys: " + ", ".join(changed)
             + f" (only {', '.join(RESUMABLE_CHANGES)} may change)"
+        )
+    if completed_rounds is not None and cfg.fl.rounds < completed_rounds:
+        raise ConfigError(
+            f"fl.rounds={cfg.fl.rounds}: the run has already completed {completed_rounds} rounds; "
+            f"a resume can only keep or raise fl.rounds (its model after round {cfg.fl.rounds} was not kept)"
+        )
+
+
+def check_history_kept(run_dir: Path) -> None:
+    """Refuse a resume of a folder whose ``metrics.jsonl`` records rounds but which holds no checkpoint.
+
+    Starting over there would overwrite the recorded history; a run killed
+    before its first checkpoint has recorded no round, and starts over.
+    """
+    metrics = run_dir / METRICS_JSONL
+    try:
+        recorded = sum(1 for line in metrics.read_text(encoding="utf-8").splitlines() if line.strip())
+    except (OSError, UnicodeDecodeError):
+        return
+    if recorded:
+        raise FileNotFoundError(
+            f"{run_dir} has no {checkpoint_path(run_dir).name} to resume from, but {metrics.name} records "
+            f"{recorded} round(s): starting over would overwrite them; restore the checkpoint or train "
+            "into another folder"
         )
 
 
@@ -196,13 +221,15 @@ def run_simulation(
         check_model_name(cfg)
         if local_inputs and not resume:
             check_inputs(cfg)  # every missing input named, before a new run folder is claimed
+    if resume and latest_checkpoint(run_dir) is None:
+        check_history_kept(run_dir)
     ckpt = claim_run_dir(run_dir, resume=resume, tool=tool)  # a resume: first, is the folder a run's?
     if ckpt is not None:
         saved = from_dict(Config, ckpt["config"])
         if cfg is None:
             cfg = saved
         else:
-            check_resumable(saved, cfg)
+            check_resumable(saved, cfg, completed_rounds=int(ckpt["round"]))
     assert cfg is not None
     if local_inputs and resume:
         check_inputs(cfg)

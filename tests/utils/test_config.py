@@ -89,6 +89,11 @@ def test_missing_and_invalid_files(tmp_path):
         load_config(write(tmp_path, "data: [unclosed\n"))
     with pytest.raises(ConfigError, match="expected a mapping of keys"):
         load_config(write(tmp_path, "- a\n- b\n"))
+    binary = tmp_path / "model_final.pt"  # a model file given as --config
+    binary.write_bytes(b"PK\x03\x04\x14\x00\x00\x08\x08\x00\xe4\xa2")
+    with pytest.raises(ConfigError) as info:
+        load_config(binary)
+    assert str(info.value) == f"config file {binary} is not UTF-8 YAML text (byte 0xe4 at offset 10)"
 
 
 def test_dump_round_trips(tmp_path):
