@@ -597,6 +597,9 @@ class Config:
             if self.eval.precision != "fp32":
                 raise ConfigError("eval.precision: the classification track computes its test accuracy in fp32; "
                                   "set eval.precision=fp32 (train.precision sets its training)")
+            if self.fl.clients_per_round > self.classification.num_clients:
+                raise ConfigError(f"fl.clients_per_round={self.fl.clients_per_round} but classification.num_clients="
+                                  f"{self.classification.num_clients}: a round cannot sample more clients than exist")
         if self.task == "reid" and self.scenario.kind == "leave_one_out":
             self._check_leave_one_out()
         self._check_hooks()

@@ -78,7 +78,13 @@ from fedreid.errors import FedReIDError
 from fedreid.fl.client import Client, ClientError, records_fingerprint
 from fedreid.fl.concurrent import ClientPool, ClientResult
 from fedreid.fl.evaluation import Evaluator
-from fedreid.fl.federation import Federation, build_federation, check_model_name, public_dataset_name
+from fedreid.fl.federation import (
+    Federation,
+    build_federation,
+    check_model_name,
+    public_dataset_name,
+    resolve_device,
+)
 from fedreid.fl.inputs import check_inputs
 from fedreid.fl.server import Server
 from fedreid.fl.update import to_plain
@@ -219,6 +225,7 @@ def run_simulation(
     local_inputs = datasets is None and remote_round is None  # else the data are given or remote
     if cfg is not None:
         check_model_name(cfg)
+        resolve_device(cfg.run.device)  # run.device=cuda without CUDA: refused before the folder is claimed
         if local_inputs and not resume:
             check_inputs(cfg)  # every missing input named, before a new run folder is claimed
     if resume and latest_checkpoint(run_dir) is None:

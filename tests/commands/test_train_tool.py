@@ -122,3 +122,16 @@ def test_the_error_that_ends_a_run_is_in_its_log(tmp_path, raised, ending):
     text = (tmp_path / "log.txt").read_text()
     assert text.startswith("header\nround 1/2  loss 1.000\n") and text.endswith(ending)
     assert ("Traceback" in text) == isinstance(raised, RuntimeError)
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_late_config_errors_are_refused_before_the_run_folder_exists(tmp_path):
+    root = write_world(tmp_path / "prepared")
+    run = tmp_path / "run"
+    with pytest.raises(ConfigError, match="run.device: 'cuda' was asked for but no CUDA device is available"):
+        tool.main(["--out", str(run), "--rounds", "1", *_overrides(root), "run.device=cuda"])
+    assert not run.exists()
+    with pytest.raises(ConfigError, match="fl.clients_per_round=100 but classification.num_clients=10"):
+        tool.main(["--config", str(Path(__file__).parents[2] / "configs/classification/digits_fedavg.yaml"), "--out", str(run),
+                   "fl.clients_per_round=100"])
+    assert not run.exists()
