@@ -14,6 +14,7 @@ given and what is allowed. Override values are parsed as YAML scalars/lists
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Mapping, Optional, Sequence
@@ -779,7 +780,13 @@ def _yaml_problem(exc: yaml.YAMLError) -> str:
 
 
 def apply_overrides(data: Mapping[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
-    """A copy of ``data`` with each ``a.b.c=value`` set (value parsed as YAML)."""
+    """A copy of ``data`` with each ``a.b.c=value`` set (value parsed as YAML).
+
+    A value YAML reads as a plain string is taken as typed (stripped): YAML
+    would drop `` #...`` as a comment, so ``run.out_dir=/tmp/run #2`` would
+    name another folder. A string beginning with ``~/`` is refused: no shell
+    expands a ``~`` that follows ``=``, so it would name a folder called ``~``.
+    """
     out = _deep_copy(data)
     for item in overrides:
         key, sep, raw = item.partition("=")
@@ -789,6 +796,11 @@ def apply_overrides(data: Mapping[str, Any], overrides: Sequence[str]) -> dict[s
             value = yaml.safe_load(raw) if raw.strip() else ""
         except yaml.YAMLError:
             value = raw
+        if isinstance(value, str) and raw.strip()[:1] not in ("'", '"'):
+            value = raw.strip()  # a plain scalar as typed, a ' #' included
+        if isinstance(value, str) and value.startswith("~/"):
+            raise ConfigError(f"override {item!r}: the shell does not expand a '~' after '=': "
+                              f"write the full path, e.g. {key.strip()}={os.path.expanduser(value)}")
         node = out
         parts = key.strip().split(".")
         for part in parts[:-1]:

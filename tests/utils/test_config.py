@@ -214,3 +214,12 @@ def test_a_typo_gets_a_did_you_mean_and_a_file_error_names_its_line(tmp_path):
     with pytest.raises(ConfigError) as info:
         load_config(bad)
     assert "\n" not in str(info.value) and f"config file {bad} is not valid YAML: line 3, column 1:" in str(info.value)
+
+
+def test_override_strings_are_taken_as_typed_and_an_unexpanded_tilde_is_refused():
+    cfg = load_config(None, ["run.out_dir=/tmp/h/run #2", "data.prepared_root='quoted #x'"])
+    assert cfg.run.out_dir == "/tmp/h/run #2"  # YAML would have read ' #2' as a comment
+    assert cfg.data.prepared_root == "quoted #x"
+    assert load_config(None, ["fl.rounds=7", "data.resize=[32, 16]"]).fl.rounds == 7  # typed values as before
+    with pytest.raises(ConfigError, match=r"the shell does not expand a '~' after '=': write the full path"):
+        load_config(None, ["run.out_dir=~/tilde_run"])
