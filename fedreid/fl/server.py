@@ -54,7 +54,7 @@ import numpy as np
 from torch import Tensor, nn
 
 from fedreid.config import Config
-from fedreid.errors import FedReIDError
+from fedreid.errors import ConfigError, FedReIDError
 from fedreid.fl.aggregate import Aggregate, aggregate, server_step
 from fedreid.fl.server_hooks.base import AggregationInput, ServerHook, hook_problem
 from fedreid.fl.state import clone_state, state_nbytes
@@ -143,7 +143,7 @@ class Server:
         self.run_id = new_run_id()  # replaced by the checkpoint's on resume
         k = cfg.fl.clients_per_round
         if k > len(self.client_names):
-            raise ValueError(
+            raise ConfigError(
                 f"fl.clients_per_round={k} but the scenario has only {len(self.client_names)} clients"
             )
 
