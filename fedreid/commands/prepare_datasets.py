@@ -42,7 +42,7 @@ from fedreid.data.prepared import (
 from fedreid.data.raw import PUBLIC_DATASET, create_raw_dataset, list_raw_datasets
 from fedreid.data.raw.base import RawLayoutError
 from fedreid.utils.cli import add_config_arguments, checked_overrides, literal_override, run_main
-from fedreid.utils.io import write_text_atomic
+from fedreid.utils.io import file_in_the_way, write_text_atomic
 
 CARDS_FILE = "cards.md"
 # The first line of the cards.md this tool writes; any other file there is refused (never replaced).
@@ -62,11 +62,9 @@ def _cards_is_ours(path: Path) -> bool:
 
 def check_out_root(out_root: Path) -> None:
     """Refuse, before anything is prepared, an ``--out`` that is not a folder or a ``cards.md`` not ours."""
-    for parent in (out_root, *out_root.parents):
-        if parent.exists():
-            if not parent.is_dir():
-                raise ConfigError(f"--out {out_root}: expected a folder, but {parent} is a file")
-            break
+    blocker = file_in_the_way(out_root)
+    if blocker is not None:
+        raise ConfigError(f"--out {out_root}: expected a folder, but {blocker} is a file")
     cards = out_root / CARDS_FILE
     if cards.exists() and (not cards.is_file() or not _cards_is_ours(cards)):
         raise ConfigError(f"{cards} was not written by tools/prepare_datasets.py (its first line is not "

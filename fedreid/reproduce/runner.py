@@ -52,7 +52,7 @@ from fedreid.fl.server import RoundFailedError, is_eval_round
 from fedreid.fl.simulation import RESUMABLE_CHANGES, config_changes
 from fedreid.reproduce.tables import Cell, Table
 from fedreid.utils.cli import literal_override
-from fedreid.utils.io import write_json_atomic
+from fedreid.utils.io import file_in_the_way, write_json_atomic
 from fedreid.utils.logging import flatten
 
 #: The repository root: the tables name their configs relative to it.
@@ -507,12 +507,9 @@ def _our_picture(picture: Path) -> bool:
 
 def check_folder_option(option: str, path: Path) -> None:
     """Refuse, as a one-line :class:`ReproduceError` naming ``option``, a folder path that is (or lies under) a file."""
-    path = Path(path)
-    for parent in (path, *path.parents):
-        if parent.exists():
-            if not parent.is_dir():
-                raise ReproduceError(f"{option} {path}: expected a folder, but {parent} is a file")
-            return
+    blocker = file_in_the_way(path)
+    if blocker is not None:
+        raise ReproduceError(f"{option} {path}: expected a folder, but {blocker} is a file")
 
 
 def check_pages(table: Table, pages: Path, synthetic: bool) -> None:

@@ -29,6 +29,15 @@ def shown_path(path: str | Path) -> str:
     return f"{p} (relative to the working directory {os.getcwd()}: {p.resolve()})"
 
 
+def file_in_the_way(folder: str | Path) -> Optional[Path]:
+    """The existing file that ``folder`` is, or lies under, so that it cannot be a folder; None when it can."""
+    folder = Path(folder)
+    for parent in (folder, *folder.parents):
+        if parent.exists():
+            return None if parent.is_dir() else parent
+    return None
+
+
 def _plain_file_mode() -> int:
     # os.umask can only be read by setting it; done once, at import, before any
     # thread of ours could create a file meanwhile.
