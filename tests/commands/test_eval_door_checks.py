@@ -12,12 +12,8 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
-from fl_helpers import write_prepared
+from tiny_runs import write_eval_world
 from tool_loader import cli_error, load_tool
-
-from fedreid.config import ModelConfig, dump_config, load_config, to_dict
-from fedreid.models.reid import create_reid_model, shared_state
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -30,19 +26,8 @@ def world(tmp_path_factory):
     from fedreid.inference.dataset_features import dataset_features, save_dataset_features
     from fedreid.inference.model_io import load_model
 
-    root = tmp_path_factory.mktemp("evaldoor")
-    prepared = root / "prepared"
-    write_prepared(prepared, "tiny", num_ids=1, test_ids=6, seed=3)
-    write_prepared(prepared, "tiny2", num_ids=1, test_ids=4, seed=5)
-    model_cfg = ModelConfig(backbone="resnet18", bottleneck_dim=16, height=32, width=16)
-    model = create_reid_model("resnet18", 0, bottleneck_dim=16, seed=0)
-    run = root / "run"
-    run.mkdir()
-    torch.save({"format": "fedreid.model", "model": to_dict(model_cfg), "mode": "fedpav", "round": 2,
-                "state": shared_state(model)}, run / "model_final.pt")
-    cfg = load_config(None, [f"data.prepared_root={prepared}", "data.datasets=[tiny]", "data.public_dataset=null",
-                             "model.backbone=resnet18", "model.height=32", "model.width=16", "eval.batch_size=8"])
-    (run / "config.yaml").write_text(dump_config(cfg))
+    made = write_eval_world(tmp_path_factory.mktemp("evaldoor"))
+    root, prepared, run = made["root"], made["prepared"], made["run"]
     loaded = load_model(run)
     feats = {name: dataset_features(loaded, prepared, name, batch_size=8) for name in ("tiny", "tiny2")}
     caches = {name: save_dataset_features(root / "features", f) for name, f in feats.items()}

@@ -10,12 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from fl_helpers import write_prepared
+from tiny_runs import write_eval_world
 from tool_loader import cli_error, load_tool
 
-from fedreid.config import ConfigError, ModelConfig, dump_config, load_config, to_dict
+from fedreid.config import ConfigError, load_config, to_dict
 from fedreid.data.prepared import PreparedDatasetError
-from fedreid.models.reid import create_reid_model, shared_state
 
 tool = load_tool("eval_reid", "eval_reid_tool")
 
@@ -23,21 +22,7 @@ tool = load_tool("eval_reid", "eval_reid_tool")
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     """A prepared dataset ``tiny`` (6 query ids, 2 cameras) and a run folder with model_final.pt + config.yaml."""
-    root = tmp_path_factory.mktemp("evaltool")
-    prepared = root / "prepared"
-    write_prepared(prepared, "tiny", num_ids=1, test_ids=6, seed=3)
-    write_prepared(prepared, "tiny2", num_ids=1, test_ids=4, seed=5)
-    model_cfg = ModelConfig(backbone="resnet18", bottleneck_dim=32, height=32, width=16)
-    model = create_reid_model("resnet18", 0, bottleneck_dim=32, seed=0)
-    run = root / "run"
-    run.mkdir()
-    payload = {"format": "fedreid.model", "model": to_dict(model_cfg), "mode": "fedpav", "round": 2,
-               "state": shared_state(model)}
-    torch.save(payload, run / "model_final.pt")
-    cfg = load_config(None, [f"data.prepared_root={prepared}", "data.datasets=[tiny]", "data.public_dataset=null",
-                             "model.backbone=resnet18", "model.height=32", "model.width=16", "eval.batch_size=8"])
-    (run / "config.yaml").write_text(dump_config(cfg))
-    return {"root": root, "prepared": prepared, "run": run}
+    return write_eval_world(tmp_path_factory.mktemp("evaltool"))
 
 
 def test_help_shows_examples(capsys):
