@@ -830,26 +830,13 @@ def _owner(tmp: Path) -> Optional[tuple[int, Optional[str]]]:
         return None
     if host != socket.gethostname():
         return pid, host  # cannot tell: a run on another node of a shared output root
-    live = _live_owner(tmp)
-    return None if live is None else (live, None)
-
-
-def _live_owner(tmp: Path) -> Optional[int]:
-    """The id of the running process on this machine that is filling ``tmp``, if any."""
-    try:
-        owner = json.loads((tmp / OWNER_FILE).read_text())
-        pid, host = int(owner["pid"]), owner["host"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    if host != socket.gethostname():
-        return None  # another host: see _owner
     try:
         os.kill(pid, 0)  # signal 0: only checks that the process exists
     except ProcessLookupError:
         return None
     except PermissionError:
-        return pid  # exists, owned by another user
-    return pid
+        pass  # exists, owned by another user
+    return pid, None
 
 
 def summarize_skips(skipped: Sequence[Skip]) -> list[tuple[str, int, Path]]:
