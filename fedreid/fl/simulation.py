@@ -95,7 +95,7 @@ from fedreid.utils.checkpoint import (
     save_checkpoint,
 )
 from fedreid.utils.io import atomic_path, atomic_write_leftovers, claim_output_dir, write_text_atomic
-from fedreid.utils.logging import METRICS_JSONL, MetricsLogger, flatten
+from fedreid.utils.logging import MetricsLogger, flatten
 from fedreid.utils.precision import resolve_precision
 from fedreid.utils.seeding import deterministic_mode
 
@@ -140,25 +140,6 @@ def check_resumable(saved: Config, cfg: Config, completed_rounds: Optional[int] 
         raise ConfigError(
             f"fl.rounds={cfg.fl.rounds}: the run has already completed {completed_rounds} rounds; "
             f"a resume can only keep or raise fl.rounds (its model after round {cfg.fl.rounds} was not kept)"
-        )
-
-
-def check_history_kept(run_dir: Path) -> None:
-    """Refuse a resume of a folder whose ``metrics.jsonl`` records rounds but which holds no checkpoint.
-
-    Starting over there would overwrite the recorded history; a run killed
-    before its first checkpoint has recorded no round, and starts over.
-    """
-    metrics = run_dir / METRICS_JSONL
-    try:
-        recorded = sum(1 for line in metrics.read_text(encoding="utf-8").splitlines() if line.strip())
-    except (OSError, UnicodeDecodeError):
-        return
-    if recorded:
-        raise FileNotFoundError(
-            f"{run_dir} has no {checkpoint_path(run_dir).name} to resume from, but {metrics.name} records "
-            f"{recorded} round(s): starting over would overwrite them; restore the checkpoint or train "
-            "into another folder"
         )
 
 
@@ -228,8 +209,6 @@ def run_simulation(
         resolve_device(cfg.run.device)  # run.device=cuda without CUDA: refused before the folder is claimed
         if local_inputs and not resume:
             check_inputs(cfg)  # every missing input named, before a new run folder is claimed
-    if resume and latest_checkpoint(run_dir) is None:
-        check_history_kept(run_dir)
     ckpt = claim_run_dir(run_dir, resume=resume, tool=tool)  # a resume: first, is the folder a run's?
     if ckpt is not None:
         saved = from_dict(Config, ckpt["config"])
