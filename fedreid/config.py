@@ -738,7 +738,7 @@ def _key_line(path: Path, key: str) -> int | None:
 def load_config_text(text: str, overrides: Sequence[str] = (), cls: type = Config) -> Any:
     """Like :func:`load_config`, from YAML text (a config sent to another machine)."""
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_UniqueKeyLoader)
     except yaml.YAMLError as exc:
         raise ConfigError(f"the config text is not valid YAML: {_yaml_problem(exc)}") from exc
     if not isinstance(data, dict):
@@ -757,7 +757,7 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
             f"config file {path} is not UTF-8 YAML text (byte 0x{exc.object[exc.start]:02x} at offset {exc.start})"
         ) from None
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_UniqueKeyLoader)
     except yaml.YAMLError as exc:
         raise ConfigError(f"config file {path} is not valid YAML: {_yaml_problem(exc)}") from exc
     if data is None:
@@ -768,6 +768,27 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
             f"got {type(data).__name__}"
         )
     return data
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses a key given twice in one mapping.
+
+    YAML's loaders keep the last of two equal keys without a word, so a config
+    with two ``fl:`` sections would silently lose the first.
+    """
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    f"while reading the mapping that begins on line {node.start_mark.line + 1}", node.start_mark,
+                    f"key {key!r} is given twice (first on line {seen[key] + 1})", key_node.start_mark)
+            seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
 
 
 def _yaml_problem(exc: yaml.YAMLError) -> str:

@@ -19,6 +19,7 @@ import ast
 import dataclasses
 import inspect
 import math
+import re
 import textwrap
 import types
 import typing
@@ -77,8 +78,21 @@ def from_dict(cls: type, data: Mapping[str, Any], prefix: str = "") -> Any:
         try:
             validate(prefix or "config")
         except ConfigError as exc:
-            raise _tagged(exc, prefix) if prefix else exc
+            raise _tagged(exc, _named_key(str(exc), prefix)) if prefix else exc
     return obj
+
+
+def _named_key(message: str, prefix: str) -> str:
+    """The key under ``prefix`` that a validation message begins with (``fl.rounds: ...``), else ``prefix``.
+
+    A section's ``validate`` names its field at the head of the message; tagging
+    the field rather than the section lets a loader tell an override's key from
+    the file's.
+    """
+    head = re.match(r"([A-Za-z0-9_.\[\]]+): ", message)
+    if head and head.group(1).startswith(prefix + "."):
+        return head.group(1)
+    return prefix
 
 
 def build_options(cls: type, values: Mapping[str, Any], where: str, owner: str) -> Any:

@@ -41,6 +41,7 @@ from fedreid.data.prepared import (
 )
 from fedreid.data.raw import PUBLIC_DATASET, create_raw_dataset, list_raw_datasets
 from fedreid.data.raw.base import RawLayoutError
+from fedreid.options import did_you_mean
 from fedreid.utils.cli import add_config_arguments, checked_overrides, literal_override, run_main
 from fedreid.utils.io import file_in_the_way, write_text_atomic
 
@@ -118,7 +119,9 @@ def flag_overrides(args: argparse.Namespace) -> list[str]:
         out.append(literal_override("data.raw_root", args.raw_root))
     if args.out:
         out.append(literal_override("data.prepared_root", args.out))
-    if args.datasets:
+    if args.datasets is not None:
+        if not args.datasets.strip(" ,"):
+            raise ConfigError(f"--datasets {args.datasets!r}: expected comma-separated dataset names or 'all'")
         out.append(f"data.datasets=[{args.datasets}]")
     if args.layout:
         out.append(f"data.layout={args.layout}")
@@ -149,7 +152,8 @@ def resolve_names(data: DataConfig, with_public: bool = True) -> list[str]:
     unknown = [n for n in names if n not in known]
     if unknown:
         raise RawLayoutError(
-            f"unknown dataset {unknown[0]!r}; known: {', '.join(sorted(known))} or 'all'"
+            f"unknown dataset {unknown[0]!r}{did_you_mean(unknown[0], sorted(known))}; "
+            f"known: {', '.join(sorted(known))} or 'all'"
         )
     return names
 

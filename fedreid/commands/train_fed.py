@@ -93,9 +93,14 @@ def main(argv: list[str] | None = None) -> int:
         run_dir = Path(args.resume)
         if args.config:
             raise ConfigError("--resume uses the run's own config.yaml; pass overrides only")
+        # A resumed run stays in its folder; its config.yaml must not name another.
+        moved = [item for item in args.overrides if item.partition("=")[0].strip() in ("run", "run.out_dir")]
+        if args.out or moved:
+            raise ConfigError(f"{'--out' if args.out else repr(moved[0])} does not go with --resume: the run "
+                              f"continues in its own folder {run_dir} (copy the folder first to continue elsewhere)")
         # The run's saved config, with the few changes a resume allows
         # (run_simulation refuses the others).
-        cfg = load_config(run_dir / "config.yaml", list(args.overrides) + flags)
+        cfg = load_config(run_dir / "config.yaml", checked_overrides(args, flags))
         resume = True
     else:
         if args.out:

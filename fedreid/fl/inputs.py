@@ -42,7 +42,7 @@ def missing_inputs(cfg: Config) -> list[str]:
     if cfg.task == "classification":
         return _missing_classification(cfg)
     missing = []
-    names = scenario_datasets(cfg)
+    names = [*scenario_datasets(cfg), *(cfg.eval.datasets or [])]  # evaluated-only datasets too
     public = public_dataset_name(cfg) if needs_public_set(cfg) else None
     root = Path(cfg.data.prepared_root)
     absent = []

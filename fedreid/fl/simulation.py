@@ -94,7 +94,7 @@ from fedreid.utils.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from fedreid.utils.io import atomic_path, atomic_write_leftovers, claim_output_dir, write_text_atomic
+from fedreid.utils.io import atomic_path, atomic_write_leftovers, check_output_dir, claim_output_dir, write_text_atomic
 from fedreid.utils.logging import MetricsLogger, flatten
 from fedreid.utils.precision import resolve_precision
 from fedreid.utils.seeding import deterministic_mode
@@ -160,17 +160,25 @@ def claim_run_dir(run_dir: str | Path, *, resume: bool, tool: str = "fedreid") -
     are deleted.
     """
     run_dir = Path(run_dir)
+    if not resume:
+        check_run_dir(run_dir, tool=tool)
     path = latest_checkpoint(run_dir)
-    if path is not None and not resume:
-        raise FileExistsError(
-            f"{run_dir} already holds a run ({checkpoint_path(run_dir).name}); "
-            "resume it (resume=True / --resume) or choose another folder"
-        )
     ckpt = load_checkpoint(path) if path is not None else None
     claim_output_dir(run_dir, RUN_KIND, tool=tool, adopt=ckpt is not None)
     for leftover in atomic_write_leftovers(run_dir):
         leftover.unlink()
     return ckpt
+
+
+def check_run_dir(run_dir: str | Path, *, tool: str = "fedreid") -> None:
+    """Raise where :func:`claim_run_dir` would refuse ``run_dir`` for a fresh run; change nothing."""
+    run_dir = Path(run_dir)
+    if latest_checkpoint(run_dir) is not None:
+        raise FileExistsError(
+            f"{run_dir} already holds a run ({checkpoint_path(run_dir).name}); "
+            "resume it (resume=True / --resume) or choose another folder"
+        )
+    check_output_dir(run_dir, RUN_KIND, tool=tool)
 
 
 def run_simulation(
@@ -193,7 +201,9 @@ def run_simulation(
     :mod:`fedreid.flower`) and keep their own state; the round is run through
     it instead of in this process, and checkpoints hold the server's side only.
     ``run_dir`` must be a folder the run may write into (:func:`claim_run_dir`;
-    ``tool`` names the writer in a refusal). A resume refuses data changed
+    ``tool`` names the writer in a refusal); a fresh run claims it once the
+    federation is built, so a config that building refuses (a batch larger
+    than a client's data) leaves no folder. A resume refuses data changed
     since the checkpoint (:class:`DataChangedError`) and warns when the torch
     thread count or version differs from the checkpoint's. With
     ``run.concurrent_clients`` > 1 (and no ``remote_round``) the clients
@@ -209,7 +219,11 @@ def run_simulation(
         resolve_device(cfg.run.device)  # run.device=cuda without CUDA: refused before the folder is claimed
         if local_inputs and not resume:
             check_inputs(cfg)  # every missing input named, before a new run folder is claimed
-    ckpt = claim_run_dir(run_dir, resume=resume, tool=tool)  # a resume: first, is the folder a run's?
+    ckpt = None
+    if resume:
+        ckpt = claim_run_dir(run_dir, resume=True, tool=tool)  # first, is the folder a run's?
+    else:
+        check_run_dir(run_dir, tool=tool)
     if ckpt is not None:
         saved = from_dict(Config, ckpt["config"])
         if cfg is None:
@@ -220,8 +234,10 @@ def run_simulation(
     if local_inputs and resume:
         check_inputs(cfg)
     with deterministic_mode(cfg.run.deterministic):
-        return _run(cfg, run_dir, ckpt, progress=progress, callbacks=callbacks, datasets=datasets,
-                    remote_round=remote_round)
+        fed = build_federation(cfg, datasets=datasets)
+        if not resume:  # claimed once built: what building refuses (a batch larger than a client's data) leaves no folder
+            claim_run_dir(run_dir, resume=False, tool=tool)
+        return _run(cfg, run_dir, ckpt, fed, progress=progress, callbacks=callbacks, remote_round=remote_round)
 
 
 def run_environment(cfg: Optional[Config] = None, device: Optional[torch.device] = None) -> dict[str, Any]:
@@ -356,9 +372,8 @@ def config_header(environment: Mapping[str, Any]) -> str:
             "# The same config, seed, thread count, torch version and machine give the same numbers.\n")
 
 
-def _run(cfg: Config, run_dir: Path, ckpt, *, progress: bool, callbacks, datasets,
+def _run(cfg: Config, run_dir: Path, ckpt, fed: Federation, *, progress: bool, callbacks,
          remote_round: Optional[RemoteRound] = None) -> list[dict[str, Any]]:
-    fed = build_federation(cfg, datasets=datasets)
     fingerprints = data_fingerprints(fed)
     environment = run_environment(cfg, fed.device)
     if ckpt is not None:

@@ -105,12 +105,31 @@ def checked_overrides(args: argparse.Namespace, flag_overrides: Sequence[str] = 
     the tool, so they win over both the file and generic ``key=value`` pairs
     (``load_config(args.config, checked_overrides(args, flags))``). Path-valued
     flags must be built with :func:`literal_override`. A positional argument
-    that is not ``key=value`` is a ConfigError.
+    that is not ``key=value`` is a ConfigError, and so is an override of a
+    key a flag sets to another value (``--rounds 5 fl.rounds=3``): one of
+    the two would be dropped without a word.
     """
     for item in args.overrides:
         if "=" not in item:
             raise ConfigError(f"unexpected argument {item!r}: overrides look like key.sub=value")
+    for flag in flag_overrides:
+        flag_key = flag.partition("=")[0].strip()
+        for item in args.overrides:
+            key = item.partition("=")[0].strip()
+            same_key = key == flag_key
+            if (same_key and _override_value(item) != _override_value(flag)) or (
+                    not same_key and (key.startswith(flag_key + ".") or flag_key.startswith(key + "."))):
+                raise ConfigError(f"the override {item!r} and a command-line option ({flag}) both set "
+                                  f"{min(key, flag_key, key=len)}: give it once")
     return list(args.overrides) + list(flag_overrides)
+
+
+def _override_value(item: str) -> object:
+    raw = item.partition("=")[2]
+    try:
+        return yaml.safe_load(raw)
+    except yaml.YAMLError:
+        return raw.strip()
 
 
 def run_main(main: Callable[[], int]) -> None:

@@ -204,15 +204,28 @@ def claim_output_dir(folder: str | Path, kind: str, *, tool: str, adopt: bool = 
     and the files in the way.
     """
     folder = Path(folder)
+    check_output_dir(folder, kind, tool=tool, adopt=adopt)
+    if folder.is_dir():
+        for leftover in [p for p in folder.iterdir() if is_marker_leftover(p, kind) and p.is_file()]:
+            leftover.unlink()  # our own marker's temporary file, left by a kill while claiming
+    folder.mkdir(parents=True, exist_ok=True)
+    if not owns_folder(folder, kind):
+        write_json_atomic(marker_path(folder, kind), {"kind": kind, "tool": tool})
+    return folder
+
+
+def check_output_dir(folder: str | Path, kind: str, *, tool: str, adopt: bool = False) -> None:
+    """Raise :class:`OutputDirError` where :func:`claim_output_dir` would refuse ``folder``; change nothing.
+
+    Lets a tool refuse a folder before long work whose result it will claim it for.
+    """
+    folder = Path(folder)
     if folder.is_symlink():
         raise OutputDirError(f"{folder} is a symbolic link, not a folder {tool} made; choose another folder")
     if folder.exists() and not folder.is_dir():
         raise OutputDirError(f"{folder} exists and is not a folder; choose another folder for {tool}'s output")
-    if folder.is_dir():
-        for leftover in [p for p in folder.iterdir() if is_marker_leftover(p, kind) and p.is_file()]:
-            leftover.unlink()  # our own marker's temporary file, left by a kill while claiming
     if folder.is_dir() and not owns_folder(folder, kind) and not adopt:
-        entries = sorted(p.name for p in folder.iterdir())
+        entries = sorted(p.name for p in folder.iterdir() if not (is_marker_leftover(p, kind) and p.is_file()))
         if entries:
             shown = ", ".join(entries[:5]) + (f" and {len(entries) - 5} more" if len(entries) > 5 else "")
             raise OutputDirError(
@@ -220,7 +233,3 @@ def claim_output_dir(folder: str | Path, kind: str, *, tool: str, adopt: bool = 
                 f"folder or one it made (marked by {marker_path(folder, kind).name}): choose another folder "
                 "(nothing was changed)"
             )
-    folder.mkdir(parents=True, exist_ok=True)
-    if not owns_folder(folder, kind):
-        write_json_atomic(marker_path(folder, kind), {"kind": kind, "tool": tool})
-    return folder

@@ -59,6 +59,9 @@ def test_missing_release_fails_clearly_and_others_still_prepare(tmp_path):
     "args, fragment",
     [
         (("--datasets", "market"), "unknown dataset 'market'"),
+        (("--datasets", "markt1501"), "unknown dataset 'markt1501' (did you mean market1501?)"),
+        (("--datasets", ""), "--datasets '': expected comma-separated dataset names or 'all'"),
+        (("--out", "a", "data.prepared_root=b"), "the override 'data.prepared_root=b' and a command-line option"),
         (("data.layout=zip",), "data.layout: 'zip' is not allowed"),
         (("--config", "missing.yaml"), "cannot read config file missing.yaml"),
         (("seed",), "unexpected argument 'seed'"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -49,7 +50,16 @@ def test_run_then_resume_to_more_rounds(tmp_path, capsys):
     config = (run / "config.yaml").read_text()
     with pytest.raises(ConfigError, match=r"^fl.rounds=2: the run has already completed 3 rounds"):
         tool.main(["--resume", str(run), "--rounds", "2"])
-    assert (run / "config.yaml").read_text() == config
+    # a resume stays in its folder, and one key set two ways is refused: nothing written
+    with pytest.raises(ConfigError, match=rf"^--out does not go with --resume: the run continues in its own folder {run}"):
+        tool.main(["--resume", str(run), "--out", str(tmp_path / "elsewhere")])
+    with pytest.raises(ConfigError, match=r"^'run.out_dir=/tmp/elsewhere' does not go with --resume"):
+        tool.main(["--resume", str(run), "run.out_dir=/tmp/elsewhere", "--rounds", "4"])
+    with pytest.raises(ConfigError, match=r"^the override 'fl.rounds=5' and a command-line option \(fl.rounds=4\) "
+                                          r"both set fl.rounds: give it once"):
+        tool.main(["--resume", str(run), "--rounds", "4", "fl.rounds=5"])
+    assert (run / "config.yaml").read_text() == config and [r["round"] for r in read_metrics(run)] == [1, 2, 3]
+    assert not (tmp_path / "elsewhere").exists()
 
 
 def test_round_line_formats_evaluated_rounds():
@@ -81,6 +91,10 @@ def test_overrides_between_flags_and_an_unknown_backbone(tmp_path, capsys):
     assert exc.value.code == 2 and err.count("\n") == 1
     assert err.startswith("error: model.backbone: unknown backbone 'resnt50'") and "close names: resnet50" in err
     assert not typo.exists()  # refused before any folder was made
+    with pytest.raises(ConfigError, match=r"^the override 'run.out_dir=other' and a command-line option"):
+        tool.main(["--out", str(typo), "run.out_dir=other", *_overrides(root)])
+    assert not typo.exists() and not Path("other").exists()
+    assert tool.main(["--out", str(typo), "--rounds", "1", "fl.rounds=1", *_overrides(root)]) == 0  # agreeing: fine
 
 
 def test_a_run_without_its_inputs_names_every_one_and_writes_nothing(tmp_path, monkeypatch, capsys):
@@ -129,4 +143,19 @@ def test_late_config_errors_are_refused_before_the_run_folder_exists(tmp_path):
     with pytest.raises(ConfigError, match="fl.clients_per_round=100 but classification.num_clients=10"):
         tool.main(["--config", str(Path(__file__).parents[2] / "configs/classification/digits_fedavg.yaml"), "--out", str(run),
                    "fl.clients_per_round=100"])
+    assert not run.exists()
+
+
+@pytest.mark.parametrize("override, fragment", [
+    ("train.batch_size=100", "client 'dsa' has 12 training images, fewer than train.batch_size=100"),
+    ("eval.datasets=[dsa,dsc]", "prepared datasets missing under data.prepared_root="),
+    ("fl.clients_per_round=5", "fl.clients_per_round"),
+])
+def test_a_config_the_federation_refuses_leaves_no_run_folder(tmp_path, override, fragment):
+    from fedreid.errors import FedReIDError
+
+    root = write_world(tmp_path / "prepared")
+    run = tmp_path / "run"
+    with pytest.raises(FedReIDError, match=re.escape(fragment)):
+        tool.main(["--out", str(run), "--rounds", "1", *_overrides(root), override, "--no-progress"])
     assert not run.exists()

@@ -2,7 +2,7 @@ from pathlib import Path
 
 import pytest
 
-from fedreid.config import Config, ConfigError, dump_config, load_config
+from fedreid.config import Config, ConfigError, dump_config, load_config, load_config_text
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -214,6 +214,27 @@ def test_a_typo_gets_a_did_you_mean_and_a_file_error_names_its_line(tmp_path):
     with pytest.raises(ConfigError) as info:
         load_config(bad)
     assert "\n" not in str(info.value) and f"config file {bad} is not valid YAML: line 3, column 1:" in str(info.value)
+
+
+def test_a_section_check_blames_the_file_line_only_for_a_key_the_file_sets(tmp_path):
+    cfg_file = tmp_path / "exp.yaml"
+    cfg_file.write_text("seed: 0\nfl:\n  rounds: 2\n  clients_per_round: 1\n")
+    with pytest.raises(ConfigError) as info:  # the override is at fault, not the file's line 3
+        load_config(cfg_file, ["fl.rounds=-1"])
+    assert str(info.value) == "fl.rounds: expected a positive value, got -1"
+    cfg_file.write_text("seed: 0\nfl:\n  clients_per_round: 1\n  rounds: -1\n")
+    with pytest.raises(ConfigError, match=rf"^config file {cfg_file}, line 4: fl.rounds: expected a positive value"):
+        load_config(cfg_file)
+
+
+def test_a_key_given_twice_is_refused_with_both_lines(tmp_path):
+    twice = tmp_path / "exp.yaml"
+    twice.write_text("fl:\n  rounds: 2\ntrain:\n  lr: 0.1\nfl:\n  rounds: 3\n")
+    with pytest.raises(ConfigError, match=rf"^config file {twice} is not valid YAML: line 5, column 1: "
+                                          r"key 'fl' is given twice \(first on line 1\)"):
+        load_config(twice)
+    with pytest.raises(ConfigError, match=r"key 'lr' is given twice \(first on line 2\)"):
+        load_config_text("train:\n  lr: 0.1\n  batch_size: 4\n  lr: 0.2\n")
 
 
 def test_override_strings_are_taken_as_typed_and_an_unexpanded_tilde_is_refused():
