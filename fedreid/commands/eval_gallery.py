@@ -7,9 +7,11 @@ from pathlib import Path
 
 from fedreid.commands.eval_args import (
     add_backend_argument,
+    add_progress_argument,
     add_skip_argument,
     add_speed_arguments,
     load_for_features,
+    show_progress,
     speedups,
 )
 from fedreid.inference import devices
@@ -180,6 +182,7 @@ def add_index_command(sub: argparse._SubParsersAction) -> None:
     ix.add_argument("--client", metavar="NAME", help="a local-training baseline run: whose model to use")
     add_skip_argument(ix, f"the index folder's {SKIPPED_FILE}")
     add_speed_arguments(ix)
+    add_progress_argument(ix)
     add_backend_argument(ix)
     ix.set_defaults(func=cmd_index)
 
@@ -206,6 +209,7 @@ def add_query_command(sub: argparse._SubParsersAction) -> None:
     )
     add_skip_argument(qu, f"--out/{SKIPPED_FILE} (printed without --out)")
     add_speed_arguments(qu)
+    add_progress_argument(qu)
     add_backend_argument(qu)
     qu.set_defaults(func=cmd_query)
 
@@ -251,7 +255,7 @@ def cmd_index(args: argparse.Namespace) -> int:
     loaded = load_for_features(args, device)
     skipped: list[SkippedImage] | None = [] if args.skip_bad_images else None
     common = dict(batch_size=args.batch_size, device=device, skipped=skipped, site=args.site,
-                  metadata=args.metadata, **speed)
+                  metadata=args.metadata, progress=show_progress(args), **speed)
     if action == "build":
         store, n = build_gallery_store(
             loaded, args.gallery, args.index, faiss_gpu=faiss_gpu, factory=args.factory or "Flat", seed=args.seed,
@@ -301,6 +305,7 @@ def cmd_query(args: argparse.Namespace) -> int:
         loaded, args.index, args.images, top_k=args.top_k, batch_size=args.batch_size, device=device,
         faiss_gpu=faiss_gpu, allow_model_mismatch=args.allow_model_mismatch,
         warn=lambda message: print(f"WARNING: {message}", flush=True), skipped=skipped, **filters, **speed,
+        progress=show_progress(args),
     )
     if skipped:
         if args.out:

@@ -95,7 +95,13 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from fedreid.commands.eval_args import add_precision_arguments, evaluation_precision, refuse_extraction_options
+from fedreid.commands.eval_args import (
+    add_precision_arguments,
+    add_progress_argument,
+    evaluation_precision,
+    refuse_extraction_options,
+    show_progress,
+)
 from fedreid.commands.eval_gallery import add_index_command, add_query_command
 from fedreid.commands.eval_serve import add_serve_command
 from fedreid.config import load_config
@@ -158,6 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--device", help="auto (default: cuda if available), cpu, cuda, cuda:1...")
     ev.add_argument("--client", metavar="NAME", help="a local-training baseline run: whose model to evaluate")
     add_precision_arguments(ev)
+    add_progress_argument(ev)
     add_config_arguments(ev)
 
     add_index_command(sub)
@@ -232,6 +239,26 @@ def _protocol_options(args: argparse.Namespace, cfg) -> tuple[str, int]:
     ap = args.ap or protocol.default_ap(cfg.eval.ap)
     protocols.check_protocol(args.protocol, ap, args.rerank)
     return ap, (cfg.seed if args.seed is None else args.seed)
+
+
+def _manifest_sizes(root: str | Path, name: str) -> tuple[str, int, int]:
+    """``(name, queries, gallery items)`` of prepared dataset ``name`` as its manifest lists them."""
+    from fedreid.data.prepared import load_prepared
+
+    ds = load_prepared(root, name)
+    return name, len(ds.split("query")), len(ds.split("gallery"))
+
+
+def _check_rerank_sizes(sizes: list[tuple[str, int, int]]) -> None:
+    """Refuse ``--rerank`` on a dataset too large to re-rank, before anything is extracted or written."""
+    from fedreid.eval.rerank import RerankMemoryError, check_rerank_memory
+
+    for name, n_query, n_gallery in sizes:
+        try:
+            check_rerank_memory(n_query, n_gallery)
+        except RerankMemoryError as exc:
+            reason = str(exc).split("; raise max_bytes")[0]
+            raise EvalInputError(f"--rerank on {name}: {reason}; evaluate {name} without --rerank") from None
 
 
 def _manifest_queries(root: str | Path, name: str) -> DatasetFeatures:
@@ -320,6 +347,8 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         cfg = load_config(args.config, checked_overrides(args))
         ap, seed = _protocol_options(args, cfg)
         check_queries(feats, queries)
+        if args.rerank:
+            _check_rerank_sizes([(fs.name, fs.query.features.shape[0], fs.gallery.features.shape[0]) for fs in feats])
         source = ", ".join(f for _, f in pairs)
         out = Path(args.out or Path(pairs[0][1]).parent / EVAL_DIR)
         _claim_output_folders(out, None)
@@ -341,13 +370,16 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         ap, seed = _protocol_options(args, cfg)
         if queries:
             check_queries([_manifest_queries(root, name) for name in names], queries)
+        if args.rerank:
+            _check_rerank_sizes([_manifest_sizes(root, name) for name in names])
         out = Path(args.out or model_file.parent / EVAL_DIR)
         _claim_output_folders(out, args.save_features)  # both refused when they hold the user's files
         feats = []
         batch_size = args.batch_size or cfg.eval.batch_size
         for name in names:
             print(f"extracting features: {name} ({precision.name})", flush=True)
-            fs = dataset_features(loaded, root, name, batch_size=batch_size, device=device, precision=precision)
+            fs = dataset_features(loaded, root, name, batch_size=batch_size, device=device, precision=precision,
+                                  progress=show_progress(args))
             if args.save_features:
                 print(f"  saved {save_dataset_features(args.save_features, fs)}")
             feats.append(fs)

@@ -35,7 +35,7 @@ import numpy as np
 from fedreid.errors import FedReIDError
 from fedreid.eval.ranking import EvalDataError, is_torch, prepare_features, top_k_rows
 
-__all__ = ["RerankMemoryError", "estimate_rerank_bytes", "k_reciprocal_rerank"]
+__all__ = ["RerankMemoryError", "check_rerank_memory", "estimate_rerank_bytes", "k_reciprocal_rerank"]
 
 DEFAULT_MAX_BYTES = 4 * 2**30
 _ROW_CHUNK = 2048  # rows per step when finding neighbours (bounds the temporaries)
@@ -43,6 +43,24 @@ _ROW_CHUNK = 2048  # rows per step when finding neighbours (bounds the temporari
 
 class RerankMemoryError(FedReIDError, MemoryError):
     """Re-ranking would need more memory than the caller allowed."""
+
+
+def check_rerank_memory(n_query: int, n_gallery: int, k1: int = 20, k2: int = 6,
+                        max_bytes: int = DEFAULT_MAX_BYTES) -> None:
+    """Raise :class:`RerankMemoryError` when :func:`estimate_rerank_bytes` of these sizes exceeds ``max_bytes``.
+
+    What :func:`k_reciprocal_rerank` checks first; a tool calls it with the
+    manifests' counts before extracting any feature.
+    """
+    needed = estimate_rerank_bytes(n_query, n_gallery, k1, k2)
+    if needed > max_bytes:
+        n = n_query + n_gallery
+        raise RerankMemoryError(
+            f"k-reciprocal re-ranking of {n_query} queries + {n_gallery} gallery items (N = {n}) needs about "
+            f"{needed / 2**30:.2f} GiB (the N x N distance matrix alone is {4 * n * n / 2**30:.2f} GiB), "
+            f"above the limit max_bytes={max_bytes} ({max_bytes / 2**30:.2f} GiB); "
+            "raise max_bytes or re-rank a subset"
+        )
 
 
 def estimate_rerank_bytes(n_query: int, n_gallery: int, k1: int = 20, k2: int = 6) -> int:
@@ -166,15 +184,7 @@ def k_reciprocal_rerank(
     if is_torch(qf):
         qf, gf = qf.cpu().numpy(), gf.cpu().numpy()
     n_q, n_g = qf.shape[0], gf.shape[0]
-    needed = estimate_rerank_bytes(n_q, n_g, k1, k2)
-    if needed > max_bytes:
-        n = n_q + n_g
-        raise RerankMemoryError(
-            f"k-reciprocal re-ranking of {n_q} queries + {n_g} gallery items (N = {n}) needs about "
-            f"{needed / 2**30:.2f} GiB (the N x N distance matrix alone is {4 * n * n / 2**30:.2f} GiB), "
-            f"above the limit max_bytes={max_bytes} ({max_bytes / 2**30:.2f} GiB); "
-            "raise max_bytes or re-rank a subset"
-        )
+    check_rerank_memory(n_q, n_g, k1, k2, max_bytes)
 
     dist = _distances(np.concatenate([qf, gf]))
     ptr, cols, vals = _expanded_sets(dist, int(k1))

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 import numpy as np
 
 from fedreid.inference.errors import EvalInputError
-from fedreid.inference.features import FeatureSet, check_features, load_features, save_features
+from fedreid.inference.features import FeatureSet, check_features, load_features, save_features, with_progress
 from fedreid.inference.model_io import LoadedModel, model_features
 from fedreid.utils.filecheck import file_kind
 from fedreid.utils.io import shown_path
@@ -97,6 +97,7 @@ def dataset_features(
     batch_size: int = 128,
     device: str | torch.device = "cpu",
     precision: Optional[Precision] = None,
+    progress: bool = False,
 ) -> DatasetFeatures:
     """Features of the query and gallery splits of prepared dataset ``name``.
 
@@ -106,7 +107,8 @@ def dataset_features(
     recorded in the features' ``meta``, with the model file (absolute), its
     round and fingerprint. Degenerate features (NaN/inf, all
     zero, all identical; :func:`~fedreid.inference.features.check_features`)
-    raise an error naming the model and the dataset.
+    raise an error naming the model and the dataset. ``progress``: a bar per
+    split on stderr.
     """
     from fedreid.data.prepared import PreparedDatasetError, load_prepared
     from fedreid.utils.precision import FP32
@@ -119,6 +121,7 @@ def dataset_features(
         if not records:
             raise PreparedDatasetError(f"dataset {name!r} at {ds.root} has no {split} images")
         loader = _split_loader(records, int(loaded.config["height"]), int(loaded.config["width"]), batch_size)
+        loader = with_progress(loader, len(records), f"{name} {split}", progress)
         with precision.autocast():
             features = model_features(loaded, loader, device, channels_last=precision.channels_last).features
         sets[split] = FeatureSet(

@@ -53,6 +53,7 @@ __all__ = [
     "extract_features",
     "load_features",
     "save_features",
+    "with_progress",
 ]
 
 FIELDS = ("images", "pids", "camids", "paths")
@@ -85,6 +86,21 @@ def _batch_fields(batch: Any) -> dict[str, Any]:
             )
         return dict(zip(FIELDS, batch))
     raise TypeError(f"a batch must be a tuple, list or dict, got {type(batch).__name__}")
+
+
+def with_progress(loader: Iterable[Any], total: int, desc: str, enabled: bool) -> Iterable[Any]:
+    """``loader``'s batches unchanged, counted in images on a progress bar (stderr) of ``total`` when ``enabled``."""
+    if not enabled:
+        return loader
+    from tqdm import tqdm
+
+    def counted() -> Iterator[Any]:
+        with tqdm(total=total, desc=desc, unit="img", leave=False, dynamic_ncols=True) as bar:
+            for batch in loader:
+                yield batch
+                bar.update(len(_batch_fields(batch)["images"]))
+
+    return counted()
 
 
 def _flip_lr(images: torch.Tensor) -> torch.Tensor:

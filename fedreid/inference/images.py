@@ -29,7 +29,7 @@ import numpy as np
 
 from fedreid.errors import EvalDataError
 from fedreid.inference.errors import EvalInputError
-from fedreid.inference.features import FeatureSet, check_features
+from fedreid.inference.features import FeatureSet, check_features, with_progress
 from fedreid.inference.model_io import LoadedModel, model_features
 
 if TYPE_CHECKING:
@@ -200,6 +200,7 @@ def image_features(
     skipped: Optional[list[SkippedImage]] = None,
     where: str = "images",
     identical_ok: bool = False,
+    progress: bool = False,
 ) -> FeatureSet:
     """Features of image files, with Market-style ids/cameras (-1 when the name has none).
 
@@ -210,11 +211,12 @@ def image_features(
     pass :func:`~fedreid.inference.features.check_features`, whose errors name the
     model and ``where`` (e.g. ``"gallery photos/"``); ``identical_ok``
     allows all-identical rows (query images may be copies of one another).
+    ``progress``: a bar of the images read, on stderr.
     """
     if int(batch_size) < 1:
         raise EvalInputError(f"--batch-size must be >= 1, got {batch_size}")
     first_skip = len(skipped) if skipped is not None else 0
-    batches = _image_batches(loaded, paths, int(batch_size), skipped)
+    batches = with_progress(_image_batches(loaded, paths, int(batch_size), skipped), len(paths), where, progress)
     try:
         fs = model_features(loaded, batches, device, amp=amp, channels_last=channels_last)
     except EvalDataError:

@@ -49,7 +49,7 @@ from fedreid.retrieval.gallery_rows import (
     recorded_gallery_roots,
     roots_after_removal,
 )
-from fedreid.retrieval.store import GalleryStore, check_factory_string, factory_kind
+from fedreid.retrieval.store import GalleryStore, check_factory_string, check_training_size, factory_kind
 from fedreid.retrieval.store_files import clean_swap_leftovers, is_own_name, own_names
 
 if TYPE_CHECKING:
@@ -127,6 +127,7 @@ def build_gallery_store(
     site: Optional[str] = None,
     metadata: Optional[str | Path] = None,
     refine: int = 1,
+    progress: bool = False,
 ) -> tuple[GalleryStore, int]:
     """Build a gallery store of every image under ``gallery`` in ``index_dir``; returns ``(store, images indexed)``.
 
@@ -149,12 +150,14 @@ def build_gallery_store(
     when given, the images left out are listed in ``index_dir/skipped.csv``.
     ``faiss_gpu`` runs the k-means of an IVF factory's training on the GPU
     (the stored index is a CPU index either way; other factories need no GPU).
+    ``progress``: a bar of the images read, on stderr.
     """
     from fedreid.utils.io import claim_output_dir
 
     gallery, index_dir = Path(gallery), Path(index_dir)
     check_factory_string(factory)
     paths = list_images(gallery, "gallery")
+    check_training_size(factory, len(paths), "images")  # before any image is read
     _check_index_location(gallery, index_dir)
     rows = _rows_for(paths, gallery, site, metadata)
     earlier = (
@@ -166,7 +169,7 @@ def build_gallery_store(
     first_skip = len(skipped) if skipped is not None else 0
     fs = image_features(
         loaded, paths, batch_size=batch_size, device=device, amp=amp, channels_last=channels_last,
-        skipped=skipped, where=f"gallery {gallery}",
+        skipped=skipped, where=f"gallery {gallery}", progress=progress,
     )
     left_out = list(skipped[first_skip:]) if skipped is not None else []
     stored = [rows[str(p)]["path"] for p in fs.paths]
@@ -241,6 +244,7 @@ def add_to_gallery_store(
     skipped: Optional[list[SkippedImage]] = None,
     site: Optional[str] = None,
     metadata: Optional[str | Path] = None,
+    progress: bool = False,
 ) -> tuple[GalleryStore, np.ndarray]:
     """Add every image under ``images`` to the store in ``index_dir``; returns ``(store, their new ids)``.
 
@@ -253,7 +257,7 @@ def add_to_gallery_store(
     (:meth:`GalleryStore.add`). ``skipped``: as in :func:`image_features`;
     ``skipped.csv`` then lists the images this and earlier builds/adds left
     out that are not in the store. The folders of the added files join the
-    header's ``meta.gallery_roots``.
+    header's ``meta.gallery_roots``. ``progress``: a bar of the images read, on stderr.
     """
     folder, images = Path(index_dir), Path(images)
     store = open_gallery_store(folder)
@@ -272,7 +276,7 @@ def add_to_gallery_store(
     first_skip = len(skipped) if skipped is not None else 0
     fs = image_features(
         loaded, paths, batch_size=batch_size, device=device, amp=amp, channels_last=channels_last,
-        skipped=skipped, where=f"images to add {images}", identical_ok=True,
+        skipped=skipped, where=f"images to add {images}", identical_ok=True, progress=progress,
     )
     if fs.features.shape[1] != store.dim:
         raise EvalInputError(
@@ -422,6 +426,7 @@ def query_index(
     cameras: Optional[Sequence[int]] = None,
     sites: Optional[Sequence[str]] = None,
     time_window: Optional[tuple[Optional[float], Optional[float]]] = None,
+    progress: bool = False,
 ) -> list[QueryResult]:
     """Search the store in ``index_dir`` with every image of ``images`` (a file or a folder).
 
@@ -435,7 +440,7 @@ def query_index(
     (:meth:`GalleryStore.search`); a query may then get fewer than ``top_k``.
     ``skipped``: as in :func:`image_features`. ``faiss_gpu`` searches a Flat
     store on a GPU copy of its index (unfiltered searches; same results);
-    other stores are searched on the CPU.
+    other stores are searched on the CPU. ``progress``: a bar of the images read, on stderr.
     """
     import warnings
 
@@ -449,7 +454,7 @@ def query_index(
     paths = list_images(images, "query")
     fs = image_features(
         loaded, paths, batch_size=batch_size, device=device, amp=amp, channels_last=channels_last,
-        skipped=skipped, where=f"query images {images}", identical_ok=True,
+        skipped=skipped, where=f"query images {images}", identical_ok=True, progress=progress,
     )
     if fs.features.shape[1] != store.dim:
         raise EvalInputError(

@@ -108,6 +108,7 @@ __all__ = [
     "GalleryStoreError",
     "SearchResult",
     "check_factory_string",
+    "check_training_size",
     "clean_swap_leftovers",
     "factory_kind",
     "is_store_folder",
@@ -213,16 +214,31 @@ def factory_kind(factory: str, dim: int) -> str:
     return _index_kind(_new_index(factory, dim))
 
 
+def check_training_size(factory: str, count: int, what: str = "vectors") -> None:
+    """Raise :class:`GalleryStoreError` when ``count`` items are too few to train ``factory``'s index.
+
+    Called with a gallery's image count before its features are extracted
+    (``what="images"``): IVF and PQ needs do not depend on the dimension.
+    """
+    index = _new_index(factory, _PROBE_DIM)
+    if not index.is_trained:
+        _check_training_need(index, factory, count, what)
+
+
+def _check_training_need(index: Any, factory: str, count: int, what: str) -> None:
+    need, why = kind_named(_index_kind(index)).training_need(index)
+    if count < need:
+        raise GalleryStoreError(
+            f"factory {factory!r} needs at least {need} training vectors ({why}); the gallery has "
+            f"{count} {what}: choose a smaller factory (e.g. fewer IVF lists) or 'Flat'"
+        )
+
+
 def _train(index: Any, features: np.ndarray, factory: str, seed: int, clustering_index: Any = None) -> None:
     if index.is_trained:
         return
     kind = kind_named(_index_kind(index))
-    need, why = kind.training_need(index)
-    if features.shape[0] < need:
-        raise GalleryStoreError(
-            f"factory {factory!r} needs at least {need} training vectors ({why}); the gallery has "
-            f"{features.shape[0]}: choose a smaller factory (e.g. fewer IVF lists) or 'Flat'"
-        )
+    _check_training_need(index, factory, features.shape[0], "vectors")
     kind.before_training(index, seed, clustering_index)
     try:
         index.train(features)

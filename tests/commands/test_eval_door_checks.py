@@ -83,6 +83,30 @@ def test_option_conflicts_with_feature_files_leave_no_output_folder(world, tmp_p
     assert not out.exists()
 
 
+def test_a_rerank_too_large_for_memory_is_refused_from_the_manifest_counts(world, tmp_path, capsys, extractions,
+                                                                           monkeypatch):
+    import fedreid.eval.rerank as rerank
+
+    sizes = []
+
+    def estimate(n_query, n_gallery, k1=20, k2=6):
+        sizes.append((n_query, n_gallery))
+        return 5 * 2**30 if n_gallery == world["feats"]["tiny2"].gallery.features.shape[0] else 1
+
+    monkeypatch.setattr(rerank, "estimate_rerank_bytes", estimate)
+    out, saved = tmp_path / "eval", tmp_path / "features"
+    err = cli_error(tool, ["evaluate", "--model", str(world["run"]), "--datasets", "tiny,tiny2", "--rerank",
+                           "--out", str(out), "--save-features", str(saved)], capsys)
+    assert err.startswith("error: --rerank on tiny2: k-reciprocal re-ranking of ") and "5.00 GiB" in err
+    assert err.rstrip().endswith("evaluate tiny2 without --rerank")
+    assert extractions == [] and not out.exists() and not saved.exists()
+    expected = [(f.query.features.shape[0], f.gallery.features.shape[0]) for f in world["feats"].values()]
+    assert sizes == expected  # the manifests' counts are those the extraction gives
+    err = cli_error(tool, ["evaluate", "--features", str(world["caches"]["tiny2"]), "--rerank", "--out", str(out)],
+                    capsys)
+    assert "--rerank on tiny2: " in err and not out.exists()
+
+
 def test_a_query_image_of_the_manifest_is_accepted_before_extraction(world, tmp_path, extractions):
     out = tmp_path / "eval"
     image = world["feats"]["tiny2"].query.paths[1]  # a path of tiny2's query manifest only

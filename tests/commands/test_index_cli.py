@@ -177,8 +177,8 @@ def test_ivf_factory_verify_and_tune_print_and_store_recall(world, tmp_path, cap
 
     err = _cli_error(_index(world["run"], tmp_path / "big", "--gallery", world["gallery"], "--factory",
                             "IVF64,Flat"), capsys)
-    assert "needs at least 64 training vectors" in err and "has 32" in err
-    assert not (tmp_path / "big" / "header.json").exists()
+    assert "needs at least 64 training vectors" in err and "the gallery has 32 images" in err
+    assert not (tmp_path / "big").exists()  # refused from the image count, before extraction or any folder
     err = _cli_error(_index(world["run"], tmp_path / "typo", "--gallery", world["gallery"], "--factory",
                             "IVF4,Flatt"), capsys)
     assert "'IVF4,Flatt'" in err and "could not parse" in err and "such as Flat" in err
