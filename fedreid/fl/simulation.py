@@ -64,6 +64,7 @@ complete round stays).
 
 from __future__ import annotations
 
+import json
 import logging
 import platform
 from pathlib import Path
@@ -95,7 +96,7 @@ from fedreid.utils.checkpoint import (
     save_checkpoint,
 )
 from fedreid.utils.io import atomic_path, atomic_write_leftovers, check_output_dir, claim_output_dir, write_text_atomic
-from fedreid.utils.logging import MetricsLogger, flatten
+from fedreid.utils.logging import METRICS_JSONL, MetricsLogger, flatten
 from fedreid.utils.precision import resolve_precision
 from fedreid.utils.seeding import deterministic_mode
 
@@ -140,6 +141,34 @@ def check_resumable(saved: Config, cfg: Config, completed_rounds: Optional[int] 
         raise ConfigError(
             f"fl.rounds={cfg.fl.rounds}: the run has already completed {completed_rounds} rounds; "
             f"a resume can only keep or raise fl.rounds (its model after round {cfg.fl.rounds} was not kept)"
+        )
+
+
+def check_history_kept(run_dir: Path) -> None:
+    """Refuse a resume of a folder without checkpoint whose ``metrics.jsonl`` records round 2 or later.
+
+    A round's metrics line is written just before its checkpoint, so a kill
+    between the two leaves round 1 recorded and no checkpoint: that run starts
+    over. Round 2 trains only once round 1's checkpoint exists, so a record of
+    it means the checkpoint was removed, and starting over would overwrite
+    the recorded history.
+    """
+    metrics = run_dir / METRICS_JSONL
+    try:
+        lines = metrics.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError):
+        return
+    rounds = []
+    for line in lines:
+        try:
+            rounds.append(int(json.loads(line)["round"]))
+        except (ValueError, KeyError, TypeError):
+            continue  # a line torn by a kill, or not a round's
+    if rounds and max(rounds) >= 2:
+        raise FileNotFoundError(
+            f"{run_dir} has no {checkpoint_path(run_dir).name} to resume from, but {metrics.name} records "
+            f"{max(rounds)} rounds, so the checkpoint was removed: starting over would overwrite them; "
+            "restore the checkpoint or train into another folder"
         )
 
 
@@ -221,6 +250,8 @@ def run_simulation(
             check_inputs(cfg)  # every missing input named, before a new run folder is claimed
     ckpt = None
     if resume:
+        if latest_checkpoint(run_dir) is None:
+            check_history_kept(run_dir)
         ckpt = claim_run_dir(run_dir, resume=True, tool=tool)  # first, is the folder a run's?
     else:
         check_run_dir(run_dir, tool=tool)
