@@ -55,7 +55,8 @@ class DataConfig:
     public_dataset: Optional[str] = "cuhk02"
     #: ``raw``: official releases; ``fedreid``: the benchmark's processed folders.
     layout: Literal["raw", "fedreid"] = "raw"
-    #: Resize prepared images to ``[height, width]``; null keeps the source bytes.
+    #: Resize prepared images to ``[height, width]`` (OpenCV bicubic, as the loaders; JPEG re-encoded at
+    #: quality 95 without chroma subsampling, other formats as PNG); null keeps the source bytes, as the reference.
     resize: Optional[list[int]] = None
     #: Seed of the identity splits that the releases do not fix.
     split_seed: int = 0

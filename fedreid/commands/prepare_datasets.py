@@ -91,7 +91,11 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="first generate the synthetic world (synthetic.*) and prepare from it",
     )
-    parser.add_argument("--resize", metavar="HxW", help="resize prepared images, e.g. 256x128")
+    parser.add_argument(
+        "--resize", metavar="HxW",
+        help="resize prepared images, e.g. 256x128 (the model input: the loaders then resize nothing); OpenCV "
+        "bicubic as the loaders, JPEG re-encoded at quality 95; default: copy the source bytes",
+    )
     parser.add_argument("--split-seed", type=int, help="seed of drawn identity splits")
     parser.add_argument(
         "--split-file",

@@ -79,6 +79,11 @@ OWNER_FILE = ".owner.json"
 #: The two sides of a benchmark split, whose identities must be disjoint.
 TRAIN_SPLITS: tuple[str, ...] = ("train", "val")
 TEST_SPLITS: tuple[str, ...] = ("query", "gallery")
+#: The JPEG quality of images resized by ``data.resize`` (chroma not subsampled).
+RESIZE_JPEG_QUALITY = 95
+#: How ``data.resize`` resizes, as ``prepare.json`` records it: a copy made
+#: otherwise (an earlier version's PIL bilinear, JPEG quality 75) is named on a rerun.
+RESIZE_METHOD = f"opencv-bicubic, jpeg-q{RESIZE_JPEG_QUALITY}-444 or png"
 
 
 class PreparedDatasetError(FedReIDError, ValueError):
@@ -505,6 +510,7 @@ def _option_changes(
         "split_seed": parser.seed,
         "split_file": str(parser.split_file) if parser.split_file else None,
         "resize": list(resize) if resize is not None else None,
+        "resize_method": RESIZE_METHOD if resize is not None else None,
     }
     if not _split_was_drawn(target):  # a release's fixed split: the seed changed nothing
         del wanted["split_seed"]
@@ -885,7 +891,9 @@ def _copy_images(
         (tmp / "images" / split).mkdir(parents=True, exist_ok=True)
     jobs = []
     for index, rec in enumerate(raw_records):
-        ext = ".png" if resize is not None and rec.path.suffix.lower() == ".bmp" else rec.path.suffix.lower()
+        ext = rec.path.suffix.lower()
+        if resize is not None and ext not in (".jpg", ".jpeg", ".png"):
+            ext = ".png"  # a resized BMP, TIFF...: written losslessly
         rel = Path("images") / rec.split / f"{index:06d}_{rec.pid}_c{rec.camid}{ext}"
         jobs.append((rec, rel))
 
@@ -919,20 +927,46 @@ def _copy_checked(src: Path, dst: Path, resize: Optional[Sequence[int]]) -> Opti
         data = src.read_bytes()
         with Image.open(io.BytesIO(data)) as img:
             img.load()  # a truncated file fails here, not at training time
-            if resize is None:
-                resized = None
-            else:
-                height, width = resize
-                resized = img.convert("RGB").resize((width, height), Image.BILINEAR)
     except UnidentifiedImageError:
         # PIL's own text names the in-memory buffer by its address.
         return "cannot identify image file"
     except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
         return _OBJECT_REPR.sub("<object>", str(exc)) or type(exc).__name__
-    if resized is None:
+    if resize is None:
         dst.write_bytes(data)
+        return None
+    return _write_resized(data, dst, resize)
+
+
+def _write_resized(data: bytes, dst: Path, resize: Sequence[int]) -> Optional[str]:
+    """Write the image ``data`` resized as :data:`RESIZE_METHOD` says; None, or why it cannot be decoded.
+
+    Decoded and resized as the loaders do (:func:`fedreid.data.images.read_image`,
+    OpenCV bicubic without antialiasing), so a copy resized to the model's input
+    size is what the training and test transforms would have made of the
+    original, less the JPEG re-encoding at quality 95 (4:4:4). PNG is lossless.
+    """
+    import cv2
+    import numpy as np
+
+    height, width = (int(v) for v in resize)
+    try:
+        image = cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_COLOR)
+    except cv2.error as exc:
+        return f"OpenCV cannot decode it: {str(exc).strip().splitlines()[-1]}"
+    if image is None:
+        return "OpenCV cannot decode it"
+    resized = cv2.resize(image, (width, height), interpolation=cv2.INTER_CUBIC)
+    if dst.suffix.lower() in (".jpg", ".jpeg"):
+        params = [cv2.IMWRITE_JPEG_QUALITY, RESIZE_JPEG_QUALITY,
+                  cv2.IMWRITE_JPEG_SAMPLING_FACTOR, cv2.IMWRITE_JPEG_SAMPLING_FACTOR_444]
+        ext = ".jpg"
     else:
-        resized.save(dst)
+        params, ext = [], ".png"
+    ok, encoded = cv2.imencode(ext, resized, params)
+    if not ok:
+        raise OSError(f"OpenCV could not encode {dst}")
+    dst.write_bytes(encoded.tobytes())
     return None
 
 
@@ -989,6 +1023,7 @@ def _write_metadata(
             # The parser's options (data.options.<name>), e.g. cuhk03np's boxes.
             "options": parser_options_record(parser),
             "resize": list(resize) if resize is not None else None,
+            "resize_method": RESIZE_METHOD if resize is not None else None,
             "images": len(records),
             "skipped": len(skipped),
             "fedreid_version": __version__,

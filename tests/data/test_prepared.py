@@ -397,3 +397,36 @@ def test_prepared_cards_lists_every_prepared_dataset(raw_root, tmp_path):
     cards, problems = prepared_mod.prepared_cards(out)
     assert list(cards) == ["toy"] and cards["toy"]["train_all"]["images"] == 6
     assert len(problems) == 1 and str(out / "broken" / "card.json") in problems[0]
+
+
+def test_a_resized_copy_is_what_the_test_transform_makes_of_the_original(tmp_path):
+    from fedreid.data.images import read_image
+    from fedreid.data.transforms import build_test_array_transform
+
+    y, x = np.mgrid[0:96, 0:48]
+    smooth = np.stack([y * 2, x * 5, x + y], axis=-1).astype(np.uint8)  # photo-like: smooth, no edge
+    height, width = 32, 16
+    resize_only = build_test_array_transform(height, width, mean=(0, 0, 0), std=(1 / 255,) * 3)  # pixel values
+    for ext, mean_bound in ((".png", 0.0), (".jpg", 1.5)):
+        src = tmp_path / f"src{ext}"
+        assert cv2.imwrite(str(src), smooth, [cv2.IMWRITE_JPEG_QUALITY, 100] if ext == ".jpg" else [])
+        dst = tmp_path / f"resized{ext}"
+        assert prepared_mod._copy_checked(src, dst, (height, width)) is None
+        copy = read_image(dst)
+        assert copy.shape == (height, width, 3)
+        # the test transform's resize of the copy is the identity: its input equals the original's,
+        # exactly for PNG, within JPEG quality 95 (4:4:4) for JPEG
+        difference = np.abs(resize_only(read_image(src)) - resize_only(copy))
+        assert difference.mean() <= mean_bound and (ext == ".jpg" or difference.max() == 0), ext
+
+
+def test_a_copy_resized_another_way_is_named_on_a_rerun(raw_root, tmp_path):
+    out = tmp_path / "out"
+    prepare_dataset(ToyParser(raw_root), out, resize=(32, 12), progress=False)
+    record = json.loads((out / "toy" / "prepare.json").read_text())
+    assert record["resize_method"] == prepared_mod.RESIZE_METHOD
+    assert prepare_dataset(ToyParser(raw_root), out, resize=(32, 12), progress=False).warnings == []
+    del record["resize_method"]  # as an earlier version (PIL bilinear, JPEG quality 75) wrote it
+    (out / "toy" / "prepare.json").write_text(json.dumps(record))
+    again = prepare_dataset(ToyParser(raw_root), out, resize=(32, 12), progress=False)
+    assert again.skipped_existing and any("resize_method=None" in w and "--force" in w for w in again.warnings)
