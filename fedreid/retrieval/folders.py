@@ -71,6 +71,8 @@ __all__ = [
 ]
 
 _TOOL_INDEX = "tools/eval_reid.py index"
+#: The header ``meta`` key of the features' arithmetic (:func:`extraction_precision`).
+PRECISION_KEY = "precision"
 _EARLIER_TEMP = re.compile(r"^\.(index\.faiss|meta\.npz|header\.json)\..+\.tmp$")  # the earlier format's temporaries
 
 
@@ -174,7 +176,7 @@ def build_gallery_store(
     left_out = list(skipped[first_skip:]) if skipped is not None else []
     stored = [rows[str(p)]["path"] for p in fs.paths]
     meta = {"model": str(loaded.source), "round": loaded.round, "gallery": str(gallery.resolve()),
-            "skipped": len(left_out),
+            "skipped": len(left_out), PRECISION_KEY: extraction_precision(loaded, amp),
             GALLERY_ROOTS_KEY: gallery_roots(stored, [gallery.resolve()] if gallery.is_dir() else [])}
     clustering = _clustering_index(factory, fs.features.shape[1], faiss_gpu, device)
     _refuse_foreign_files(index_dir)  # checked again right before anything is replaced
@@ -187,6 +189,16 @@ def build_gallery_store(
         replaces=("meta.npz",), clustering_index=clustering, refine=refine,
     )
     return store, len(fs.paths)
+
+
+def extraction_precision(loaded: LoadedModel, amp: bool) -> str:
+    """The arithmetic of a store's features, as its header's ``meta.precision`` records it.
+
+    ``fp16`` (``--amp`` autocast, CUDA only), else ``fp32``; an exported file
+    computes in its own float32. The features of one image differ slightly
+    between the two, so a store extended in the other records both (``fp16, fp32``).
+    """
+    return "fp16" if amp and loaded.extractor is None else "fp32"
 
 
 def build_gallery_index(
@@ -292,9 +304,12 @@ def add_to_gallery_store(
         [rows[str(p)]["path"] for p in fs.paths],
         [*recorded_gallery_roots(store.header), *([images.resolve()] if images.is_dir() else [])],
     )
+    meta: dict[str, Any] = {"skipped": len(listed), GALLERY_ROOTS_KEY: roots}
+    built_with = store.header.get("meta", {}).get(PRECISION_KEY)
+    if built_with is not None:  # an index of an earlier version records none: left unknown
+        meta[PRECISION_KEY] = ", ".join(sorted({*built_with.split(", "), extraction_precision(loaded, amp)}))
     ids = store.add(
-        fs.features, [rows[str(p)] for p in fs.paths], meta={"skipped": len(listed), GALLERY_ROOTS_KEY: roots},
-        side_files={SKIPPED_FILE: _skipped_writer(listed)},
+        fs.features, [rows[str(p)] for p in fs.paths], meta=meta, side_files={SKIPPED_FILE: _skipped_writer(listed)},
     )
     return store, ids
 

@@ -136,6 +136,7 @@ def test_flat_store_ranks_as_exact_search(world, capsys):
     assert store.factory == "Flat" and store.ntotal == N_GALLERY + 1
     assert check_index_model(store.header, loaded, store.folder) is None  # the fingerprint where it is read
     assert store.header["meta"]["model_fingerprint"] == loaded.fingerprint
+    assert store.header["meta"]["precision"] == "fp32"  # the features' arithmetic (fp16 with --amp on CUDA)
 
     paths = list_images(world["gallery"])
     fs = image_features(loaded, paths)
@@ -203,6 +204,21 @@ def test_refine_is_stored_and_applies_to_queries(world, tmp_path, capsys):
 # --------------------------------------------------------------------------
 # Updates: add, remove
 # --------------------------------------------------------------------------
+
+
+def test_add_in_another_precision_records_both(world, tmp_path, monkeypatch):
+    from fedreid.retrieval import GalleryStore
+    from fedreid.retrieval import folders
+
+    folder = _copy_store(world, tmp_path)
+    assert tool.main(_index(world["run"], folder, "--add", world["root"] / "more")) == 0
+    assert GalleryStore.open(folder).header["meta"]["precision"] == "fp32"  # the same as the build's: one
+    monkeypatch.setattr(folders, "extraction_precision", lambda loaded, amp: "fp16")  # as --amp on a GPU would
+    extra = tmp_path / "extra"
+    extra.mkdir()
+    shutil.copy(world["images"][0], extra / "0900_c1s1_000001_00.jpg")
+    assert tool.main(_index(world["run"], folder, "--add", extra)) == 0
+    assert GalleryStore.open(folder).header["meta"]["precision"] == "fp16, fp32"
 
 
 def test_add_then_query_finds_the_new_images(world, tmp_path, capsys):
