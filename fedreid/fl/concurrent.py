@@ -266,12 +266,14 @@ class ClientPool:
         payload_for: Callable[[int], Mapping[str, Tensor]],
         instructions: Mapping[str, Any],
         *,
+        own_instructions: Callable[[int], Mapping[str, Any]] = lambda k: {},
         evaluate: Callable[[int], bool] = lambda k: False,
         on_result: Optional[ResultFn] = None,
     ) -> list[Update]:
         """Train the clients ``ids`` (indices into ``clients``), at most ``processes`` at once.
 
-        Each gets ``payload_for(k)`` and a copy of ``instructions``, as in
+        Each gets ``payload_for(k)`` and a copy of ``instructions`` with
+        ``own_instructions(k)``'s keys over it (``RoundPlan.per_client``), as in
         :meth:`fedreid.fl.server.Server.run_round`; ``evaluate(k)``: also
         evaluate client ``k``'s trained model (``evaluator(model,
         [client.split.dataset])``). As each finishes, its new state is loaded
@@ -299,6 +301,7 @@ class ClientPool:
                     busy[w] = k
                     self._busy.add(w)
                     with self._pack({"index": k, "state": self.clients[k].state_dict(),
+                                     "instructions": dict(own_instructions(k)),
                                      "evaluate": bool(evaluate(k))}) as task:
                         self._send(w, [shared[id(payload)][1], task], what=f"client {self._name(k)!r}")
                 by_handle: dict[Any, int] = {}
@@ -484,7 +487,7 @@ def _fit(client: Any, model: nn.Module, evaluator: Any, device: torch.device, sh
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     try:
-        update = client.fit(model, shared["payload"], dict(shared["instructions"]))
+        update = client.fit(model, shared["payload"], {**shared["instructions"], **task["instructions"]})
         if cuda:
             update.metadata[GPU_PEAK_BYTES] = int(torch.cuda.max_memory_allocated(device))
         local = to_plain(evaluator(model, [client.split.dataset])) if task["evaluate"] else None

@@ -47,7 +47,7 @@ import logging
 import time
 import uuid
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 import numpy as np
@@ -78,6 +78,12 @@ class RoundPlan:
     ids: list[int]
     instructions: dict[str, Any]
     started: float
+    #: Keys that replace ``instructions`` for some clients, by client index (``ServerHook.client_instructions``).
+    per_client: dict[int, dict[str, Any]] = field(default_factory=dict)
+
+    def instructions_for(self, k: int) -> dict[str, Any]:
+        """What client ``k`` is asked to do: the round's instructions with its own keys over them (a new dict)."""
+        return {**self.instructions, **self.per_client.get(k, {})}
 
 EvalFn = Callable[[nn.Module], Mapping[str, Any]]
 
@@ -191,7 +197,7 @@ class Server:
         plan = self.begin_round()
         updates: list[Update] = []
         for k in plan.ids:
-            update = fit(k, self.payload_for(k), dict(plan.instructions))
+            update = fit(k, self.payload_for(k), plan.instructions_for(k))
             if update.client != self.client_names[k]:
                 raise ValueError(f"update from {update.client!r} returned for client {self.client_names[k]!r}")
             updates.append(update)
@@ -205,7 +211,15 @@ class Server:
         if self.federated:
             for hook in self.hooks:
                 hook.begin_round(round_index, self.global_state)
-        return RoundPlan(round_index, ids, self.instructions(round_index), started)
+        plan = RoundPlan(round_index, ids, self.instructions(round_index), started)
+        if self.federated:
+            index = {self.client_names[k]: k for k in ids}
+            for hook in self.hooks:
+                for name, keys in hook.client_instructions(round_index, [self.client_names[k] for k in ids]).items():
+                    if name not in index:
+                        raise ValueError(f"server hook {hook.name!r} instructs {name!r}, not sampled this round")
+                    plan.per_client.setdefault(index[name], {}).update(keys)
+        return plan
 
     def finish_round(
         self, plan: RoundPlan, updates: Sequence[Update], failures: Optional[Mapping[str, str]] = None
@@ -342,11 +356,12 @@ class Server:
             received_by: dict[str, int] = {}
             paper = 0
         else:
-            # Every sampled client gets its payload and the same instructions.
+            # Every sampled client gets its payload and its instructions (the round's, some keys its own).
             sent_by = {"model": sum(state_nbytes(self.payload_for(k)) for k in plan.ids)}
-            for key, value in plan.instructions.items():
-                if tensor_nbytes(value):
-                    sent_by[key] = tensor_nbytes(value) * len(plan.ids)
+            for k in plan.ids:
+                for key, value in plan.instructions_for(k).items():
+                    if tensor_nbytes(value):
+                        sent_by[key] = sent_by.get(key, 0) + tensor_nbytes(value)
             received_by = {"model": sum(u.nbytes for u in received)}
             for u in received:
                 for key, n in u.metadata_nbytes_by_key().items():

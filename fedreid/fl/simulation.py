@@ -546,6 +546,7 @@ def _concurrent_round(fed: Federation, server: Server, pool: ClientPool, round_i
         emit("client_end", {"round": round_index, "client": name, "update": result.update})
 
     updates = pool.fit_round(plan.ids, server.payload_for, plan.instructions,
+                             own_instructions=lambda k: plan.per_client.get(k, {}),
                              evaluate=lambda k: _evaluates_locally(fed, clients[k], plan.instructions),
                              on_result=finished)
     for k in plan.ids:

@@ -320,7 +320,7 @@ class GridRound:
             if node is None:
                 failures[name] = "not connected"
                 continue
-            content = pack(payload=dict(server.payload_for(k)), instructions=plan.instructions,
+            content = pack(payload=dict(server.payload_for(k)), instructions=plan.instructions_for(k),
                            run={"id": server.run_id, "config": self.config_text, "client": name})
             messages.append(Message(content=content, dst_node_id=node, message_type=MessageType.TRAIN,
                                     group_id=str(plan.round_index)))

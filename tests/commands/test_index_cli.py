@@ -207,8 +207,7 @@ def test_refine_is_stored_and_applies_to_queries(world, tmp_path, capsys):
 
 
 def test_add_in_another_precision_records_both(world, tmp_path, monkeypatch):
-    from fedreid.retrieval import GalleryStore
-    from fedreid.retrieval import folders
+    from fedreid.retrieval import GalleryStore, folders
 
     folder = _copy_store(world, tmp_path)
     assert tool.main(_index(world["run"], folder, "--add", world["root"] / "more")) == 0

@@ -491,6 +491,40 @@ def test_fedcurv_hook_sums_broadcasts_replaces_and_round_trips():
         FedCurvHook().load_state_dict({"control": {}})
 
 
+def test_fedcurv_official_sums_lack_the_terms_of_the_clients_served_before():
+    """FedNTD's ``Pt = Ut; Pt -= u_k``: the running sums a client gets lack its predecessors' stored terms."""
+    model = Params()
+    hooks = {mode: FedCurvHook(penalty_sums=mode) for mode in ("paper", "official")}
+    for hook in hooks.values():
+        hook.begin_round(0, shared(model))
+        hook.after_aggregate(0, model, [update("c1", "j1"), update("c0", "j2")])
+        hook.begin_round(1, shared(model))
+    order = ["c1", "new", "c0", "late"]  # "new" and "late" have sent nothing yet
+    assert hooks["paper"].client_instructions(1, order) == {}  # the paper: everyone gets the full sums
+    per_client = hooks["official"].client_instructions(1, order)
+    full = hooks["official"].instructions(1)[OBJECTIVE_PAYLOAD]
+    assert "c1" not in per_client  # the first served gets the full sums
+    f1, t1 = FISHERS["j1"]
+    for n in ("a", "b"):
+        for name in ("new", "c0"):  # after c1: the sums less c1's terms
+            sums = per_client[name][OBJECTIVE_PAYLOAD]
+            torch.testing.assert_close(sums[U_KEY][n], full[U_KEY][n] - torch.tensor(f1[n]))
+            torch.testing.assert_close(sums[V_KEY][n], full[V_KEY][n] - torch.tensor(f1[n]) * torch.tensor(t1[n]))
+            torch.testing.assert_close(sums[W_KEY][n], full[W_KEY][n] - (torch.tensor(f1[n]) * torch.tensor(t1[n]) ** 2).sum())
+        late = per_client["late"][OBJECTIVE_PAYLOAD]  # after c1 and c0: nothing left
+        torch.testing.assert_close(late[U_KEY][n], torch.zeros_like(full[U_KEY][n]), atol=1e-6, rtol=0)
+    # c0 then subtracts its own, as the reference's Pt -= u_k: its penalty covers nobody
+    c0_sent = contribution(*FISHERS["j2"])
+    obj = FedCurv(lam=1.0, penalty_sums="official")
+    obj.load_state_dict(roundtrip({"fisher": c0_sent[FISHER_KEY], "fisher_theta": c0_sent[FISHER_THETA_KEY],
+                                   "fisher_theta_sq": c0_sent[FISHER_THETA_SQ_KEY]}))
+    obj.begin_round(model, shared(model), round_index=1, payload=per_client["c0"][OBJECTIVE_PAYLOAD])
+    obj.loss(model, torch.zeros(1, 1), torch.tensor([0]), torch.zeros(1, 2, requires_grad=True))
+    assert abs(obj.last_terms["fedcurv"].item()) <= 1e-5
+    with pytest.raises(ValueError, match="penalty_sums must be one of paper, official"):
+        FedCurvHook(penalty_sums="in_place")
+
+
 def test_fedcurv_hook_rejects_unusable_contributions():
     model = Params()
     hook = FedCurvHook()

@@ -17,6 +17,7 @@ from fl_helpers import strip_time, tiny_config, write_world
 from fedreid.config import load_config
 from fedreid.fl.client import ClientError
 from fedreid.fl.concurrent import ClientPool, WorkerDiedError
+from fedreid.fl.local.base import OBJECTIVE_PAYLOAD
 from fedreid.fl.simulation import resume, run_simulation
 from fedreid.fl.update import Update
 from fedreid.utils.checkpoint import load_checkpoint
@@ -207,3 +208,20 @@ def test_on_cuda_each_client_reports_its_peak_memory(world, tmp_path):
     one = run_simulation(tiny_config(world, REID + ["run.device=cuda"]), tmp_path / "n1", progress=False)
     assert "gpu_peak_bytes" not in one[0]["client_metrics"]["dsa"]  # N=1 is today's path
     assert [r["clients"] for r in one] == [r["clients"] for r in hist]
+
+
+def test_per_client_instructions_reach_the_pooled_clients_as_the_sequential_ones(tmp_path):
+    """FedCurv's official sums differ per client (``RoundPlan.per_client``): pooled clients get theirs too."""
+    curv = ["train.objective=fedcurv", "train.objective_options={fisher_samples: 64, penalty_sums: official}",
+            "fl.rounds=3"]
+    one = run_simulation(load_config(None, DIGITS + curv), tmp_path / "n1", progress=False)
+    two = run_simulation(load_config(None, DIGITS + curv + ["run.concurrent_clients=2"]), tmp_path / "n2",
+                         progress=False)
+    assert_same(tmp_path / "n1", one, tmp_path / "n2", two)
+    paper = run_simulation(load_config(None, DIGITS + [curv[0], "train.objective_options={fisher_samples: 64}",
+                                                       "fl.rounds=3"]), tmp_path / "paper", progress=False)
+    assert strip_time(paper[:1]) == strip_time(one[:1])  # round 1: no sums yet
+    # round 2 on: all but the first client served lack their predecessors' terms
+    assert strip_time(paper[1:]) != strip_time(one[1:])
+    sent = [r["comm"]["sent"][OBJECTIVE_PAYLOAD] for r in one[1:]]
+    assert sent == [r["comm"]["sent"][OBJECTIVE_PAYLOAD] for r in paper[1:]]  # the same bytes, other values

@@ -75,11 +75,20 @@ Squared gradients are accumulated neither in ``before_step`` (that gradient
 includes the penalty's and is taken at parameters that keep moving) nor in
 ``after_step``.
 
-Official-code behaviour not reproduced: the reference server subtracts in
-place (``Pt = Ut; Pt -= u_k``), so within a round every later client's ``U``
-also lacks the earlier clients' contributions; here each client gets the
-full sums minus its own only. Default ``lam = 1.0``: the reference config
-``config/fedcurv.json`` (``{"size": 500, "lam": 1.0}``).
+Which sums, ``penalty_sums``:
+
+* ``paper`` (default): ``j != s`` as written, every sampled client gets the
+  sums over all clients and subtracts its own.
+* ``official``: the reference server subtracts in place (``Pt = Ut`` is an
+  alias, then ``Pt -= u_k``, ``algorithms/fedcurv/Server.py:_clients_training``),
+  so the sums a client gets also lack the terms of every client sampled
+  before it in the round that had sent some. The server hook sends each such
+  client its running sums (``ServerHook.client_instructions``, the round's
+  sampling order), and the client subtracts its own as above: the same
+  float operations in the same order as the reference.
+
+Default ``lam = 1.0``: the reference config ``config/fedcurv.json``
+(``{"size": 500, "lam": 1.0}``).
 """
 
 from __future__ import annotations
@@ -193,6 +202,8 @@ def batches_past(batches: Iterable[tuple[Tensor, Tensor]], samples: int) -> Iter
 
 #: ``fisher_estimate`` values (module docstring).
 FISHER_ESTIMATES: tuple[str, ...] = ("official", "last_batches")
+#: ``penalty_sums`` values (module docstring).
+PENALTY_SUMS: tuple[str, ...] = ("paper", "official")
 
 
 @dataclass
@@ -212,6 +223,10 @@ class FedCurvOptions:
     fisher_samples: Optional[int] = None
     #: ``last_batches`` only: how many of the round's last training batches (unset: 10).
     fisher_batches: Optional[int] = None
+    #: The sums a client's penalty runs over: ``paper`` (every other client's last terms, ``j != s``)
+    #: or ``official`` (FedNTD's server subtracts in place, so a client also lacks the terms of the
+    #: clients sampled before it in the round).
+    penalty_sums: str = "paper"
 
     def validate(self, prefix: str) -> None:
         if not float(self.lam) >= 0:
@@ -219,6 +234,9 @@ class FedCurvOptions:
         if self.fisher_estimate not in FISHER_ESTIMATES:
             raise ConfigError(f"{prefix}.fisher_estimate: must be one of {', '.join(FISHER_ESTIMATES)}, "
                               f"got {self.fisher_estimate!r}")
+        if self.penalty_sums not in PENALTY_SUMS:
+            raise ConfigError(f"{prefix}.penalty_sums: must be one of {', '.join(PENALTY_SUMS)}, "
+                              f"got {self.penalty_sums!r}")
         for key, applies in (("fisher_samples", "official"), ("fisher_batches", "last_batches")):
             value = getattr(self, key)
             if value is None:
@@ -245,10 +263,12 @@ class FedCurv(AnchoredObjective):
     keeps_reference: ClassVar[bool] = False
 
     def __init__(self, lam: float = 1.0, fisher_estimate: str = "official", fisher_samples: Optional[int] = None,
-                 fisher_batches: Optional[int] = None) -> None:
+                 fisher_batches: Optional[int] = None, penalty_sums: str = "paper") -> None:
         super().__init__()
         self.lam = check_positive("fedcurv lam", lam)
         self.fisher_estimate = check_choice("fedcurv fisher_estimate", fisher_estimate, FISHER_ESTIMATES)
+        # the server's choice (the fedcurv hook sends the sums); kept so the options round-trip
+        self.penalty_sums = check_choice("fedcurv penalty_sums", penalty_sums, PENALTY_SUMS)
         self.wants_training_pass = self.fisher_estimate == "official"
         for key, value, applies in (("fisher_samples", fisher_samples, "official"),
                                     ("fisher_batches", fisher_batches, "last_batches")):
@@ -391,6 +411,17 @@ class FedCurv(AnchoredObjective):
         return f"FedCurv(lam={self.lam}, fisher_estimate='last_batches', fisher_batches={self.fisher_batches})"
 
 
+def sums_without(sums: Mapping[str, Mapping[str, Tensor]],
+                 contribution: Mapping[str, Mapping[str, Tensor]]) -> dict[str, "OrderedDict[str, Tensor]"]:
+    """New sums ``{U_KEY, V_KEY, W_KEY}``: ``sums`` less one client's ``contribution`` (:data:`CONTRIBUTION_KEYS`)."""
+    out: dict[str, "OrderedDict[str, Tensor]"] = {}
+    for key, target in zip(CONTRIBUTION_KEYS, (U_KEY, V_KEY, W_KEY)):
+        part = contribution[key]
+        out[target] = OrderedDict((name, t - part[name] if name in part else t.clone())
+                                  for name, t in sums[target].items())
+    return out
+
+
 def contribution_sums(
     contributions: Sequence[Mapping[str, Mapping[str, Tensor]]],
 ) -> dict[str, "OrderedDict[str, Tensor]"]:
@@ -417,6 +448,7 @@ __all__ = [
     "FISHER_THETA_SQ_KEY",
     "FedCurv",
     "FedCurvOptions",
+    "PENALTY_SUMS",
     "STATE_KEYS",
     "U_KEY",
     "V_KEY",
@@ -425,4 +457,5 @@ __all__ = [
     "contribution_sums",
     "diagonal_fisher",
     "fedcurv_penalty",
+    "sums_without",
 ]

@@ -10,6 +10,8 @@ configured, at these moments of a federated round:
 =====================  ==============================================================
 ``begin_round``        before the clients train, with the state they will receive
 ``instructions``       what every sampled client is asked to do or send (``{"kd": True}``)
+``client_instructions`` keys that replace those of ``instructions`` for some clients,
+                       by name, knowing the round's order (FedCurv's official sums)
 ``required_metadata``  keys every update must carry this round (checked for you)
 ``check_update``       why one update's metadata is unusable, or None (the client is
                        left out of the round, not the run stopped)
@@ -120,6 +122,14 @@ class ServerHook:
 
     def instructions(self, round_index: int) -> dict[str, Any]:
         """Keys merged into every sampled client's instructions this round (booleans are or-ed)."""
+        return {}
+
+    def client_instructions(self, round_index: int, clients: Sequence[str]) -> dict[str, dict[str, Any]]:
+        """Keys that replace the round's instructions for some clients: ``{client name: {key: value}}``.
+
+        ``clients``: this round's sampled clients in the order a sequential
+        round trains them. Called after :meth:`instructions`.
+        """
         return {}
 
     def required_metadata(self, round_index: int) -> tuple[str, ...]:

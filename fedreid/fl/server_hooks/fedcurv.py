@@ -16,7 +16,10 @@ server only carries state:
   ``W = sum_j W_j``, and sends them to every sampled client as
   ``instructions()[OBJECTIVE_PAYLOAD]``; each client subtracts its own
   contribution (see the client module). Nothing is sent before the first
-  contribution (no penalty in the first round).
+  contribution (no penalty in the first round). Under the objective's
+  ``penalty_sums: official`` (:meth:`FedCurvHook.client_instructions`) a
+  client gets instead the sums less the contributions of the clients
+  sampled before it in the round, as the reference's in-place ``Pt -= u_k``.
 
 Aggregation is the server's usual weighted average (the reference averages
 FedAvg-style); the hook does not implement ``aggregate``, so it combines with
@@ -38,8 +41,10 @@ from fedreid.fl.local.fedcurv import (
     CONTRIBUTION_KEYS,
     FISHER_KEY,
     FISHER_THETA_SQ_KEY,
+    PENALTY_SUMS,
     U_KEY,
     contribution_sums,
+    sums_without,
 )
 from fedreid.fl.server_hooks.base import HookContext, ServerHook, register_hook
 from fedreid.fl.update import Update
@@ -56,9 +61,12 @@ class FedCurvHook(ServerHook):
 
     @classmethod
     def build(cls, options: Any, context: HookContext) -> "FedCurvHook":
-        return cls()
+        return cls(penalty_sums=getattr(context.objective, "penalty_sums", "paper"))
 
-    def __init__(self) -> None:
+    def __init__(self, penalty_sums: str = "paper") -> None:
+        if penalty_sums not in PENALTY_SUMS:
+            raise ValueError(f"fedcurv penalty_sums must be one of {', '.join(PENALTY_SUMS)}, got {penalty_sums!r}")
+        self.penalty_sums = penalty_sums
         #: client name -> {metadata key -> {parameter name -> CPU tensor}}
         self.contributions: dict[str, dict[str, "OrderedDict[str, Tensor]"]] = {}
         self._sums: dict[str, "OrderedDict[str, Tensor]"] = {}
@@ -74,6 +82,25 @@ class FedCurvHook(ServerHook):
         if not self._sums or not self._sums[U_KEY]:
             return {}
         return {OBJECTIVE_PAYLOAD: self._sums}
+
+    def client_instructions(self, round_index: int, clients: Sequence[str]) -> dict[str, dict[str, Any]]:
+        """Under ``penalty_sums: official``, each client after one that had contributed gets its running sums.
+
+        The reference keeps one running ``Ut`` per round and subtracts, in the
+        sampling order, the stored terms of every client it serves (``Pt = Ut;
+        Pt -= u_k``): a client's sums lack those of the clients before it. The
+        client then subtracts its own (its running sums are sent before that).
+        """
+        if self.penalty_sums != "official" or not self._sums or not self._sums[U_KEY]:
+            return {}
+        out: dict[str, dict[str, Any]] = {}
+        running = None  # the sums less the terms of the clients served so far, once one had any
+        for name in clients:
+            if running is not None:
+                out[name] = {OBJECTIVE_PAYLOAD: running}
+            if name in self.contributions:
+                running = sums_without(self._sums if running is None else running, self.contributions[name])
+        return out
 
     def required_metadata(self, round_index: int) -> tuple[str, ...]:
         return CONTRIBUTION_KEYS
@@ -144,7 +171,7 @@ class FedCurvHook(ServerHook):
         self._sums = {}
 
     def __repr__(self) -> str:
-        return f"FedCurvHook(clients_held={len(self.contributions)})"
+        return f"FedCurvHook(clients_held={len(self.contributions)}, penalty_sums={self.penalty_sums!r})"
 
 
 __all__ = ["FedCurvHook"]
