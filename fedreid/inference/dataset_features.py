@@ -64,6 +64,7 @@ def _prepared_names(root: Path) -> list[str]:
 def resolve_datasets(names: Sequence[str], prepared_root: str | Path) -> list[str]:
     """``names`` checked against ``prepared_root``; ``["all"]`` means every prepared dataset there."""
     from fedreid.data.prepared import PreparedDatasetError
+    from fedreid.options import did_you_mean
 
     root = Path(prepared_root)
     available = _prepared_names(root)
@@ -74,8 +75,8 @@ def resolve_datasets(names: Sequence[str], prepared_root: str | Path) -> list[st
     unknown = [n for n in names if n not in available]
     if unknown:
         raise PreparedDatasetError(
-            f"unknown dataset {unknown[0]!r}: {root / unknown[0]} is not a prepared dataset "
-            f"(available under {shown_path(root)}: {', '.join(available) or 'none'})"
+            f"unknown dataset {unknown[0]!r}{did_you_mean(unknown[0], available)}: {root / unknown[0]} is not a "
+            f"prepared dataset (available under {shown_path(root)}: {', '.join(available) or 'none'})"
         )
     return list(names)
 

@@ -50,6 +50,7 @@ from fedreid.errors import ConfigError, FedReIDError
 from fedreid.fl.inputs import missing_inputs
 from fedreid.fl.server import RoundFailedError, is_eval_round
 from fedreid.fl.simulation import RESUMABLE_CHANGES, config_changes
+from fedreid.options import did_you_mean
 from fedreid.reproduce.tables import Cell, Table
 from fedreid.utils.cli import literal_override
 from fedreid.utils.io import file_in_the_way, write_json_atomic
@@ -694,7 +695,8 @@ def resolve_tables(names: Sequence[str]) -> list[Table]:
 
     unknown = [n for n in names if n not in TABLES]
     if unknown:
-        raise ReproduceError(f"unknown table {unknown[0]!r}; known tables: {', '.join(TABLES)} (see --list)")
+        raise ReproduceError(f"unknown table {unknown[0]!r}{did_you_mean(unknown[0], list(TABLES))}; "
+                             f"known tables: {', '.join(TABLES)} (see --list)")
     return [TABLES[n] for n in names]
 
 

@@ -626,6 +626,11 @@ def test_an_unknown_dataset_under_a_relative_root_names_the_working_directory(tm
         resolve_datasets(["msmt17"], "datasets/prepared")
     assert (f"available under datasets/prepared (relative to the working directory {tmp_path}: "
             f"{tmp_path / 'datasets/prepared'}): none") in str(info.value)
+    for name in ("market1501", "msmt17"):
+        (tmp_path / "datasets/prepared" / name).mkdir(parents=True)
+        (tmp_path / "datasets/prepared" / name / "manifest.csv").write_text("path,pid,camid,split,source\n")
+    with pytest.raises(PreparedDatasetError, match=r"unknown dataset 'market' \(did you mean market1501\?\)"):
+        resolve_datasets(["market"], "datasets/prepared")
 
 
 # --------------------------------------------------------------------------

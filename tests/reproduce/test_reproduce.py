@@ -241,6 +241,8 @@ def test_cli_list_and_errors(capsys):
         assert f"{name}:" in listing
     with pytest.raises(ReproduceError, match="unknown table 'nope'"):
         tool.main(["nope"])
+    with pytest.raises(ReproduceError, match=r"unknown table 'fedreid-tabel2' \(did you mean fedreid-table2"):
+        tool.main(["fedreid-tabel2"])
     with pytest.raises(ReproduceError, match="has no row 'fedzz'"):
         tool.main(["fedlmd-table3-mnist", "--rows", "fedzz"])
     with pytest.raises(ReproduceError, match="no synthetic variant"):
