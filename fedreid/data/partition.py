@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import bisect
 import inspect
+import logging
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
@@ -38,6 +39,8 @@ from matplotlib.figure import Figure
 
 from fedreid.errors import FedReIDError
 from fedreid.utils.io import atomic_path
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "PARTITION_KINDS",
@@ -332,7 +335,11 @@ def dirichlet_prior(
 
     Client ``j`` gets exactly ``n_j`` samples and every sample is assigned
     exactly once. Small ``beta`` concentrates each client on few classes,
-    until the classes it wants run out.
+    until the classes it wants run out. Below about ``beta = 0.01`` float64
+    priors underflow to 0 and the fallback of step 3 spreads those clients
+    over the remaining classes, so the split gets *less* heterogeneous as
+    ``beta`` falls further; a WARNING then says how many samples the fallback
+    placed.
     """
     labels = _check_labels(labels)
     num_clients = _check_clients(num_clients, labels.size)
@@ -364,6 +371,7 @@ def dirichlet_prior(
     # class runs out, so their cumulative sums are cached per client and
     # recomputed after such an event (``emptied`` counts them).
     emptied = 0
+    by_counts = 0  # samples placed by the fallback (an underflowed prior)
     cache: dict[int, tuple[int, list[float], int]] = {}
 
     def cumulative_weights(weights: np.ndarray) -> tuple[list[float], int]:
@@ -380,6 +388,7 @@ def dirichlet_prior(
         _, cumulative, last = cached
         if not cumulative[-1] > 0:  # the prior has no mass left on the remaining classes
             cumulative, last = cumulative_weights(np.asarray(remaining, dtype=np.float64))
+            by_counts += 1
         k = bisect.bisect_right(cumulative, rng.random() * cumulative[-1])
         # Rounding can put the draw at the very end; take the last class that has samples.
         k = min(k, last)
@@ -390,6 +399,11 @@ def dirichlet_prior(
         room[client] -= 1
         if room[client] == 0:
             open_clients.remove(client)
+    if by_counts:
+        log.warning("dirichlet_prior: beta=%g underflowed %d of the %d prior entries (clients x classes) to 0, "
+                    "so %d of %d samples were drawn by the remaining class counts: the split is less heterogeneous "
+                    "than the beta says (below about beta=0.01 a smaller beta mixes more)",
+                    beta, int((priors == 0).sum()), priors.size, by_counts, n)
     return _finish(parts)
 
 
@@ -474,7 +488,7 @@ def shards_per_class(
         raise PartitionError(
             f"shards_per_class: {num_clients} clients x {s} shards = {s * num_clients} shards cannot be shared "
             f"equally by the {classes.size} classes",
-            remedies=[("num_clients", "a value making clients x shards a multiple of " + str(classes.size)),
+            remedies=[("num_clients", "a {} making clients x shards a multiple of " + str(classes.size)),
                       ("shards_per_client", "such a {}")],
         )
     per_class = s * num_clients // classes.size

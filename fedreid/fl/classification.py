@@ -78,6 +78,10 @@ def load_train_test(cfg: Config) -> tuple[ArrayDataset, ArrayDataset]:
         hint = f" (classification.test_fraction={c.test_fraction} holds out no image of any class)" \
             if c.dataset == "digits" else ""
         raise ConfigError(f"classification.dataset={c.dataset}: the test split is empty{hint}")
+    if len(train) == 0:
+        hint = f" (classification.test_fraction={c.test_fraction} holds out every image)" \
+            if c.dataset == "digits" else ""
+        raise ConfigError(f"classification.dataset={c.dataset}: the training split is empty{hint}")
     if list(train.classes) != list(test.classes):
         # Labels number the classes of each split on its own: different lists would score
         # a test image of one class against another class's label.

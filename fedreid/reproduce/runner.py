@@ -212,8 +212,12 @@ def check_run_folder(run_dir: Path, saved: SavedRun, cfg: Config) -> None:
         there, asked = flatten(to_dict(old)), flatten(to_dict(cfg))
         what = ", ".join(f"{k}: {_short(there.get(k, '(unset)'))} there, {_short(asked.get(k, '(unset)'))} asked"
                          for k in changed)
-        raise ReproduceError(f"{run_dir} holds a run of another config ({what}); use another --out for this "
-                             "table run, so runs of different configs never mix")
+        if changed == ["fl.rounds"]:  # the usual cause: --rounds left out when continuing or paging a run
+            advice = (f"it was made with --rounds {there['fl.rounds']}: repeat that to continue it or write its "
+                      f"page, or use another --out for the {asked['fl.rounds']}-round schedule")
+        else:
+            advice = "use another --out for this table run, so runs of different configs never mix"
+        raise ReproduceError(f"{run_dir} holds a run of another config ({what}); {advice}")
     expected = {r for r in range(1, saved.rounds + 1) if is_eval_round(r - 1, old.eval.every, old.fl.rounds)}
     extra = sorted({int(r["round"]) for r in saved.history if r.get("eval")} - expected)
     if extra:
@@ -575,8 +579,9 @@ def write_page(table: Table, outcomes: list[list[CellOutcome]], *, pages: Path, 
         if full:
             break
     if rounds is not None and full and rounds != full:
-        lines += [f"**Reduced schedule: {rounds} rounds** (the configs' schedule: {full}). Differences to the paper "
-                  "include the shorter training.", ""]
+        shorter = rounds < full
+        lines += [f"**{'Reduced' if shorter else 'Extended'} schedule: {rounds} rounds** (the configs' schedule: "
+                  f"{full}). Differences to the paper include the {'shorter' if shorter else 'longer'} training.", ""]
     if len(round_counts) > 1:
         lines += [f"**Mixed schedules**: finished runs stopped at {', '.join(map(str, round_counts))} rounds.", ""]
     total = sum(r.seconds for r in all_runs)
@@ -584,12 +589,14 @@ def write_page(table: Table, outcomes: list[list[CellOutcome]], *, pages: Path, 
         f"- Command: `{command}`",
         f"- Seeds asked: {', '.join(map(str, seeds))} (the seed of the run; the data partition is fixed by "
         "`classification.split_seed` / `data.split_seed`)",
-        f"- Seeds finished: {_seeds_finished(outcomes)} (the seeds column: how many each number averages)",
+        f"- Seeds finished: {_seeds_finished(outcomes)} (the seeds column: how many each number averages; "
+        "ours is their mean ± sample standard deviation, n - 1)",
         f"- Rounds: {', '.join(map(str, planned)) or '–'} planned; {', '.join(map(str, round_counts)) or '–'} "
         "completed in the finished runs",
         f"- Data: {table.data}",
         f"- Machine: {machine_description(all_runs)}",
-        f"- Wall time of the runs: {total / 60:.1f} min in all",
+        f"- Wall time of the runs: {total / 60:.1f} min in all (the rounds' own times: setup and data loading "
+        "left out)",
         f"- Written: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
         "",
     ]
@@ -616,7 +623,8 @@ def write_page(table: Table, outcomes: list[list[CellOutcome]], *, pages: Path, 
         cells += [_seeds_column(row_out), f"{np.mean(minutes):.1f}" if minutes else "–", "; ".join(notes_of_row)]
         lines.append("| " + " | ".join(cells) + " |")
     lines.append("")
-    commands = sorted({f"python tools/train_fed.py --config {o.cell.config} --out {r.run_dir} "
+    commands = sorted({f"python tools/train_fed.py --config {shlex.quote(str(o.cell.config))} "
+                       f"--out {shlex.quote(str(r.run_dir))} "
                        + " ".join(shlex.quote(x) for x in cell_overrides(table, o.cell, r.seed, rounds, synthetic,
                                                                        r.run_dir)[:-1])
                        for row in outcomes for o in row for r in o.runs[:1]})

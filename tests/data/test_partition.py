@@ -249,6 +249,18 @@ def test_dirichlet_prior_uses_up_classes_without_hanging():
     assert [p.size for p in parts] == [250] * 4
 
 
+def test_dirichlet_prior_says_when_underflowed_priors_make_the_split_less_heterogeneous(caplog):
+    labels = balanced_labels(per_class=100)
+    with caplog.at_level("WARNING", logger="fedreid.data.partition"):
+        dirichlet_prior(labels, 10, 0.3, np.random.default_rng(0))
+    assert caplog.records == []  # the papers' betas: no prior entry underflows
+    with caplog.at_level("WARNING", logger="fedreid.data.partition"):
+        dirichlet_prior(labels, 10, 1e-3, np.random.default_rng(0))
+    (record,) = caplog.records
+    message = record.getMessage()
+    assert message.startswith("dirichlet_prior: beta=0.001 underflowed ") and "of 1000 samples were drawn" in message
+
+
 # --------------------------------------------------------------------------- shards
 
 
@@ -334,8 +346,10 @@ def test_shards_per_class_is_seeded_and_checks_its_inputs():
     other = shards_per_class(labels, 10, 2, np.random.default_rng(6))
     assert all(np.array_equal(a, b) for a, b in zip(first, again))
     assert not all(np.array_equal(a, b) for a, b in zip(first, other))
-    with pytest.raises(PartitionError, match="7 clients x 2 shards = 14 shards cannot be shared equally by the 10"):
+    with pytest.raises(PartitionError, match="7 clients x 2 shards = 14 shards cannot be shared equally by the 10") as info:
         shards_per_class(labels, 7, 2, np.random.default_rng(0))
+    assert info.value.advice({"num_clients": "classification.num_clients"}).startswith(
+        "a classification.num_clients making clients x shards a multiple of 10")  # the key named, not "a value"
     with pytest.raises(PartitionError, match="class 3 has 4 samples, fewer than its 20 shards"):
         shards_per_class(np.concatenate([labels[labels != 3], [3, 3, 3, 3]]), 50, 4, np.random.default_rng(0))
 

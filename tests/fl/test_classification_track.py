@@ -39,6 +39,9 @@ def test_an_empty_test_split_is_refused_before_training():
 
     with pytest.raises(ConfigError, match=r"test split is empty \(classification.test_fraction=0.002"):
         load_train_test(cfg_with("classification.test_fraction=0.002"))
+    with pytest.raises(ConfigError, match=r"training split is empty \(classification.test_fraction=0.9999 holds out "
+                                          r"every image\)"):
+        load_train_test(cfg_with("classification.test_fraction=0.9999"))
 
 
 def test_image_folders_whose_splits_name_other_classes_are_refused(tmp_path):

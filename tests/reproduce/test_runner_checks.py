@@ -77,7 +77,9 @@ def test_keys_that_cannot_change_the_numbers_do_not_refuse_a_finished_run(finish
 def test_a_finished_run_of_another_schedule_is_refused_in_both_directions(finished, tmp_path, rounds):
     out = _copy(finished, tmp_path)
     stamp = _checkpoint(out).stat().st_mtime_ns
-    with pytest.raises(ReproduceError, match=rf"holds a run of another config \(fl\.rounds: 2 there, {rounds} asked\)"):
+    with pytest.raises(ReproduceError, match=rf"holds a run of another config \(fl\.rounds: 2 there, {rounds} asked\); "
+                                             rf"it was made with --rounds 2: repeat that to continue it or write its "
+                                             rf"page, or use another --out for the {rounds}-round schedule$"):
         run_table(_table(), [0], out=out, rounds=rounds)
     assert _checkpoint(out).stat().st_mtime_ns == stamp  # not extended, not rewritten
 
@@ -214,6 +216,20 @@ def test_a_rewritten_page_keeps_the_notes_below_its_notes_line(finished, tmp_pat
     assert new.count(NOTES_LINE) == 1 and picture_again == picture
 
 
+def test_the_page_commands_quote_a_run_folder_with_a_space(finished, tmp_path):
+    import shlex
+
+    out = tmp_path / "out dir"
+    shutil.copytree(finished[0], out)
+    outcomes = run_table(_table(), [0], out=out, rounds=2)  # reads the finished run
+    page, _ = write_page(_table(), outcomes, pages=tmp_path / "pages", seeds=[0], rounds=2, synthetic=False,
+                         command="x")
+    command = next(line for line in page.read_text().splitlines() if line.startswith("python tools/train_fed.py"))
+    words = shlex.split(command)
+    assert words[words.index("--out") + 1] == str(outcomes[0][0].runs[0].run_dir) and " " in str(out)
+    assert "ours is their mean ± sample standard deviation, n - 1" in page.read_text()
+
+
 def test_the_generated_results_pages_carry_the_marker_and_hand_written_ones_do_not():
     results = REPO / "docs" / "results"
     generated = {"cpu-fashion-mnist", "feddg-protocol1-synthetic", "fedftg-closed-loop", "fedlmd-table3-mnist",
@@ -279,6 +295,10 @@ def test_the_synthetic_schedule_is_the_full_one_of_a_synthetic_page(tmp_path):
         text = page.read_text()
         assert ("**Reduced schedule" in text) is (banner is not None), rounds
         assert banner is None or banner in text
+    page, _ = write_page(table, outcomes, pages=tmp_path / "12", seeds=[0], rounds=12, synthetic=True, command="x")
+    text = page.read_text()  # more rounds than the configs' schedule: not called reduced
+    assert "**Extended schedule: 12 rounds** (the configs' schedule: 9). Differences to the paper include the " \
+           "longer training." in text and "Reduced" not in text
 
 
 # --------------------------------------------------------------------------- the machine line
