@@ -91,10 +91,19 @@ def _check_labels(labels: np.ndarray) -> np.ndarray:
         raise PartitionError(f"labels must be a 1-D array, got shape {labels.shape}")
     if labels.size and not np.issubdtype(labels.dtype, np.integer):
         # Float labels that are whole numbers (e.g. read from a CSV) are accepted.
-        if not np.issubdtype(labels.dtype, np.floating) or not np.all(labels == np.round(labels)):
-            raise PartitionError(f"labels must be integers, got dtype {labels.dtype}")
+        if (not np.issubdtype(labels.dtype, np.floating) or not np.all(np.isfinite(labels))
+                or not np.all(labels == np.round(labels))):
+            raise PartitionError(f"labels must be integers or whole finite numbers, got dtype {labels.dtype}")
         labels = labels.astype(np.int64)
     return labels
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
 
 def _check_clients(num_clients: int, n_samples: int) -> int:
@@ -256,10 +265,10 @@ def dirichlet_label(
     labels = _check_labels(labels)
     num_clients = _check_clients(num_clients, labels.size)
     rng = _check_rng(rng)
-    if not alpha > 0 or not np.isfinite(alpha):
+    if not _is_real(alpha) or not alpha > 0 or not np.isfinite(alpha):
         raise PartitionError(f"alpha must be a positive finite number, got {alpha!r}")
-    if min_size < 0 or max_retries < 0:
-        raise PartitionError(f"min_size and max_retries must be >= 0, got {min_size} and {max_retries}")
+    if not all(_is_int(v) and v >= 0 for v in (min_size, max_retries)):
+        raise PartitionError(f"min_size and max_retries must be integers >= 0, got {min_size!r} and {max_retries!r}")
     n = labels.size
     if num_clients * min_size > n:
         raise PartitionError(
@@ -344,7 +353,7 @@ def dirichlet_prior(
     labels = _check_labels(labels)
     num_clients = _check_clients(num_clients, labels.size)
     rng = _check_rng(rng)
-    if not beta > 0 or not np.isfinite(beta):
+    if not _is_real(beta) or not beta > 0 or not np.isfinite(beta):
         raise PartitionError(f"beta must be a positive finite number, got {beta!r}")
     if not unbalanced_sigma >= 0 or not np.isfinite(unbalanced_sigma):
         raise PartitionError(f"unbalanced_sigma must be >= 0, got {unbalanced_sigma!r}")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import cv2
 import numpy as np
 import pytest
@@ -413,3 +415,16 @@ def test_heatmap_small_and_large(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["big.png", "plots"]  # no temporary files left
     with pytest.raises(PartitionError, match="clients x classes"):
         save_partition_heatmap(np.zeros(5), tmp_path / "bad.png")
+
+
+@pytest.mark.parametrize("call, words", [
+    (lambda y, rng: dirichlet_label(y, 4, "0.5", rng), "alpha must be a positive finite number, got '0.5'"),
+    (lambda y, rng: dirichlet_prior(y, 4, None, rng), "beta must be a positive finite number, got None"),
+    (lambda y, rng: dirichlet_label(y, 4, 0.5, rng, max_retries=1.5), "must be integers >= 0, got 10 and 1.5"),
+    (lambda y, rng: dirichlet_label(y, 4, 0.5, rng, min_size=2.5), "must be integers >= 0, got 2.5 and 100"),
+    (lambda y, rng: dirichlet_label(np.where(y == 4, np.inf, y.astype(float)), 4, 0.5, rng),
+     "labels must be integers or whole finite numbers, got dtype float64"),
+])
+def test_a_wrongly_typed_argument_is_a_partition_error(call, words):
+    with pytest.raises(PartitionError, match=re.escape(words)):
+        call(balanced_labels(per_class=20), np.random.default_rng(0))
