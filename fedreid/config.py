@@ -330,8 +330,10 @@ class FLConfig:
     bn: Literal["average", "first", "local"] = "average"
     #: Cosine-distance weights (Algorithm 3) instead of sample counts.
     cdw: bool = False
-    #: ``eval``: CDW logits in eval mode; ``train``: train-mode forward as the reference.
-    cdw_mode: Literal["eval", "train"] = "eval"
+    #: ``eval``: CDW logits in eval mode; ``train``: both models in train mode, as the reference
+    #: mostly; ``official``: the reference's modes exactly (the received model in eval mode in
+    #: round 0 and in each round after an evaluation, ``fedreid.fl.aggregate.cdw_start_in_eval``).
+    cdw_mode: Literal["eval", "train", "official"] = "eval"
     #: Public-set knowledge distillation on the server (Algorithm 2).
     kd: bool = False
     #: KD after rounds ``kd_every``, ``2 kd_every``, ... (Algorithm 2 line 12 distils in every

@@ -27,7 +27,14 @@
   statistics (the global model is a ``deepcopy`` of a train-mode client model
   after the first aggregation). ``mode="train"`` reproduces that forward;
   ``mode="eval"`` (default) uses inference mode, so ``m_k`` measures how the
-  deployed model changed, not dropout noise. In train mode the reference
+  deployed model changed, not dropout noise. ``mode="official"`` follows the
+  reference's control flow exactly: its old model (``server.federated_model``)
+  is put in eval mode by ``Server.__init__`` and by every ``Server.test``
+  (``main.py:train`` tests after rounds 10, 20, ...), and only the next
+  aggregation (a ``deepcopy`` of a train-mode client model) brings train mode
+  back; so the received model is in eval mode in round 0 and in the round
+  after each evaluation (:func:`cdw_start_in_eval`), in train mode otherwise,
+  and the trained model is always in train mode. In train mode the reference
   also updates the BN running statistics of both models as a side effect;
   we discard that side effect (buffers are restored).
 
@@ -49,7 +56,17 @@ from fedreid.fl.update import Update
 from fedreid.utils.precision import FP32, Precision
 from fedreid.utils.seeding import forked_torch_rng
 
-CDWMode = Literal["eval", "train"]
+CDWMode = Literal["eval", "train", "official"]
+CDW_MODES: tuple[str, ...] = ("eval", "train", "official")
+
+
+def cdw_start_in_eval(round_index: int, eval_every: int) -> bool:
+    """Whether ``mode="official"`` runs the received model in eval mode in 0-based round ``round_index``.
+
+    Round 0 and every round after an evaluation (after rounds ``eval_every``,
+    ``2 eval_every``, ...; the reference tests every 10th round): the module docstring.
+    """
+    return round_index % max(1, int(eval_every)) == 0
 
 
 @dataclass
@@ -121,23 +138,31 @@ def cdw_distance(
     mode: CDWMode = "eval",
     seed: int = 0,
     precision: Precision = FP32,
+    start_in_eval: bool = False,
 ) -> float:
     """``m_k`` of one client from one batch of its training images.
 
     ``start_model``: the received global model with the client's old head;
     ``trained_model``: the model after local training. Both return logits.
-    The forwards run under ``precision``'s autocast; the logits are cast to
-    fp32 before the distance, which is always computed in fp32.
+    ``mode``: both models in eval or train mode, or ``official``: the trained
+    model in train mode, the received one in eval mode when ``start_in_eval``
+    (:func:`cdw_start_in_eval`), else in train mode. The forwards run under
+    ``precision``'s autocast; the logits are cast to fp32 before the
+    distance, which is always computed in fp32.
     """
-    if mode not in ("eval", "train"):
-        raise ValueError(f"cdw_mode must be 'eval' or 'train', got {mode!r}")
+    if mode not in CDW_MODES:
+        raise ValueError(f"cdw_mode must be one of {', '.join(CDW_MODES)}, got {mode!r}")
     models = (start_model, trained_model)
     flags = [m.training for m in models]
     saved = [OrderedDict((k, b.clone()) for k, b in m.named_buffers()) for m in models]
+    if mode == "official":
+        training = (not start_in_eval, True)
+    else:
+        training = (mode == "train", mode == "train")
     try:
         with forked_torch_rng(seed, images.device):
-            for m in models:
-                m.train(mode == "train")
+            for m, train in zip(models, training):
+                m.train(train)
             images = precision.prepare_input(images)
             with precision.autocast():
                 old = start_model(images)

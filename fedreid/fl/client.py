@@ -43,7 +43,7 @@ from fedreid.config import Config
 from fedreid.data.prepared import Record
 from fedreid.data.scenarios import ClientSplit
 from fedreid.errors import FedReIDError
-from fedreid.fl.aggregate import cdw_distance
+from fedreid.fl.aggregate import cdw_distance, cdw_start_in_eval
 from fedreid.fl.local.base import OBJECTIVE_PAYLOAD, LocalObjective
 from fedreid.fl.local.objectives import build_objective, objective_class
 from fedreid.fl.local.sgd import LocalResult, device_batch, train_local
@@ -348,7 +348,7 @@ class Client:
                 metadata.update(objective.end_round(model))
         if start is not None:
             t0 = time.perf_counter()
-            metadata["cdw_distance"] = self.cdw_distance(start, model, seed)
+            metadata["cdw_distance"] = self.cdw_distance(start, model, seed, round_index)
             metadata["time_cdw"] = time.perf_counter() - t0
             del start
         if instructions.get("kd"):
@@ -364,13 +364,13 @@ class Client:
         update.metadata["time_fit"] = time.perf_counter() - started
         return update
 
-    def cdw_distance(self, start: nn.Module, trained: nn.Module, seed: int) -> float:
+    def cdw_distance(self, start: nn.Module, trained: nn.Module, seed: int, round_index: int = 0) -> float:
         """``m_k`` on the first batch of a fresh (seeded, augmented) training loader."""
         batch = next(iter(self.train_loader(derive_seed(seed, "cdw"), drop_last=False, batches=1)))
         images = (batch["image"] if isinstance(batch, dict) else batch[0]).to(self.device, non_blocking=True)
         return cdw_distance(
             start, trained, images, mode=self.cfg.fl.cdw_mode, seed=derive_seed(seed, "cdw-dropout"),
-            precision=self.precision,
+            precision=self.precision, start_in_eval=cdw_start_in_eval(round_index, self.cfg.eval.every),
         )
 
     def _make_update(self, model: nn.Module, metadata: dict[str, Any]) -> Update:

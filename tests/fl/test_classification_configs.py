@@ -44,6 +44,13 @@ IMAGE_SHAPES = {"cifar10": (32, 32, 3), "cifar100": (32, 32, 3), "mnist": (28, 2
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
+def test_the_paper_configs_train_in_fp32_as_the_official_code():
+    """FedLMD's and FedFTG's table configs: no autocast in the official code, so not bf16 on a GPU."""
+    paper = [p for p in CONFIGS if p.name.startswith("fedlmd_") or p.parent.name == "fedftg"]
+    assert len(paper) >= 40
+    assert all(load_config(p).train.precision == "fp32" for p in paper), [p.name for p in paper]
+
+
 # --------------------------------------------------------------------------- fake datasets on disk
 
 

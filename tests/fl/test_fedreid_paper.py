@@ -101,11 +101,12 @@ def test_every_fedreid_config_loads_and_paper_ones_follow_the_official_code():
         cfg = load_config(path)
         text = path.read_text()
         assert "official" in cfg.eval.extra_ap, path.name
+        assert cfg.train.precision == "fp32", path.name  # the official code's arithmetic, on a GPU too
         if cfg.fl.mode == "federated":
             assert cfg.fl.bn == "first", path.name
             assert re.search(r"#.*official code.*\n(?:\s*#.*\n)*\s*bn: first", text), path.name
         if cfg.fl.cdw:
-            assert cfg.fl.cdw_mode == "train", path.name
+            assert cfg.fl.cdw_mode == "official", path.name
             assert "optimization.py" in text, path.name
         if cfg.fl.kd:
             assert cfg.fl.kd_mode == "train", path.name

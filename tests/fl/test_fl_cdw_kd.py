@@ -8,7 +8,7 @@ from tolerances import F32_TOL
 from torch import nn
 
 from fedreid.config import TrainConfig
-from fedreid.fl.aggregate import cdw_distance, cdw_logits_distance
+from fedreid.fl.aggregate import cdw_distance, cdw_logits_distance, cdw_start_in_eval
 from fedreid.fl.local.sgd import build_optimizer, epoch_lr_scale
 from fedreid.fl.server_hooks.kd import distill, is_kd_round, kd_loss, kd_target, public_features
 
@@ -59,6 +59,30 @@ def test_cdw_train_mode_seeded_and_side_effect_free():
     assert not start.training and trained.training  # modes restored
     with pytest.raises(ValueError, match="cdw_mode"):
         cdw_distance(start, trained, images, mode="test")
+
+
+def test_cdw_official_mode_is_the_reference_control_flow():
+    """The reference's old model is in eval mode in round 0 and after each test (every 10th round)."""
+    assert [r for r in range(31) if cdw_start_in_eval(r, 10)] == [0, 10, 20, 30]
+    assert all(cdw_start_in_eval(r, 1) for r in range(5))
+    torch.manual_seed(0)
+    images = torch.randn(6, 2) * 3 + 1  # far from BatchNorm's initial running statistics (0, 1)
+    start = Lin([[1, 0], [0, 1]], bn=True)
+    trained = Lin([[1, 0.5], [0.2, 1]], bn=True)
+    # by hand: the received model on running statistics, the trained one on batch statistics
+    with torch.no_grad():
+        old = start.eval()(images)
+        new = trained.train()(images)
+    start.train(), trained.eval()
+    before = trained.bn.running_mean.clone()
+    expected = cdw_logits_distance(old, new)
+    got = cdw_distance(start, trained, images, mode="official", start_in_eval=True)
+    assert got == pytest.approx(expected, abs=F32_TOL)
+    assert got != pytest.approx(cdw_distance(start, trained, images, mode="train"), abs=1e-3)
+    # every other round: both in train mode, as mode="train"
+    assert cdw_distance(start, trained, images, mode="official", seed=2) == cdw_distance(
+        start, trained, images, mode="train", seed=2)
+    assert start.training and not trained.training and torch.equal(trained.bn.running_mean, before)
 
 
 def test_kd_target_and_loss():

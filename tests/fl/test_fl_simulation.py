@@ -142,6 +142,23 @@ def test_bn_policies_run(world, tmp_path, bn, extra):
     assert (bn_state is not None) == (bn == "local")
 
 
+def test_cdw_official_mode_gets_the_round_from_the_client(world, tmp_path, monkeypatch):
+    import fedreid.fl.client as client_module
+
+    seen = []
+    real = client_module.cdw_distance
+
+    def recorded(*args, **kwargs):
+        seen.append((kwargs["mode"], kwargs["start_in_eval"]))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(client_module, "cdw_distance", recorded)
+    overrides = ["fl.cdw=true", "fl.cdw_mode=official", "fl.rounds=3", "eval.every=2", "eval.local_models=false"]
+    run_simulation(tiny_config(world, overrides), tmp_path / "official", progress=False)
+    # two clients a round; the received model in eval mode in round 1 and after the evaluation of round 2
+    assert seen == [("official", True)] * 2 + [("official", False)] * 2 + [("official", True)] * 2
+
+
 def test_local_baseline_and_sampling(world, tmp_path):
     cfg = tiny_config(world, ["fl.mode=local", "fl.rounds=2", "fl.clients_per_round=1"])
     hist = run_simulation(cfg, tmp_path / "local", progress=False)
