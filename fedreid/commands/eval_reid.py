@@ -127,7 +127,7 @@ from fedreid.inference.dataset_features import (
 )
 from fedreid.inference.errors import EvalInputError
 from fedreid.inference.model_io import find_model_file, load_model, run_config_path
-from fedreid.utils.cli import add_config_arguments, checked_overrides, positive_int, run_main
+from fedreid.utils.cli import add_config_arguments, checked_overrides, positive_float, positive_int, run_main
 from fedreid.utils.io import marker_path, owns_folder
 from fedreid.utils.logging import METRICS_JSONL, add_pictures, read_metrics
 
@@ -147,6 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--prepared-root", metavar="DIR", help="prepared datasets root (data.prepared_root)")
     ev.add_argument("--ap", choices=("standard", "official"), help="AP definition (eval.ap)")
     ev.add_argument("--rerank", action="store_true", help="k-reciprocal re-ranking (k1=20, k2=6, lambda=0.3)")
+    ev.add_argument("--rerank-memory", type=positive_float, metavar="GIB",
+                    help="with --rerank: the memory re-ranking may take, in GiB (default 4); a dataset that needs "
+                    "more is refused before anything is extracted (its N x N distances: MSMT17 needs about 38)")
     ev.add_argument("--batch-size", type=positive_int, metavar="N", help="images per batch (eval.batch_size)")
     ev.add_argument("--save-features", metavar="DIR", help="write DIR/<dataset>.npz for later --features runs")
     ev.add_argument(
@@ -249,16 +252,29 @@ def _manifest_sizes(root: str | Path, name: str) -> tuple[str, int, int]:
     return name, len(ds.split("query")), len(ds.split("gallery"))
 
 
-def _check_rerank_sizes(sizes: list[tuple[str, int, int]]) -> None:
+def _rerank_max_bytes(args: argparse.Namespace) -> int:
+    """``--rerank-memory`` in bytes (default 4 GiB); refused without ``--rerank``."""
+    from fedreid.eval.rerank import DEFAULT_MAX_BYTES
+
+    if args.rerank_memory is None:
+        return DEFAULT_MAX_BYTES
+    if not args.rerank:
+        raise EvalInputError("--rerank-memory applies to --rerank only")
+    return int(args.rerank_memory * 2**30)
+
+
+def _check_rerank_sizes(sizes: list[tuple[str, int, int]], max_bytes: int) -> None:
     """Refuse ``--rerank`` on a dataset too large to re-rank, before anything is extracted or written."""
     from fedreid.eval.rerank import RerankMemoryError, check_rerank_memory
 
     for name, n_query, n_gallery in sizes:
         try:
-            check_rerank_memory(n_query, n_gallery)
+            check_rerank_memory(n_query, n_gallery, max_bytes=max_bytes)
         except RerankMemoryError as exc:
-            reason = str(exc).split("; raise max_bytes")[0]
-            raise EvalInputError(f"--rerank on {name}: {reason}; evaluate {name} without --rerank") from None
+            reason = str(exc).split(", above the limit")[0]
+            raise EvalInputError(f"--rerank on {name}: {reason}, above --rerank-memory {max_bytes / 2**30:g} GiB; "
+                                 f"raise it where the machine has that much free memory, or evaluate {name} "
+                                 "without --rerank") from None
 
 
 def _manifest_queries(root: str | Path, name: str) -> DatasetFeatures:
@@ -339,6 +355,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     # Every check comes first: no folder is created or marked and no feature extracted until all pass,
     # so a refused call leaves nothing behind.
     queries = _comma_list(args.queries)
+    rerank_bytes = _rerank_max_bytes(args)
     if args.features:
         refuse_extraction_options(args)
         pairs = _feature_files(args.features)
@@ -348,7 +365,8 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         ap, seed = _protocol_options(args, cfg)
         check_queries(feats, queries)
         if args.rerank:
-            _check_rerank_sizes([(fs.name, fs.query.features.shape[0], fs.gallery.features.shape[0]) for fs in feats])
+            _check_rerank_sizes([(fs.name, fs.query.features.shape[0], fs.gallery.features.shape[0]) for fs in feats],
+                                rerank_bytes)
         source = ", ".join(f for _, f in pairs)
         out = Path(args.out or Path(pairs[0][1]).parent / EVAL_DIR)
         _claim_output_folders(out, None)
@@ -371,7 +389,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         if queries:
             check_queries([_manifest_queries(root, name) for name in names], queries)
         if args.rerank:
-            _check_rerank_sizes([_manifest_sizes(root, name) for name in names])
+            _check_rerank_sizes([_manifest_sizes(root, name) for name in names], rerank_bytes)
         out = Path(args.out or model_file.parent / EVAL_DIR)
         _claim_output_folders(out, args.save_features)  # both refused when they hold the user's files
         feats = []
@@ -386,7 +404,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         source = str(model_file)
     report = evaluate_and_report(
         feats, out, ap=ap, rerank=args.rerank, pictures=args.pictures, queries=queries,
-        protocol=args.protocol, seed=seed, source=source,
+        protocol=args.protocol, seed=seed, source=source, rerank_max_bytes=rerank_bytes,
     )
     what = f"{report['ap']} AP" + protocols.build_protocol(args.protocol).describe(seed)
     print(f"\n{'Re-ranked r' if args.rerank else 'R'}esults ({what}), in %:\n")

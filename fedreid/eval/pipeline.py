@@ -36,7 +36,7 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import numpy as np
 
-from fedreid.eval.protocols import check_protocol, evaluate_dataset, summary_row
+from fedreid.eval.protocols import DEFAULT_RERANK_BYTES, check_protocol, evaluate_dataset, summary_row
 from fedreid.eval.query_picking import chosen_queries, draw_ranked_lists, ranked_lists
 from fedreid.eval.report import RESULTS_FILE, recorded_path
 from fedreid.inference.dataset_features import DatasetFeatures
@@ -210,6 +210,7 @@ def evaluate_and_report(
     protocol: str = "standard",
     seed: int = 0,
     source: Optional[str] = None,
+    rerank_max_bytes: int = DEFAULT_RERANK_BYTES,
 ) -> dict[str, Any]:
     """Evaluate each dataset, then write ``results.json``, ``cmc.png`` and ranked-list PNGs to ``out_dir``.
 
@@ -217,7 +218,7 @@ def evaluate_and_report(
     ``queries``: specs of :func:`chosen_queries` drawn as well (an index
     applies to every dataset, a path or file name to the datasets holding it;
     one no dataset holds is an error, raised before anything is evaluated).
-    ``protocol``/``seed``: see :func:`evaluate_dataset`. Feature sets that do
+    ``protocol``/``seed``/``rerank_max_bytes``: see :func:`evaluate_dataset`. Feature sets that do
     not belong together are refused first (:func:`check_feature_sets`).
 
     Nothing in ``out_dir`` changes until every dataset is evaluated and every
@@ -248,7 +249,8 @@ def evaluate_and_report(
     out_dir = Path(out_dir)
     results, rows, lists = {}, {}, {}
     for feats in feature_sets:
-        result, reranked = evaluate_dataset(feats, ap=ap, rerank=rerank, protocol=protocol, seed=seed)
+        result, reranked = evaluate_dataset(feats, ap=ap, rerank=rerank, protocol=protocol, seed=seed,
+                                            rerank_max_bytes=rerank_max_bytes)
         results[feats.name], rows[feats.name] = result, summary_row(result)
         lists[feats.name] = ranked_lists(feats, result, pictures=pictures, queries=chosen[feats.name],
                                          reranked=reranked, top_k=TOP_K)

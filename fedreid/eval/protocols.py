@@ -32,6 +32,7 @@ from typing import Any, ClassVar, Mapping, Optional, Sequence
 import numpy as np
 
 from fedreid.eval.metrics import AP_MODES, DEFAULT_BLOCK_BYTES, EvalDataError
+from fedreid.eval.rerank import DEFAULT_MAX_BYTES as DEFAULT_RERANK_BYTES
 from fedreid.inference.dataset_features import DatasetFeatures, _check_dataset_features
 from fedreid.inference.errors import EvalInputError
 from fedreid.options import NoOptions, build_options
@@ -83,7 +84,8 @@ class EvalProtocol:
     help: ClassVar[str] = ""
     #: The AP forms (``--ap``) it reports; the first is its default when the config's is not among them.
     ap_modes: ClassVar[tuple[str, ...]] = AP_MODES
-    #: Whether ``--rerank`` (k-reciprocal re-ranking) may run with it.
+    #: Whether ``--rerank`` (k-reciprocal re-ranking) may run with it; its :meth:`evaluate` then
+    #: also takes ``rerank_max_bytes``, the re-ranking's memory limit, when re-ranking.
     supports_rerank: ClassVar[bool] = False
 
     def __init__(self, options: Any = None) -> None:
@@ -158,7 +160,7 @@ class StandardProtocol(EvalProtocol):
     name = "standard"
     supports_rerank = True
 
-    def evaluate(self, feats, *, ap, rerank, seed, ranks, max_block_bytes):
+    def evaluate(self, feats, *, ap, rerank, seed, ranks, max_block_bytes, rerank_max_bytes=DEFAULT_RERANK_BYTES):
         from fedreid.eval.metrics import evaluate, evaluate_scores
 
         q, g = feats.query, feats.gallery
@@ -168,7 +170,7 @@ class StandardProtocol(EvalProtocol):
             return evaluate(q.features, g.features, *ids, ap=ap, **common), None
         from fedreid.eval.rerank import k_reciprocal_rerank
 
-        reranked = k_reciprocal_rerank(q.features, g.features)
+        reranked = k_reciprocal_rerank(q.features, g.features, max_bytes=rerank_max_bytes)
         np.negative(reranked, out=reranked)  # distance -> similarity, in place (no second Q x G array)
         return evaluate_scores(reranked, *ids, ap=ap, **common), reranked
 
@@ -289,6 +291,7 @@ def evaluate_dataset(
     protocol: str = "standard",
     seed: int = 0,
     max_block_bytes: int = DEFAULT_BLOCK_BYTES,
+    rerank_max_bytes: int = DEFAULT_RERANK_BYTES,
 ) -> tuple[dict[str, Any], Optional[np.ndarray]]:
     """``(result, reranked)``: the metrics dict (rank1..rank20, mAP, counts, per_query) and re-ranked scores.
 
@@ -299,7 +302,9 @@ def evaluate_dataset(
     the metrics run block-wise in :func:`~fedreid.eval.metrics.evaluate`
     (peak memory set by ``max_block_bytes``, not by Q x G), and
     :func:`~fedreid.eval.query_picking.query_scores` later computes the rows
-    of the few queries drawn.
+    of the few queries drawn. ``rerank_max_bytes``: the memory re-ranking may
+    take (:class:`~fedreid.eval.rerank.RerankMemoryError` above it, before
+    anything large is allocated).
 
     ``protocol="cuhk03"``: the single-gallery-shot CMC
     (:func:`~fedreid.eval.metrics.evaluate_cuhk03_single_shot`,
@@ -315,8 +320,9 @@ def evaluate_dataset(
     ranks = tuple(range(1, CMC_RANKS + 1))
     try:
         _check_dataset_features(feats)
+        extra = {"rerank_max_bytes": rerank_max_bytes} if rerank else {}  # supports_rerank's contract
         result, reranked = proto.evaluate(
-            feats, ap=ap, rerank=rerank, seed=seed, ranks=ranks, max_block_bytes=max_block_bytes
+            feats, ap=ap, rerank=rerank, seed=seed, ranks=ranks, max_block_bytes=max_block_bytes, **extra
         )
     except EvalDataError as exc:
         where = feats.source or "features given in memory"

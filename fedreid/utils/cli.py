@@ -44,6 +44,17 @@ def positive_int(text: str) -> int:
     return value
 
 
+def positive_float(text: str) -> float:
+    """An ``argparse`` type: a finite number > 0 (a size in GiB, a limit)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
+    if not (value > 0 and value != float("inf")):
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+    return value
+
+
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     """``--config FILE`` and the ``key=value`` overrides (see :func:`add_override_arguments`)."""
     parser.add_argument(

@@ -98,6 +98,7 @@ def test_a_rerank_too_large_for_memory_is_refused_from_the_manifest_counts(world
     err = cli_error(tool, ["evaluate", "--model", str(world["run"]), "--datasets", "tiny,tiny2", "--rerank",
                            "--out", str(out), "--save-features", str(saved)], capsys)
     assert err.startswith("error: --rerank on tiny2: k-reciprocal re-ranking of ") and "5.00 GiB" in err
+    assert "above --rerank-memory 4 GiB; raise it where" in err
     assert err.rstrip().endswith("evaluate tiny2 without --rerank")
     assert extractions == [] and not out.exists() and not saved.exists()
     expected = [(f.query.features.shape[0], f.gallery.features.shape[0]) for f in world["feats"].values()]
@@ -105,6 +106,28 @@ def test_a_rerank_too_large_for_memory_is_refused_from_the_manifest_counts(world
     err = cli_error(tool, ["evaluate", "--features", str(world["caches"]["tiny2"]), "--rerank", "--out", str(out)],
                     capsys)
     assert "--rerank on tiny2: " in err and not out.exists()
+    err = cli_error(tool, ["evaluate", "--features", str(world["caches"]["tiny2"]), "--rerank-memory", "8",
+                           "--out", str(out)], capsys)
+    assert "--rerank-memory applies to --rerank only" in err and not out.exists()
+
+
+def test_rerank_memory_raises_the_limit_of_the_door_and_of_the_re_ranking(world, tmp_path, monkeypatch):
+    import fedreid.eval.rerank as rerank
+
+    limits = []
+    real = rerank.k_reciprocal_rerank
+
+    def recorded(qf, gf, **kwargs):
+        limits.append(kwargs.get("max_bytes"))
+        return real(qf, gf, **kwargs)
+
+    monkeypatch.setattr(rerank, "estimate_rerank_bytes", lambda n_query, n_gallery, k1=20, k2=6: 5 * 2**30)
+    monkeypatch.setattr(rerank, "k_reciprocal_rerank", recorded)
+    out = tmp_path / "eval"
+    assert tool.main(["evaluate", "--features", str(world["caches"]["tiny2"]), "--rerank", "--rerank-memory", "6",
+                      "--pictures", "0", "--out", str(out)]) == 0
+    assert limits == [6 * 2**30]  # 5 GiB needed fits 6: evaluated, with that limit
+    assert json.loads((out / "results.json").read_text())["rerank"] is True
 
 
 def test_a_query_image_of_the_manifest_is_accepted_before_extraction(world, tmp_path, extractions):
