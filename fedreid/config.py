@@ -31,6 +31,7 @@ from fedreid.options import (
     from_dict,
     to_dict,
 )
+from fedreid.utils.cli import override_value
 
 #: Kept under their old names for callers of this module.
 _check_positive, _check_range, dump_config = check_positive, check_range, dump_options
@@ -804,24 +805,17 @@ def _yaml_problem(exc: yaml.YAMLError) -> str:
 
 
 def apply_overrides(data: Mapping[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
-    """A copy of ``data`` with each ``a.b.c=value`` set (value parsed as YAML).
+    """A copy of ``data`` with each ``a.b.c=value`` set (:func:`fedreid.utils.cli.override_value`).
 
-    A value YAML reads as a plain string is taken as typed (stripped): YAML
-    would drop `` #...`` as a comment, so ``run.out_dir=/tmp/run #2`` would
-    name another folder. A string beginning with ``~/`` is refused: no shell
-    expands a ``~`` that follows ``=``, so it would name a folder called ``~``.
+    A string beginning with ``~/`` is refused: no shell expands a ``~`` that
+    follows ``=``, so it would name a folder called ``~``.
     """
     out = _deep_copy(data)
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep or not key.strip():
             raise ConfigError(f"override {item!r}: expected key.sub=value")
-        try:
-            value = yaml.safe_load(raw) if raw.strip() else ""
-        except yaml.YAMLError:
-            value = raw
-        if isinstance(value, str) and raw.strip()[:1] not in ("'", '"'):
-            value = raw.strip()  # a plain scalar as typed, a ' #' included
+        value = override_value(raw)
         if isinstance(value, str) and value.startswith("~/"):
             raise ConfigError(f"override {item!r}: the shell does not expand a '~' after '=': "
                               f"write the full path, e.g. {key.strip()}={os.path.expanduser(value)}")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import yaml
 
@@ -128,19 +128,27 @@ def checked_overrides(args: argparse.Namespace, flag_overrides: Sequence[str] = 
         for item in args.overrides:
             key = item.partition("=")[0].strip()
             same_key = key == flag_key
-            if (same_key and _override_value(item) != _override_value(flag)) or (
+            if (same_key and override_value(item.partition("=")[2]) != override_value(flag.partition("=")[2])) or (
                     not same_key and (key.startswith(flag_key + ".") or flag_key.startswith(key + "."))):
                 raise ConfigError(f"the override {item!r} and a command-line option ({flag}) both set "
                                   f"{min(key, flag_key, key=len)}: give it once")
     return list(args.overrides) + list(flag_overrides)
 
 
-def _override_value(item: str) -> object:
-    raw = item.partition("=")[2]
+def override_value(raw: str) -> Any:
+    """The value of a ``key=value`` override from its text ``raw``: YAML (``3``, ``[a, b]``, ``'quoted'``).
+
+    A value YAML reads as a plain string is taken as typed (stripped): YAML
+    would drop `` #...`` as a comment, so ``run.out_dir=/tmp/run #2`` would
+    name another folder.
+    """
     try:
-        return yaml.safe_load(raw)
+        value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError:
-        return raw.strip()
+        value = raw
+    if isinstance(value, str) and raw.strip()[:1] not in ("'", '"'):
+        value = raw.strip()  # a plain scalar as typed, a ' #' included
+    return value
 
 
 def run_main(main: Callable[[], int]) -> None:
