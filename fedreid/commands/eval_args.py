@@ -4,7 +4,6 @@ and the extraction options that ``evaluate --features`` refuses."""
 from __future__ import annotations
 
 import argparse
-import sys
 from typing import TYPE_CHECKING, get_args, get_type_hints
 
 from fedreid.config import EvalConfig
@@ -40,11 +39,6 @@ def load_for_features(args: argparse.Namespace, device):
 def add_progress_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true",
                         help="no progress bars (they are drawn only when stderr is a terminal)")
-
-
-def show_progress(args: argparse.Namespace) -> bool:
-    """Whether to draw progress bars: stderr is a terminal and ``--no-progress`` was not given."""
-    return not args.no_progress and sys.stderr.isatty()
 
 
 def add_skip_argument(parser: argparse.ArgumentParser, where: str) -> None:

@@ -11,7 +11,6 @@ from fedreid.commands.eval_args import (
     add_skip_argument,
     add_speed_arguments,
     load_for_features,
-    show_progress,
     speedups,
 )
 from fedreid.inference import devices
@@ -28,6 +27,7 @@ from fedreid.retrieval.folders import (
     query_index,
     remove_from_gallery_store,
 )
+from fedreid.utils.cli import show_progress
 from fedreid.utils.io import claim_output_dir
 
 INDEX_HELP = """Build, extend or prune a gallery store of image folders (fedreid.retrieval.GalleryStore).

@@ -100,7 +100,6 @@ from fedreid.commands.eval_args import (
     add_progress_argument,
     evaluation_precision,
     refuse_extraction_options,
-    show_progress,
 )
 from fedreid.commands.eval_gallery import add_index_command, add_query_command
 from fedreid.commands.eval_serve import add_serve_command
@@ -127,7 +126,14 @@ from fedreid.inference.dataset_features import (
 )
 from fedreid.inference.errors import EvalInputError
 from fedreid.inference.model_io import find_model_file, load_model, run_config_path
-from fedreid.utils.cli import add_config_arguments, checked_overrides, positive_float, positive_int, run_main
+from fedreid.utils.cli import (
+    add_config_arguments,
+    checked_overrides,
+    positive_float,
+    positive_int,
+    run_main,
+    show_progress,
+)
 from fedreid.utils.io import marker_path, owns_folder
 from fedreid.utils.logging import METRICS_JSONL, add_pictures, read_metrics
 

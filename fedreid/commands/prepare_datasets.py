@@ -42,7 +42,7 @@ from fedreid.data.prepared import (
 from fedreid.data.raw import PUBLIC_DATASET, create_raw_dataset, list_raw_datasets
 from fedreid.data.raw.base import RawLayoutError
 from fedreid.options import did_you_mean
-from fedreid.utils.cli import add_config_arguments, checked_overrides, literal_override, run_main
+from fedreid.utils.cli import add_config_arguments, checked_overrides, literal_override, run_main, show_progress
 from fedreid.utils.io import file_in_the_way, write_text_atomic
 
 CARDS_FILE = "cards.md"
@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     data = cfg.data
     # named datasets on the command line are prepared alone; 'all' or a config's list bring the public set
     names = resolve_names(data, with_public=not args.datasets or args.datasets.strip() == "all")
-    progress = not args.no_progress and sys.stderr.isatty()
+    progress = show_progress(args)
     raw_root = Path(data.raw_root)
     out_root = Path(data.prepared_root)
     # At the door, before anything is generated or prepared: one line each, not one per dataset.

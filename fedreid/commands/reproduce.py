@@ -39,7 +39,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from fedreid.utils.cli import run_main
+from fedreid.utils.cli import run_main, show_progress
 
 DEFAULT_OUT = "runs/reproduce"
 
@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     check_folder_option("--out", Path(args.out))
     pages = Path(args.pages) if args.pages else REPO_ROOT / "docs" / "results"
     check_pages(table, pages, args.synthetic)  # a page the tool did not write: refused before hours of training
-    progress = not args.no_progress and sys.stderr.isatty()
+    progress = show_progress(args)
 
     def on_run(slug: str, seed: int) -> None:
         if not args.page_only:

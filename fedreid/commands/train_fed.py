@@ -25,7 +25,6 @@ uninterrupted run's).
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +37,7 @@ from fedreid.eval.report import (
     paper_summary,
     write_report,
 )
-from fedreid.utils.cli import add_config_arguments, checked_overrides, literal_override, run_main
+from fedreid.utils.cli import add_config_arguments, checked_overrides, literal_override, run_main, show_progress
 from fedreid.utils.run_log import LOG_FILE, OutputLog, log_header
 
 
@@ -108,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, checked_overrides(args, flags))
         run_dir = Path(cfg.run.out_dir)
         resume = False
-    progress = not args.no_progress and sys.stderr.isatty()
+    progress = show_progress(args)
     log = OutputLog()  # run_dir/log.txt from the moment the run owns the folder
 
     def on_event(event: str, info: dict[str, Any]) -> None:

@@ -44,6 +44,11 @@ def positive_int(text: str) -> int:
     return value
 
 
+def show_progress(args: argparse.Namespace) -> bool:
+    """Whether a tool draws progress bars: stderr is a terminal and ``--no-progress`` was not given."""
+    return not args.no_progress and sys.stderr.isatty()
+
+
 def positive_float(text: str) -> float:
     """An ``argparse`` type: a finite number > 0 (a size in GiB, a limit)."""
     try:
