@@ -49,7 +49,7 @@ from fedreid.retrieval.gallery_rows import (
     recorded_gallery_roots,
     roots_after_removal,
 )
-from fedreid.retrieval.store import GalleryStore, check_factory_string, check_training_size, factory_kind
+from fedreid.retrieval.store import GalleryStore, check_factory_string, factory_kind
 from fedreid.retrieval.store_files import clean_swap_leftovers, is_own_name, own_names
 
 if TYPE_CHECKING:
@@ -144,9 +144,10 @@ def build_gallery_store(
     next build). Rows: :func:`~fedreid.retrieval.gallery_rows.image_rows`
     with ``site``, overridden by the CSV ``metadata`` (read, and its errors
     raised, before any image is). ``factory``/``seed``: the FAISS index and
-    its training (:meth:`GalleryStore.create`; a string FAISS cannot parse
-    is refused before any work); ``refine``: as there. The header's ``meta`` records
-    the model (``model``, ``round``, ``model_fingerprint``), the ``gallery``,
+    its training (:meth:`GalleryStore.create`; a string FAISS cannot parse,
+    or one needing more training vectors than the gallery has images, is
+    refused before any image is read); ``refine``: as there. The header's
+    ``meta`` records the model (``model``, ``round``, ``model_fingerprint``), the ``gallery``,
     the number ``skipped`` and ``gallery_roots``, the folders the indexed
     files lie in (:func:`~fedreid.retrieval.gallery_rows.gallery_roots`). ``skipped``: as in :func:`image_features`;
     when given, the images left out are listed in ``index_dir/skipped.csv``.
@@ -157,9 +158,8 @@ def build_gallery_store(
     from fedreid.utils.io import claim_output_dir
 
     gallery, index_dir = Path(gallery), Path(index_dir)
-    check_factory_string(factory)
     paths = list_images(gallery, "gallery")
-    check_training_size(factory, len(paths), "images")  # before any image is read
+    check_factory_string(factory, images=len(paths))  # before any image is read
     _check_index_location(gallery, index_dir)
     rows = _rows_for(paths, gallery, site, metadata)
     earlier = (

@@ -108,7 +108,6 @@ __all__ = [
     "GalleryStoreError",
     "SearchResult",
     "check_factory_string",
-    "check_training_size",
     "clean_swap_leftovers",
     "factory_kind",
     "is_store_folder",
@@ -191,19 +190,24 @@ def _new_index(factory: str, dim: int) -> Any:
 _PROBE_DIM = 40320
 
 
-def check_factory_string(factory: str) -> None:
+def check_factory_string(factory: str, images: Optional[int] = None) -> None:
     """Raise :class:`GalleryStoreError` when FAISS cannot parse ``factory`` (tried at a dimension most accept).
 
     A string that parses may still not fit the features' dimension (e.g. PQ7
-    for 16-d features): :meth:`GalleryStore.create` says so.
+    for 16-d features): :meth:`GalleryStore.create` says so. With ``images``
+    (a gallery's image count, before its features are extracted), also when
+    that many are too few to train the index: IVF and PQ needs do not depend
+    on the dimension.
     """
     try:
-        _new_index(factory, _PROBE_DIM)
+        index = _new_index(factory, _PROBE_DIM)
     except GalleryStoreError as exc:
         text = str(exc).replace(f" for dim {_PROBE_DIM}", "")
         if "such as" not in text and "supported:" not in text:
             text += "; expected a FAISS factory string such as Flat, IVF1024,Flat, IVF1024,PQ64 or HNSW32"
         raise GalleryStoreError(text) from None
+    if images is not None and not index.is_trained:
+        _check_training_need(index, factory, images, "images")
 
 
 def factory_kind(factory: str, dim: int) -> str:
@@ -212,17 +216,6 @@ def factory_kind(factory: str, dim: int) -> str:
     Raises :class:`GalleryStoreError` for a string FAISS cannot build or a class no kind has.
     """
     return _index_kind(_new_index(factory, dim))
-
-
-def check_training_size(factory: str, count: int, what: str = "vectors") -> None:
-    """Raise :class:`GalleryStoreError` when ``count`` items are too few to train ``factory``'s index.
-
-    Called with a gallery's image count before its features are extracted
-    (``what="images"``): IVF and PQ needs do not depend on the dimension.
-    """
-    index = _new_index(factory, _PROBE_DIM)
-    if not index.is_trained:
-        _check_training_need(index, factory, count, what)
 
 
 def _check_training_need(index: Any, factory: str, count: int, what: str) -> None:
