@@ -94,6 +94,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Sequence
 
 from fedreid.commands.eval_args import (
     add_precision_arguments,
@@ -250,14 +251,6 @@ def _protocol_options(args: argparse.Namespace, cfg) -> tuple[str, int]:
     return ap, (cfg.seed if args.seed is None else args.seed)
 
 
-def _manifest_sizes(root: str | Path, name: str) -> tuple[str, int, int]:
-    """``(name, queries, gallery items)`` of prepared dataset ``name`` as its manifest lists them."""
-    from fedreid.data.prepared import load_prepared
-
-    ds = load_prepared(root, name)
-    return name, len(ds.split("query")), len(ds.split("gallery"))
-
-
 def _rerank_max_bytes(args: argparse.Namespace) -> int:
     """``--rerank-memory`` in bytes (default 4 GiB); refused without ``--rerank``."""
     from fedreid.eval.rerank import DEFAULT_MAX_BYTES
@@ -269,35 +262,38 @@ def _rerank_max_bytes(args: argparse.Namespace) -> int:
     return int(args.rerank_memory * 2**30)
 
 
-def _check_rerank_sizes(sizes: list[tuple[str, int, int]], max_bytes: int) -> None:
+def _check_rerank_sizes(sets: Sequence[DatasetFeatures], max_bytes: int) -> None:
     """Refuse ``--rerank`` on a dataset too large to re-rank, before anything is extracted or written."""
     from fedreid.eval.rerank import RerankMemoryError, check_rerank_memory
 
-    for name, n_query, n_gallery in sizes:
+    for fs in sets:
+        name = fs.name
         try:
-            check_rerank_memory(n_query, n_gallery, max_bytes=max_bytes)
+            check_rerank_memory(fs.query.features.shape[0], fs.gallery.features.shape[0], max_bytes=max_bytes)
         except RerankMemoryError as exc:
-            reason = str(exc).split(", above the limit")[0]
-            raise EvalInputError(f"--rerank on {name}: {reason}, above --rerank-memory {max_bytes / 2**30:g} GiB; "
+            raise EvalInputError(f"--rerank on {name}: {exc.needs}, above --rerank-memory {max_bytes / 2**30:g} GiB; "
                                  f"raise it where the machine has that much free memory, or evaluate {name} "
                                  "without --rerank") from None
 
 
-def _manifest_queries(root: str | Path, name: str) -> DatasetFeatures:
-    """Prepared dataset ``name``'s query set as its manifest lists it, without features (zero columns).
+def _manifest_sets(root: str | Path, name: str) -> DatasetFeatures:
+    """Prepared dataset ``name``'s query and gallery as its manifest lists them, without features (zero columns).
 
-    What ``--queries`` is checked against (:func:`check_queries`) before any
-    feature is extracted: the query images in the order, and with the paths,
-    that :func:`dataset_features` gives them.
+    What ``--queries`` (:func:`check_queries`) and ``--rerank``'s sizes are
+    checked against before any feature is extracted: the images in the order,
+    and with the paths, that :func:`dataset_features` gives them.
     """
     import numpy as np
 
     from fedreid.data.prepared import load_prepared
     from fedreid.inference.features import FeatureSet
 
-    paths = [str(r.path) for r in load_prepared(root, name).split("query")]
-    query = FeatureSet(np.zeros((len(paths), 0), np.float32), None, None, paths)
-    return DatasetFeatures(name, query, FeatureSet(np.zeros((0, 0), np.float32), None, None, []))
+    ds = load_prepared(root, name)
+    sets = []
+    for split in ("query", "gallery"):
+        paths = [str(r.path) for r in ds.split(split)]
+        sets.append(FeatureSet(np.zeros((len(paths), 0), np.float32), None, None, paths))
+    return DatasetFeatures(name, *sets)
 
 
 def _claim_output_folders(out: Path, features_dir: str | None) -> None:
@@ -371,8 +367,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         ap, seed = _protocol_options(args, cfg)
         check_queries(feats, queries)
         if args.rerank:
-            _check_rerank_sizes([(fs.name, fs.query.features.shape[0], fs.gallery.features.shape[0]) for fs in feats],
-                                rerank_bytes)
+            _check_rerank_sizes(feats, rerank_bytes)
         source = ", ".join(f for _, f in pairs)
         out = Path(args.out or Path(pairs[0][1]).parent / EVAL_DIR)
         _claim_output_folders(out, None)
@@ -392,10 +387,11 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
             raise EvalInputError(f"--datasets names {twice!r} twice: each dataset is evaluated once")
         names = resolve_datasets(names, root)
         ap, seed = _protocol_options(args, cfg)
-        if queries:
-            check_queries([_manifest_queries(root, name) for name in names], queries)
-        if args.rerank:
-            _check_rerank_sizes([_manifest_sizes(root, name) for name in names], rerank_bytes)
+        if queries or args.rerank:  # from the manifests, each read once
+            listed = [_manifest_sets(root, name) for name in names]
+            check_queries(listed, queries)
+            if args.rerank:
+                _check_rerank_sizes(listed, rerank_bytes)
         out = Path(args.out or model_file.parent / EVAL_DIR)
         _claim_output_folders(out, args.save_features)  # both refused when they hold the user's files
         feats = []

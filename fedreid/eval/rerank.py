@@ -42,7 +42,13 @@ _ROW_CHUNK = 2048  # rows per step when finding neighbours (bounds the temporari
 
 
 class RerankMemoryError(FedReIDError, MemoryError):
-    """Re-ranking would need more memory than the caller allowed."""
+    """Re-ranking would need more memory than the caller allowed.
+
+    ``needs``: what the sizes need, in words (the message's head), for a tool
+    that names its own limit.
+    """
+
+    needs: str = ""
 
 
 def check_rerank_memory(n_query: int, n_gallery: int, k1: int = 20, k2: int = 6,
@@ -55,12 +61,12 @@ def check_rerank_memory(n_query: int, n_gallery: int, k1: int = 20, k2: int = 6,
     needed = estimate_rerank_bytes(n_query, n_gallery, k1, k2)
     if needed > max_bytes:
         n = n_query + n_gallery
-        raise RerankMemoryError(
-            f"k-reciprocal re-ranking of {n_query} queries + {n_gallery} gallery items (N = {n}) needs about "
-            f"{needed / 2**30:.2f} GiB (the N x N distance matrix alone is {4 * n * n / 2**30:.2f} GiB), "
-            f"above the limit max_bytes={max_bytes} ({max_bytes / 2**30:.2f} GiB); "
-            "raise max_bytes or re-rank a subset"
-        )
+        needs = (f"k-reciprocal re-ranking of {n_query} queries + {n_gallery} gallery items (N = {n}) needs about "
+                 f"{needed / 2**30:.2f} GiB (the N x N distance matrix alone is {4 * n * n / 2**30:.2f} GiB)")
+        exc = RerankMemoryError(f"{needs}, above the limit max_bytes={max_bytes} ({max_bytes / 2**30:.2f} GiB); "
+                                "raise max_bytes or re-rank a subset")
+        exc.needs = needs
+        raise exc
 
 
 def estimate_rerank_bytes(n_query: int, n_gallery: int, k1: int = 20, k2: int = 6) -> int:
