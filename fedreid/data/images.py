@@ -20,7 +20,7 @@ import numpy as np
 
 from fedreid.errors import FedReIDError
 
-__all__ = ["ImageReadError", "opencv_refusal", "read_image"]
+__all__ = ["ImageReadError", "decode_image", "opencv_refusal", "read_image"]
 
 
 class ImageReadError(FedReIDError, OSError):
@@ -53,10 +53,18 @@ def read_image(path: str | Path) -> np.ndarray:
         data = np.fromfile(str(path), dtype=np.uint8)
     except OSError as exc:
         raise ImageReadError(f"cannot read image {path}: {exc}") from exc
+    return decode_image(data, f"image {path}")
+
+
+def decode_image(data: np.ndarray, what: str) -> np.ndarray:
+    """Encoded image bytes (a uint8 array) as :func:`read_image` decodes a file's: RGB uint8 ``[H, W, 3]``.
+
+    Raises :class:`ImageReadError` naming ``what`` when they cannot be decoded.
+    """
     try:
         image = cv2.imdecode(data, cv2.IMREAD_COLOR) if data.size else None
     except cv2.error as exc:
-        raise ImageReadError(f"cannot decode image {path}: {opencv_refusal(exc)}") from exc
+        raise ImageReadError(f"cannot decode {what}: {opencv_refusal(exc)}") from exc
     if image is None:
-        raise ImageReadError(f"cannot decode image {path} (empty, corrupt or not an image)")
+        raise ImageReadError(f"cannot decode {what} (empty, corrupt or not an image)")
     return cv2.cvtColor(image, cv2.COLOR_BGR2RGB)

@@ -941,7 +941,7 @@ def _copy_checked(src: Path, dst: Path, resize: Optional[Sequence[int]]) -> Opti
 def _write_resized(data: bytes, dst: Path, resize: Sequence[int]) -> Optional[str]:
     """Write the image ``data`` resized as :data:`RESIZE_METHOD` says; None, or why it cannot be decoded.
 
-    Decoded and resized as the loaders do (:func:`fedreid.data.images.read_image`,
+    Decoded and resized as the loaders do (:func:`fedreid.data.images.decode_image`,
     OpenCV bicubic without antialiasing), so a copy resized to the model's input
     size is what the training and test transforms would have made of the
     original, less the JPEG re-encoding at quality 95 (4:4:4). PNG is lossless.
@@ -949,14 +949,14 @@ def _write_resized(data: bytes, dst: Path, resize: Sequence[int]) -> Optional[st
     import cv2
     import numpy as np
 
+    from fedreid.data.images import ImageReadError, decode_image
+
     height, width = (int(v) for v in resize)
     try:
-        image = cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_COLOR)
-    except cv2.error as exc:
-        return f"OpenCV cannot decode it: {str(exc).strip().splitlines()[-1]}"
-    if image is None:
-        return "OpenCV cannot decode it"
-    resized = cv2.resize(image, (width, height), interpolation=cv2.INTER_CUBIC)
+        image = decode_image(np.frombuffer(data, np.uint8), "the image")
+    except ImageReadError as exc:
+        return str(exc)
+    resized = cv2.cvtColor(cv2.resize(image, (width, height), interpolation=cv2.INTER_CUBIC), cv2.COLOR_RGB2BGR)
     if dst.suffix.lower() in (".jpg", ".jpeg"):
         params = [cv2.IMWRITE_JPEG_QUALITY, RESIZE_JPEG_QUALITY,
                   cv2.IMWRITE_JPEG_SAMPLING_FACTOR, cv2.IMWRITE_JPEG_SAMPLING_FACTOR_444]
