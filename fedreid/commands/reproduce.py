@@ -118,8 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     progress = show_progress(args)
 
     def on_run(slug: str, seed: int) -> None:
-        if not args.page_only:
-            print(f"[{table.name}] {slug} seed {seed}", flush=True)
+        print(f"[{table.name}] {slug} seed {seed}", flush=True)
 
     def on_event(event: str, info: dict) -> None:
         if event == "round_end" and not progress:

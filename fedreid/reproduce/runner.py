@@ -33,6 +33,7 @@ other cells.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -230,11 +231,13 @@ def check_run_folder(run_dir: Path, saved: SavedRun, cfg: Config) -> None:
 
 def run_cell(table: Table, cell: Cell, slug: str, seed: int, *, out: Path, rounds: Optional[int],
              synthetic: bool, execute: bool, progress: bool,
-             callbacks: Sequence[Callable[[str, dict], None]] = (), saved: Optional[SavedRun] = None) -> RunResult:
+             callbacks: Sequence[Callable[[str, dict], None]] = (), saved: Optional[SavedRun] = None,
+             on_start: Optional[Callable[[], None]] = None) -> RunResult:
     """Run (or resume, or only read) one cell for one seed.
 
     ``saved``: the run folder as :func:`read_run` read it and :func:`check_run_folder` accepted it; None reads
-    and checks it here. A folder of another config is a :class:`ReproduceError`.
+    and checks it here. A folder of another config is a :class:`ReproduceError`. ``on_start()`` is called
+    just before the run trains: not for a finished run, a missing dataset or ``execute=False``.
     """
     from fedreid.fl.simulation import run_simulation
 
@@ -250,6 +253,8 @@ def run_cell(table: Table, cell: Cell, slug: str, seed: int, *, out: Path, round
         if lacking:
             result.status, result.detail = "missing-data", lacking
             return result
+        if on_start is not None:
+            on_start()
         try:
             history = run_simulation(cfg, run_dir, resume=done > 0, progress=progress, callbacks=callbacks,
                                      tool="reproduce")
@@ -320,8 +325,9 @@ def run_table(table: Table, seeds: Sequence[int], *, out: Path, rounds: Optional
     outside ``rows``/``columns`` (slugs; None: every row or column), which
     are still listed. Before anything trains, the seeds are checked
     (:func:`check_seeds`) and every run folder the table reads
-    (:func:`check_run_folder`); ``on_run(slug, seed)`` is called before each
-    selected run.
+    (:func:`check_run_folder`); ``on_run(slug, seed)`` is called as each
+    selected run starts training (or resumes); a finished run or one whose
+    data is missing starts nothing.
     """
     check_seeds(seeds)
     if synthetic and not table.synthetic:
@@ -347,11 +353,10 @@ def run_table(table: Table, seeds: Sequence[int], *, out: Path, rounds: Optional
     for key, (cell, slug, selected) in plan.items():
         runs = []
         for seed in seeds:
-            if selected and on_run is not None:
-                on_run(slug, seed)
+            start = None if on_run is None else functools.partial(on_run, slug, seed)
             runs.append(run_cell(table, cell, slug, seed, out=out, rounds=rounds, synthetic=synthetic,
                                  execute=execute and selected, progress=progress, callbacks=callbacks,
-                                 saved=saved.pop((*key, seed))))
+                                 saved=saved.pop((*key, seed)), on_start=start))
         results[key] = runs
     outcomes: list[list[CellOutcome]] = []
     for row in table.rows:

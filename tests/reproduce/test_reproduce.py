@@ -108,16 +108,19 @@ def _digits_table(name="tiny-digits"):
 def test_table_runs_resume_and_page(tmp_path):
     table = _digits_table()
     out, pages = tmp_path / "runs", tmp_path / "pages"
-    outcomes = run_table(table, [0, 1], out=out, rounds=2)
+    started = []
+    outcomes = run_table(table, [0, 1], out=out, rounds=2, on_run=lambda slug, seed: started.append((slug, seed)))
     assert [len(o.runs) for row in outcomes for o in row] == [2, 2, 0]
+    assert len(started) == 4 and ("d-fedavg", 1) in started
     values = outcomes[0][0].values()
     assert len(values) == 2 and all(0 < v <= 100 for v in values)
     run_dir = out / "tiny-digits" / "d-fedavg" / "seed0"
     assert (run_dir / "checkpoint.pt").is_file() and outcomes[0][0].runs[0].rounds == 2
     assert "best accuracy" in (run_dir / "report.md").read_text()  # each run has its own report
     stamp = (run_dir / "checkpoint.pt").stat().st_mtime_ns
-    again = run_table(table, [0, 1], out=out, rounds=2)  # finished runs are only read
-    assert (run_dir / "checkpoint.pt").stat().st_mtime_ns == stamp
+    again = run_table(table, [0, 1], out=out, rounds=2, on_run=lambda slug, seed: started.append((slug, seed)))
+    assert (run_dir / "checkpoint.pt").stat().st_mtime_ns == stamp  # finished runs are only read,
+    assert len(started) == 4  # and not announced as started
     assert again[0][0].values() == values
     page, picture = write_page(table, again, pages=pages, seeds=[0, 1], rounds=2, synthetic=False,
                                command="python tools/reproduce.py tiny-digits --rounds 2")
@@ -223,8 +226,9 @@ def test_missing_data_names_what_is_needed(tmp_path, monkeypatch):
     assert "prepared datasets missing" in missing_data(reid) and "market1501" in missing_data(reid)
     table = Table(name="t", title="t", source="s", columns=("a",), column_slugs=("a",), data="CIFAR-10 files",
                   rows=(Row("FedAvg", "fedavg", (Cell(str(REPO / cell.config), cell.overrides, paper=33.02),)),))
-    outcomes = run_table(table, [0], out=tmp_path / "runs")
-    assert outcomes[0][0].runs[0].status == "missing-data"
+    started = []
+    outcomes = run_table(table, [0], out=tmp_path / "runs", on_run=lambda slug, seed: started.append(slug))
+    assert outcomes[0][0].runs[0].status == "missing-data" and started == []  # nothing announced as starting
     (tmp_path / cfg.classification.root / "train" / "airplane").mkdir(parents=True)  # the class-folder layout
     assert missing_data(cfg) == ""
     page, picture = write_page(table, outcomes, pages=tmp_path / "pages", seeds=[0], rounds=None,
