@@ -419,6 +419,11 @@ class EvalConfig:
     ranks: list[int] = field(default_factory=lambda: [1, 5, 10])
     #: Also evaluate each client's model before aggregation on its own dataset.
     local_models: bool = True
+    #: In an evaluation round, also evaluate the aggregated model before the server
+    #: hooks train it (KD on its rounds, FedFTG, FedDF), recorded as
+    #: ``eval_before_hooks``: the official FedReID ``main.py:train`` tests the model
+    #: before and after ``knowledge_distillation``. Off: one evaluation, after the hooks.
+    before_hooks: bool = False
     #: Batch size of feature extraction during evaluation.
     batch_size: int = 128
     #: Average the features of the image and its horizontal flip.

@@ -365,6 +365,7 @@ def write_report(
     run_dir = Path(run_dir)
     pictures = plot_curves(history, run_dir)
     rounds = eval_rounds(history)
+    before = [r for r in rounds if r.get("eval_before_hooks")]
     lines = [f"# {title or run_dir.name}", ""]
     if history:
         last = history[-1]
@@ -380,6 +381,11 @@ def write_report(
     if rounds and is_classification(history):
         summary = classification_summary(history, targets)
         lines += ["## Test accuracy", "", format_classification_summary(summary)]
+        if before:
+            accuracy = "; ".join(f"{name} {100 * row['accuracy']:.2f}%" for name, row in before[-1]["eval_before_hooks"].items()
+                                 if isinstance(row, Mapping) and "accuracy" in row)
+            lines += [f"Before the server hooks trained the aggregate (round {before[-1]['round']}, "
+                      f"`eval.before_hooks`): {accuracy}.", ""]
         if (run_dir / "partition.png").is_file():
             lines += ["![partition: samples per client and class](partition.png)", ""]
     elif rounds:
@@ -396,6 +402,15 @@ def write_report(
             "",
             format_table(rounds[-1]["eval"]),
         ]
+        if before:
+            lines += [
+                f"## Before the server hooks (round {before[-1]['round']})",
+                "",
+                "The aggregated model before the round's server hooks trained it (KD; `eval.before_hooks`), "
+                "as the official FedReID code also tests it before distilling.",
+                "",
+                format_table(before[-1]["eval_before_hooks"]),
+            ]
         local = local_model_summary(history)
         if local["clients"]:
             rows = {f"{client} (round {', '.join(map(str, local['rounds_by_client'][client]))})": row

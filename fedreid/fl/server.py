@@ -295,6 +295,11 @@ class Server:
             if agg.stats and by is not None:
                 record[by] = to_plain(agg.stats)
             record["time"]["aggregate"] = time.perf_counter() - t0
+            if ins["evaluate"] and self.evaluator is not None and self.cfg.eval.before_hooks and any(
+                    h.trains_model(round_index) for h in self.hooks):
+                t0 = time.perf_counter()
+                record["eval_before_hooks"] = to_plain(dict(self.evaluator(self.model)))
+                record["time"]["eval_before_hooks"] = time.perf_counter() - t0
             for hook in self.hooks:
                 t0 = time.perf_counter()
                 stats = hook.after_aggregate(round_index, self.model, accepted)

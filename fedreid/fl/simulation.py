@@ -110,7 +110,8 @@ PARTITION_PICTURE = "partition.png"
 
 #: Config keys that may differ when a run is resumed. Not ``train.workers``: each loader
 #: worker reseeds its own copy of the training transform, so the count sets the augmentations.
-RESUMABLE_CHANGES = ("fl.rounds", "run.", "eval.batch_size", "eval.workers", "train.persistent_workers")
+RESUMABLE_CHANGES = ("fl.rounds", "run.", "eval.batch_size", "eval.workers", "eval.before_hooks",
+                     "train.persistent_workers")
 
 
 #: Runs one round on clients in other processes: ``record = remote_round(server)``.

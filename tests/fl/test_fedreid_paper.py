@@ -389,6 +389,46 @@ def test_kd_train_mode_end_to_end(world, tmp_path, monkeypatch):
         assert states_equal(tu.state, eu.state)
 
 
+def test_eval_before_hooks_records_the_aggregate_kd_then_trains(world, tmp_path, monkeypatch):
+    """``eval.before_hooks``: the official main.py:train tests before and after knowledge_distillation."""
+    from fl_helpers import strip_time
+
+    from fedreid.fl.simulation import run_simulation
+
+    real = Evaluator.__call__
+
+    def with_weights(self, model, names=None):  # the metrics, and which weights they were measured on
+        out = real(self, model, names)
+        out["weights"] = {"sum": float(sum(p.detach().double().sum() for p in model.parameters()))}
+        return out
+
+    monkeypatch.setattr(Evaluator, "__call__", with_weights)
+    common = ["fl.rounds=2", "fl.kd_every=2", "eval.every=1", "eval.local_models=false"]
+    plain = run_simulation(tiny_config(world, common), tmp_path / "nokd", progress=False)
+    after = run_simulation(tiny_config(world, [*common, "fl.kd=true"]), tmp_path / "kd", progress=False)
+    both = run_simulation(tiny_config(world, [*common, "fl.kd=true", "eval.before_hooks=true"]),
+                          tmp_path / "both", progress=False)
+    assert "eval_before_hooks" not in both[0]  # round 1 distils nothing: one evaluation
+    before = both[1].pop("eval_before_hooks")
+    assert "eval_before_hooks" in both[1]["time"]
+    # the extra evaluation changes nothing else; it sees the average KD starts from
+    assert strip_time(both) == strip_time(after)
+    assert before == plain[1]["eval"] and before["weights"] != after[1]["eval"]["weights"]
+    both[1]["eval_before_hooks"] = before
+    for record in both:  # the report of the real metrics only
+        for key in ("eval", "eval_before_hooks"):
+            record.get(key, {}).pop("weights", None)
+    report = write_report(tmp_path / "both", both).read_text()
+    assert "## Before the server hooks (round 2)" in report
+    # which hooks train the global model, and when
+    from fedreid.fl.server_hooks.feddf import FedDFHook
+    from fedreid.fl.server_hooks.fedgen import FedGenHook
+
+    kd = KDHook(lambda **kw: None, 4, every=2)
+    assert [kd.trains_model(r) for r in range(4)] == [False, True, False, True]
+    assert FedDFHook().trains_model(0) and not FedGenHook().trains_model(0)
+
+
 def test_client_in_train_mode_needs_the_round_seed(world):
     from fedreid.fl.client import ClientError
     from fedreid.fl.federation import build_federation

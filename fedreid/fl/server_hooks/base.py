@@ -20,6 +20,8 @@ configured, at these moments of a federated round:
                        the others get the server's weighted average
 ``after_aggregate``    may train the global model in place (KD, FedFTG); returns
                        metrics for the round record
+``trains_model``       whether this round's ``after_aggregate`` trains the global model
+                       (``eval.before_hooks`` evaluates it before them)
 ``state_dict``         what persists across rounds, checkpointed with the server
 =====================  ==============================================================
 
@@ -149,6 +151,10 @@ class ServerHook:
     ) -> Optional[Mapping[str, Any]]:
         """After the new global state is loaded into ``model``; may train it in place. Returns metrics."""
         return None
+
+    def trains_model(self, round_index: int) -> bool:
+        """Whether :meth:`after_aggregate` changes the global model's weights in round ``round_index``."""
+        return False
 
     def state_dict(self) -> dict[str, Any]:
         """What persists across rounds (CPU tensors and plain values)."""

@@ -232,6 +232,9 @@ class FedGenHook(FedFTGHook):
         self.feature_dim: Optional[int] = None
         self.label_probs: Optional[Tensor] = None
 
+    def trains_model(self, round_index: int) -> bool:
+        return False  # trains its generator; the global model is only read
+
     def _build(self, num_classes: int, device: torch.device) -> None:
         cfg: FedGenOptions = self.config  # type: ignore[assignment]
         if self.feature_dim is None:

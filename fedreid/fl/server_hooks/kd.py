@@ -333,6 +333,9 @@ class KDHook(ServerHook):
                     f"({self.num_public}, {dim if dim is not None else 'd'}) (public images, feature size)")
         return None
 
+    def trains_model(self, round_index: int) -> bool:
+        return is_kd_round(round_index, self.every)
+
     def after_aggregate(
         self, round_index: int, model: nn.Module, updates: Sequence[Update]
     ) -> Optional[Mapping[str, Any]]:

@@ -214,6 +214,9 @@ class FedFTGHook(ServerHook):
             return f"{CLASS_COUNTS} must be finite and >= 0"
         return None
 
+    def trains_model(self, round_index: int) -> bool:
+        return True  # fine-tunes the global model every round (FedDF distils it)
+
     def after_aggregate(
         self, round_index: int, model: nn.Module, updates: Sequence[Update]
     ) -> Optional[Mapping[str, Any]]:
