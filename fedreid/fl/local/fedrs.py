@@ -12,9 +12,9 @@ scaled logits (the paper's restricted softmax)::
 ``c`` goes through its scaled logit, so ``dL/dw_c = s_c (p_c - 1[y = c]) h``
 with ``p = softmax(o)``: the client pushes the weights of the classes it lacks
 away ``alpha`` times as hard. ``alpha = 1`` is FedAvg's cross-entropy;
-``alpha = 0`` fixes the missing classes' logits at 0. The paper's code
-default and this default is ``alpha = 0.5`` (the official experiments search
-``{0.9, 0.5, 0.1}``).
+``alpha = 0`` fixes the missing classes' logits at 0. The official code has
+no single default: its experiments search ``alpha`` in ``{0.9, 0.5, 0.1}``
+(``train_lab.py``); the default here is the middle value, ``alpha = 0.5``.
 
 Conventions and the official code (``lxcnju/FedRepo``, ``algorithms/fedrs.py``):
 
@@ -105,7 +105,7 @@ class FedRSOptions:
     """Options of ``train.objective: fedrs`` (the class counts come from the client's data)."""
 
     #: Scale of the logits of the classes the client has no sample of, in [0, 1]
-    #: (Li & Zhan 2021, restricted softmax; 1 is FedAvg; official default 0.5).
+    #: (Li & Zhan 2021, restricted softmax; 1 is FedAvg; the official runs search 0.9, 0.5, 0.1).
     alpha: float = 0.5
     #: Per-class scale: ``paper`` (1 for the client's classes, ``alpha`` for the others) or
     #: ``official`` (the released code's ``alpha + (1 - alpha) * n_c / max n``).

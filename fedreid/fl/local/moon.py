@@ -23,10 +23,17 @@ representation; here it is ``model.features`` (``embed`` for
 
 Before a client's first round there is no previous local model. The paper does
 not say what to use; here the received global model stands in, which makes
-``l_con = log 2`` with zero gradient (the round is plain FedAvg). The official
-code instead uses the client's own, independently initialised network
-(``old_nets = copy.deepcopy(nets)`` before round 0); to reproduce that,
-``load_state_dict({"prev": initial_state})`` before the first round.
+``l_con = log 2`` with a gradient that is zero up to the rounding of the
+log-softmax (the round is plain FedAvg). The official code has two cases:
+
+* round 0: the pool of previous models is empty (the copy ``old_nets =
+  copy.deepcopy(nets)`` made under ``--load_first_net`` is never appended to
+  ``old_nets_pool``), so the logits hold the positive column alone and the term
+  is exactly 0: the same training, logged as 0 where this one logs ``log 2``;
+* a client first sampled in a later round: the pool copies every party's
+  network after each round, and an unsampled party's network is still its own
+  independent initialisation, which becomes its negative. To reproduce that,
+  ``load_state_dict({"prev": initial_state})`` before its first round.
 
 The previous model's full ``state_dict`` is client state (persisted): one
 model's worth of memory per client.
