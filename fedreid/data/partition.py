@@ -339,16 +339,16 @@ def dirichlet_prior(
        (FedDyn redraws empty classes: the same distribution), and give the
        client that class's next unused sample. If ``q_j`` has no mass left
        on the remaining classes (its classes are used up and the rest of
-       its prior underflowed to 0) the class is drawn in proportion to the
-       remaining class counts; FedDyn's code loops forever there.
+       its prior underflowed to 0 in float64, from about ``beta = 0.05``
+       down), the underflowed entries are drawn again from ``rng``, as
+       ``Dir(beta)`` over those classes: a Dirichlet vector's entries over
+       a subset, renormalised, are again Dirichlet (its neutrality), so the
+       client goes on to its next most wanted classes. FedDyn's code loops
+       forever there.
 
     Client ``j`` gets exactly ``n_j`` samples and every sample is assigned
     exactly once. Small ``beta`` concentrates each client on few classes,
-    until the classes it wants run out. Below about ``beta = 0.01`` float64
-    priors underflow to 0 and the fallback of step 3 spreads those clients
-    over the remaining classes, so the split gets *less* heterogeneous as
-    ``beta`` falls further; a WARNING then says how many samples the fallback
-    placed.
+    until the classes it wants run out; the smaller ``beta``, the fewer.
     """
     labels = _check_labels(labels)
     num_clients = _check_clients(num_clients, labels.size)
@@ -380,7 +380,6 @@ def dirichlet_prior(
     # class runs out, so their cumulative sums are cached per client and
     # recomputed after such an event (``emptied`` counts them).
     emptied = 0
-    by_counts = 0  # samples placed by the fallback (an underflowed prior)
     cache: dict[int, tuple[int, list[float], int]] = {}
 
     def cumulative_weights(weights: np.ndarray) -> tuple[list[float], int]:
@@ -394,10 +393,13 @@ def dirichlet_prior(
             available = np.array([r > 0 for r in remaining])
             cached = (emptied, *cumulative_weights(priors[client] * available))
             cache[client] = cached
+        while not cached[1][-1] > 0:  # the prior has no mass left on the remaining classes
+            underflowed = priors[client] == 0  # includes every remaining class; never empty here
+            priors[client, underflowed] = rng.dirichlet(np.full(int(underflowed.sum()), float(beta)))
+            available = np.array([r > 0 for r in remaining])
+            cached = (emptied, *cumulative_weights(priors[client] * available))
+            cache[client] = cached
         _, cumulative, last = cached
-        if not cumulative[-1] > 0:  # the prior has no mass left on the remaining classes
-            cumulative, last = cumulative_weights(np.asarray(remaining, dtype=np.float64))
-            by_counts += 1
         k = bisect.bisect_right(cumulative, rng.random() * cumulative[-1])
         # Rounding can put the draw at the very end; take the last class that has samples.
         k = min(k, last)
@@ -408,11 +410,6 @@ def dirichlet_prior(
         room[client] -= 1
         if room[client] == 0:
             open_clients.remove(client)
-    if by_counts:
-        log.warning("dirichlet_prior: beta=%g underflowed %d of the %d prior entries (clients x classes) to 0, "
-                    "so %d of %d samples were drawn by the remaining class counts: the split is less heterogeneous "
-                    "than the beta says (below about beta=0.01 a smaller beta mixes more)",
-                    beta, int((priors == 0).sum()), priors.size, by_counts, n)
     return _finish(parts)
 
 

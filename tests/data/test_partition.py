@@ -243,24 +243,27 @@ def test_dirichlet_prior_small_beta_concentrates_large_beta_spreads():
 
 
 def test_dirichlet_prior_uses_up_classes_without_hanging():
-    # Tiny beta and a class-poor dataset: clients' preferred classes run out and the
-    # draw falls back to what remains (FedDyn's code would loop forever here).
+    # Tiny beta and a class-poor dataset: clients' preferred classes run out and they
+    # draw again over what remains (FedDyn's code would loop forever here).
     labels = np.repeat(np.arange(3), [5, 500, 495])
     parts = dirichlet_prior(labels, 4, 1e-4, np.random.default_rng(0))
     assert_exact_cover(parts, labels.size)
     assert [p.size for p in parts] == [250] * 4
 
 
-def test_dirichlet_prior_says_when_underflowed_priors_make_the_split_less_heterogeneous(caplog):
+def test_dirichlet_prior_gets_more_heterogeneous_as_beta_falls_through_float64_underflow():
+    # From about beta = 0.05 float64 priors underflow to 0; a client whose classes run out
+    # redraws its underflowed entries (Dir(beta) over them) instead of spreading by the counts.
     labels = balanced_labels(per_class=100)
-    with caplog.at_level("WARNING", logger="fedreid.data.partition"):
-        dirichlet_prior(labels, 10, 0.3, np.random.default_rng(0))
-    assert caplog.records == []  # the papers' betas: no prior entry underflows
-    with caplog.at_level("WARNING", logger="fedreid.data.partition"):
-        dirichlet_prior(labels, 10, 1e-3, np.random.default_rng(0))
-    (record,) = caplog.records
-    message = record.getMessage()
-    assert message.startswith("dirichlet_prior: beta=0.001 underflowed ") and "of 1000 samples were drawn" in message
+
+    def classes_per_client(beta: float) -> float:
+        return float(np.mean([[np.unique(labels[p]).size for p in dirichlet_prior(labels, 10, beta,
+                                                                                   np.random.default_rng(s))]
+                              for s in range(8)]))
+
+    at = {beta: classes_per_client(beta) for beta in (0.05, 1e-2, 1e-5, 1e-300)}
+    assert at[1e-5] <= at[1e-2] <= at[0.05] and at[1e-300] <= at[1e-2], at
+    assert at[1e-300] < 4, at  # 6.6 when the remaining class counts placed those samples
 
 
 # --------------------------------------------------------------------------- shards
