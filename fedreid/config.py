@@ -633,11 +633,12 @@ class Config:
         """
         if self.fl.mode != "federated":
             return []
-        from fedreid.fl.local.objectives import objective_class
+        from fedreid.fl.local.objectives import objective_class, objective_options
 
         specs: list[tuple[str, dict[str, Any]]] = []
-        own = objective_class(self.train.objective).server_hook
-        if own:
+        objective = objective_class(self.train.objective)
+        own = objective.server_hook
+        if own and objective.uses_server_hook(objective_options(self.train.objective, self.train.objective_options)):
             specs.append((own, {}))
         if self.fl.kd:
             f = self.fl
@@ -682,6 +683,7 @@ class Config:
             raise ConfigError(f"train.objective={self.train.objective} is the client half of the {needed!r} "
                               f"server hook; add fl.hooks=[{{name: {needed}}}]")
         own = {cls.server_hook: name for name, cls in OBJECTIVES.items() if cls.server_hook}
+        listed = {entry["name"] for entry in self.fl.hooks}
         for c in classes:
             if self.task not in c.tasks:
                 raise ConfigError(f"fl.hooks: server hook {c.name!r} runs with task={' or '.join(c.tasks)}, "
@@ -689,6 +691,9 @@ class Config:
             if c.name in own and own[c.name] != self.train.objective:
                 raise ConfigError(f"fl.hooks: {c.name!r} is the server half of train.objective={own[c.name]}; "
                                   f"set train.objective={own[c.name]} instead of listing the hook")
+            if c.name in own and c.name in listed:
+                raise ConfigError(f"fl.hooks: {c.name!r} is the server half of train.objective={own[c.name]}, "
+                                  "which configures it from train.objective_options; leave it out of fl.hooks")
 
 
 # ---------------------------------------------------------------------------

@@ -239,7 +239,9 @@ def render_objectives() -> str:
         lines = [f"### `{name}`", f"`{_qualname(cls)}`" + (f": {_summary(cls)}" if _summary(cls) else "")]
         facts = []
         if getattr(cls, "server_hook", None):
-            facts.append(f"its server half is the `{cls.server_hook}` server hook, added automatically")
+            conditional = "uses_server_hook" in vars(cls)  # the hook only with some options (MOON)
+            facts.append(f"its server half is the `{cls.server_hook}` server hook, added automatically"
+                         + (" when its options need it" if conditional else ""))
         if getattr(cls, "needs_class_counts", False):
             facts.append("needs the client's class counts (read from its data)")
         if facts:

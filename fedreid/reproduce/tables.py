@@ -103,7 +103,8 @@ REID_DATA = ("the prepared FedReID datasets under data.prepared_root (tools/prep
 # (Lee et al., 2022)" and names none, so the official configs decide: wnma3mz/FedLMD
 # src/config/{fedprox,moon,fedavgm,fedcurv}.json, the same as Lee-Gihun/FedNTD config/*.json
 # (FedProx mu 1.0, MOON mu 0.1 and tau 0.5, FedAvgM beta 0.7; FedCurv's lam 1.0 and 500
-# samples are the objective's defaults).
+# samples are the objective's defaults). MOON's clients start from the initial model as their
+# previous one, as both codes' src/algorithms/moon/Server.py:_init_prev_locals (first_previous).
 _METHODS = {  # slug -> (label, the overrides that select the method)
     "fedavg": ("FedAvg", ("train.objective=fedavg",)),
     "fedcurv": ("FedCurv", ("train.objective=fedcurv",)),
@@ -111,7 +112,8 @@ _METHODS = {  # slug -> (label, the overrides that select the method)
     # FedNova changes the aggregation only: its clients run plain SGD (the base configs' objective is FedLMD's)
     "fednova": ("FedNova", ("train.objective=fedavg", "fl.hooks=[{name: fednova}]")),
     "scaffold": ("SCAFFOLD", ("train.objective=scaffold",)),
-    "moon": ("MOON", ("train.objective=moon", "train.objective_options={mu: 0.1, tau: 0.5}")),
+    "moon": ("MOON", ("train.objective=moon",
+                      "train.objective_options={mu: 0.1, tau: 0.5, first_previous: initial}")),
     "fedrs": ("FedRS", ("train.objective=fedrs",)),
     "fedntd": ("FedNTD", ("train.objective=fedntd",)),
     "fedlmd": ("FedLMD", ("train.objective=fedlmd",)),

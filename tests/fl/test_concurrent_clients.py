@@ -58,6 +58,9 @@ def assert_same(dir_a, hist_a, dir_b, hist_b):
         oa, ob = sa["objective"], sb["objective"]
         assert oa.keys() == ob.keys()
         for key in oa:
+            if oa[key] is None:  # state a client that never trained does not have yet (MOON's prev)
+                assert ob[key] is None
+                continue
             assert oa[key].keys() == ob[key].keys() and all(torch.equal(oa[key][n], ob[key][n]) for n in oa[key])
 
 
@@ -225,3 +228,34 @@ def test_per_client_instructions_reach_the_pooled_clients_as_the_sequential_ones
     assert strip_time(paper[1:]) != strip_time(one[1:])
     sent = [r["comm"]["sent"][OBJECTIVE_PAYLOAD] for r in one[1:]]
     assert sent == [r["comm"]["sent"][OBJECTIVE_PAYLOAD] for r in paper[1:]]  # the same bytes, other values
+
+
+def test_moon_initial_previous_model_reaches_new_clients_sequential_and_pooled(tmp_path):
+    """MOON ``first_previous: initial`` (FedNTD): the moon hook sends the initial model to clients yet to train."""
+    from fedreid.fl.federation import build_federation
+
+    moon = ["train.objective=moon", "fl.clients_per_round=2", "fl.rounds=3", "seed=1"]  # client000 first in round 2
+    initial = [*moon, "train.objective_options={first_previous: initial}"]
+    one = run_simulation(load_config(None, DIGITS + initial), tmp_path / "n1", progress=False)
+    two = run_simulation(load_config(None, DIGITS + initial + ["run.concurrent_clients=2"]), tmp_path / "n2",
+                         progress=False)
+    assert_same(tmp_path / "n1", one, tmp_path / "n2", two)
+    plain = run_simulation(load_config(None, DIGITS + moon), tmp_path / "global", progress=False)
+    # round 1: the initial model is the global one; later, a client first sampled then contrasts with it
+    def numbers(history):  # what training gave, not what crossed the wire
+        return [{k: v for k, v in rec.items() if k not in ("time", "comm")} for rec in history]
+
+    assert numbers(plain[:1]) == numbers(one[:1]) and numbers(plain) != numbers(one)
+    seen, copies = set(), []
+    for rec in one:
+        copies.append(rec["comm"]["sent"].get(OBJECTIVE_PAYLOAD, 0))
+        fresh = [c for c in rec["clients"] if c not in seen]
+        seen.update(rec["clients"])
+        assert (copies[-1] > 0) == bool(fresh)
+    assert copies[0] == one[0]["comm"]["sent"]["model"]  # two new clients, each the model's size once
+    # the hook's checkpoint: who trained, and the initial model a fresh build of the run starts from
+    hook = load_checkpoint(tmp_path / "n1" / "checkpoint.pt")["server"]["hooks"]["moon"]
+    start = build_federation(load_config(None, DIGITS + initial)).server.global_state
+    assert sorted(hook["trained"]) == sorted(seen)
+    assert hook["initial"].keys() == start.keys() and all(torch.equal(hook["initial"][k], start[k]) for k in start)
+    assert "moon" not in load_checkpoint(tmp_path / "global" / "checkpoint.pt")["server"]["hooks"]

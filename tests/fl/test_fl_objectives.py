@@ -154,3 +154,16 @@ def test_bad_objective_configs():
         tiny_config("x", ["train.objective=fedsgd"])
     with pytest.raises(ConfigError, match="train.objective_options.mu: not an option of 'scaffold'"):
         tiny_config("x", ["train.objective=scaffold", "train.objective_options={mu: 1}"])
+
+
+def test_the_moon_server_hook_runs_only_for_first_previous_initial():
+    from fedreid.config import load_config
+
+    def hooks(*overrides):
+        return [name for name, _ in load_config(None, ["task=classification", "fl.aggregation=fedavg",
+                                                       *overrides]).hook_specs()]
+
+    assert hooks("train.objective=moon") == []
+    assert hooks("train.objective=moon", "train.objective_options={first_previous: initial}") == ["moon"]
+    with pytest.raises(ConfigError, match="configures it from train.objective_options; leave it out of fl.hooks"):
+        hooks("train.objective=moon", "fl.hooks=[{name: moon}]")

@@ -567,6 +567,30 @@ def test_moon_objective_rounds():
     assert again.item() == pytest.approx(loss.item(), abs=F32_TOL)
 
 
+
+def test_moon_first_previous_initial_contrasts_a_new_client_with_the_initial_model():
+    """FedNTD's _init_prev_locals: a client yet to train takes the run's initial model as its previous one."""
+    from fedreid.fl.local.moon import INITIAL_KEY
+
+    model = Tiny(body=((1.0, 0.0), (0.0, 1.0)))  # the round's global body = I
+    initial = {k: v.clone() for k, v in model.state_dict().items() if k.startswith("body")}
+    initial["body.weight"] = torch.tensor([[0.0, 1.0], [1.0, 0.0]])  # the run's initial body: the swap
+    x = torch.tensor([[2.0, 0.0]])
+    obj = Moon(first_previous="initial")
+    with pytest.raises(ObjectiveError, match="sent no initial model"):
+        obj.begin_round(model, dict(model.state_dict()), round_index=4)
+    obj.begin_round(model, dict(model.state_dict()), round_index=4, payload={INITIAL_KEY: initial})
+    obj.loss(model, x, torch.tensor([0]), const_logits([[0.0, 0.0, 0.0]]), representation(model, x))
+    # z = zg = [2, 0], z_prev = swap @ x = [0, 2]: the term of a trained client, not log 2
+    assert obj.last_terms["contrastive"].item() == pytest.approx(LN(1 + math.exp(-2.0)), abs=F32_TOL)
+    obj.end_round(model)
+    obj.begin_round(model, dict(model.state_dict()), round_index=5, payload={INITIAL_KEY: initial})
+    obj.loss(model, x, torch.tensor([0]), const_logits([[0.0, 0.0, 0.0]]), representation(model, x))
+    # once trained, its own previous model (here = the global) wins over the payload
+    assert obj.last_terms["contrastive"].item() == pytest.approx(LN(2.0), abs=F32_TOL)
+    with pytest.raises(ObjectiveError, match="first_previous"):
+        Moon(first_previous="zero")
+
 # ---------------------------------------------------------------------------
 # FedNTD
 # ---------------------------------------------------------------------------

@@ -308,7 +308,8 @@ class LocalObjective:
     Options: ClassVar[type] = NoOptions
     #: Whether the constructor takes the client's per-class training counts first (FedLMD, FedRS).
     needs_class_counts: ClassVar[bool] = False
-    #: The registered server hook that is this method's server half (SCAFFOLD, FedDyn), if any.
+    #: The registered server hook that is this method's server half (SCAFFOLD, FedDyn), if any;
+    #: the run configures it when :meth:`uses_server_hook` says so.
     server_hook: ClassVar[Optional[str]] = None
     #: A server hook the run must configure itself for this client to make sense (FedNova's CCVR client).
     requires_hook: ClassVar[Optional[str]] = None
@@ -317,6 +318,11 @@ class LocalObjective:
     #: pass of ``(images, labels)`` on the model's device, under a seeded dropout generator
     #: (FedCurv's official Fisher).
     wants_training_pass: bool = False
+
+    @classmethod
+    def uses_server_hook(cls, options: Any) -> bool:
+        """Whether a run with these typed ``Options`` needs :attr:`server_hook` (MOON only with some)."""
+        return cls.server_hook is not None
 
     def __init__(self) -> None:
         self.round_index: int = 0

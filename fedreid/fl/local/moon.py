@@ -35,6 +35,18 @@ log-softmax (the round is plain FedAvg). The official code has two cases:
   independent initialisation, which becomes its negative. To reproduce that,
   ``load_state_dict({"prev": initial_state})`` before its first round.
 
+The code base of FedLMD's tables (``Lee-Gihun/FedNTD``,
+``algorithms/moon/Server.py:_init_prev_locals``) starts every client's
+previous model as the run's initial global model, so a client first sampled
+after round 0 has a non-zero contrastive term from its first step. That is the
+option ``first_previous: initial``: the ``moon`` server hook
+(:class:`fedreid.fl.server_hooks.moon.MoonHook`) keeps the initial global state
+and sends it, in the objective payload (:data:`INITIAL_KEY`), to each sampled
+client that has not returned an update yet. The default ``global`` needs no
+server half. ``FedFTG``'s official MOON (``methods/MOON.py``) gives a client
+that has not trained yet no negative at all: a term of 0, the default's
+training up to rounding.
+
 The previous model's full ``state_dict`` is client state (persisted): one
 model's worth of memory per client.
 """
@@ -42,7 +54,7 @@ model's worth of memory per client.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar, Mapping, Optional, Sequence
+from typing import Any, ClassVar, Literal, Mapping, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -51,6 +63,7 @@ from torch import Tensor, nn
 from fedreid.fl.local.base import (
     LocalObjective,
     ObjectiveError,
+    check_choice,
     check_positive,
     cpu_clone,
     frozen_copy,
@@ -72,6 +85,12 @@ def moon_contrastive_loss(z: Tensor, z_glob: Tensor, z_prevs: Sequence[Tensor], 
     return F.cross_entropy(logits, target)
 
 
+#: The objective payload key of the run's initial global state (``first_previous: initial``).
+INITIAL_KEY = "moon_initial"
+#: What stands in for a client's previous model before it has trained (module docstring).
+FIRST_PREVIOUS = ("global", "initial")
+
+
 @dataclass
 class MoonOptions:
     """Options of ``train.objective: moon``."""
@@ -80,6 +99,12 @@ class MoonOptions:
     mu: float = 5.0
     #: Temperature of the contrastive term.
     tau: float = 0.5
+    #: A client's previous model before it has trained (the paper is silent):
+    #: ``global``, the received model (a zero-gradient term); ``initial``, the
+    #: run's initial global model, as FedNTD's code (FedLMD's tables) starts every
+    #: client (``algorithms/moon/Server.py:_init_prev_locals``), sent by the
+    #: ``moon`` server hook.
+    first_previous: Literal["global", "initial"] = "global"
 
 
 @register_objective
@@ -90,10 +115,13 @@ class Moon(LocalObjective):
     Options: ClassVar[type] = MoonOptions
     needs_features = True
 
-    def __init__(self, mu: float = 5.0, tau: float = 0.5) -> None:
+    server_hook: ClassVar[Optional[str]] = "moon"
+
+    def __init__(self, mu: float = 5.0, tau: float = 0.5, first_previous: str = "global") -> None:
         super().__init__()
         self.mu = check_positive("moon mu", mu)
         self.tau = check_positive("moon tau", tau, allow_zero=False)
+        self.first_previous = check_choice("moon first_previous", first_previous, FIRST_PREVIOUS)
         self.prev_state: Optional[dict[str, Tensor]] = None  # CPU, persisted
         self._glob: Optional[nn.Module] = None
         self._prev: Optional[nn.Module] = None
@@ -109,6 +137,13 @@ class Moon(LocalObjective):
         super().begin_round(model, global_state, round_index=round_index, payload=payload)
         self._glob = frozen_copy(model)
         self._prev = frozen_copy(model, self.prev_state) if self.prev_state is not None else None
+        if self._prev is None and self.first_previous == "initial":
+            initial = (payload or {}).get(INITIAL_KEY)
+            if not isinstance(initial, Mapping):
+                raise ObjectiveError("moon first_previous=initial: the server sent no initial model "
+                                     f"({INITIAL_KEY}) to a client that has not trained yet")
+            # The initial global state holds the shared part; a private head stays the client's own.
+            self._prev = frozen_copy(model, {**model.state_dict(), **initial})
 
     def loss(
         self,
@@ -145,8 +180,12 @@ class Moon(LocalObjective):
         prev = state.get("prev")
         self.prev_state = None if prev is None else dict(cpu_clone(prev))
 
+    @classmethod
+    def uses_server_hook(cls, options: Any) -> bool:
+        return getattr(options, "first_previous", "global") == "initial"
+
     def __repr__(self) -> str:
-        return f"Moon(mu={self.mu}, tau={self.tau})"
+        return f"Moon(mu={self.mu}, tau={self.tau}, first_previous={self.first_previous!r})"
 
 
-__all__ = ["Moon", "moon_contrastive_loss"]
+__all__ = ["FIRST_PREVIOUS", "INITIAL_KEY", "Moon", "MoonOptions", "moon_contrastive_loss"]

@@ -14,6 +14,7 @@ fednova     :class:`~fedreid.fl.server_hooks.fednova.FedNovaHook`  Wang et al. 2
 feddf       :class:`~fedreid.fl.server_hooks.feddf.FedDFHook`      Lin et al. 2020, Alg. 1 (data-free)
 fedgen      :class:`~fedreid.fl.server_hooks.fedgen.FedGenHook`    Zhu, Hong, Zhou 2021, Alg. 1
 fedcurv     :class:`~fedreid.fl.server_hooks.fedcurv.FedCurvHook`  Shoham et al. 2019 (FedCurv sums)
+moon        :class:`~fedreid.fl.server_hooks.moon.MoonHook`        FedNTD's MOON (the initial model)
 ==========  =====================================================  =====================================
 
 A new hook is one module with a :class:`~fedreid.fl.server_hooks.base.ServerHook`
@@ -39,6 +40,7 @@ from fedreid.fl.server_hooks.fedftg import FedFTGHook
 from fedreid.fl.server_hooks.fedgen import FedGenHook
 from fedreid.fl.server_hooks.fednova import FedNovaHook
 from fedreid.fl.server_hooks.kd import KDHook
+from fedreid.fl.server_hooks.moon import MoonHook
 from fedreid.fl.server_hooks.objectives import FedDynHook, ScaffoldHook
 
 __all__ = [
@@ -53,6 +55,7 @@ __all__ = [
     "FedNovaHook",
     "HookContext",
     "KDHook",
+    "MoonHook",
     "ScaffoldHook",
     "ServerHook",
     "hook_class",
