@@ -271,8 +271,8 @@ class TrainConfig:
     #: classification clients (often smaller than a batch) train on it.
     drop_last: bool = True
     #: Client objective (:mod:`fedreid.fl.local.objectives`): ``fedavg`` (plain
-    #: cross-entropy, FedPav's client), ``fedprox``, ``scaffold``, ``feddyn``,
-    #: ``moon``, ``fedntd``, ``fedlmd``, ``fedlmd_tf``.
+    #: cross-entropy, FedPav's client) or another registered one (``fedprox``,
+    #: ``scaffold``, ``feddyn``, ``moon``, ``fedntd``, ``fedlmd``...: every one under "Client objectives").
     objective: str = "fedavg"
     #: Keyword options of the objective, e.g. ``{mu: 0.01}`` (FedProx), ``{alpha: 0.01}``
     #: (FedDyn), ``{tau: 0.5, mu: 5}`` (MOON); FedLMD's class counts come from the client's data.

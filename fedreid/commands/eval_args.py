@@ -24,8 +24,8 @@ def add_backend_argument(parser: argparse.ArgumentParser) -> None:
         "--backend", choices=BACKENDS, default="pytorch",
         help="pytorch (default): --model is a run folder or model file; onnx (ONNX Runtime, CPU, no PyTorch "
         "needed; --device auto or cpu) / torchscript: "
-        "--model is a file written by 'export' (with its .json sidecar). The index records the backend and "
-        "the exported file's SHA-256: query with the same backend and file",
+        "--model is a file written by 'export' (with its .json sidecar). The index records the model's "
+        "fingerprint (weights, input size, feature): any backend running the same weights queries it",
     )
 
 

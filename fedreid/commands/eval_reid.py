@@ -11,9 +11,9 @@ Examples:
       --ap official --rerank --save-features runs/fedpav/features
 
   # evaluate again from the cached features, without the model; draw two chosen
-  # queries (an index and a query image file name) besides the best/worst ones
-  python tools/eval_reid.py evaluate --features runs/fedpav/features/market1501.npz --out /tmp/eval \
-      --queries 12,0001_c1s1_001051_00.jpg
+  # queries (an index and a prepared query image's file name) besides the best/worst ones
+  python tools/eval_reid.py evaluate --features runs/fedpav/features/market1501.npz --out /tmp/eval \\
+      --queries 12,000206_11_c0.jpg
 
   # the old CUHK03 single-gallery-shot CMC (10 seeded samplings)
   python tools/eval_reid.py evaluate --model runs/fedpav --datasets cuhk03np --protocol cuhk03 --seed 0

@@ -56,7 +56,9 @@ def chosen_queries(feats: DatasetFeatures, specs: Sequence[str], *, missing_ok: 
 
     A spec is a query index (``"12"``: the 13th query of the manifest, the
     order of the feature file) or an image of the query set: its path (as
-    stored, or the same file through another relative/absolute spelling) or
+    stored, or the same file through another relative/absolute spelling), its
+    path inside the prepared dataset (``images/query/000206_11_c0.jpg``, as
+    the manifest lists it: any trailing run of the stored path's folders) or
     its file name. An index beyond the query set, or a file name shared by
     several query images, is an :class:`EvalInputError`; a path or name the
     query set does not hold is one too unless ``missing_ok`` (the tool checks
@@ -82,6 +84,9 @@ def chosen_queries(feats: DatasetFeatures, specs: Sequence[str], *, missing_ok: 
                     names.setdefault(Path(p).name, []).append(i)
             hit = absolute.get(os.path.abspath(spec))
             found = [hit] if hit is not None else names.get(spec, [])
+            tail = Path(spec).parts
+            if hit is None and len(tail) > 1:  # the path inside the dataset (the manifest's), or another tail
+                found = [i for i, p in enumerate(paths) if Path(p).parts[-len(tail):] == tail]
             if len(found) > 1:
                 listing = ", ".join(paths[i] for i in found[:3])
                 raise EvalInputError(

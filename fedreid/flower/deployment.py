@@ -25,6 +25,7 @@ from fedreid.flower.launch import (
     superlink_command,
     supernode_command,
 )
+from fedreid.utils.cli import override_value
 
 #: What one-host deployments (`local`, `simulate`) write in their work folder.
 WORK_ENTRIES = ("flwr_home", "flwr_state", "logs", "state", "fedreid_state", "tls", "keys", "flwr_run.log",
@@ -99,6 +100,27 @@ class PreparedRun:
     cfg: Config
 
 
+#: Config keys that name files or folders of the submitting machine. The ServerApp runs in a
+#: folder of Flower's, so :func:`prepare_run` passes them resolved in the submitting shell's
+#: folder, as it does ``--config`` and ``--out``.
+PATH_KEYS = ("data.prepared_root", "data.raw_root", "synthetic.root", "classification.root", "model.pretrained")
+
+
+def absolute_path_overrides(cfg: Config) -> list[str]:
+    """Overrides giving each relative path of :data:`PATH_KEYS` in ``cfg`` as an absolute one (this folder's)."""
+    out = []
+    for key in PATH_KEYS:
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        if value and "://" not in value and not Path(value).is_absolute():  # pkg://: a package's file
+            resolved = str(Path(value).resolve())
+            if override_value(resolved) != resolved:  # YAML would read it as something else
+                raise ConfigError(f"{key}: the path {resolved} cannot be passed to the ServerApp as an override; "
+                                  "give an absolute path without YAML syntax (': ', ' #', leading '[', '{', '&')")
+            out.append(f"{key}={resolved}")
+    return out
+
+
 def prepare_run(*, out: str, config: Optional[str], overrides: Sequence[str], resume: bool,
                 round_timeout: Optional[float] = None, join_timeout: Optional[float] = None,
                 node_auth: bool = False) -> PreparedRun:
@@ -113,6 +135,7 @@ def prepare_run(*, out: str, config: Optional[str], overrides: Sequence[str], re
     unknown ``model.backbone`` (:func:`fedreid.fl.federation.check_model_name`), and
     with ``resume`` an override of a key the run may not change
     (:func:`fedreid.fl.simulation.check_resumable`, against ``config.yaml``).
+    A fresh run's relative paths (:data:`PATH_KEYS`) are passed resolved here.
     """
     from flwr.common.config import parse_config_args
 
@@ -131,6 +154,8 @@ def prepare_run(*, out: str, config: Optional[str], overrides: Sequence[str], re
         if not config:
             raise ConfigError("--config is required (or --resume)")
         config_path = Path(config)
+        # A resumed run's config.yaml holds the paths its first start resolved.
+        overrides = [*overrides, *absolute_path_overrides(load_config(config_path, list(overrides)))]
     text = run_config_string(config_path, out_path, overrides, resume=resume, round_timeout=round_timeout,
                              join_timeout=join_timeout, node_auth=node_auth)
     settings = ServerSettings.from_run_config(parse_config_args([text]))  # what the ServerApp will be given
@@ -181,7 +206,8 @@ def claim_local_folders(out: Path, workdir: Optional[str], resume: bool) -> Path
     from fedreid.fl.simulation import claim_run_dir
     from fedreid.utils.io import claim_output_dir
 
-    work = Path(workdir) if workdir else out.parent / f"{out.name}_flower"
+    # Absolute: the SuperLink and SuperNodes run in it and read their TLS files by these paths.
+    work = (Path(workdir) if workdir else out.parent / f"{out.name}_flower").resolve()
     if work.resolve() == out.resolve():
         raise ConfigError(f"--workdir {work} is the run folder --out; give them different folders")
     adopt = work.is_dir() and not work.is_symlink() and all(

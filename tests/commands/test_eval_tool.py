@@ -419,6 +419,12 @@ def test_chosen_queries_are_drawn(cache, tmp_path, capsys):
     with pytest.raises(EvalInputError, match="2 query images of dataset 't' have that file name"):
         chosen_queries(twins, ["x.png"])
     assert chosen_queries(twins, ["b/x.png"]) == [1]
+    # the path inside the prepared dataset, as its manifest lists it (a tail of the stored path)
+    stored = ["/srv/prepared/t/images/query/x.png", "/srv/prepared/t/images/extra/x.png"]
+    deep = DatasetFeatures("t", feats.query._replace(paths=stored + qpaths[2:]), feats.gallery)
+    assert chosen_queries(deep, ["images/query/x.png"]) == [0] and chosen_queries(deep, ["extra/x.png"]) == [1]
+    with pytest.raises(EvalInputError, match="not a query index or an image"):
+        chosen_queries(deep, ["images/gallery/x.png"])
 
 
 def test_cuhk03_protocol(cache, tmp_path, capsys):

@@ -209,3 +209,28 @@ def test_command_line_round_trips_awkward_arguments():
     for cmd in (["a", "it's $HOME"], ["a", 'say "hi"'], ["a", ""], ["a", "x'!y"], ["a", "b\\'c"], ["a b", "c"]):
         assert shlex.split(launch.command_line(cmd)) == cmd
 
+
+
+def test_a_fresh_runs_relative_paths_reach_the_server_app_resolved_in_the_submitting_folder(tmp_path, monkeypatch):
+    """The ServerApp runs in a folder of Flower's: relative data paths must not be read there."""
+    from fedreid.flower.deployment import absolute_path_overrides, claim_local_folders
+
+    monkeypatch.chdir(tmp_path)
+    path = tmp_path / "run.yaml"
+    path.write_text(dump_config(tiny_config(tmp_path / "prepared", ["fl.rounds=1"])))
+    run = prepare_run(out="run", config=str(path), resume=False,
+                      overrides=["data.prepared_root=data/prepared", "model.pretrained=weights/w.pth"])
+    settings = ServerSettings.from_run_config(parse_config_args([run.run_config]))
+    passed = dict(o.split("=", 1) for o in settings.overrides)
+    assert passed["data.prepared_root"] == f"{tmp_path}/data/prepared"
+    assert passed["model.pretrained"] == f"{tmp_path}/weights/w.pth"
+    assert passed["synthetic.root"] == f"{tmp_path}/datasets/raw/synthetic"  # the defaults' relative paths too
+    assert run.cfg.data.prepared_root == f"{tmp_path}/data/prepared"
+    cfg = tiny_config(tmp_path / "prepared", ["model.pretrained=pkg://some_package/w.pth",
+                                              f"data.raw_root={tmp_path}", f"synthetic.root={tmp_path}"])
+    assert absolute_path_overrides(cfg) == []  # absolute already, or inside a package
+    with pytest.raises(ConfigError, match="data.prepared_root: the path .*cannot be passed"):
+        absolute_path_overrides(tiny_config(tmp_path, ["data.prepared_root='a: b'"]))
+    # the one-host work folder is absolute too: SuperLink and SuperNodes run inside it
+    assert claim_local_folders(tmp_path / "out", None, False) == tmp_path / "out_flower"
+    assert claim_local_folders(tmp_path.relative_to(tmp_path) / "rel", None, False) == tmp_path / "rel_flower"
