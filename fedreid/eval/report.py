@@ -382,7 +382,8 @@ def write_report(
         summary = classification_summary(history, targets)
         lines += ["## Test accuracy", "", format_classification_summary(summary)]
         if before:
-            accuracy = "; ".join(f"{name} {100 * row['accuracy']:.2f}%" for name, row in before[-1]["eval_before_hooks"].items()
+            rows = before[-1]["eval_before_hooks"].items()
+            accuracy = "; ".join(f"{name} {100 * row['accuracy']:.2f}%" for name, row in rows
                                  if isinstance(row, Mapping) and "accuracy" in row)
             lines += [f"Before the server hooks trained the aggregate (round {before[-1]['round']}, "
                       f"`eval.before_hooks`): {accuracy}.", ""]

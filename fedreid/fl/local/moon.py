@@ -24,7 +24,8 @@ representation; here it is ``model.features`` (``embed`` for
 Before a client's first round there is no previous local model. The paper does
 not say what to use; here the received global model stands in, which makes
 ``l_con = log 2`` with a gradient that is zero up to the rounding of the
-log-softmax (the round is plain FedAvg). The official code has two cases:
+log-softmax (the round is plain FedAvg). MOON's own code (``QinbinLi/MOON``,
+``main.py``) has two cases:
 
 * round 0: the pool of previous models is empty (the copy ``old_nets =
   copy.deepcopy(nets)`` made under ``--load_first_net`` is never appended to
