@@ -12,6 +12,7 @@ from collections import OrderedDict
 
 import pytest
 import torch
+import torch.nn.functional as F
 from tolerances import F32_TOL
 from torch import nn
 
@@ -161,6 +162,13 @@ def test_server_generator_loss_is_the_hand_computed_weighted_ce():
     z, samples = torch.randn(2, 4), torch.randn(2, 3)
     total, cls, dis = fedgen_generator_loss(logits, y, weights[:, y], z, samples, 2.0)
     assert dis.item() > 0 and total.item() == pytest.approx(cls.item() + 2.0 * dis.item(), rel=F32_TOL)
+    # teacher_loss=official: serverpFedGen.py's mean(nll[B] * weight[B, 1]) broadcasts to [B, B]:
+    # client 0: mean CE (ln 3, ln 3) x mean weight (3/4, 0); client 1: mean (ln 2, ln 4) x mean (1/4, 1)
+    _, official, _ = fedgen_generator_loss(logits, y, weights[:, y], z, samples, 0.0, teacher_loss="official")
+    broadcast = sum(torch.mean(F.cross_entropy(logits[k], y, reduction="none") * weights[k, y].reshape(-1, 1))
+                    for k in range(2))
+    assert official.item() == pytest.approx(LN3 * 0.375 + 0.5 * (LN2 + math.log(4.0)) * 0.625, rel=F32_TOL)
+    assert official.item() == pytest.approx(broadcast.item(), rel=F32_TOL) and official.item() != cls.item()
     # p^(y): the participants' counts, or uniform over the labels some participant holds
     assert torch.allclose(generator_label_probs(counts), torch.tensor([4.0, 2.0, 2.0], dtype=torch.float64) / 8)
     held = generator_label_probs(torch.tensor([[1.0, 0.0, 5.0]]), "uniform")

@@ -40,7 +40,14 @@ reaches it), the generated features go through the head only, so the
   payload is plain cross-entropy.
 * ``y^``: drawn from the ``p^(y)`` the server sends (Algorithm 1; with
   ``label_sampling: uniform`` that is uniform over the labels some
-  participating client holds, the official code's ``available_labels``).
+  participating client holds). The official clients draw uniformly from
+  ``available_labels``, every label of every client's training data, fixed
+  for the run (``utils/model_utils.py:aggregate_user_data``); its server
+  draws from the round's ``qualified_labels``. Here one per-round prior
+  serves both.
+* The official client stops the regulariser after local epoch 20
+  (``userpFedGen.py``, ``early_stop``); here it runs in every epoch, which is
+  the same wherever ``train.local_epochs`` is at most 20.
 
 Randomness. The objective is not told which client it serves, so its draws
 (``y^``, ``z^``, ``z``) come from a ``torch.Generator`` seeded, on the first
@@ -106,10 +113,12 @@ class FedGenOptions:
     lr_decay: Optional[float] = None
     #: Server: weight of FedGen's diversity loss (official ``ensemble_eta``; 0 drops it).
     lambda_dis: float = 1.0
-    #: Label prior p^(y) of the server's and the clients' draws: ``counts`` (the participants' label counts, Alg. 1) or ``uniform`` over the labels they hold (official code).
+    #: Label prior p^(y) of the server's and the clients' draws: ``counts`` (the participants' label counts, Alg. 1) or ``uniform`` over the labels they hold (close to the official code's uniform draws, see the module docstring).
     label_sampling: Literal["counts", "uniform"] = "counts"
-    #: Server: teacher weights per label, ``class`` (n_k^y / sum_i n_i^y, official ``get_label_weights``) or ``client_size`` (n_k / n).
+    #: Server: teacher weights per label, ``class`` (n_k^y / sum_i n_i^y, the form of official ``get_label_weights``, which counts the labels a client drew that round, plus 1) or ``client_size`` (n_k / n).
     ensemble: Literal["class", "client_size"] = "class"
+    #: Server: the generator's teacher loss, ``weighted`` (each sample's CE weighted by its label's ``alpha_k^y``: FedFTG's ``L_cls``) or ``official`` (``serverpFedGen.py:train_generator`` broadcasts ``[B]`` losses against ``[B, 1]`` weights: each client's mean CE times the batch mean of its weights).
+    teacher_loss: Literal["weighted", "official"] = "weighted"
     #: Noise dimension d (null: 100, 256 for 100+ classes; FedFTG appendix 7.4).
     z_dim: Optional[int] = None
     #: Width of each embedding branch, ``FC(z)`` and ``FC(onehot(y))`` (Table 7(b): 4096).
@@ -145,6 +154,8 @@ class FedGenOptions:
             raise ObjectiveError(f"fedgen label_sampling must be one of {', '.join(LABEL_SAMPLINGS)}")
         if self.ensemble not in ("class", "client_size"):
             raise ObjectiveError("fedgen ensemble must be class or client_size")
+        if self.teacher_loss not in ("weighted", "official"):
+            raise ObjectiveError("fedgen teacher_loss must be weighted or official")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

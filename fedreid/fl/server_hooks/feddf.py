@@ -19,7 +19,7 @@ appendix 7.3). So each round, after the server's aggregation:
    ``generator_steps`` Adam steps on ``sum_k alpha_k^y CE(f(G(z, y); x_k), y)
    + lambda_dis L_dis`` with ``y ~ p^(y)`` from the participants' label
    counts and the class-level weights ``alpha_k^y = n_k^y / sum_i n_i^y``
-   (FedGen's Eq. 4 as in its official code) -- without any of FedFTG's own
+   (FedGen's Eq. 4, weighted per sample) -- without any of FedFTG's own
    parts: no hard-sample mining (the generator never sees the global model),
    no adversarial game;
 2. the distillation, FedDF's way (:func:`feddf_loss`): ``distill_steps``
@@ -37,10 +37,19 @@ Choices where the papers are silent, and why:
 
 * Budget. FedDF distils up to 10^4 batches per round and stops early on a
   *labelled validation set* (official ``early_stopping_server_batches``);
-  a data-free server has none. FedFTG gives no schedule for its baselines,
-  so the default is FedFTG's own server budget (``I = 10`` generator steps,
-  ``I * I_d = 50`` global steps of batch 50), which puts FedDF and FedFTG
-  on the same footing; both counts are options.
+  a data-free server has none. FedFTG's paper gives no schedule for its
+  baselines, so the default is FedFTG's own server budget (``I = 10``
+  generator steps, ``I * I_d = 50`` global steps of batch 50), which puts
+  FedDF and FedFTG on the same footing; both counts are options.
+* FedFTG's official FedDF baseline (``ZhangLin-PKU/FedFTG``,
+  ``methods/local_fn_gan.py:train_global_model_feddf``) is not offered:
+  its generator learns with uniform teacher weights (``CE / num_clients``),
+  50 steps of an Adam made afresh each round with weight decay 1e-3, and
+  distils in eval mode; the student takes 20 SGD steps at the global lr
+  ``0.1 * 0.998^t`` (weight decay 1e-3) in train mode, toward the average of
+  the teachers' *probabilities* (``KLDivLoss(batchmean)``), none of the
+  targets below. ``ensemble: client_size`` with equal client sizes gives its
+  generator loss.
 * Ensemble. ``target: avg_logits`` (default) is Algorithm 1's average of the
   logits (uniform over the participants, as FedDF); ``avg_losses`` is the
   official code's default ``update_student_scheme``, the mean of the
@@ -55,7 +64,8 @@ Choices where the papers are silent, and why:
   generator produces the distillation batches with batch statistics (as it
   was trained; no gradient reaches it then).
 * Temperature: ``T = 1`` (official default); the ``T^2`` factor (Hinton et
-  al.) is 1 there.
+  al.), which the official code does not apply, is 1 there. The official
+  student's gradient norm is clipped at 5; not here.
 
 State: this hook extends :class:`~fedreid.fl.server_hooks.fedftg.FedFTGHook`
 and keeps its state handling -- the generator (weights, BatchNorm

@@ -4,21 +4,29 @@ After each round the server holds the participating clients' models and their
 label counts ``n_k^y``. It trains the conditional generator ``G(z, y; w)``
 (:class:`~fedreid.models.feature_generator.FeatureGenerator`, FedFTG's Table
 7(b)) so that the clients' *heads* ``h_k`` (``model.classifier``, the last
-Linear) classify its features as ``y`` -- Eq. 4, in the weighted form of the
-official code (github.com/zhuangdizhu/FedGen,
-``FLAlgorithms/servers/serverpFedGen.py`` ``train_generator``)::
+Linear) classify its features as ``y`` -- Eq. 4, as a per-client weighted
+cross-entropy (the form FedFTG describes for FedGen)::
 
     min_w  E_{y ~ p^(y), z ~ N(0, I)}  sum_k alpha_k^y CE(h_k(G(z, y)), y)  +  lambda_dis L_dis(z, G(z, y))
 
-``alpha_k^y = n_k^y / sum_i n_i^y`` (``get_label_weights``; FedFTG's
+The official code (github.com/zhuangdizhu/FedGen,
+``FLAlgorithms/servers/serverpFedGen.py`` ``train_generator``) means to
+compute this, but multiplies the ``[B]`` losses by ``[B, 1]`` weights, which
+broadcasts to ``[B, B]``: its mean is ``sum_k mean_b(CE_kb) * mean_b(alpha_k^{y_b})``,
+each client weighted by its weights' batch mean. That is the option
+``teacher_loss: official``; ``weighted`` (default) is the formula above.
+
+``alpha_k^y = n_k^y / sum_i n_i^y`` (``get_label_weights``, whose counts are
+the labels each client drew in its round plus one, ``UserpFedGen.clean_up_counts``
+and ``update_label_counts``; here the clients' training counts; FedFTG's
 class-level ensemble weights, :func:`~fedreid.fl.server_hooks.fedftg.ensemble_weights`,
 the sum is FedFTG's ``L_cls``, :func:`~fedreid.fl.server_hooks.fedftg.cls_loss`)
 and ``L_dis`` is FedGen's diversity loss
 (:func:`~fedreid.fl.server_hooks.fedftg.diversity_loss`, official
 ``DiversityLoss('l1')`` with the l2 noise distance, weight ``ensemble_eta = 1``).
 The paper's Eq. 4 writes the ensemble as the CE of the *averaged* logits; the
-official weighted per-client CE is used here (it is what the reported numbers
-ran, and the form FedFTG describes for FedGen). The official adversarial
+per-client weighted CE is used here (the official code's intent, and the form
+FedFTG describes for FedGen). The official adversarial
 "student" term is off in every official config (``ensemble_beta = 0``) and
 is left out.
 
@@ -34,8 +42,9 @@ size). Learning rate and decay from FedFTG's appendix 7.3, which sets FedGen's
 and FedDF's generator like FedFTG's: ``0.01 * 0.998 ** round`` (official
 FedGen: 3e-4 or 1e-4 x0.98, weight decay 1e-2). ``p^(y)`` from the
 participants' counts: ``p^(y) = sum_k n_k^y / sum n`` (Algorithm 1: "server
-updates p^(y) based on {c_k}"); ``label_sampling: uniform`` is the official
-code's uniform draw over the labels some participant holds. The generator is
+updates p^(y) based on {c_k}"); ``label_sampling: uniform`` draws uniformly
+over the labels some participant holds, as the official server over its
+``qualified_labels`` (a label some client drew in the round). The generator is
 in training mode (batch statistics) while it learns; the clients run it in
 eval mode with the running statistics it accumulated (official).
 
@@ -124,14 +133,20 @@ def teacher_draw_weights(class_counts: Any, num_teachers: int, label_sampling: s
 
 
 def fedgen_generator_loss(teacher_logits: Tensor, labels: Tensor, weights: Tensor, z: Tensor, samples: Tensor,
-                          lambda_dis: float) -> tuple[Tensor, Tensor, Tensor]:
+                          lambda_dis: float, *, teacher_loss: str = "weighted") -> tuple[Tensor, Tensor, Tensor]:
     """FedGen's generator objective ``(total, L_cls, L_dis)``.
 
     ``L_cls = 1/B sum_b sum_k weights[k, b] CE(teacher_logits[k, b], labels[b])``
     (``teacher_logits [K, B, C]``, ``weights[k, b] = alpha_k^{y_b}``) and
     ``total = L_cls + lambda_dis * L_dis(z, samples)``; ``L_dis`` is not
-    computed (0) when ``lambda_dis`` is 0.
+    computed (0) when ``lambda_dis`` is 0. ``teacher_loss="official"`` takes
+    each client's weights at their batch mean (the official broadcast, module
+    docstring): ``sum_k mean_b(weights[k]) * mean_b(CE_k)``.
     """
+    if teacher_loss == "official":
+        weights = weights.mean(dim=1, keepdim=True).expand_as(weights)
+    elif teacher_loss != "weighted":
+        raise FedFTGInputError(f"fedgen teacher_loss must be weighted or official, got {teacher_loss!r}")
     cls = cls_loss(teacher_logits, labels, weights)
     dis = diversity_loss(z, samples) if lambda_dis > 0 else cls.new_zeros(())
     return cls + lambda_dis * dis, cls, dis
@@ -140,7 +155,7 @@ def fedgen_generator_loss(teacher_logits: Tensor, labels: Tensor, weights: Tenso
 def train_generator(gen_model: nn.Module, optimizer: torch.optim.Optimizer, ensemble: TeacherEnsemble,
                     probs: Tensor, weights: Tensor, *, steps: int, batch_size: int, lambda_dis: float,
                     generator: torch.Generator, device: torch.device,
-                    precision: Precision = FP32) -> dict[str, float]:
+                    precision: Precision = FP32, teacher_loss: str = "weighted") -> dict[str, float]:
     """``steps`` optimiser steps of :func:`fedgen_generator_loss` (the generator in training mode).
 
     Per step: ``y ~ probs`` and ``z ~ N(0, I)`` from ``generator``, samples
@@ -163,7 +178,7 @@ def train_generator(gen_model: nn.Module, optimizer: torch.optim.Optimizer, ense
             logits = ensemble(samples)
         samples, logits = samples.float(), logits.float()
         w = weights[:, y]
-        loss, cls, dis = fedgen_generator_loss(logits, y, w, z, samples, lambda_dis)
+        loss, cls, dis = fedgen_generator_loss(logits, y, w, z, samples, lambda_dis, teacher_loss=teacher_loss)
         optimizer.zero_grad(set_to_none=True)
         precision.backward(loss, scaler)
         precision.step(optimizer, scaler)
@@ -289,7 +304,7 @@ class FedGenHook(FedFTGHook):
                 means = train_generator(gen_model, self.optimizer, heads, probs, weights.to(device, torch.float32),
                                         steps=cfg.generator_steps, batch_size=cfg.generator_batch_size or 2,
                                         lambda_dis=cfg.lambda_dis, generator=generator, device=device,
-                                        precision=self.precision)
+                                        precision=self.precision, teacher_loss=cfg.teacher_loss)
         finally:
             gen_model.eval()
         self.label_probs = probs.clone()
