@@ -618,10 +618,13 @@ def write_page(table: Table, outcomes: list[list[CellOutcome]], *, pages: Path, 
         cells = [row.label]
         notes_of_row: list[str] = []
         minutes: list[float] = []
+        statuses = [_status(outcome) for outcome in row_out]
+        by_column = len(set(statuses)) > 1  # "not run" in one column only: say which
         for j, outcome in enumerate(row_out):
             values = outcome.values()
             cells += [_paper(outcome.cell), _fmt(values), _delta(outcome.cell, values)]
-            for note in (_status(outcome), _seeds_note(table, j, outcome, len(seeds))):
+            status = f"{table.columns[j]}: {statuses[j]}" if by_column and statuses[j] else statuses[j]
+            for note in (status, _seeds_note(table, j, outcome, len(seeds))):
                 if note and note not in notes_of_row:
                     notes_of_row.append(note)
             minutes += [r.seconds / 60 for r in outcome.runs if r.status == "done"]

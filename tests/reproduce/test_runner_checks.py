@@ -147,6 +147,21 @@ def test_the_page_says_how_many_seeds_each_number_averages(tmp_path):
     assert "- Seeds finished: 0, 1, 2 in 1 cell; 0 in 1 cell" in text
 
 
+def test_a_column_not_run_is_named_in_the_note(tmp_path):
+    table = Table(name="two-columns", title="t", source="s", columns=("lr 0.05", "lr 0.02"), column_slugs=("a", "b"),
+                  rows=(Row("FedAvg", "fedavg", (_fedavg(), _fedavg("train.lr=0.02"))),
+                        Row("FedProx", "fedprox", (_fedavg("train.objective=fedprox"),
+                                                   _fedavg("train.objective=fedprox", "train.lr=0.02")))),
+                  data="digits")
+    ran = [[CellOutcome(table.rows[0].cells[0], "a-fedavg", [_done(0, 0.5, tmp_path / "a")]),
+            CellOutcome(table.rows[0].cells[1], "b-fedavg", [])],
+           [CellOutcome(cell, slug, []) for cell, slug in zip(table.rows[1].cells, ("a-fedprox", "b-fedprox"))]]
+    page, _ = write_page(table, ran, pages=tmp_path / "pages", seeds=[0], rounds=1, synthetic=False, command="x")
+    rows = {line.split(" | ")[0]: line for line in page.read_text().splitlines() if line.startswith("| Fed")}
+    assert rows["| FedAvg"].endswith("| lr 0.02: not run |")  # the row has a number: which column lacks one
+    assert rows["| FedProx"].endswith("| – | – | not run |")  # neither column: once, unprefixed
+
+
 def test_the_seeds_column_is_one_number_when_every_cell_has_it(tmp_path):
     table = _table()
     outcomes = [[CellOutcome(table.rows[0].cells[0], "d-fedavg", [_done(0, 0.5, tmp_path), _done(1, 0.7, tmp_path)])]]
@@ -244,7 +259,7 @@ def test_the_generated_results_pages_carry_the_marker_and_hand_written_ones_do_n
     # the hand-written paragraphs of the Table 3 page are its notes now, kept when the page is rewritten
     t3 = (results / "fedlmd-table3-mnist.md").read_text()
     notes = t3.split(NOTES_LINE)[1]
-    assert "Before this page's runs trained on augmented digits" in notes and "The FedLMD run took majority" in notes
+    assert "Before this page's runs trained on augmented digits" in notes and "The four LDA runs above were made" in notes
 
 
 # --------------------------------------------------------------------------- --rows / --columns
