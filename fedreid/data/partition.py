@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import bisect
 import inspect
-import logging
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
@@ -39,8 +38,6 @@ from matplotlib.figure import Figure
 
 from fedreid.errors import FedReIDError
 from fedreid.utils.io import atomic_path
-
-log = logging.getLogger(__name__)
 
 __all__ = [
     "PARTITION_KINDS",
