@@ -379,23 +379,22 @@ def dirichlet_prior(
     emptied = 0
     cache: dict[int, tuple[int, list[float], int]] = {}
 
-    def cumulative_weights(weights: np.ndarray) -> tuple[list[float], int]:
-        positive = np.flatnonzero(weights > 0)
-        return np.cumsum(weights).tolist(), int(positive[-1]) if positive.size else -1
+    def class_weights(client: int) -> tuple[int, list[float], int]:
+        """``(emptied, cumulative weights, last class with weight)`` of ``client`` over the remaining classes."""
+        available = np.array([r > 0 for r in remaining])
+        cumulative = np.cumsum(priors[client] * available)
+        while not cumulative[-1] > 0:  # the prior has no mass left on the remaining classes
+            underflowed = priors[client] == 0  # includes every remaining class; never empty here
+            priors[client, underflowed] = rng.dirichlet(np.full(int(underflowed.sum()), float(beta)))
+            cumulative = np.cumsum(priors[client] * available)
+        positive = np.flatnonzero(priors[client] * available > 0)
+        return emptied, cumulative.tolist(), int(positive[-1])
 
     for _ in range(n):
         client = open_clients[int(rng.integers(len(open_clients)))]
         cached = cache.get(client)
         if cached is None or cached[0] != emptied:
-            available = np.array([r > 0 for r in remaining])
-            cached = (emptied, *cumulative_weights(priors[client] * available))
-            cache[client] = cached
-        while not cached[1][-1] > 0:  # the prior has no mass left on the remaining classes
-            underflowed = priors[client] == 0  # includes every remaining class; never empty here
-            priors[client, underflowed] = rng.dirichlet(np.full(int(underflowed.sum()), float(beta)))
-            available = np.array([r > 0 for r in remaining])
-            cached = (emptied, *cumulative_weights(priors[client] * available))
-            cache[client] = cached
+            cached = cache[client] = class_weights(client)
         _, cumulative, last = cached
         k = bisect.bisect_right(cumulative, rng.random() * cumulative[-1])
         # Rounding can put the draw at the very end; take the last class that has samples.
