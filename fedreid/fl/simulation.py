@@ -66,6 +66,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import platform
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence
@@ -113,6 +114,10 @@ PARTITION_PICTURE = "partition.png"
 RESUMABLE_CHANGES = ("fl.rounds", "run.", "eval.batch_size", "eval.workers", "eval.before_hooks",
                      "train.persistent_workers")
 
+#: Config keys that name files or folders. A relative one is read in the folder of the process
+#: that reads it, so a resume may give it made absolute (:func:`made_absolute`).
+PATH_KEYS = ("data.prepared_root", "data.raw_root", "synthetic.root", "classification.root", "model.pretrained")
+
 
 #: Runs one round on clients in other processes: ``record = remote_round(server)``.
 RemoteRound = Callable[[Server], dict[str, Any]]
@@ -128,11 +133,33 @@ def config_changes(old: Config, new: Config) -> list[str]:
     return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
 
 
+def made_absolute(saved: Any, new: Any) -> bool:
+    """Whether ``new`` is the relative path ``saved`` made absolute in some folder: ``new`` ends with
+    ``saved``'s parts (its ``..`` steps not compared); ``scheme://`` values never are.
+
+    The folder a run started in is not recorded, so any folder is accepted;
+    the data fingerprints (:func:`check_resume`) still refuse other data there.
+    """
+    if not isinstance(saved, str) or not isinstance(new, str) or "://" in saved or "://" in new:
+        return False
+    rel, full = Path(os.path.normpath(saved)), Path(os.path.normpath(new))
+    if rel.is_absolute() or not full.is_absolute():
+        return False
+    parts = [p for p in rel.parts if p != ".."]
+    return not parts or list(full.parts[-len(parts):]) == parts
+
+
 def check_resumable(saved: Config, cfg: Config, completed_rounds: Optional[int] = None) -> None:
     """Refuse, as a one-line :class:`ConfigError`, resuming ``saved``'s run with ``cfg`` if it changes any
     key but :data:`RESUMABLE_CHANGES`, or asks for fewer ``fl.rounds`` than the ``completed_rounds``
-    its checkpoint holds (the run cannot be shortened: its config.yaml would contradict its checkpoint)."""
-    changed = [k for k in config_changes(saved, cfg) if not k.startswith(RESUMABLE_CHANGES)]
+    its checkpoint holds (the run cannot be shortened: its config.yaml would contradict its checkpoint).
+
+    A relative path of :data:`PATH_KEYS` given made absolute (:func:`made_absolute`) is no change:
+    Flower's ServerApp runs in a folder of Flower's and is given a run's relative paths resolved in
+    the submitting shell's folder (:func:`fedreid.flower.deployment.prepare_run`)."""
+    old, new = flatten(to_dict(saved)), flatten(to_dict(cfg))
+    changed = [k for k in config_changes(saved, cfg) if not k.startswith(RESUMABLE_CHANGES)
+               and not (k in PATH_KEYS and made_absolute(old.get(k), new.get(k)))]
     if changed:
         raise ConfigError(
             "cannot resume with a different config; changed keys: " + ", ".join(changed)

@@ -100,14 +100,11 @@ class PreparedRun:
     cfg: Config
 
 
-#: Config keys that name files or folders of the submitting machine. The ServerApp runs in a
-#: folder of Flower's, so :func:`prepare_run` passes them resolved in the submitting shell's
-#: folder, as it does ``--config`` and ``--out``.
-PATH_KEYS = ("data.prepared_root", "data.raw_root", "synthetic.root", "classification.root", "model.pretrained")
-
-
 def absolute_path_overrides(cfg: Config) -> list[str]:
-    """Overrides giving each relative path of :data:`PATH_KEYS` in ``cfg`` as an absolute one (this folder's)."""
+    """Overrides giving each relative path of ``cfg`` (:data:`fedreid.fl.simulation.PATH_KEYS`) as an absolute
+    one, resolved in this process's working folder; ``pkg://`` values and absolute paths are left out."""
+    from fedreid.fl.simulation import PATH_KEYS
+
     out = []
     for key in PATH_KEYS:
         section, name = key.split(".")
@@ -135,7 +132,14 @@ def prepare_run(*, out: str, config: Optional[str], overrides: Sequence[str], re
     unknown ``model.backbone`` (:func:`fedreid.fl.federation.check_model_name`), and
     with ``resume`` an override of a key the run may not change
     (:func:`fedreid.fl.simulation.check_resumable`, against ``config.yaml``).
-    A fresh run's relative paths (:data:`PATH_KEYS`) are passed resolved here.
+
+    The ServerApp runs in a folder of Flower's, so the run's relative paths
+    (:data:`fedreid.fl.simulation.PATH_KEYS`, from ``--config`` or the
+    overrides, or with ``resume`` from ``config.yaml``, where a run of
+    ``tools/train_fed.py`` keeps them as written) are passed as overrides
+    resolved in this process's working folder, the submitting shell's: the
+    folder ``tools/train_fed.py`` reads them in, fresh or resumed. An
+    override of the user's is what gets resolved, so it keeps its meaning.
     """
     from flwr.common.config import parse_config_args
 
@@ -154,8 +158,8 @@ def prepare_run(*, out: str, config: Optional[str], overrides: Sequence[str], re
         if not config:
             raise ConfigError("--config is required (or --resume)")
         config_path = Path(config)
-        # A resumed run's config.yaml holds the paths its first start resolved.
-        overrides = [*overrides, *absolute_path_overrides(load_config(config_path, list(overrides)))]
+    # Resumed too: a run started by flower_fed saved absolute paths, but one of train_fed's kept relative ones.
+    overrides = [*overrides, *absolute_path_overrides(load_config(config_path, list(overrides)))]
     text = run_config_string(config_path, out_path, overrides, resume=resume, round_timeout=round_timeout,
                              join_timeout=join_timeout, node_auth=node_auth)
     settings = ServerSettings.from_run_config(parse_config_args([text]))  # what the ServerApp will be given

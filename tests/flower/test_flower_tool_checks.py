@@ -11,6 +11,7 @@ import math
 import shlex
 import subprocess
 import tempfile
+from pathlib import Path
 
 import pytest
 from fl_helpers import tiny_config, write_world
@@ -19,13 +20,14 @@ from flwr.app import Context, RecordDict
 from flwr.common.config import parse_config_args
 
 from fedreid.commands import flower_fed
-from fedreid.config import ConfigError, dump_config
-from fedreid.fl.simulation import run_simulation
+from fedreid.config import Config, ConfigError, dump_config, from_dict, load_config
+from fedreid.fl.simulation import check_resumable, run_simulation
 from fedreid.flower import app as flower_app
 from fedreid.flower import launch
 from fedreid.flower.app import ServerSettings
 from fedreid.flower.deployment import prepare_run, supernode_launch
 from fedreid.flower.launch import FlowerCli, run_config_string
+from fedreid.utils.checkpoint import load_checkpoint
 
 FAKE_FLWR = """#!/bin/sh
 echo "fedreid INFO: round 1: 2 clients, loss 1.234 (fake ServerApp)"
@@ -234,3 +236,65 @@ def test_a_fresh_runs_relative_paths_reach_the_server_app_resolved_in_the_submit
     # the one-host work folder is absolute too: SuperLink and SuperNodes run inside it
     assert claim_local_folders(tmp_path / "out", None, False) == tmp_path / "out_flower"
     assert claim_local_folders(tmp_path.relative_to(tmp_path) / "rel", None, False) == tmp_path / "rel_flower"
+
+
+def passed_overrides(run) -> dict:
+    """The overrides the ServerApp will apply, each key's last one (the one that takes effect)."""
+    settings = ServerSettings.from_run_config(parse_config_args([run.run_config]))
+    return dict(o.split("=", 1) for o in settings.overrides)
+
+
+@pytest.fixture
+def train_fed_run(tmp_path, monkeypatch):
+    """A run folder as tools/train_fed.py leaves it, started in ``tmp_path``: its config.yaml and checkpoint
+    keep the relative ``data.prepared_root=prepared`` it was given."""
+    monkeypatch.chdir(tmp_path)
+    write_world(tmp_path / "prepared")
+    run_simulation(tiny_config(Path("prepared"), ["fl.rounds=1", "eval.every=100"]), "run", progress=False)
+    assert load_config(tmp_path / "run" / "config.yaml").data.prepared_root == "prepared"
+    return tmp_path / "run"
+
+
+def test_a_resumed_runs_relative_paths_reach_the_server_app_resolved_in_the_submitting_folder(train_fed_run,
+                                                                                              tmp_path):
+    """The ServerApp runs in a folder of Flower's: a resumed train_fed run's relative paths must not be read there."""
+    run = prepare_run(out="run", config=None, overrides=["fl.rounds=2"], resume=True)
+    passed = passed_overrides(run)
+    assert passed["data.prepared_root"] == f"{tmp_path}/prepared"
+    assert passed["synthetic.root"] == f"{tmp_path}/datasets/raw/synthetic"  # the defaults' relative paths too
+    assert run.cfg.data.prepared_root == f"{tmp_path}/prepared" and run.cfg.fl.rounds == 2
+    # The ServerApp's own check, against the checkpoint's config, takes the resolved paths as the same run.
+    ckpt = load_checkpoint(train_fed_run / "checkpoint.pt")
+    check_resumable(from_dict(Config, ckpt["config"]), run.cfg, completed_rounds=1)
+
+
+def test_a_users_path_override_on_resume_wins_over_the_resolved_one(train_fed_run, tmp_path):
+    copy = tmp_path / "copy" / "prepared"  # the same data, moved
+    write_world(copy)
+    for given, expected in ((f"{copy}", f"{copy}"), ("./prepared", f"{tmp_path}/prepared")):
+        run = prepare_run(out="run", config=None, overrides=[f"data.prepared_root={given}"], resume=True)
+        assert passed_overrides(run)["data.prepared_root"] == expected
+        assert run.cfg.data.prepared_root == expected
+    # Another folder is a change the run may not take, refused in the ServerApp's words.
+    with pytest.raises(ConfigError) as door:
+        prepare_run(out="run", config=None, overrides=["data.prepared_root=other"], resume=True)
+    changed = tiny_config(tmp_path / "other", ["fl.rounds=1", "eval.every=100"])
+    with pytest.raises(ConfigError) as server:
+        run_simulation(changed, train_fed_run, resume=True, progress=False, remote_round=lambda s: {})
+    assert str(door.value) == str(server.value)
+    assert "changed keys: data.prepared_root " in str(door.value)
+
+
+def test_a_resumed_runs_absolute_and_package_paths_are_passed_as_they_are(tmp_path, monkeypatch):
+    prepared = tmp_path / "data" / "prepared"
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.yaml").write_text(
+        dump_config(tiny_config(prepared, ["fl.rounds=1", "model.pretrained=pkg://some_package/w.pth"])))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    run = prepare_run(out=str(tmp_path / "run"), config=None, overrides=[], resume=True)
+    passed = passed_overrides(run)
+    assert "data.prepared_root" not in passed and "model.pretrained" not in passed
+    assert (run.cfg.data.prepared_root, run.cfg.model.pretrained) == (str(prepared), "pkg://some_package/w.pth")
+    assert passed["synthetic.root"] == f"{elsewhere}/datasets/raw/synthetic"  # a relative one beside them is resolved
