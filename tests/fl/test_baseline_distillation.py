@@ -18,8 +18,10 @@ from torch import nn
 
 from fedreid.config import ConfigError, load_config
 from fedreid.fl.classification import CLASS_COUNTS
+from fedreid.fl.federation import build_classification_federation
 from fedreid.fl.local.base import OBJECTIVE_PAYLOAD, ObjectiveError
 from fedreid.fl.local.fedgen import (
+    DRAWN_COUNTS_KEY,
     GENERATOR_KEY,
     LABEL_PROBS_KEY,
     SPEC_KEY,
@@ -29,11 +31,13 @@ from fedreid.fl.local.fedgen import (
     regularizer_weight,
 )
 from fedreid.fl.local.objectives import BUILT_IN, OBJECTIVES, build_objective
+from fedreid.fl.local.sgd import device_batch
 from fedreid.fl.server_hooks import SERVER_HOOKS
 from fedreid.fl.server_hooks.feddf import FedDFConfig, FedDFConfigError, FedDFHook, feddf_loss
 from fedreid.fl.server_hooks.fedftg import TeacherEnsemble, ensemble_weights
 from fedreid.fl.server_hooks.fedgen import (
     FedGenHook,
+    drawn_label_weights,
     fedgen_generator_loss,
     generator_label_probs,
     head_teachers,
@@ -47,7 +51,7 @@ from fedreid.models.classifiers import create_classifier
 from fedreid.models.feature_generator import FeatureGenerator
 from fedreid.models.generator import sample_noise
 from fedreid.utils.checkpoint import load_checkpoint
-from fedreid.utils.seeding import forked_torch_rng
+from fedreid.utils.seeding import derive_seed, forked_torch_rng
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -63,6 +67,11 @@ FEDDF = ["fl.hooks=[{name: feddf, generator_steps: 3, distill_steps: 6, batch_si
 FEDGEN = ["train.objective=fedgen",
           "train.objective_options={alpha: 1.0, beta: 1.0, embed_dim: 32, generator_steps: 5, "
           "generator_batch_size: 16, generator_lr: 0.0003}"]
+#: FedGen with the official code's label counts, client labels and regulariser stop.
+FEDGEN_OFFICIAL = ["train.objective=fedgen",
+                   "train.objective_options={alpha: 1.0, beta: 1.0, embed_dim: 32, generator_steps: 5, "
+                   "generator_batch_size: 16, generator_lr: 0.0003, label_counts: drawn_plus_one, "
+                   "label_sampling: uniform, client_label_sampling: available, regularizer_steps: 3}"]
 
 
 class Kill(RuntimeError):
@@ -306,6 +315,186 @@ def test_fedgen_hook_state_round_trip_is_bit_exact():
     assert hook.optimizer.state_dict()["state"].keys() == twin.optimizer.state_dict()["state"].keys()
 
 
+def test_official_fedgen_options_are_validated_by_name():
+    cfg = load_config(None, DIGITS + FEDGEN_OFFICIAL)
+    options = cfg.train.objective_options
+    assert (options["label_counts"], options["client_label_sampling"], options["regularizer_steps"]) == \
+        ("drawn_plus_one", "available", 3)
+    defaults = FedGenOptions()
+    assert (defaults.label_counts, defaults.client_label_sampling, defaults.regularizer_steps) == \
+        ("training", "prior", None)
+    for name, bad in (("label_counts", "drawn"), ("client_label_sampling", "uniform"), ("regularizer_steps", -1)):
+        with pytest.raises(ObjectiveError, match=f"fedgen {name} must"):
+            FedGenOptions(**{name: bad})
+
+
+def test_client_reports_the_labels_of_the_batches_it_trained_on():
+    """Official ``UserpFedGen.update_label_counts``: every real batch of the round, with or without a generator."""
+    options = FedGenOptions(embed_dim=8, generator_steps=2, generator_batch_size=8)
+    hook, _, _, _, _ = _fedgen_hook_after_one_round(options)
+    payload = hook.instructions(1)[OBJECTIVE_PAYLOAD]
+    client = TinyNet(7)
+    objective = build_objective("fedgen", **{**options.to_dict(), "label_counts": "drawn_plus_one"})
+    for payload_in, batches, expected in (
+        (None, [[0, 1, 2, 1], [2, 2]], [1.0, 2.0, 3.0]),  # the first round: no generator, still counted
+        (payload, [[0, 0], [0, 1], [0]], [4.0, 1.0, 0.0]),  # a new round starts from zero
+    ):
+        objective.begin_round(client, client.state_dict(), round_index=1, payload=payload_in)
+        for labels in batches:
+            labels = torch.tensor(labels)
+            images = torch.randn(labels.numel(), 2)
+            with forked_torch_rng(3):
+                objective.loss(client, images, labels, client(images))
+            objective.after_step(client, None)
+        out = objective.end_round(client)
+        assert set(out) == {DRAWN_COUNTS_KEY} and out[DRAWN_COUNTS_KEY].dtype == torch.float32
+        assert out[DRAWN_COUNTS_KEY].tolist() == expected
+    default = build_objective("fedgen", **options.to_dict())
+    default.begin_round(client, client.state_dict(), round_index=1, payload=payload)
+    default.loss(client, torch.randn(2, 2), torch.tensor([0, 1]), client(torch.randn(2, 2)))
+    assert default.end_round(client) == {}  # label_counts: training sends nothing of its own
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_a_digits_client_counts_the_batches_of_its_local_training(drop_last):
+    cfg = load_config(None, DIGITS + FEDGEN_OFFICIAL + ["train.local_epochs=2", f"train.drop_last={str(drop_last).lower()}",
+                                                        "eval.every=100"])
+    fed = build_classification_federation(cfg)
+    server = fed.server
+    plan = server.begin_round()
+    assert CLASS_COUNTS not in plan.instructions  # the server asks for no training counts
+    # a client whose last batch is partial (n not a multiple of B)
+    k = next(k for k in plan.ids if fed.clients[k].num_samples % cfg.train.batch_size)
+    client = fed.clients[k]
+    update = client.fit(fed.work_model, server.payload_for(k), dict(plan.instructions))
+    assert CLASS_COUNTS not in update.metadata
+    drawn = update.metadata[DRAWN_COUNTS_KEY]
+    if not drop_last:  # every image once per epoch
+        assert drawn.tolist() == [2.0 * c for c in client.class_counts()]
+    else:  # full batches only: the partial one of each epoch is skipped, so not counted
+        assert drawn.sum() == cfg.train.batch_size * update.metadata["steps"] < 2 * client.num_samples
+    # the labels of the batches train_local used: the client's seeded epoch loaders
+    seed = derive_seed(cfg.seed, "client", 0, k)
+    expected = torch.zeros(10)
+    for epoch in range(2):
+        for batch in client.train_loader(derive_seed(seed, "epoch", epoch)):
+            _, labels = device_batch(batch, torch.device("cpu"))
+            if not drop_last or labels.numel() == cfg.train.batch_size:
+                expected += torch.bincount(labels, minlength=10)
+    assert torch.equal(drawn, expected)
+
+
+def test_server_weights_drawn_counts_plus_one_and_draws_qualified_labels(monkeypatch):
+    """Official ``serverpFedGen.py:get_label_weights`` on counts that start at 1 each round."""
+    drawn = torch.tensor([[3.0, 0.0, 0.0], [1.0, 0.0, 3.0]])  # label 1: nobody drew it, so not qualified
+    counts, probs, weights = drawn_label_weights(drawn, 2, "uniform", "class")
+    # counts + 1 = [[4, 1, 1], [2, 1, 4]]; per label, each client's share of the column
+    assert torch.equal(counts, drawn)
+    assert torch.allclose(weights, torch.tensor([[4 / 6, 1 / 2, 1 / 5], [2 / 6, 1 / 2, 4 / 5]], dtype=torch.float64))
+    assert probs.tolist() == [0.5, 0.0, 0.5]  # uniform over the qualified labels 0 and 2
+    _, by_counts, _ = drawn_label_weights(drawn, 2, "counts", "class")
+    assert torch.allclose(by_counts, torch.tensor([4 / 7, 0.0, 3 / 7], dtype=torch.float64))
+    _, _, by_size = drawn_label_weights(drawn, 2, "uniform", "client_size")
+    # n_k / n on the same counts: rows of 6 and 7 (of the drawn counts alone: 3 and 4)
+    assert torch.allclose(by_size[:, 0], torch.tensor([6 / 13, 7 / 13], dtype=torch.float64))
+    with pytest.raises(Exception, match="no qualified label"):
+        drawn_label_weights(torch.zeros(2, 3), 2, "uniform", "class")
+
+    # the hook: the drawn counts from the updates, those weights and probabilities into the generator's training
+    seen = {}
+
+    def spy(gen_model, optimizer, ensemble, probs, weights, **kwargs):
+        seen.update(probs=probs.clone(), weights=weights.clone())
+        return {"gen_cls": 0.0, "gen_dis": 0.0, "gen_loss": 0.0, "gen_acc": 0.0}
+
+    monkeypatch.setattr("fedreid.fl.server_hooks.fedgen.train_generator", spy)
+    options = FedGenOptions(embed_dim=8, generator_steps=2, generator_batch_size=8, label_counts="drawn_plus_one",
+                            label_sampling="uniform")
+    hook = FedGenHook(options, num_classes=3, seed=5)
+    assert hook.instructions(0) == {}  # no training counts asked for
+    model = TinyNet(0)
+    teachers = [TinyNet(1).state_dict(), TinyNet(2).state_dict()]
+    updates = [Update(f"c{k}", state, 8, {DRAWN_COUNTS_KEY: drawn[k]}, head_shared=True)
+               for k, state in enumerate(teachers)]
+    assert all(hook.check_update(0, u, model) is None for u in updates)
+    no_counts = Update("c9", teachers[0], 8, {CLASS_COUNTS: drawn[0]}, head_shared=True)
+    assert DRAWN_COUNTS_KEY in hook.check_update(0, no_counts, model)
+    bad = Update("c9", teachers[0], 8, {DRAWN_COUNTS_KEY: torch.tensor([1.0, -1.0, 0.0])}, head_shared=True)
+    assert hook.check_update(0, bad, model) == f"{DRAWN_COUNTS_KEY} must be finite and >= 0"
+    hook.after_aggregate(0, model, updates)
+    assert seen["probs"].tolist() == [0.5, 0.0, 0.5] and torch.allclose(seen["weights"], weights.float())
+    assert hook.instructions(1)[OBJECTIVE_PAYLOAD][LABEL_PROBS_KEY].tolist() == [0.5, 0.0, 0.5]
+    assert CLASS_COUNTS not in hook.instructions(1)
+
+
+def _payload_with_probs(options: FedGenOptions, probs: list[float]):
+    hook, _, _, _, _ = _fedgen_hook_after_one_round(options)
+    payload = dict(hook.instructions(1)[OBJECTIVE_PAYLOAD])
+    payload[LABEL_PROBS_KEY] = torch.tensor(probs, dtype=torch.float64)
+    return payload
+
+
+def _hand_loss(client, payload, images, labels, probs, gen_batch, seed, alpha, beta):
+    """The objective's loss with its draws made by hand (``y^ ~ probs``)."""
+    gen = FeatureGenerator(**payload[SPEC_KEY])
+    gen.load_state_dict(payload[GENERATOR_KEY])
+    gen.eval()
+    with forked_torch_rng(seed):
+        rng = torch.Generator().manual_seed(int(torch.randint(0, 2**62, (1,))))
+    fake_y = torch.multinomial(torch.tensor(probs, dtype=torch.float64), gen_batch, replacement=True, generator=rng)
+    with torch.no_grad():
+        own = gen(sample_noise(labels.numel(), gen.z_dim, rng), labels)
+        fake = gen(sample_noise(gen_batch, gen.z_dim, rng), fake_y)
+    logits = client(images)
+    reg, _, _ = fedgen_regularizer(client.classifier, logits, own, fake, fake_y, alpha=alpha, beta=beta)
+    return F.cross_entropy(logits, labels) + reg, fake_y
+
+
+def test_available_client_labels_are_uniform_over_every_label():
+    """Official ``UserpFedGen.train``: ``np.random.choice(self.available_labels, gen_batch_size)``, not ``p^(y)``."""
+    options = FedGenOptions(embed_dim=8, generator_steps=2, generator_batch_size=8, regularizer_decay=1.0)
+    payload = _payload_with_probs(options, [1.0, 0.0, 0.0])  # the server's p^(y): label 0 only
+    client = TinyNet(7)
+    images, labels = torch.randn(4, 2), torch.tensor([0, 1, 2, 1])
+    for sampling, probs in (("prior", [1.0, 0.0, 0.0]), ("available", [1 / 3, 1 / 3, 1 / 3])):
+        objective = build_objective("fedgen", **{**options.to_dict(), "gen_batch_size": 12,
+                                                 "client_label_sampling": sampling})
+        objective.begin_round(client, client.state_dict(), round_index=1, payload=payload)
+        with forked_torch_rng(11):
+            loss = objective.loss(client, images, labels, client(images))
+        expected, fake_y = _hand_loss(client, payload, images, labels, probs, 12, 11, alpha=10.0, beta=10.0)
+        assert loss.item() == pytest.approx(expected.item(), rel=F32_TOL)
+        assert set(fake_y.tolist()) == ({0} if sampling == "prior" else {0, 1, 2})
+
+
+def test_regulariser_stops_after_regularizer_steps():
+    """Official ``UserpFedGen.train``: ``if regularization and epoch < early_stop`` (one batch per epoch, K = 1)."""
+    options = FedGenOptions(embed_dim=8, generator_steps=2, generator_batch_size=8)
+    payload = _payload_with_probs(options, [0.5, 0.25, 0.25])
+    batches = [(torch.randn(4, 2), torch.tensor([0, 1, 2, 1])) for _ in range(4)]
+
+    def losses(limit):
+        client = TinyNet(7)
+        objective = build_objective("fedgen", **{**options.to_dict(), "regularizer_steps": limit})
+        objective.begin_round(client, client.state_dict(), round_index=1, payload=payload)
+        out = []
+        with forked_torch_rng(5):
+            for images, labels in batches:
+                logits = client(images)
+                loss = objective.loss(client, images, labels, logits)
+                out.append((loss.item(), F.cross_entropy(logits, labels).item(), sorted(objective.last_terms)))
+                objective.after_step(client, None)
+        return out
+
+    every, two, never = losses(None), losses(2), losses(0)
+    regularised, plain = ["ce", "fedgen_ce", "fedgen_kl"], ["ce"]
+    assert [terms for _, _, terms in every] == [regularised] * 4
+    assert [terms for _, _, terms in two] == [regularised] * 2 + [plain] * 2
+    assert [terms for _, _, terms in never] == [plain] * 4
+    assert [loss for loss, _, _ in two[:2]] == [loss for loss, _, _ in every[:2]]  # the same draws while it runs
+    assert all(loss == ce for loss, ce, _ in two[2:] + never) and all(loss != ce for loss, ce, _ in every)
+
+
 # --------------------------------------------------------------------------- FedDF
 
 
@@ -379,7 +568,8 @@ def test_feddf_state_round_trip_is_bit_exact():
 @pytest.mark.parametrize("method, extra, kill_at", [
     ("feddf", FEDDF, ("round_end", 0)),
     ("fedgen", FEDGEN, ("client_end", 1)),
-])
+    ("fedgen", FEDGEN_OFFICIAL, ("client_end", 1)),
+], ids=["feddf", "fedgen", "fedgen_official"])
 def test_digits_runs_learn_and_resume_bit_exactly(tmp_path, method, extra, kill_at):
     cfg = load_config(None, DIGITS + extra)
     full = run_simulation(cfg, tmp_path / "full", progress=False)

@@ -38,16 +38,38 @@ reaches it), the generated features go through the head only, so the
   before it has trained one (the official server passes
   ``regularization = glob_iter > 0``). A round without a generator in the
   payload is plain cross-entropy.
-* ``y^``: drawn from the ``p^(y)`` the server sends (Algorithm 1; with
-  ``label_sampling: uniform`` that is uniform over the labels some
-  participating client holds). The official clients draw uniformly from
-  ``available_labels``, every label of every client's training data, fixed
-  for the run (``utils/model_utils.py:aggregate_user_data``); its server
-  draws from the round's ``qualified_labels``. Here one per-round prior
-  serves both.
-* The official client stops the regulariser after local epoch 20
-  (``userpFedGen.py``, ``early_stop``); here it runs in every epoch, which is
-  the same wherever ``train.local_epochs`` is at most 20.
+* ``y^``: drawn from the ``p^(y)`` the server sends (Algorithm 1;
+  ``client_label_sampling: prior``, with ``label_sampling: uniform`` that is
+  uniform over the labels some participating client holds). With
+  ``client_label_sampling: available`` they are uniform over every label of
+  the label space, as the official clients draw them
+  (``userpFedGen.py:UserpFedGen.train``: ``np.random.choice(self.available_labels,
+  gen_batch_size)``), ``available_labels`` being every label of every
+  client's training data, fixed for the run
+  (``utils/model_utils.py:aggregate_user_data``). The two sets agree
+  wherever every class has a training image, since every partition
+  (:mod:`fedreid.data.partition`) hands every training image to some client.
+* The official client runs the regulariser only while ``epoch < early_stop``
+  (``userpFedGen.py:UserpFedGen.train``; ``early_stop = 20`` from
+  ``serverpFedGen.py:FedGen.__init__``). An official local "epoch" is ``K``
+  batches (``userbase.py:User.get_next_train_batch`` in a loop of ``K``;
+  ``K = 1`` in every command of its README), not a pass over the data, so its
+  rule is "the first ``20 * K`` local steps of a round":
+  ``regularizer_steps: 20`` with ``K = 1``. Its README runs have
+  ``local_epochs = 20`` steps per round, so the rule never switches the
+  regulariser off there. ``regularizer_steps: null`` (default) regularises
+  every step.
+* Label counts for the server (``label_counts: drawn_plus_one``): the client
+  counts the labels of every real batch its local training uses this round
+  (every batch :meth:`FedGen.loss` sees, the first round's included; partial
+  batches skipped under ``train.drop_last`` are not used, so not counted) and
+  reports them in the update's metadata under :data:`DRAWN_COUNTS_KEY`; the
+  server adds the one (official ``userpFedGen.py:UserpFedGen.clean_up_counts``
+  starts every label at 1 each round, ``update_label_counts`` adds the labels
+  of each batch ``get_next_train_batch(count_labels=True)`` drew; the server's
+  use is :func:`fedreid.fl.server_hooks.fedgen.drawn_label_weights`). With
+  ``label_counts: training`` (default) the server asks for the clients'
+  training counts instead (``class_counts``).
 
 Randomness. The objective is not told which client it serves, so its draws
 (``y^``, ``z^``, ``z``) come from a ``torch.Generator`` seeded, on the first
@@ -81,8 +103,13 @@ from fedreid.models.generator import sample_noise
 GENERATOR_KEY = "generator"
 SPEC_KEY = "generator_spec"
 LABEL_PROBS_KEY = "label_probs"
+#: Key of the update metadata under which a client reports the labels of the batches it
+#: trained on this round (``label_counts: drawn_plus_one``), float32 ``[C]``.
+DRAWN_COUNTS_KEY = "fedgen_drawn_counts"
 
 LABEL_SAMPLINGS: tuple[str, ...] = ("counts", "uniform")
+LABEL_COUNTS: tuple[str, ...] = ("training", "drawn_plus_one")
+CLIENT_LABEL_SAMPLINGS: tuple[str, ...] = ("prior", "available")
 
 
 @dataclass
@@ -113,10 +140,16 @@ class FedGenOptions:
     lr_decay: Optional[float] = None
     #: Server: weight of FedGen's diversity loss (official ``ensemble_eta``; 0 drops it).
     lambda_dis: float = 1.0
-    #: Label prior p^(y) of the server's and the clients' draws: ``counts`` (the participants' label counts, Alg. 1) or ``uniform`` over the labels they hold (close to the official code's uniform draws, see the module docstring).
+    #: Label prior p^(y) of the server's draws and (``client_label_sampling: prior``) the clients': ``counts`` (the participants' label counts, Alg. 1) or ``uniform`` over the labels they hold (with ``label_counts: drawn_plus_one``: the labels they drew, official ``serverpFedGen.py:train_generator``'s ``qualified_labels``).
     label_sampling: Literal["counts", "uniform"] = "counts"
-    #: Server: teacher weights per label, ``class`` (n_k^y / sum_i n_i^y, the form of official ``get_label_weights``, which counts the labels a client drew that round, plus 1) or ``client_size`` (n_k / n).
+    #: Server: teacher weights per label, ``class`` (n_k^y / sum_i n_i^y, the form of official ``serverpFedGen.py:get_label_weights``) or ``client_size`` (n_k / n); n_k^y as ``label_counts`` says.
     ensemble: Literal["class", "client_size"] = "class"
+    #: The counts n_k^y the server weighs the teachers by and draws its labels from: ``training`` (each client's training images per label) or ``drawn_plus_one`` (official ``userpFedGen.py:UserpFedGen.clean_up_counts`` and ``update_label_counts``: the labels of the batches the client trained on this round, plus 1, in ``serverpFedGen.py:get_label_weights``; the server draws only labels some participant drew, its ``qualified_labels``).
+    label_counts: Literal["training", "drawn_plus_one"] = "training"
+    #: Labels y^ of the clients' generated features: ``prior`` (the server's p^(y), Alg. 1) or ``available`` (uniform over all labels: official ``userpFedGen.py:UserpFedGen.train``, ``np.random.choice(self.available_labels, ...)``).
+    client_label_sampling: Literal["prior", "available"] = "prior"
+    #: The regulariser runs in the first this many local steps of each round (null: in every step; official ``userpFedGen.py:UserpFedGen.train``, ``epoch < early_stop``, ``early_stop = 20``, an official epoch being ``K = 1`` batch: 20).
+    regularizer_steps: Optional[int] = None
     #: Server: the generator's teacher loss, ``weighted`` (each sample's CE weighted by its label's ``alpha_k^y``: FedFTG's ``L_cls``) or ``official`` (``serverpFedGen.py:train_generator`` broadcasts ``[B]`` losses against ``[B, 1]`` weights: each client's mean CE times the batch mean of its weights).
     teacher_loss: Literal["weighted", "official"] = "weighted"
     #: Noise dimension d (null: 100, 256 for 100+ classes; FedFTG appendix 7.4).
@@ -156,6 +189,13 @@ class FedGenOptions:
             raise ObjectiveError("fedgen ensemble must be class or client_size")
         if self.teacher_loss not in ("weighted", "official"):
             raise ObjectiveError("fedgen teacher_loss must be weighted or official")
+        if self.label_counts not in LABEL_COUNTS:
+            raise ObjectiveError(f"fedgen label_counts must be one of {', '.join(LABEL_COUNTS)}, got {self.label_counts!r}")
+        if self.client_label_sampling not in CLIENT_LABEL_SAMPLINGS:
+            raise ObjectiveError(f"fedgen client_label_sampling must be one of {', '.join(CLIENT_LABEL_SAMPLINGS)}, "
+                                 f"got {self.client_label_sampling!r}")
+        if self.regularizer_steps is not None and int(self.regularizer_steps) < 0:
+            raise ObjectiveError(f"fedgen regularizer_steps must be an integer >= 0 or null, got {self.regularizer_steps}")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -213,7 +253,9 @@ class FedGen(LocalObjective):
     """``CE + alpha_t * (B^/B) * CE(h(G(z^, y^)), y^) + beta_t * KL(sigma(h(G(z, y))) || sigma(logits))``.
 
     See the module docstring; the generator and ``p^(y)`` arrive in the round's
-    objective payload (:mod:`fedreid.fl.server_hooks.fedgen`).
+    objective payload (:mod:`fedreid.fl.server_hooks.fedgen`). With
+    ``label_counts: drawn_plus_one`` :meth:`end_round` returns the labels of
+    the round's batches under :data:`DRAWN_COUNTS_KEY`.
     """
 
     name = "fedgen"
@@ -226,6 +268,7 @@ class FedGen(LocalObjective):
         self._generator: Optional[FeatureGenerator] = None
         self._probs: Optional[Tensor] = None
         self._rng: Optional[torch.Generator] = None
+        self._drawn: Optional[Tensor] = None
         self.alpha_t = 0.0
         self.beta_t = 0.0
 
@@ -238,7 +281,12 @@ class FedGen(LocalObjective):
         payload: Optional[Mapping[str, Any]] = None,
     ) -> None:
         super().begin_round(model, global_state, round_index=round_index, payload=payload)
-        self._generator, self._probs, self._rng = None, None, None
+        self._generator, self._probs, self._rng, self._drawn = None, None, None, None
+        o = self.options
+        if o.label_counts == "drawn_plus_one":
+            # counted on the head's device, read once in end_round (no host sync per step)
+            head = head_of(model)
+            self._drawn = torch.zeros(head.out_features, dtype=torch.int64, device=head.weight.device)
         if not payload or GENERATOR_KEY not in payload:
             return  # no trained generator yet (the first round): plain cross-entropy
         head = head_of(model)
@@ -256,8 +304,9 @@ class FedGen(LocalObjective):
         probs = torch.as_tensor(payload[LABEL_PROBS_KEY], dtype=torch.float64).cpu()
         if probs.shape != (head.out_features,) or not bool(torch.isfinite(probs).all()) or probs.sum() <= 0:
             raise ObjectiveError(f"fedgen: label_probs must be {head.out_features} finite weights, got {probs}")
+        if o.client_label_sampling == "available":
+            probs = torch.full((head.out_features,), 1.0 / head.out_features, dtype=torch.float64)
         self._probs = probs
-        o = self.options
         self.alpha_t = regularizer_weight(o.alpha, o.regularizer_decay, round_index, o.regularizer_floor)
         self.beta_t = regularizer_weight(o.beta, o.regularizer_decay, round_index, o.regularizer_floor)
 
@@ -268,6 +317,11 @@ class FedGen(LocalObjective):
             self._rng.manual_seed(int(torch.randint(0, 2**62, (1,))))
         return self._rng
 
+    def regularizes(self) -> bool:
+        """Whether this step (the ``steps``-th of the round, 0-based) adds the regulariser."""
+        limit = self.options.regularizer_steps
+        return self._generator is not None and (limit is None or self.steps < int(limit))
+
     def loss(
         self,
         model: nn.Module,
@@ -277,10 +331,13 @@ class FedGen(LocalObjective):
         features: Optional[Tensor] = None,
     ) -> Tensor:
         ce = super().loss(model, images, labels, logits, features)
-        gen = self._generator
-        if gen is None:
+        if self._drawn is not None:  # official update_label_counts: every real batch, with or without a generator
+            self._drawn += torch.bincount(labels.reshape(-1).long().to(self._drawn.device),
+                                          minlength=self._drawn.numel())
+        if not self.regularizes():
             return ce
-        assert self._probs is not None
+        gen = self._generator
+        assert gen is not None and self._probs is not None
         rng = self._draws()
         device = logits.device
         batch = labels.shape[0]
@@ -295,8 +352,11 @@ class FedGen(LocalObjective):
         return ce + total
 
     def end_round(self, model: nn.Module) -> dict[str, Any]:
-        self._generator, self._probs, self._rng = None, None, None
-        return super().end_round(model)
+        out = super().end_round(model)
+        if self._drawn is not None:
+            out[DRAWN_COUNTS_KEY] = self._drawn.to("cpu", torch.float32)
+        self._generator, self._probs, self._rng, self._drawn = None, None, None, None
+        return out
 
     def __repr__(self) -> str:
         o = self.options
@@ -304,6 +364,7 @@ class FedGen(LocalObjective):
 
 
 __all__ = [
+    "DRAWN_COUNTS_KEY",
     "GENERATOR_KEY",
     "LABEL_PROBS_KEY",
     "SPEC_KEY",

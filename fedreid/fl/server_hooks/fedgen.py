@@ -16,11 +16,10 @@ broadcasts to ``[B, B]``: its mean is ``sum_k mean_b(CE_kb) * mean_b(alpha_k^{y_
 each client weighted by its weights' batch mean. That is the option
 ``teacher_loss: official``; ``weighted`` (default) is the formula above.
 
-``alpha_k^y = n_k^y / sum_i n_i^y`` (``get_label_weights``, whose counts are
-the labels each client drew in its round plus one, ``UserpFedGen.clean_up_counts``
-and ``update_label_counts``; here the clients' training counts; FedFTG's
-class-level ensemble weights, :func:`~fedreid.fl.server_hooks.fedftg.ensemble_weights`,
-the sum is FedFTG's ``L_cls``, :func:`~fedreid.fl.server_hooks.fedftg.cls_loss`)
+``alpha_k^y = n_k^y / sum_i n_i^y`` (FedFTG's class-level ensemble weights,
+:func:`~fedreid.fl.server_hooks.fedftg.ensemble_weights`, the form of official
+``serverpFedGen.py:get_label_weights``; the sum is FedFTG's ``L_cls``,
+:func:`~fedreid.fl.server_hooks.fedftg.cls_loss`)
 and ``L_dis`` is FedGen's diversity loss
 (:func:`~fedreid.fl.server_hooks.fedftg.diversity_loss`, official
 ``DiversityLoss('l1')`` with the l2 noise distance, weight ``ensemble_eta = 1``).
@@ -40,13 +39,27 @@ Schedule and optimiser. Each round ``generator_steps`` Adam steps (official:
 ``generator_batch_size`` labels ``y ~ p^(y)`` (official: the clients' batch
 size). Learning rate and decay from FedFTG's appendix 7.3, which sets FedGen's
 and FedDF's generator like FedFTG's: ``0.01 * 0.998 ** round`` (official
-FedGen: 3e-4 or 1e-4 x0.98, weight decay 1e-2). ``p^(y)`` from the
-participants' counts: ``p^(y) = sum_k n_k^y / sum n`` (Algorithm 1: "server
-updates p^(y) based on {c_k}"); ``label_sampling: uniform`` draws uniformly
-over the labels some participant holds, as the official server over its
-``qualified_labels`` (a label some client drew in the round). The generator is
-in training mode (batch statistics) while it learns; the clients run it in
-eval mode with the running statistics it accumulated (official).
+FedGen: 3e-4 or 1e-4 x0.98, weight decay 1e-2). The generator is in training
+mode (batch statistics) while it learns; the clients run it in eval mode with
+the running statistics it accumulated (official).
+
+Label counts. ``n_k^y`` are, with ``label_counts: training`` (default), the
+clients' training images per label (the update metadata ``class_counts``),
+and ``p^(y) = sum_k n_k^y / sum n`` (Algorithm 1: "server updates p^(y) based
+on {c_k}"; ``label_sampling: uniform``: uniform over the labels some
+participant holds). With ``label_counts: drawn_plus_one`` they are the
+official ones (:func:`drawn_label_weights`): each client reports the labels
+of the batches it trained on this round
+(:data:`~fedreid.fl.local.fedgen.DRAWN_COUNTS_KEY`; the server asks for no
+training counts), the teacher weights take those counts plus one
+(``userpFedGen.py:UserpFedGen.clean_up_counts`` starts every label at 1,
+``serverpFedGen.py:get_label_weights`` divides by the participants' sum), and
+the labels drawn come from the labels some participant drew: official
+``qualified_labels``, the labels whose largest count exceeds
+``MIN_SAMPLES_PER_LABEL = 1``, drawn uniformly (``train_generator``:
+``np.random.choice(self.qualified_labels, batch_size)``; here
+``label_sampling: uniform``; ``counts`` draws them in proportion to the
+drawn counts).
 
 Stability (observed, not in either paper). Nothing bounds the generator's
 output: the weighted CE keeps falling as the features grow along the heads'
@@ -79,9 +92,17 @@ import torch
 from torch import Tensor, nn
 
 from fedreid.fl.local.base import OBJECTIVE_PAYLOAD, cpu_clone
-from fedreid.fl.local.fedgen import GENERATOR_KEY, LABEL_PROBS_KEY, SPEC_KEY, FedGenOptions, head_of
+from fedreid.fl.local.fedgen import (
+    DRAWN_COUNTS_KEY,
+    GENERATOR_KEY,
+    LABEL_PROBS_KEY,
+    SPEC_KEY,
+    FedGenOptions,
+    head_of,
+)
 from fedreid.fl.server_hooks.base import HookContext, context_precision, register_hook
 from fedreid.fl.server_hooks.fedftg import (
+    CLASS_COUNTS,
     FedFTGHook,
     FedFTGInputError,
     TeacherEnsemble,
@@ -91,12 +112,17 @@ from fedreid.fl.server_hooks.fedftg import (
     label_distribution,
     sample_labels,
 )
+from fedreid.fl.update import Update
 from fedreid.models.classifiers import HEAD_PREFIX
 from fedreid.models.feature_generator import FeatureGenerator
 from fedreid.models.generator import sample_noise
 from fedreid.options import NoOptions
 from fedreid.utils.precision import FP32, Precision
-from fedreid.utils.seeding import derive_seed
+from fedreid.utils.seeding import derive_seed, torch_generator
+
+#: Official ``serverpFedGen.py``: a label is qualified (drawn by the generator's training) when
+#: some participant's count, which starts at 1, exceeds this.
+MIN_SAMPLES_PER_LABEL = 1
 
 
 def generator_label_probs(class_counts: Any, mode: str = "counts") -> Tensor:
@@ -104,8 +130,9 @@ def generator_label_probs(class_counts: Any, mode: str = "counts") -> Tensor:
 
     "counts": ``sum_k n_k^y / sum n`` (FedGen Alg. 1; FedFTG's customised
     sampling, :func:`~fedreid.fl.server_hooks.fedftg.label_distribution`);
-    "uniform": uniform over the labels some participant holds (official
-    FedGen's ``qualified_labels`` / ``available_labels``).
+    "uniform": uniform over the labels some participant holds (``class_counts``
+    > 0 for some row; on drawn label counts, official FedGen's
+    ``qualified_labels``, see :func:`drawn_label_weights`).
     """
     probs = label_distribution(class_counts, "customized")
     if mode == "counts":
@@ -132,6 +159,40 @@ def teacher_draw_weights(class_counts: Any, num_teachers: int, label_sampling: s
     return counts, generator_label_probs(counts, label_sampling), ensemble_weights(counts, ensemble)
 
 
+def drawn_label_weights(drawn_counts: Any, num_teachers: int, label_sampling: str, ensemble: str, *,
+                        method: str = "fedgen") -> tuple[Tensor, Tensor, Tensor]:
+    """Official ``serverpFedGen.py:get_label_weights`` on the labels the participants drew this round.
+
+    ``drawn_counts`` ``[K, C]``: the labels of the batches each participant
+    trained on (:data:`~fedreid.fl.local.fedgen.DRAWN_COUNTS_KEY`). The
+    official counts start at 1 (``userpFedGen.py:UserpFedGen.clean_up_counts``),
+    so ``counts = drawn_counts + 1`` and the teacher weights are
+    ``ensemble_weights(counts, ensemble)`` (``class``: ``counts[k, y] / sum_i
+    counts[i, y]``, the official ``np.array(weights) / np.sum(weights)``). The
+    qualified labels are those with ``max_k counts[k, y] > MIN_SAMPLES_PER_LABEL``
+    (= 1: some participant drew ``y``); ``label_sampling="uniform"`` draws
+    them uniformly (official ``np.random.choice(self.qualified_labels, ...)``),
+    ``"counts"`` in proportion to ``sum_k drawn_counts[k, y]`` (0 off the
+    qualified labels). Returns ``(drawn_counts, label probabilities, teacher
+    weights)`` as :func:`teacher_draw_weights` does.
+    """
+    drawn = torch.as_tensor(drawn_counts, dtype=torch.float64)
+    if drawn.dim() != 2 or num_teachers != drawn.shape[0]:
+        raise FedFTGInputError(f"{method}: {num_teachers} teachers but drawn label counts of shape "
+                               f"{tuple(drawn.shape)}")
+    if not bool(torch.isfinite(drawn).all()) or bool((drawn < 0).any()):
+        raise FedFTGInputError(f"{method}: drawn label counts must be finite and >= 0")
+    counts = drawn + 1.0
+    qualified = counts.amax(dim=0) > MIN_SAMPLES_PER_LABEL
+    if not bool(qualified.any()):
+        raise FedFTGInputError(f"{method}: no participant trained on a batch this round (no qualified label)")
+    if label_sampling == "uniform":
+        probs = qualified.to(torch.float64) / qualified.sum()
+    else:
+        probs = generator_label_probs(drawn, label_sampling)
+    return drawn, probs, ensemble_weights(counts, ensemble)
+
+
 def fedgen_generator_loss(teacher_logits: Tensor, labels: Tensor, weights: Tensor, z: Tensor, samples: Tensor,
                           lambda_dis: float, *, teacher_loss: str = "weighted") -> tuple[Tensor, Tensor, Tensor]:
     """FedGen's generator objective ``(total, L_cls, L_dis)``.
@@ -155,27 +216,40 @@ def fedgen_generator_loss(teacher_logits: Tensor, labels: Tensor, weights: Tenso
 def train_generator(gen_model: nn.Module, optimizer: torch.optim.Optimizer, ensemble: TeacherEnsemble,
                     probs: Tensor, weights: Tensor, *, steps: int, batch_size: int, lambda_dis: float,
                     generator: torch.Generator, device: torch.device,
-                    precision: Precision = FP32, teacher_loss: str = "weighted") -> dict[str, float]:
+                    precision: Precision = FP32, teacher_loss: str = "weighted",
+                    labels: Optional[Tensor] = None, forwards: str = "once") -> dict[str, float]:
     """``steps`` optimiser steps of :func:`fedgen_generator_loss` (the generator in training mode).
 
-    Per step: ``y ~ probs`` and ``z ~ N(0, I)`` from ``generator``, samples
+    Per step: ``y ~ probs`` (or row ``i`` of ``labels`` ``[steps, batch_size]``,
+    a schedule drawn in advance) and ``z ~ N(0, I)`` from ``generator``, samples
     ``G(z, y)``, the teachers' logits ``ensemble(G(z, y))`` (gradients reach
     the generator through them, never the teachers' weights), ``weights[:, y]``
-    (``[K, C]`` -> ``[K, B]``). Returns the means over the steps of ``cls``,
+    (``[K, C]`` -> ``[K, B]``). ``forwards="per_teacher"`` runs the generator
+    once for ``L_dis`` and once more for each teacher, as FedFTG's official
+    FedDF baseline does (``methods/local_fn_gan.py:train_global_model_feddf``):
+    the samples are the same, but its BatchNorm running statistics take
+    ``K + 1`` updates per step. Returns the means over the steps of ``cls``,
     ``dis``, ``loss`` and ``acc`` (how often the weighted ensemble's
     probabilities put ``y`` first). Used by FedGen (feature-level) and FedDF
     (input-level, FedFTG Sec. 4.1). The forwards run under ``precision``'s
     autocast; the loss is taken on fp32 logits and samples.
     """
+    if forwards not in ("once", "per_teacher"):
+        raise FedFTGInputError(f"generator forwards must be once or per_teacher, got {forwards!r}")
+    if labels is not None and tuple(labels.shape) != (steps, batch_size):
+        raise FedFTGInputError(f"label schedule has shape {tuple(labels.shape)}, expected ({steps}, {batch_size})")
     gen_model.train()
     scaler = precision.grad_scaler()
     sums = torch.zeros(4, dtype=torch.float64, device=device)
-    for _ in range(steps):
-        y = sample_labels(probs, batch_size, generator).to(device)
+    for step in range(steps):
+        y = (sample_labels(probs, batch_size, generator) if labels is None else labels[step]).to(device)
         z = sample_noise(batch_size, gen_model.z_dim, generator, device=device)
         with precision.autocast():
             samples = gen_model(z, y)
-            logits = ensemble(samples)
+            if forwards == "once":
+                logits = ensemble(samples)
+            else:
+                logits = torch.stack([ensemble.one(k, gen_model(z, y)) for k in range(ensemble.num)])
         samples, logits = samples.float(), logits.float()
         w = weights[:, y]
         loss, cls, dis = fedgen_generator_loss(logits, y, w, z, samples, lambda_dis, teacher_loss=teacher_loss)
@@ -265,8 +339,14 @@ class FedGenHook(FedFTGHook):
     # ----------------------------------------------------------- server-hook protocol
 
     def instructions(self, round_index: int) -> dict[str, Any]:
-        """Class counts from every client; once trained, the generator and ``p^(y)`` for the objective."""
+        """Class counts from every client (``label_counts: training``); once trained, the generator and ``p^(y)``.
+
+        With ``label_counts: drawn_plus_one`` no training counts are asked
+        for: the clients' objective reports the labels it drew on its own.
+        """
         out = super().instructions(round_index)
+        if self._drawn_counts:
+            out.pop(CLASS_COUNTS, None)
         if self.generator is not None and self.label_probs is not None:
             out[OBJECTIVE_PAYLOAD] = {
                 GENERATOR_KEY: cpu_clone(self.generator.state_dict()),
@@ -275,17 +355,47 @@ class FedGenHook(FedFTGHook):
             }
         return out
 
+    @property
+    def _drawn_counts(self) -> bool:
+        return self.config.label_counts == "drawn_plus_one"  # type: ignore[attr-defined]
+
+    def check_update(self, round_index: int, update: Update, model: nn.Module) -> Optional[str]:
+        """FedFTG's check of the counts, on the drawn label counts under ``label_counts: drawn_plus_one``."""
+        if not self._drawn_counts:
+            return super().check_update(round_index, update, model)
+        if DRAWN_COUNTS_KEY not in update.metadata:
+            return f"no {DRAWN_COUNTS_KEY} (train.objective_options.label_counts: drawn_plus_one)"
+        view = replace(update, metadata={CLASS_COUNTS: update.metadata[DRAWN_COUNTS_KEY]})
+        problem = super().check_update(round_index, view, model)
+        return None if problem is None else problem.replace(CLASS_COUNTS, DRAWN_COUNTS_KEY)
+
+    def after_aggregate(
+        self, round_index: int, model: nn.Module, updates: Sequence[Update]
+    ) -> Optional[Mapping[str, Any]]:
+        """Trains the generator on the participants' heads, weighted by their counts (``label_counts``)."""
+        if not self._drawn_counts:
+            return super().after_aggregate(round_index, model, updates)
+        missing = [u.client for u in updates if DRAWN_COUNTS_KEY not in u.metadata]
+        if missing:
+            raise FedFTGInputError(f"fedgen round {round_index}: client {missing[0]!r} sent no {DRAWN_COUNTS_KEY}")
+        counts = torch.stack([torch.as_tensor(u.metadata[DRAWN_COUNTS_KEY], dtype=torch.float64) for u in updates])
+        gen = torch_generator(self.seed, "fedftg", round_index)  # the stream FedFTGHook.after_aggregate uses
+        return self.finetune(model, [u.state for u in updates], counts, gen, round_index=round_index)
+
     def finetune(self, global_model: nn.Module, teachers: Sequence[Any], class_counts: Any,
                  generator: torch.Generator, *, round_index: Optional[int] = None) -> dict[str, Any]:
         """Eq. 4: ``generator_steps`` Adam steps of the generator against the teachers' heads.
 
         ``teachers``: the participants' models or state dicts (their heads are
-        used), in the order of the rows of ``class_counts`` ``[K, C]``.
+        used), in the order of the rows of ``class_counts`` ``[K, C]``: their
+        training counts, or under ``label_counts: drawn_plus_one`` the labels
+        they drew this round (:func:`drawn_label_weights` adds the one).
         """
         started = time.perf_counter()
         cfg: FedGenOptions = self.config  # type: ignore[assignment]
-        counts, probs, weights = teacher_draw_weights(class_counts, len(teachers), cfg.label_sampling,
-                                                      cfg.ensemble, method="fedgen")
+        draw_weights = drawn_label_weights if self._drawn_counts else teacher_draw_weights
+        counts, probs, weights = draw_weights(class_counts, len(teachers), cfg.label_sampling, cfg.ensemble,
+                                              method="fedgen")
         head = head_of(global_model)
         if self.feature_dim is None:
             self.feature_dim = head.in_features
@@ -331,7 +441,9 @@ class FedGenHook(FedFTGHook):
 
 
 __all__ = [
+    "MIN_SAMPLES_PER_LABEL",
     "FedGenHook",
+    "drawn_label_weights",
     "fedgen_generator_loss",
     "generator_label_probs",
     "teacher_draw_weights",
