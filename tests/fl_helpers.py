@@ -104,3 +104,29 @@ def recorded_round(fed) -> tuple[dict, list]:
         return update
 
     return fed.server.run_round(fit), updates
+
+
+def distillation_teachers(model, num_classes: int = 3) -> tuple[list, list]:
+    """Three teachers (``model`` with seeded noise of scale 0.3 on every parameter) and their updates.
+
+    Each teacher holds 9 images of "its" class, 1 of the next and none of the
+    third (``class_counts``), so class-level and uniform teacher weights differ.
+    """
+    import copy
+
+    import torch
+
+    from fedreid.fl.classification import CLASS_COUNTS
+    from fedreid.fl.update import Update
+    from fedreid.utils.seeding import forked_torch_rng
+
+    teachers = []
+    for k in range(3):
+        t = copy.deepcopy(model)
+        with torch.no_grad(), forked_torch_rng(100 + k):
+            for p in t.parameters():
+                p.add_(0.3 * torch.randn_like(p))
+        teachers.append(t.state_dict())
+    counts = torch.tensor([[9.0, 1.0, 0.0], [0.0, 9.0, 1.0], [1.0, 0.0, 9.0]])[:, :num_classes]
+    updates = [Update(f"c{k}", s, 10, {CLASS_COUNTS: counts[k]}, head_shared=True) for k, s in enumerate(teachers)]
+    return teachers, updates

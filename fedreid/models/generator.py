@@ -185,13 +185,13 @@ class ConditionalGenerator(nn.Module):
                     nn.init.ones_(module.weight)
                     nn.init.zeros_(module.bias)
 
-    def _labels(self, y: Tensor, batch: int, device: torch.device) -> Tensor:
+    def _labels(self, y: Tensor, batch: int, device: torch.device, dtype: torch.dtype) -> Tensor:
         if y.dim() == 1:
             if y.shape[0] != batch:
                 raise ValueError(f"generator: {y.shape[0]} labels for {batch} noise vectors")
-            return F.one_hot(y.long().to(device), self.num_classes).float()
+            return F.one_hot(y.long().to(device), self.num_classes).to(dtype)
         if y.dim() == 2 and y.shape == (batch, self.num_classes):
-            return y.float().to(device)
+            return y.to(device, dtype)
         raise ValueError(
             f"generator: labels must be [B] class indices or [B, {self.num_classes}] one-hot rows, "
             f"got shape {tuple(y.shape)}"
@@ -202,7 +202,7 @@ class ConditionalGenerator(nn.Module):
         z = z.reshape(batch, -1)
         if z.shape[1] != self.z_dim:
             raise ValueError(f"generator: noise has {z.shape[1]} dimensions, expected {self.z_dim}")
-        onehot = self._labels(y, batch, z.device)
+        onehot = self._labels(y, batch, z.device, z.dtype)  # in the noise's dtype
         h0, w0 = self.init_size
         # Noise and label embeddings side by side as channels (official CGeneratorA).
         out = torch.cat([self.noise_fc(z), self.label_fc(onehot)], dim=1)

@@ -13,6 +13,7 @@ from collections import OrderedDict
 import pytest
 import torch
 import torch.nn.functional as F
+from fl_helpers import distillation_teachers
 from tolerances import F32_TOL
 from torch import nn
 
@@ -519,15 +520,7 @@ def test_feddf_loss_is_the_hand_computed_kl():
 def _feddf_setup(**options):
     config = FedDFConfig(image_size=8, image_channels=1, generator_channels=8, batch_size=16, **options)
     model = create_classifier("cnn_lmd", 3, in_channels=1, image_size=8, seed=0, channels=(4, 8), hidden=(16,))
-    teachers = []
-    for k in range(3):
-        t = copy.deepcopy(model)
-        with torch.no_grad(), forked_torch_rng(100 + k):
-            for p in t.parameters():
-                p.add_(0.3 * torch.randn_like(p))
-        teachers.append(t.state_dict())
-    counts = torch.tensor([[9.0, 1.0, 0.0], [0.0, 9.0, 1.0], [1.0, 0.0, 9.0]])
-    updates = [Update(f"c{k}", s, 10, {CLASS_COUNTS: counts[k]}, head_shared=True) for k, s in enumerate(teachers)]
+    teachers, updates = distillation_teachers(model)
     return FedDFHook(config, num_classes=3, seed=1), model, teachers, updates
 
 

@@ -42,19 +42,30 @@ Choices where the papers are silent, and why:
   generator steps, ``I * I_d = 50`` global steps of batch 50), which puts
   FedDF and FedFTG on the same footing; both counts are options.
 * FedFTG's official FedDF baseline (``ZhangLin-PKU/FedFTG``,
-  ``methods/local_fn_gan.py:train_global_model_feddf``) is not offered:
-  its generator learns with uniform teacher weights (``CE / num_clients``),
-  50 steps of an Adam made afresh each round with weight decay 1e-3, and
-  distils in eval mode; the student takes 20 SGD steps at the global lr
-  ``0.1 * 0.998^t`` (weight decay 1e-3) in train mode, toward the average of
-  the teachers' *probabilities* (``KLDivLoss(batchmean)``), none of the
-  targets below. ``ensemble: client_size`` with equal client sizes gives its
-  generator loss.
+  ``methods/local_fn_gan.py:train_global_model_feddf``, called by
+  ``methods/FedDF.py:train_FedDF``) differs from the above in every part;
+  each difference is an option and :meth:`FedDFConfig.official` sets them
+  all. Its generator takes 50 steps (``generator_steps``) of an Adam made
+  afresh each round (``reset_generator_optimizer``) with weight decay 1e-3
+  (``generator_weight_decay``) on ``L_dis + sum_k CE(f(G(z, y); x_k), y) / K``
+  (``ensemble: uniform``), with labels allotted in proportion to the
+  participants' counts and shuffled (``label_sampling: stratified``, its
+  ``generate_labels``), and runs the generator once for ``L_dis`` and once
+  per teacher (``generator_forwards: per_teacher``: its BatchNorm running
+  statistics take ``K + 1`` updates a step). Then the student takes 20 SGD
+  steps (``distill_steps``) at the clients' learning rate ``0.1 * 0.998^t``
+  with weight decay 1e-3 (``distill_lr``, ``distill_lr_decay``,
+  ``distill_weight_decay``; constant within the round), in train mode
+  (``student_bn: train``), on batches the generator makes with its running
+  statistics (``generator_bn: running``), toward the average of the
+  teachers' *probabilities* (``target: avg_probs``, ``KLDivLoss(batchmean)``).
 * Ensemble. ``target: avg_logits`` (default) is Algorithm 1's average of the
   logits (uniform over the participants, as FedDF); ``avg_losses`` is the
   official code's default ``update_student_scheme``, the mean of the
-  per-teacher ``KL(sigma(f_k) || sigma(f_j))``. Class-level weights are used
-  only to train the generator (FedGen's way); FedDF's ensemble is unweighted.
+  per-teacher ``KL(sigma(f_k) || sigma(f_j))``; ``avg_probs`` is FedFTG's
+  official baseline, ``KL(mean_k sigma(f_k) || sigma(f_j))``. Class-level
+  weights are used only to train the generator (FedGen's way); FedDF's
+  ensemble is unweighted.
 * BatchNorm. The student runs in eval mode by default (running statistics
   from the clients' real data stay; the affine parameters are trained), for
   the reason FedFTG's fine-tuning does (:mod:`fedreid.fl.server_hooks.fedftg`,
@@ -96,13 +107,14 @@ from fedreid.fl.server_hooks.fedftg import (
     TeacherEnsemble,
     md_loss,
     sample_labels,
+    stratified_labels,
 )
 from fedreid.fl.server_hooks.fedgen import teacher_draw_weights, train_generator
 from fedreid.models.generator import LAYER_ORDERS, sample_noise
 from fedreid.utils.precision import FP32, Precision
 from fedreid.utils.seeding import derive_seed, forked_torch_rng
 
-TARGETS: tuple[str, ...] = ("avg_logits", "avg_losses")
+TARGETS: tuple[str, ...] = ("avg_logits", "avg_losses", "avg_probs")
 
 
 class FedDFConfigError(FedReIDError, ValueError):
@@ -127,18 +139,36 @@ class FedDFConfig:
     generator_betas: tuple[float, float] = (0.9, 0.999)
     #: The generator's learning rate is ``generator_lr * lr_decay ** round`` (a run's default: ``train.lr_round_decay``).
     lr_decay: float = 0.998
-    #: Labels of the generated batches: ``counts`` (the participants' label counts) or ``uniform`` over the labels they hold.
-    label_sampling: Literal["counts", "uniform"] = "counts"
-    #: Teacher weights of the generator's objective: ``class`` (n_k^y / sum_i n_i^y, FedGen) or ``client_size``.
-    ensemble: Literal["class", "client_size"] = "class"
-    #: The distillation target: ``avg_logits`` (FedDF Alg. 1) or ``avg_losses`` (official code's default).
-    target: Literal["avg_logits", "avg_losses"] = "avg_logits"
+    #: Labels of the generated batches: ``counts`` (drawn from the participants' label counts), ``uniform`` over
+    #: the labels they hold, or ``stratified`` (FedFTG's official ``generate_labels``: each phase's labels allotted
+    #: in proportion to the counts, shuffled).
+    label_sampling: Literal["counts", "uniform", "stratified"] = "counts"
+    #: Teacher weights of the generator's objective: ``class`` (n_k^y / sum_i n_i^y, FedGen), ``client_size``
+    #: (n_k / n) or ``uniform`` (1 / K, FedFTG's official baseline).
+    ensemble: Literal["class", "client_size", "uniform"] = "class"
+    #: The generator's Adam weight decay (FedFTG's official baseline: the clients' 1e-3).
+    generator_weight_decay: float = 0.0
+    #: Re-create the generator's Adam every round (FedFTG's official baseline); false: its state persists.
+    reset_generator_optimizer: bool = False
+    #: Generator forwards per step: ``once``, or ``per_teacher`` (FedFTG's official baseline: once for L_dis and
+    #: once per teacher; same samples, K + 1 BatchNorm running-statistics updates).
+    generator_forwards: Literal["once", "per_teacher"] = "once"
+    #: The generator's BatchNorm while it makes the distillation batches: ``batch`` (batch statistics, as it was
+    #: trained) or ``running`` (FedFTG's official baseline: eval mode).
+    generator_bn: Literal["batch", "running"] = "batch"
+    #: The distillation target: ``avg_logits`` (FedDF Alg. 1), ``avg_losses`` (FedDF's official code's default) or
+    #: ``avg_probs`` (FedFTG's official baseline: the teachers' averaged probabilities).
+    target: Literal["avg_logits", "avg_losses", "avg_probs"] = "avg_logits"
     #: Distillation temperature T (the loss is multiplied by T^2; official: 1).
     temperature: float = 1.0
     #: The student's optimiser: ``adam`` (FedDF) or ``sgd``.
     distill_optimizer: Literal["adam", "sgd"] = "adam"
-    #: The student's learning rate (FedDF: Adam 1e-3).
+    #: The student's learning rate (FedDF: Adam 1e-3), multiplied by ``distill_lr_decay ** round``.
     distill_lr: float = 1e-3
+    #: Per-round decay of the student's learning rate (FedFTG's official baseline: the clients' 0.998); in (0, 1].
+    distill_lr_decay: float = 1.0
+    #: The student optimiser's weight decay (FedFTG's official baseline: the clients' 1e-3).
+    distill_weight_decay: float = 0.0
     #: SGD momentum (``distill_optimizer: sgd`` only).
     distill_momentum: float = 0.0
     #: The student's learning rate over one round's steps: ``cosine`` annealing to 0 (FedDF) or ``constant``.
@@ -169,23 +199,48 @@ class FedDFConfig:
             raise FedDFConfigError("feddf: generator_steps and distill_steps must be >= 0")
         if int(self.batch_size) < 2:
             raise FedDFConfigError(f"feddf: batch_size must be >= 2 (BatchNorm, diversity loss), got {self.batch_size}")
-        for name in ("lambda_dis", "generator_lr", "distill_lr", "distill_momentum"):
+        for name in ("lambda_dis", "generator_lr", "generator_weight_decay", "distill_lr", "distill_weight_decay",
+                     "distill_momentum"):
             value = float(getattr(self, name))
             if not math.isfinite(value) or value < 0:
                 raise FedDFConfigError(f"feddf: {name} must be a finite number >= 0, got {value}")
-        if not 0 < float(self.lr_decay) <= 1:
-            raise FedDFConfigError(f"feddf: lr_decay must be in (0, 1], got {self.lr_decay}")
+        for name in ("lr_decay", "distill_lr_decay"):
+            if not 0 < float(getattr(self, name)) <= 1:
+                raise FedDFConfigError(f"feddf: {name} must be in (0, 1], got {getattr(self, name)}")
         if not float(self.temperature) > 0:
             raise FedDFConfigError(f"feddf: temperature must be > 0, got {self.temperature}")
         if self.z_dim is not None and int(self.z_dim) < 1:
             raise FedDFConfigError(f"feddf: z_dim must be >= 1 or null, got {self.z_dim}")
-        choices = {"label_sampling": ("counts", "uniform"), "ensemble": ("class", "client_size"), "target": TARGETS,
+        choices = {"label_sampling": ("counts", "uniform", "stratified"),
+                   "ensemble": ("class", "client_size", "uniform"), "target": TARGETS,
+                   "generator_forwards": ("once", "per_teacher"), "generator_bn": ("batch", "running"),
                    "distill_optimizer": ("adam", "sgd"), "distill_schedule": ("cosine", "constant"),
                    "student_bn": ("eval", "train"), "teacher_forward": ("loop", "vmap"),
                    "generator_layer_order": LAYER_ORDERS}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise FedDFConfigError(f"feddf: {name} must be one of {', '.join(allowed)}; got {getattr(self, name)!r}")
+
+    @classmethod
+    def official(cls, **overrides: Any) -> "FedDFConfig":
+        """FedFTG's official FedDF baseline (module docstring), plus ``overrides``.
+
+        The numbers are the official CIFAR scripts' (``scripts/CIFAR10_FedDF.sh``:
+        ``--lr 0.1 --weight_decay 1e-3 --lr_decay 0.998 --bs 50``; the
+        generator's 0.01 and the step counts from ``methods/FedDF.py`` and
+        ``train_global_model_feddf``); in a run, set ``distill_lr``,
+        ``distill_lr_decay`` and the weight decays to the clients' values.
+        """
+        values: dict[str, Any] = dict(
+            generator_steps=50, distill_steps=20, batch_size=50, lambda_dis=1.0, generator_lr=0.01,
+            lr_decay=0.998, label_sampling="stratified", ensemble="uniform", generator_weight_decay=1e-3,
+            reset_generator_optimizer=True, generator_forwards="per_teacher", generator_bn="running",
+            target="avg_probs", temperature=1.0, distill_optimizer="sgd", distill_lr=0.1, distill_lr_decay=0.998,
+            distill_weight_decay=1e-3, distill_momentum=0.0, distill_schedule="constant", student_bn="train",
+            generator_output_norm=True, generator_layer_order="official",
+        )
+        values.update(overrides)
+        return cls(**values)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -196,7 +251,8 @@ def feddf_loss(student_logits: Tensor, teacher_logits: Tensor, temperature: floa
     """FedDF's distillation loss of one batch (student ``[B, C]``, teachers ``[K, B, C]``).
 
     ``avg_logits``: ``T^2 * mean_b KL(sigma(mean_k t_k / T) || sigma(s / T))``;
-    ``avg_losses``: ``T^2 * mean_b mean_k KL(sigma(t_k / T) || sigma(s / T))``.
+    ``avg_losses``: ``T^2 * mean_b mean_k KL(sigma(t_k / T) || sigma(s / T))``;
+    ``avg_probs``: ``T^2 * mean_b KL(mean_k sigma(t_k / T) || sigma(s / T))``.
     The teachers are constants (detached).
     """
     if teacher_logits.dim() == 2:
@@ -208,6 +264,8 @@ def feddf_loss(student_logits: Tensor, teacher_logits: Tensor, temperature: floa
     elif target == "avg_losses":
         uniform = t.new_full(t.shape[:2], 1.0 / t.shape[0])
         kl = md_loss(s, t, uniform, "kl_teacher_first")
+    elif target == "avg_probs":
+        kl = kl_teacher_student(torch.softmax(t, dim=2).mean(dim=0), F.log_softmax(s, dim=1)).mean()
     else:
         raise FedDFConfigError(f"feddf: target must be one of {', '.join(TARGETS)}; got {target!r}")
     return kl * (temperature * temperature)
@@ -258,7 +316,9 @@ class FedDFHook(FedFTGHook):
         """
         started = time.perf_counter()
         cfg: FedDFConfig = self.config  # type: ignore[assignment]
-        counts, probs, weights = teacher_draw_weights(class_counts, len(teachers), cfg.label_sampling,
+        stratified = cfg.label_sampling == "stratified"
+        counts, probs, weights = teacher_draw_weights(class_counts, len(teachers),
+                                                      "counts" if stratified else cfg.label_sampling,
                                                       cfg.ensemble, method="feddf")
         params = [p for p in global_model.parameters() if p.requires_grad]
         if not params:
@@ -267,45 +327,65 @@ class FedDFHook(FedFTGHook):
         gen_model = self._ready(counts.shape[1], device)
         round_index = self.rounds_done if round_index is None else int(round_index)
         lr = cfg.generator_lr * cfg.lr_decay ** round_index
+        if cfg.reset_generator_optimizer:
+            self.optimizer = self._new_optimizer()
         assert self.optimizer is not None
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         dropout_seed = int(torch.randint(0, 2**62, (1,), generator=generator))
+        schedule = (stratified_labels(counts, cfg.generator_steps * cfg.batch_size, generator)
+                    .view(cfg.generator_steps, cfg.batch_size) if stratified else None)
         was_training = global_model.training
         try:
             with TeacherEnsemble(global_model, teachers, cfg.teacher_forward, device) as ens:
                 means = train_generator(gen_model, self.optimizer, ens, probs, weights.to(device, torch.float32),
                                         steps=cfg.generator_steps, batch_size=cfg.batch_size,
                                         lambda_dis=cfg.lambda_dis, generator=generator, device=device,
-                                        precision=self.precision)
+                                        precision=self.precision, labels=schedule,
+                                        forwards=cfg.generator_forwards)
                 with forked_torch_rng(dropout_seed, device), self.precision.autocast():
-                    means.update(self._distill(global_model, params, gen_model, ens, probs, generator, device))
+                    means.update(self._distill(global_model, params, gen_model, ens, counts, probs, generator, device,
+                                               round_index))
         finally:
             global_model.train(was_training)
             gen_model.eval()
         self.rounds_done = round_index + 1
         metrics: dict[str, Any] = {f"feddf_{k}": v for k, v in means.items()}
         metrics.update({"feddf_round": round_index, "feddf_teachers": len(teachers), "feddf_generator_lr": lr,
+                        "feddf_distill_lr": cfg.distill_lr * cfg.distill_lr_decay ** round_index,
                         "feddf_seconds": time.perf_counter() - started})
         return metrics
 
+    def _new_optimizer(self) -> torch.optim.Adam:
+        assert self.generator is not None
+        cfg: FedDFConfig = self.config  # type: ignore[assignment]
+        return torch.optim.Adam(self.generator.parameters(), lr=cfg.generator_lr,
+                                betas=tuple(cfg.generator_betas),  # type: ignore[arg-type]
+                                weight_decay=cfg.generator_weight_decay)
+
     def _distill(self, student: nn.Module, params: list[nn.Parameter], gen_model: nn.Module, ens: TeacherEnsemble,
-                 probs: Tensor, generator: torch.Generator, device: torch.device) -> dict[str, float]:
+                 counts: Tensor, probs: Tensor, generator: torch.Generator, device: torch.device,
+                 round_index: int) -> dict[str, float]:
         """``distill_steps`` steps of :func:`feddf_loss` on fresh generated batches; the loss's first/last/mean."""
         cfg: FedDFConfig = self.config  # type: ignore[assignment]
+        lr = cfg.distill_lr * cfg.distill_lr_decay ** round_index
         if cfg.distill_optimizer == "adam":
-            opt: torch.optim.Optimizer = torch.optim.Adam(params, lr=cfg.distill_lr)
+            opt: torch.optim.Optimizer = torch.optim.Adam(params, lr=lr, weight_decay=cfg.distill_weight_decay)
         else:
-            opt = torch.optim.SGD(params, lr=cfg.distill_lr, momentum=cfg.distill_momentum)
+            opt = torch.optim.SGD(params, lr=lr, momentum=cfg.distill_momentum,
+                                  weight_decay=cfg.distill_weight_decay)
         schedule = (torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=cfg.distill_steps)
                     if cfg.distill_schedule == "cosine" and cfg.distill_steps > 0 else None)
+        labels = (stratified_labels(counts, cfg.distill_steps * cfg.batch_size, generator)
+                  .view(cfg.distill_steps, cfg.batch_size) if cfg.label_sampling == "stratified" else None)
         losses = []
         scaler = self.precision.grad_scaler()
-        for _ in range(cfg.distill_steps):
-            y = sample_labels(probs, cfg.batch_size, generator).to(device)
+        for step in range(cfg.distill_steps):
+            y = (sample_labels(probs, cfg.batch_size, generator) if labels is None else labels[step]).to(device)
             z = sample_noise(cfg.batch_size, gen_model.z_dim, generator, device=device)
             with torch.no_grad():
-                gen_model.train()  # batch statistics, as in the generator's own training
+                # "batch": batch statistics, as in the generator's own training
+                gen_model.train(cfg.generator_bn == "batch")
                 x = gen_model(z, y)
                 teacher_logits = ens(x)
             student.train(cfg.student_bn == "train")
