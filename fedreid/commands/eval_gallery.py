@@ -214,8 +214,9 @@ def add_query_command(sub: argparse._SubParsersAction) -> None:
     qu.set_defaults(func=cmd_query)
 
 
-def _search_words(params: dict) -> str:
-    return ", ".join(f"{k}={v}" for k, v in params.items()) or "exact"
+def _search_words(params: dict, exact: bool) -> str:
+    """The search settings in words; a store without any is "exact" only if its index is a bare Flat."""
+    return ", ".join(f"{k}={v}" for k, v in params.items()) or ("exact" if exact else "the index's own search")
 
 
 def _print_check(store, args: argparse.Namespace) -> None:
@@ -227,11 +228,11 @@ def _print_check(store, args: argparse.Namespace) -> None:
     if args.target_recall is not None:
         t = store.tune(args.target_recall, sample=args.verify_sample, k=args.verify_k, seed=args.seed)
         outcome = "reached" if t["reached"] else "not reached: kept the largest value tried"
-        print(f"tuned: {_search_words(t['search'])}: recall@{t['k']} {t['recall']:.4f} against exact search "
+        print(f"tuned: {_search_words(t['search'], store.exact)}: recall@{t['k']} {t['recall']:.4f} against exact search "
               f"(target {t['target_recall']:g}, {outcome}; {t['sample']} sampled items, seed {t['seed']})")
     elif args.verify:
         r = store.verify(sample=args.verify_sample, k=args.verify_k, seed=args.seed)
-        print(f"verify: recall@{r['k']} {r['recall']:.4f} against exact search ({_search_words(r['search'])}; "
+        print(f"verify: recall@{r['k']} {r['recall']:.4f} against exact search ({_search_words(r['search'], store.exact)}; "
               f"{r['sample']} sampled items, seed {r['seed']})")
 
 
@@ -266,7 +267,7 @@ def cmd_index(args: argparse.Namespace) -> int:
         store, ids = add_to_gallery_store(loaded, args.index, args.add, **common)
         print(f"added {len(ids)} images of {args.add} to {args.index}: ids {ids[0]}-{ids[-1]} "
               f"({store.ntotal} items)")
-    print(f"store: {store.factory} ({_search_words(store.search_params)}), {store.ntotal} items")
+    print(f"store: {store.factory} ({_search_words(store.search_params, store.exact)}), {store.ntotal} items")
     if skipped:
         print(f"skipped {len(skipped)} unreadable images: listed in {Path(args.index) / SKIPPED_FILE}")
     _print_check(store, args)

@@ -453,7 +453,7 @@ def query_index(
     (``(since, until)`` in seconds since the epoch, inclusive, either end None)
     restrict the results to the items passing all of them
     (:meth:`GalleryStore.search`); a query may then get fewer than ``top_k``.
-    ``skipped``: as in :func:`image_features`. ``faiss_gpu`` searches a Flat
+    ``skipped``: as in :func:`image_features`. ``faiss_gpu`` searches a bare Flat
     store on a GPU copy of its index (unfiltered searches; same results);
     other stores are searched on the CPU. ``progress``: a bar of the images read, on stderr.
     """
@@ -464,7 +464,7 @@ def query_index(
     if mismatch is not None:
         (warn or (lambda m: warnings.warn(m, UserWarning, stacklevel=3)))(mismatch)
     flat_index = None
-    if store.kind == "flat":
+    if store.exact:
         flat_index = exact._maybe_to_gpu(store.flat_faiss_index(), bool(faiss_gpu), _faiss_gpu_id(device))
     paths = list_images(images, "query")
     fs = image_features(

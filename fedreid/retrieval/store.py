@@ -890,8 +890,9 @@ class GalleryStore:
         Scores are the exact inner products with the stored vectors for every
         index kind; which items are candidates is the index's (approximate) choice.
         ``search_params`` overrides the stored ``nprobe``/``efSearch`` for this call.
-        ``flat_index``: for a Flat store, an index to run unfiltered searches on
-        instead of the segments' (e.g. a GPU copy of :meth:`flat_faiss_index`; same vectors, same order).
+        ``flat_index``: for an :attr:`exact` store, an index to run unfiltered searches on
+        instead of the segments' (e.g. a GPU copy of :meth:`flat_faiss_index`; same vectors, same order);
+        other stores ignore it.
         """
         queries = _as_features("queries", queries, self.dim)
         k = _capped_k(k, self.ntotal)
@@ -913,14 +914,22 @@ class GalleryStore:
             return _exact_search(queries, self.vectors[rows[held]], allowed[held], k)
         return self._index_search(queries, k, params, selector=faiss.IDSelectorBatch(allowed))
 
+    @property
+    def exact(self) -> bool:
+        """Whether the index itself finds the true top-k: a bare ``Flat`` (no pre-transform such as ``PCA8,Flat``)."""
+        return self.kind == "flat" and self._plain_flat()
+
     def flat_faiss_index(self) -> Any:
-        """An ``IndexFlatIP`` over a Flat store's vectors (row i holds id ``ids[i]``).
+        """An ``IndexFlatIP`` over an :attr:`exact` store's vectors (row i holds id ``ids[i]``).
 
         With one segment, the segment's own index; with several, one index
         built over all their vectors (a copy, made once per store object).
+        A store whose index is not a bare Flat is refused: its search picks
+        candidates in the transformed space (then re-scores them), which a
+        flat index over the vectors would not reproduce.
         """
-        if self.kind != "flat":
-            raise GalleryStoreError(f"store {self.folder} holds a {self.kind} index ({self.factory}), not a flat one")
+        if not self.exact:
+            raise GalleryStoreError(f"store {self.folder} holds a {self.kind} index ({self.factory}), not a bare Flat one")
         if len(self.segments) == 1:
             return faiss.downcast_index(self.segments[0].index.index)
         if self._flat is None:
@@ -935,7 +944,7 @@ class GalleryStore:
                       flat_index: Any = None) -> SearchResult:
         """Each segment's index searched, the results merged by (score desc, id asc).
 
-        Only a plain ``Flat`` index (or ``flat_index``) scores exactly. Any
+        Only a plain ``Flat`` index (or its ``flat_index``) scores exactly. Any
         other index (compressed codes, a pre-transform such as PCA, a graph)
         only picks each query's ``refine * k`` candidates; those are re-scored
         from the stored vectors (:meth:`_rescore`), so every score returned is
@@ -945,7 +954,7 @@ class GalleryStore:
         nq = queries.shape[0]
         if self.ntotal == 0:
             return _empty_result(nq, k)
-        if self.kind == "flat" and selector is None and (flat_index is not None or self._plain_flat()):
+        if selector is None and self.exact:
             from fedreid.retrieval.exact import search
 
             if flat_index is not None:

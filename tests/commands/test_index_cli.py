@@ -19,6 +19,7 @@ from tool_loader import cli_error, load_tool
 
 from fedreid.config import ModelConfig, to_dict
 from fedreid.models.reid import create_reid_model, shared_state
+from fedreid.retrieval.store import GalleryStoreError
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -153,6 +154,32 @@ def test_flat_store_ranks_as_exact_search(world, capsys):
     first = printed[0]
     assert first["rank"] == "1" and first["mark"] == " +" and first["id"] == "4"  # ids in gallery order
     assert (first["cam"], first["site"], first["time"]) == ("2", "north", "2023-11-15T02:13:20Z")
+
+
+def test_a_transformed_flat_store_answers_true_scores_and_is_not_called_exact(world, tmp_path, capsys):
+    """``PCA8,Flat`` is of kind flat but ranks in PCA space: query re-scores its candidates like the service."""
+    from fedreid.inference.images import image_features, list_images
+    from fedreid.inference.model_io import load_model
+    from fedreid.retrieval import GalleryStore
+    from fedreid.retrieval.folders import query_index
+
+    folder = tmp_path / "pca"
+    capsys.readouterr()
+    assert tool.main(_index(world["run"], folder, "--gallery", world["gallery"], "--factory", "PCA8,Flat")) == 0
+    assert "store: PCA8,Flat (the index's own search)" in capsys.readouterr().out
+    store = GalleryStore.open(folder)
+    assert store.kind == "flat" and not store.exact
+    with pytest.raises(GalleryStoreError, match="not a bare Flat"):
+        store.flat_faiss_index()
+    loaded = load_model(world["run"])
+    results = query_index(loaded, folder, world["root"] / "more", top_k=5)
+    queries = image_features(loaded, list_images(world["root"] / "more")).features
+    own = store.search(queries, 5)  # the store's own search, as the service runs it
+    for q, result in enumerate(results):
+        ids = [m["id"] for m in result.matches]
+        assert ids == own.ids[q].tolist()
+        true = store.vectors[np.searchsorted(store.ids, ids)] @ queries[q]
+        np.testing.assert_allclose([m["score"] for m in result.matches], true, rtol=1e-5, atol=1e-6)
 
 
 def test_ivf_factory_verify_and_tune_print_and_store_recall(world, tmp_path, capsys):
