@@ -511,6 +511,36 @@ def load_extractor(path: str | Path, **kwargs: Any) -> OnnxExtractor | TorchScri
     return (OnnxExtractor if backend == "onnx" else TorchScriptExtractor)(path, **kwargs)
 
 
+#: The steps of a preprocessing record (:func:`fedreid.inference.images.preprocessing_record`) that change
+#: the numbers a model is fed; its prose (``decode``, ``formula``) may be reworded between versions.
+PREPROCESSING_STEPS = ("color", "resize", "scale", "mean", "std", "layout", "dtype")
+
+
+def check_preprocessing(extractor: "_Extractor") -> None:
+    """Refuse an exported file whose recorded preprocessing is not the one this version prepares images with.
+
+    ``index``, ``query`` and ``serve`` feed an exported file images prepared
+    by this version's test transform; a file exported by a version that
+    prepared them otherwise (its sidecar's ``input.preprocessing_spec``) would
+    give features of differently prepared images without a word. A sidecar
+    of an older export that records prose only is not checked.
+    """
+    from fedreid.inference.images import preprocessing_record
+
+    spec = (extractor.meta.get("input") or {}).get("preprocessing_spec")
+    if not isinstance(spec, Mapping):
+        return
+    ours = preprocessing_record(extractor.height, extractor.width)
+    differs = [step for step in PREPROCESSING_STEPS if spec.get(step) != ours[step]]
+    if differs:
+        step = differs[0]
+        raise ExportError(
+            f"exported model {extractor.path} expects images prepared with {step} {spec.get(step)!r} (its "
+            f"sidecar's input.preprocessing_spec) but this version prepares them with {ours[step]!r}: "
+            "export it again with this version"
+        )
+
+
 def load_exported_model(path: str | Path, **kwargs: Any) -> LoadedModel:
     """An exported file as a :class:`~fedreid.inference.model_io.LoadedModel` for ``index`` / ``query``.
 
@@ -521,11 +551,13 @@ def load_exported_model(path: str | Path, **kwargs: Any) -> LoadedModel:
     refused as always, unless --allow-model-mismatch (an export that records no
     weights digest: only by the same file). Its ``model`` is None and its ``extractor`` (:func:`load_extractor`)
     computes the features: ``model_features`` runs the file on the CPU, an ONNX
-    file without torch.
+    file without torch. A file whose recorded preprocessing is not this
+    version's is refused (:func:`check_preprocessing`).
     """
     from fedreid.inference.model_io import LoadedModel
 
     extractor = load_extractor(path, **kwargs)
+    check_preprocessing(extractor)
     fp = dict(extractor.fingerprint, backend=extractor.backend, export_sha256=extractor.file_sha256)
     config = {"backbone": fp.get("backbone"), "height": extractor.height, "width": extractor.width,
               "backend": extractor.backend}

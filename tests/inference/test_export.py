@@ -423,3 +423,24 @@ def test_an_exported_model_giving_misaligned_rows_is_one_line(world, tmp_path, c
     err = _cli_error(["index", "--backend", "onnx", "--model", str(flat), "--gallery", str(world["root"] / "images"),
                       "--index", str(tmp_path / "index"), "--device", "cpu"], capsys)
     assert str(flat) in err and "[batch, d]" in err and "pids" not in err
+
+
+@pytest.mark.parametrize("step, value", [("mean", [0.0, 0.0, 0.0]), ("scale", 1.0),
+                                         ("resize", {"height": HEIGHT, "width": WIDTH,
+                                                     "interpolation": "cv2.INTER_AREA", "antialias": False})])
+def test_an_export_recording_other_preprocessing_is_refused_by_the_tools(world, tmp_path, step, value):
+    from fedreid.inference.export import load_exported_model
+
+    path = export_model(world["loaded"], tmp_path / "m.pt", "torchscript", (HEIGHT, WIDTH))
+    assert load_exported_model(path).extractor is not None  # this version's own record loads
+    meta = read_sidecar(path)
+    meta["input"]["preprocessing_spec"][step] = value  # as a version preparing images otherwise would record
+    sidecar_path(path).write_text(json.dumps(meta))
+    with pytest.raises(ExportError) as exc:
+        load_exported_model(path)
+    assert str(path) in _one_line(exc) and f"with {step} {value!r}" in _one_line(exc) and "export it again" in str(
+        exc.value)
+    load_extractor(path)  # a caller preparing its own images may still read the record and run the file
+    del meta["input"]["preprocessing_spec"]  # an older export records prose only: nothing to compare
+    sidecar_path(path).write_text(json.dumps(meta))
+    assert load_exported_model(path).extractor is not None
