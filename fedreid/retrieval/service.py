@@ -21,6 +21,7 @@ design: ``docs/retrieval-internals.md``.
 from __future__ import annotations
 
 import io
+import json
 import logging
 import math
 import os
@@ -103,6 +104,11 @@ RETRY_PAUSE_S = 0.05
 UPLOAD_FORMATS = {"JPEG": ".jpg", "PNG": ".png", "BMP": ".bmp"}
 #: The name ``POST /items`` gives an upload in its uploads folder: a uuid4's 32 hex digits and the format's suffix.
 _UPLOAD_NAME = re.compile("[0-9a-f]{32}(?:" + "|".join(re.escape(s) for s in UPLOAD_FORMATS.values()) + ")")
+#: The temporary file :func:`fedreid.utils.io.atomic_path` writes an upload through: ``.<upload name>.<8 characters>.tmp``.
+_UPLOAD_TEMP = re.compile(r"\." + _UPLOAD_NAME.pattern + r"\.[a-z0-9_]{8}\.tmp")
+#: More unreferenced uploads than this in the uploads folder are not what killed updates left (see
+#: :meth:`_Service.sweep_uploads`): a sweep then deletes none of them.
+SWEEP_LIMIT = 8
 _MEDIA_TYPES = {".jpg": "image/jpeg", ".jpeg": "image/jpeg", ".png": "image/png", ".bmp": "image/bmp"}
 _WEB_ASSETS = {"index.html": "text/html; charset=utf-8", "app.js": "text/javascript; charset=utf-8",
                "style.css": "text/css; charset=utf-8"}
@@ -187,13 +193,17 @@ class _Service:
 
     def __init__(self, store: GalleryStore, loaded: LoadedModel, *, device: Any, uploads: Optional[Path], max_upload_bytes: int,
                  max_pixels: int, max_k: int, allow_model_mismatch: bool = False,
-                 warn: Optional[Callable[[str], None]] = None, max_decodes: int = DEFAULT_MAX_DECODES) -> None:
+                 warn: Optional[Callable[[str], None]] = None, max_decodes: int = DEFAULT_MAX_DECODES,
+                 stamp: Optional[tuple[int, int, int]] = None) -> None:
         self.store, self.loaded, self.device, self.uploads = store, loaded, device, uploads
         self.max_upload_bytes, self.max_pixels, self.max_k = max_upload_bytes, max_pixels, max_k
         self.allow_model_mismatch, self.warn = allow_model_mismatch, warn
         self.lock = _ReadWriteLock()
         self.decodes = threading.BoundedSemaphore(max_decodes)
-        self.stamp = header_stamp(store.folder)
+        # ``stamp``: the header's stamp taken before ``store`` was opened; one taken now could already be that of
+        # a later save, which this service would then take for the one it holds and never reopen.
+        self.stamp = header_stamp(store.folder) if stamp is None else stamp
+        self.sweep_refused = False
 
     # -- the store on disk --------------------------------------------------
 
@@ -284,7 +294,8 @@ class _Service:
         Under the service's write lock and the store's update lock
         (:meth:`GalleryStore.update_lock`; another process's update that
         holds it is waited for, up to its timeout), the store is reopened if
-        another process saved it since, then changed: no other update can
+        another process saved it since, the uploads folder swept
+        (:meth:`sweep_uploads`), then the store changed: no other update can
         come in between, so the client never sees "changed on disk". Should
         a writer that ignores the lock still get in, the change is repeated on
         the reopened store, up to :data:`WRITE_ATTEMPTS` times.
@@ -295,6 +306,7 @@ class _Service:
             for attempt in range(WRITE_ATTEMPTS):
                 with self.store.update_lock():
                     self._reopen()
+                    self.sweep_uploads()
                     served = self.stamp
                     try:
                         result = change(self.store)
@@ -305,6 +317,81 @@ class _Service:
                     self.stamp = header_stamp(self.store.folder)
                     return result
         raise AssertionError("unreachable: the last attempt returns or raises")
+
+    def sweep_at_start(self) -> None:
+        """Sweep the uploads folder (:meth:`sweep_uploads`) now, unless another process is updating the store.
+
+        Never waits: when the store's update lock is taken, or the store
+        cannot be reopened, nothing is done (the next update sweeps).
+        """
+        from fedreid.retrieval.store import GalleryStoreError
+
+        if self.uploads is None:
+            return
+        try:
+            with self.lock.write(), self.store.update_lock(timeout=0):
+                self._reopen()
+                self.sweep_uploads()
+        except (GalleryStoreError, _RequestError, OSError):
+            pass
+
+    def sweep_uploads(self) -> list[str]:
+        """(The write lock and the store's update lock held, ``self.store`` the newest save.) Delete the uploads no
+        item holds; the names deleted.
+
+        What a killed ``POST /items`` or ``DELETE /items/{id}`` left: an
+        upload written but not added (or its temporary file), or one whose
+        item was erased. Only the uploads folder's own entries are looked at
+        (one listing; the folder must still be itself, not a link, and
+        carry the uploads marker), only regular files named as the service
+        names uploads (:data:`_UPLOAD_NAME`) or their temporary files
+        (:data:`_UPLOAD_TEMP`), and an upload is kept when the store holds its
+        path (one lookup) or, the folder having been moved, another path
+        ending with its name (a uuid4). Uploads are written and deleted only
+        under the store's update lock, so none caught between its write and
+        its commit is ever taken for a leftover. A kill leaves at most one
+        leftover and every start and update sweeps, so more than
+        :data:`SWEEP_LIMIT` unreferenced uploads are not leftovers (the
+        store was replaced by an older copy or rebuilt; a folder of
+        another store's is refused at the start, :func:`_check_uploads_store`): then nothing is deleted and a warning says so
+        once. A sweep never fails the update it precedes: an error only logs.
+        """
+        from fedreid.utils.io import owns_folder
+
+        folder = self.uploads
+        if folder is None:
+            return []
+        try:
+            if os.path.realpath(folder) != str(folder) or not owns_folder(folder, UPLOADS_KIND):
+                return []
+            with os.scandir(folder) as entries:
+                files = [e.name for e in entries
+                         if (_UPLOAD_NAME.fullmatch(e.name) or _UPLOAD_TEMP.fullmatch(e.name))
+                         and e.is_file(follow_symlinks=False)]
+            uploads = {str(folder / name): name for name in files if _UPLOAD_NAME.fullmatch(name)}
+            held = self.store.find_paths(list(uploads))
+            loose = [name for name in files if _UPLOAD_TEMP.fullmatch(name)] + \
+                    [name for path, name in uploads.items() if path not in held]
+            if len(loose) > SWEEP_LIMIT:
+                if not self.sweep_refused:
+                    self.sweep_refused = True
+                    message = (f"uploads folder {folder} holds {len(loose)} uploads that store {self.store.folder} "
+                               "does not name by their path there, more than killed updates leave: none was deleted "
+                               "(give each store its own uploads folder)")
+                    (self.warn or _LOG.warning)(message)
+                return []
+            deleted = []
+            for name in sorted(loose):
+                if _UPLOAD_NAME.fullmatch(name) and self.store.find_file_name(name):
+                    continue  # held under the folder's earlier path
+                if _delete_upload_file(folder / name, _UPLOAD_NAME if _UPLOAD_NAME.fullmatch(name) else _UPLOAD_TEMP):
+                    deleted.append(name)
+        except Exception:  # noqa: BLE001 - a sweep never fails the update it precedes; the next one sweeps again
+            _LOG.exception("sweeping the uploads folder %s failed", folder)
+            return []
+        if deleted:
+            _LOG.info("deleted %d upload(s) no item holds (left by a killed update) from %s", len(deleted), folder)
+        return deleted
 
     def public(self, text: str) -> str:
         """``text`` without server folders, for an HTTP answer: the store folder as ``<store>``, any other absolute
@@ -429,7 +516,15 @@ class _Service:
     # -- updates ------------------------------------------------------------
 
     def add(self, upload: _Upload, meta: dict[str, Any]) -> dict[str, Any]:
+        """Store ``upload`` in the uploads folder and add it with ``meta``; the new item's row.
+
+        The file is written and added in one :meth:`update`, so a sweep
+        (which runs only there) never takes it for a leftover; it is deleted
+        again when the add fails. The header's ``meta.precision`` gains the
+        service's ``fp32`` (:func:`_precision_meta`).
+        """
         from fedreid.inference.model_io import check_index_model
+        from fedreid.retrieval.folders import extraction_precision
         from fedreid.utils.io import atomic_path
 
         def add_item(store: GalleryStore) -> int:
@@ -437,33 +532,33 @@ class _Service:
             if check_index_model(store.header, self.loaded, store.folder, allow_mismatch=True) is not None:
                 raise _RequestError(409, "adding items needs the gallery store's own model, and the served model "
                                          "is another one (--allow-model-mismatch allows searching only)")
-            return int(store.add(feature, [dict(meta, path=str(path))])[0])
+            with atomic_path(path) as tmp:
+                tmp.write_bytes(upload.data)
+            try:
+                header_meta = _precision_meta(store.header, extraction_precision(self.loaded, amp=False))
+                return int(store.add(feature, [dict(meta, path=str(path))], meta=header_meta)[0])
+            except BaseException:
+                path.unlink(missing_ok=True)
+                raise
 
         if self.uploads is None:
             raise _RequestError(403, "adding items is off: the server was started without an uploads folder (--uploads DIR)")
-        feature, suffix = self.upload_features(upload)
+        feature, suffix = self.upload_features(upload)  # outside the lock: searches and other uploads go on
         path = self.uploads / f"{uuid.uuid4().hex}{suffix}"
-        with atomic_path(path) as tmp:
-            tmp.write_bytes(upload.data)
-        try:
-            new_id = self.update(add_item)
-        except BaseException:
-            path.unlink(missing_ok=True)
-            raise
-        return self.row(new_id)
+        return self.row(self.update(add_item))
 
     def remove(self, item: int) -> dict[str, Any]:
         from fedreid.retrieval.gallery_rows import roots_after_removal
 
-        def erase(store: GalleryStore) -> tuple[dict[str, Any], int]:
+        def erase(store: GalleryStore) -> tuple[int, bool]:
             row = store.rows([item])[0]
             if row is None:
                 raise _RequestError(404, f"no item {item} in the gallery")
             store.remove([item], meta=roots_after_removal(store, [item]))
-            return row, int(store.ntotal)
+            # A kill before this deletion leaves an upload no item holds: the next sweep deletes it.
+            return int(store.ntotal), _delete_upload_file(Path(row["path"]))
 
-        row, items = self.update(erase)
-        deleted = _delete_upload_file(Path(row["path"]))
+        items, deleted = self.update(erase)
         return {"removed": item, "file_deleted": deleted, "items": items}
 
     def info(self) -> dict[str, Any]:
@@ -478,19 +573,36 @@ class _Service:
         }
 
 
-def _delete_upload_file(path: Path) -> bool:
+def _precision_meta(header: dict[str, Any], used: str) -> dict[str, Any]:
+    """The header ``meta`` update recording that features computed in ``used`` were added to the store of ``header``.
+
+    As :func:`fedreid.retrieval.folders.add_to_gallery_store` records it:
+    ``meta.precision`` becomes the sorted set of what it held and ``used``
+    (``fp16, fp32`` for a mix); a header recording none (an earlier
+    version's) is left without one, nothing being known of its features.
+    """
+    from fedreid.retrieval.folders import PRECISION_KEY
+
+    built_with = (header.get("meta") or {}).get(PRECISION_KEY)
+    if built_with is None:
+        return {}
+    return {PRECISION_KEY: ", ".join(sorted({*built_with.split(", "), used}))}
+
+
+def _delete_upload_file(path: Path, name: re.Pattern[str] = _UPLOAD_NAME) -> bool:
     """Delete ``path`` if ``POST /items`` wrote it; whether a file was deleted.
 
     An upload is recognised wherever its folder is now (the service may have
     been restarted with another ``--uploads`` or none): its name is the
-    service's (:data:`_UPLOAD_NAME`) and its folder, links resolved, holds
-    the uploads marker (:func:`fedreid.utils.io.owns_folder`). Anything else,
+    service's (``name``: :data:`_UPLOAD_NAME`, or :data:`_UPLOAD_TEMP` for a
+    sweep's temporary files) and its folder, links resolved, holds the
+    uploads marker (:func:`fedreid.utils.io.owns_folder`). Anything else,
     such as a gallery image indexed from the user's own folder, is never
     deleted, nor a link or anything but a regular file.
     """
     from fedreid.utils.io import owns_folder
 
-    if not _UPLOAD_NAME.fullmatch(path.name):
+    if not name.fullmatch(path.name):
         return False
     try:
         folder = Path(os.path.realpath(path.parent, strict=True))
@@ -506,6 +618,47 @@ def _delete_upload_file(path: Path) -> bool:
     except OSError:  # already gone, or not ours to delete (permissions): the answer says so
         return False
     return True
+
+
+#: The uploads marker's entry naming the one store whose items the folder's uploads are (:func:`_bind_uploads`).
+UPLOADS_STORE_KEY = "store"
+
+
+def _uploads_store(uploads: Path) -> Optional[str]:
+    """The store an uploads folder is bound to (its marker's :data:`UPLOADS_STORE_KEY`), or None."""
+    from fedreid.utils.io import marker_path
+
+    try:
+        record = json.loads(marker_path(uploads, UPLOADS_KIND).read_text())
+    except (OSError, ValueError):
+        return None
+    bound = record.get(UPLOADS_STORE_KEY) if isinstance(record, dict) else None
+    return bound if isinstance(bound, str) else None
+
+
+def _check_uploads_store(uploads: Path, store_folder: Path) -> None:
+    """Refuse an uploads folder bound to another store: its sweep (:meth:`_Service.sweep_uploads`) would delete
+    that store's uploads, which this store does not hold."""
+    from fedreid.utils.io import marker_path
+
+    bound, ours = _uploads_store(uploads), os.path.realpath(store_folder)
+    if bound is not None and bound != ours:
+        raise ServiceError(
+            f"uploads folder {uploads} holds the uploads of store {bound}, not of {ours}: give each store its own "
+            f"uploads folder (if that store was moved here, delete the {UPLOADS_STORE_KEY!r} entry of "
+            f"{marker_path(uploads, UPLOADS_KIND).name} to bind the folder to it; nothing was changed)"
+        )
+
+
+def _bind_uploads(uploads: Path, store_folder: Path) -> None:
+    """Record in the uploads marker (atomically) that the folder's uploads are ``store_folder``'s, once."""
+    from fedreid.utils.io import marker_path, write_json_atomic
+
+    if _uploads_store(uploads) is None:
+        marker = marker_path(uploads, UPLOADS_KIND)
+        record = json.loads(marker.read_text())
+        record[UPLOADS_STORE_KEY] = os.path.realpath(store_folder)
+        write_json_atomic(marker, record)
 
 
 def _inside(real: str, roots: Sequence[Path]) -> bool:
@@ -597,7 +750,11 @@ def create_app(
     features of the store's size. ``uploads``: the folder ``POST /items``
     writes into, claimed with :func:`fedreid.utils.io.claim_output_dir`
     (new, empty, or an uploads folder of this service; neither inside nor
-    around the store folder); None turns ``POST /items`` off.
+    around the store folder); None turns ``POST /items`` off. Uploads no
+    item holds, left there by a killed add or removal, are deleted at the
+    start (unless another process is updating the store) and before every
+    update (:meth:`_Service.sweep_uploads`); the folder is bound to the first
+    store served with it (:func:`_bind_uploads`) and refused for any other.
     ``max_upload_bytes``: largest image upload (bodies may be
     :data:`FORM_OVERHEAD` larger); ``max_pixels``: largest image; ``max_k``:
     largest ``k``; ``max_decodes``: uploads decoded at once (each may hold a
@@ -620,6 +777,7 @@ def create_app(
                         ("max_decodes", max_decodes)):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
             raise ServiceError(f"{name} must be an integer >= 1, got {value!r}")
+    stamp = header_stamp(os.path.abspath(store_folder))
     store = GalleryStore.open(store_folder)
     problem = check_index_model(store.header, loaded, store.folder, allow_mismatch=allow_model_mismatch)
     if problem and warn is not None:
@@ -638,11 +796,15 @@ def create_app(
     if uploads is not None:
         uploads_dir = Path(os.path.abspath(uploads))
         _check_uploads_location(uploads_dir, store.folder)
+        _check_uploads_store(uploads_dir, store.folder)  # before claiming: a refused folder stays untouched
         claim_output_dir(uploads_dir, UPLOADS_KIND, tool=f"{TOOL} --uploads")
         uploads_dir = uploads_dir.resolve()
+        _bind_uploads(uploads_dir, store.folder)
     service = _Service(store, loaded, device=device, uploads=uploads_dir,
                        max_upload_bytes=int(max_upload_bytes), max_pixels=int(max_pixels), max_k=int(max_k),
-                       allow_model_mismatch=allow_model_mismatch, warn=warn, max_decodes=int(max_decodes))
+                       allow_model_mismatch=allow_model_mismatch, warn=warn, max_decodes=int(max_decodes),
+                       stamp=stamp)
+    service.sweep_at_start()
     page = {name: _web_asset(name) for name in _WEB_ASSETS}
 
     app = FastAPI(title="fedreid gallery search", docs_url=None, redoc_url=None, openapi_url=None)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import json
 import os
 import shutil
 import threading
@@ -618,6 +619,131 @@ def test_an_upload_is_erased_after_a_restart_with_another_or_no_uploads_folder(w
     assert lookalike.is_file() and dropped.is_file() and saved() == ["holiday.png"]
 
 
+#: ``POST /items`` in its own process, SIGKILLed between writing the upload's file and the store's save.
+KILLED_ADD = """
+import os, signal, sys
+from pathlib import Path
+from fastapi.testclient import TestClient
+from fedreid.inference.model_io import load_model
+from fedreid.retrieval import service as svc
+from fedreid.retrieval.store import GalleryStore
+store, run, uploads, image = sys.argv[1:5]
+app = svc.create_app(store, load_model(run, "cpu"), token=None, insecure_local=True, uploads=uploads)
+GalleryStore.add = lambda *args, **kwargs: os.kill(os.getpid(), signal.SIGKILL)
+TestClient(app, base_url="http://127.0.0.1").post("/items", files={"image": ("p.png", Path(image).read_bytes(),
+                                                                             "image/png")})
+raise SystemExit("not killed")
+"""
+
+
+def test_uploads_a_killed_add_or_removal_left_are_deleted_at_the_next_update_or_start(world, store_copy, tmp_path,
+                                                                                      monkeypatch):
+    import signal
+    import subprocess
+    import sys
+
+    uploads = tmp_path / "uploads"
+    with client_for(world, store_copy, uploads=uploads) as c:
+        ids = [c.post("/items", headers=AUTH, files={"image": ("p.png", png_bytes(person_image(60 + i, 1, 0)),
+                                                                "image/png")}).json()["id"] for i in range(2)]
+    store = GalleryStore.open(store_copy)
+    kept, erased = (Path(row["path"]) for row in store.rows(ids))
+    assert kept.parent == erased.parent == uploads.resolve() and kept.is_file() and erased.is_file()
+
+    # the user's files in and beside the uploads folder, none of them the service's uploads; the look-alikes
+    # outside it (a file, a link's target) are what a sweep that trusted names alone would delete
+    outside = tmp_path / "mine"
+    lookalike = write_png(outside / f"{'ab' * 16}.png", person_image(70, 0, 0))
+    linked = write_png(outside / "target.png", person_image(71, 0, 0))
+    mine = [write_png(uploads / "holiday.png", person_image(72, 0, 0)), uploads / "notes.txt", uploads / f"{'cd' * 16}.png"]
+    mine[1].write_text("mine")
+    mine[2].mkdir()
+    link = uploads / f"{'ef' * 16}.png"
+    link.symlink_to(linked)
+
+    with client_for(world, store_copy, uploads=uploads) as c:
+        # a removal killed after the store's save, before the file's deletion
+        with monkeypatch.context() as m:
+            m.setattr(svc, "_delete_upload_file", lambda path, *args: False)
+            assert c.delete(f"/items/{ids[1]}", headers=AUTH).json()["file_deleted"] is False
+        assert erased.is_file()
+        # the next update of the running service deletes it
+        added = c.post("/items", headers=AUTH, files={"image": ("p.png", png_bytes(person_image(62, 1, 0)), "image/png")})
+        assert added.status_code == 201, added.text
+        assert not erased.exists() and kept.is_file()
+    third = uploads / added.json()["path"]
+
+    # an add killed between writing its file and the store's save, and one killed while writing its file
+    image = write_png(tmp_path / "new.png", person_image(63, 1, 0))
+    before = {p.name for p in uploads.iterdir()}
+    done = subprocess.run([sys.executable, "-c", KILLED_ADD, str(store_copy), str(world["root"] / "run"),
+                           str(uploads), str(image)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == -signal.SIGKILL, done.stderr[-2000:]
+    left = [uploads / name for name in {p.name for p in uploads.iterdir()} - before]
+    assert len(left) == 1 and left[0].read_bytes() == image.read_bytes()
+    temporary = uploads / f".{'12' * 16}.jpg.a1b2c3d_.tmp"
+    temporary.write_bytes(b"half an image")
+    assert GalleryStore.open(store_copy).ntotal == 24 + 2
+
+    with client_for(world, store_copy, uploads=uploads) as c:  # the restart deletes both
+        assert c.get("/info", headers=AUTH).json()["items"] == 26
+    assert not left[0].exists() and not temporary.exists()
+    assert kept.read_bytes() == png_bytes(person_image(60, 1, 0)) and third.read_bytes() == png_bytes(person_image(62, 1, 0))
+    assert mine[0].is_file() and mine[1].read_text() == "mine" and mine[2].is_dir() and link.is_symlink()
+    assert linked.is_file() and lookalike.is_file() and (uploads / ".fedreid-uploads.json").is_file()
+    assert sorted(p.name for p in uploads.iterdir()) == sorted(
+        [".fedreid-uploads.json", kept.name, third.name, *(p.name for p in mine), link.name])
+
+
+def test_a_sweep_keeps_uploads_held_under_a_moved_folder_or_too_many_to_be_leftovers(world, store_copy, tmp_path):
+    uploads = tmp_path / "uploads"
+    with client_for(world, store_copy, uploads=uploads) as c:
+        for i in range(2):
+            c.post("/items", headers=AUTH, files={"image": ("p.png", png_bytes(person_image(80 + i, 1, 0)), "image/png")})
+    moved = tmp_path / "moved"
+    uploads.rename(moved)
+    saved = sorted(p.name for p in moved.iterdir() if not p.name.startswith("."))
+    assert len(saved) == 2
+    with client_for(world, store_copy, uploads=moved) as c:  # the store still names the folder's earlier path
+        assert c.post("/search", headers=AUTH, data={"item": "0", "k": "3"}).status_code == 200
+        assert c.post("/items", headers=AUTH, files={"image": ("p.png", png_bytes(person_image(82, 1, 0)),
+                                                              "image/png")}).status_code == 201
+    assert set(saved) < {p.name for p in moved.iterdir()}
+
+    # more uploads than kills leave (say, the store replaced by an older copy): none is deleted, and a warning
+    foreign = [write_png(moved / f"{i:032x}.png", person_image(90 + i, 0, 0)) for i in range(svc.SWEEP_LIMIT + 1)]
+    warnings: list[str] = []
+    with client_for(world, store_copy, uploads=moved, warn=warnings.append) as c:
+        assert c.post("/items", headers=AUTH, files={"image": ("p.png", png_bytes(person_image(83, 1, 0)),
+                                                              "image/png")}).status_code == 201
+    assert all(p.is_file() for p in foreign)
+    assert len(warnings) == 1 and f"holds {len(saved) + svc.SWEEP_LIMIT + 1} uploads that store" in warnings[0], warnings
+    assert "none was deleted" in warnings[0]
+
+
+def test_an_upload_records_its_precision_as_index_add_does(world, tmp_path):
+    from fedreid.retrieval.folders import add_to_gallery_store, build_gallery_store
+
+    new = write_png(tmp_path / "new" / "0020_c1_900.png", person_image(20, 1, 0))
+    gallery = world["root"] / "gallery"
+    for amp, built in ((True, "fp16"), (False, "fp32")):  # amp: as `index` on CUDA records it
+        store = tmp_path / f"store_{built}"
+        if amp:
+            with pytest.warns(UserWarning, match="amp ignored"):  # on the CPU; the header records it all the same
+                build_gallery_store(world["loaded"], gallery, store, amp=amp)
+        else:
+            build_gallery_store(world["loaded"], gallery, store, amp=amp)
+        assert GalleryStore.open(store).header["meta"]["precision"] == built
+        shutil.copytree(store, tmp_path / f"added_{built}")
+        add_to_gallery_store(world["loaded"], tmp_path / f"added_{built}", new.parent)  # `index --add` of fp32 features
+        expected = GalleryStore.open(tmp_path / f"added_{built}").header["meta"]["precision"]
+        with client_for(world, store, uploads=tmp_path / f"up_{built}") as c:
+            r = c.post("/items", headers=AUTH, files={"image": ("p.png", new.read_bytes(), "image/png")})
+            assert r.status_code == 201, r.text
+        assert GalleryStore.open(store).header["meta"]["precision"] == expected == {"fp16": "fp16, fp32",
+                                                                                     "fp32": "fp32"}[built]
+
+
 def test_add_needs_an_uploads_folder_and_a_good_image(world, store_copy, tmp_path):
     with client_for(world, store_copy) as c:
         r = c.post("/items", headers=AUTH, files={"image": ("a.png", png_bytes(person_image(1, 1, 1)), "image/png")})
@@ -828,6 +954,35 @@ def test_uploads_folder_must_be_the_services_own(world, store_copy, tmp_path):
     with pytest.raises(OutputDirError, match="holiday.jpg"):
         client_for(world, store_copy, uploads=foreign)
     assert sorted(p.name for p in foreign.iterdir()) == ["holiday.jpg"]
+
+
+def test_an_uploads_folder_serves_one_store_only(world, store_copy, tmp_path):
+    """A sweep deletes the uploads its store does not hold: another store's uploads must never be in its folder."""
+    from fedreid.utils.io import marker_path
+
+    uploads = tmp_path / "uploads"
+    with client_for(world, store_copy, uploads=uploads) as c:
+        added = c.post("/items", headers=AUTH, files={"image": ("p.png", png_bytes(person_image(70, 1, 0)),
+                                                                "image/png")}).json()
+    marker = marker_path(uploads, svc.UPLOADS_KIND)
+    assert json.loads(marker.read_text())[svc.UPLOADS_STORE_KEY] == os.path.realpath(store_copy)
+    other = tmp_path / "other_store"
+    shutil.copytree(world["store"], other)  # a store that does not hold that upload
+    before = {p.name: p.read_bytes() for p in uploads.iterdir()}
+    with pytest.raises(svc.ServiceError) as refused:
+        client_for(world, other, uploads=uploads)
+    assert str(uploads) in str(refused.value) and os.path.realpath(store_copy) in str(refused.value)
+    assert "give each store its own uploads folder" in str(refused.value)
+    assert {p.name: p.read_bytes() for p in uploads.iterdir()} == before  # the upload and the marker untouched
+    assert (uploads / Path(added["path"]).name).is_file()
+
+    # a marker of an earlier version names no store: the first start binds it; removing the entry rebinds
+    record = json.loads(marker.read_text())
+    del record[svc.UPLOADS_STORE_KEY]
+    marker.write_text(json.dumps(record))
+    with client_for(world, store_copy, uploads=uploads):
+        pass
+    assert json.loads(marker.read_text())[svc.UPLOADS_STORE_KEY] == os.path.realpath(store_copy)
 
 
 def test_searches_run_while_items_are_added_and_removed(world, store_copy, tmp_path):
