@@ -3,6 +3,7 @@ random unit features with a model fingerprint, and the exact merge their answers
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +24,8 @@ def unit_rows(n: int, seed: int) -> np.ndarray:
 
 def make_store(folder: Path, n: int, seed: int, *, fp_where: str = "meta", images: bool = False,
                site: str = "x", fingerprint: dict = FP) -> GalleryStore:
-    """A Flat store of ``n`` random unit features; JPEG files (with EXIF) when ``images``."""
+    """A Flat store of ``n`` random unit features; JPEG files (with EXIF) when ``images``, their folder recorded
+    as the store's gallery root (as the index tool records it)."""
     rows = []
     for i in range(n):
         path = folder.parent / f"{folder.name}_images" / f"cam{i % 3}_{i:03d}.jpg"
@@ -34,7 +36,9 @@ def make_store(folder: Path, n: int, seed: int, *, fp_where: str = "meta", image
             Image.new("RGB", (48, 96), (10 * i % 255, 80, 160)).save(path, exif=exif)
         rows.append({"path": str(path), "camera": i % 3, "site": f"{site}-{'north' if i % 2 else 'south'}",
                      "timestamp": 1000.0 + i, "identity": 500 + i})
-    kwargs = {"meta": {"model_fingerprint": fingerprint}} if fp_where == "meta" else {"model_fingerprint": fingerprint}
+    roots = {"gallery_roots": [os.path.realpath(folder.parent / f"{folder.name}_images")]} if images else {}
+    kwargs = ({"meta": {"model_fingerprint": fingerprint, **roots}} if fp_where == "meta"
+              else {"model_fingerprint": fingerprint, **({"meta": roots} if roots else {})})
     return GalleryStore.create(folder, unit_rows(n, seed), rows, **kwargs)
 
 

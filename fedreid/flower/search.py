@@ -22,14 +22,19 @@ Model check: a site compares the query's model fingerprint with the one its
 store recorded (``header["meta"]["model_fingerprint"]`` or
 ``header["model_fingerprint"]``) and answers with an error record, not a
 ranking, when they differ or either is missing: features of another model
-would give a meaningless ranking.
+would give a meaningless ranking. "Differ" is the rule of ``query`` and
+``serve`` (:func:`fedreid.inference.model_io.fingerprint_differences`): how
+the features were computed (PyTorch, an ONNX or TorchScript export) does not
+count when both fingerprints record the weights' digest.
 
 Privacy: the server computes the query feature itself (from an image with
 the model, or a given vector); a site receives only that vector, ``k``, the
 filters and the fingerprint. A site's answer holds, per hit, its store id,
 score, camera, timestamp, the store's site column and the image's file name;
 a small JPEG thumbnail (EXIF and other metadata dropped by re-encoding) only
-where the site's own node config allows it and the query asked. Gallery
+where the site's own node config allows it and the query asked, and only of
+a regular file inside the store's recorded gallery roots (or the node's
+``gallery-root``), read as the search service reads images. Gallery
 images, stored vectors, identities and paths beyond the file name never leave
 a site; a site's error messages omit its local paths (the full error is in
 the site's own log).
@@ -47,7 +52,8 @@ them and the result says so (:attr:`FederatedResult.authenticated` False).
 
 Missing sites: a node that does not answer within ``timeout``, whose
 SuperNode is gone (the SuperLink's error reply), whose ClientApp failed, that
-refused the query (error record) or whose answer is malformed is listed in
+refused the query (error record) or whose answer is malformed (including a
+hit outside the query's filters) is listed in
 :attr:`FederatedResult.missing` with the reason; the search goes on with the
 others. Expected sites (``expected_sites``) that no node answered as are
 listed too. Messages carry a TTL of ``timeout``: a site that comes back later
@@ -89,6 +95,7 @@ from fedreid.flower.search_codec import (
     encode_query,
     file_name,
 )
+from fedreid.inference.model_io import fingerprint_differences
 from fedreid.utils.text import printable
 
 log = logging.getLogger("fedreid.flower.search")
@@ -103,6 +110,8 @@ __all__ = [
     "store_fingerprint",
     "fingerprint_problem",
     "make_thumbnail",
+    "thumbnail_roots",
+    "gallery_thumbnail",
     "answer_query",
     "site_reply",
     "merge_answers",
@@ -168,7 +177,14 @@ def store_fingerprint(header: Mapping[str, Any]) -> Optional[dict[str, Any]]:
 
 
 def fingerprint_problem(header: Mapping[str, Any], fingerprint: Optional[Mapping[str, Any]]) -> Optional[str]:
-    """Why a query of model ``fingerprint`` must not be ranked against the store of ``header``; None when it may."""
+    """Why a query of model ``fingerprint`` must not be ranked against the store of ``header``; None when it may.
+
+    "Same model" is :func:`fedreid.inference.model_io.fingerprint_differences`,
+    the rule ``query`` and ``serve`` apply: how the features were computed
+    (``backend``, ``export_sha256``) is not compared when both fingerprints
+    record the weights' digest, so a store built with an ONNX export answers a
+    query computed by the PyTorch model of the same weights, and the reverse.
+    """
     try:
         recorded = store_fingerprint(header)
     except SearchCodecError as exc:
@@ -177,30 +193,31 @@ def fingerprint_problem(header: Mapping[str, Any], fingerprint: Optional[Mapping
         return "this site's store records no model fingerprint, so the query's model cannot be checked"
     if not fingerprint:
         return "the query names no model fingerprint; this site answers only queries of its store's model"
-    diffs = [f"{key} {_shown(fingerprint.get(key))} (query) vs {_shown(recorded.get(key))} (site)"
-             for key in sorted(set(recorded) | set(fingerprint)) if recorded.get(key) != fingerprint.get(key)]
+    diffs = fingerprint_differences(fingerprint, recorded, ("query", "site"))
     if diffs:
         return "model fingerprint mismatch, the query's features are not comparable with this site's: " + "; ".join(diffs)
     return None
 
 
-def _shown(value: Any) -> str:
-    return value[:16] if isinstance(value, str) and len(value) == 64 else repr(value)
+def make_thumbnail(source: str | Path | bytes, size: int) -> Optional[bytes]:
+    """A JPEG of the image ``source`` (a path, or the file's bytes) whose longest side is at most ``size`` px.
 
-
-def make_thumbnail(path: str | Path, size: int) -> Optional[bytes]:
-    """A JPEG of the image at ``path`` whose longest side is at most ``size`` px, metadata dropped; None if unreadable."""
+    Metadata is dropped; None when the image cannot be decoded. A path is
+    opened as given (links followed): a site reads its gallery files through
+    :func:`gallery_thumbnail` instead.
+    """
     from PIL import Image, UnidentifiedImageError
 
+    shown = f"{len(source)} bytes" if isinstance(source, bytes) else source
     try:
-        with Image.open(path) as image:
+        with Image.open(io.BytesIO(source) if isinstance(source, bytes) else source) as image:
             image.draft("RGB", (int(size), int(size)))  # a JPEG decodes at a reduced scale: big photos stay cheap
             image = image.convert("RGB")
             image.thumbnail((int(size), int(size)))
             out = io.BytesIO()
             image.save(out, format="JPEG", quality=75)  # a fresh encode: no EXIF, ICC or comments carried over
     except (OSError, ValueError, UnidentifiedImageError, Image.DecompressionBombError) as exc:
-        log.warning("no thumbnail for %s: %s", path, exc)
+        log.warning("no thumbnail for %s: %s", shown, exc)
         return None
     data = out.getvalue()
     return data if len(data) <= MAX_THUMBNAIL_BYTES else None
@@ -209,6 +226,41 @@ def make_thumbnail(path: str | Path, size: int) -> Optional[bytes]:
 def _image_path(row_path: str, store_folder: Path, policy: SitePolicy) -> Path:
     path = Path(row_path)
     return path if path.is_absolute() else (policy.image_root or store_folder) / path
+
+
+def thumbnail_roots(header: Mapping[str, Any], policy: SitePolicy) -> list[Path]:
+    """The folders a site reads thumbnail sources from: the store's recorded gallery roots and ``policy.image_root``.
+
+    The recorded roots are :func:`fedreid.retrieval.gallery_rows.recorded_gallery_roots`,
+    the folders the search service serves images from; ``image_root`` (the
+    node's ``gallery-root``) is the operator's own statement of where the
+    images lie, its links resolved now.
+    """
+    from fedreid.retrieval.gallery_rows import recorded_gallery_roots
+
+    roots = recorded_gallery_roots(header)
+    return roots + ([Path(os.path.realpath(policy.image_root))] if policy.image_root is not None else [])
+
+
+def gallery_thumbnail(path: Path, roots: Sequence[Path], size: int) -> Optional[bytes]:
+    """:func:`make_thumbnail` of the gallery file ``path``, read as the search service reads an item's image; or None.
+
+    Contract: only a regular file whose real path (links resolved) lies
+    inside one of ``roots`` is read (the service's reader,
+    ``fedreid.retrieval.service.read_file_inside``): a file replaced by a
+    link to an image outside them, a folder on its path replaced by such a
+    link, a FIFO or a missing file give no thumbnail (the reason is in the
+    site's log), never another file's.
+    """
+    from fedreid.retrieval.guard import _RequestError
+    from fedreid.retrieval.service import read_file_inside
+
+    try:
+        data = read_file_inside(path, roots, f"the image file {path.name}")
+    except _RequestError as exc:
+        log.warning("no thumbnail for %s: %s", path, exc.message)
+        return None
+    return make_thumbnail(data, size)
 
 
 def answer_query(store: Any, query: SearchQuery, *, site: str, policy: SitePolicy = SitePolicy()) -> SiteAnswer:
@@ -225,7 +277,9 @@ def answer_query(store: Any, query: SearchQuery, *, site: str, policy: SitePolic
     not L2-normalised), and clipped they would tie at 1 and rank by chance.
     Each hit carries id, score, camera, timestamp, file name and
     the row's site column; a thumbnail only when ``policy.thumbnails`` and
-    ``query.thumbnails``. Nothing else of the store is read into the answer.
+    ``query.thumbnails``, and only of a regular file inside
+    :func:`thumbnail_roots` (:func:`gallery_thumbnail`; otherwise the hit has
+    none). Nothing else of the store is read into the answer.
     """
     problem = fingerprint_problem(store.header, query.fingerprint)
     if problem is None and query.feature.shape[0] != store.dim:
@@ -242,13 +296,15 @@ def answer_query(store: Any, query: SearchQuery, *, site: str, policy: SitePolic
     scores = np.clip(scores, -1.0, 1.0)
     rows = store.rows(ids.tolist())
     thumbnails = policy.thumbnails and query.thumbnails
+    roots = thumbnail_roots(store.header, policy) if thumbnails else []
     hits = []
     for item, score, row in zip(ids.tolist(), scores.tolist(), rows):
         if row is None:  # the index and the table disagree: the store's own checks should prevent this
             raise SearchCodecError(f"store id {item} has no metadata row")
         thumb = None
         if thumbnails:
-            thumb = make_thumbnail(_image_path(row["path"], Path(store.folder), policy), policy.thumbnail_size)
+            thumb = gallery_thumbnail(_image_path(row["path"], Path(store.folder), policy), roots,
+                                      policy.thumbnail_size)
         hits.append(Hit(site=site, id=int(item), score=float(score),
                         camera=None if row.get("camera") is None else int(row["camera"]),
                         timestamp=None if row.get("timestamp") is None else float(row["timestamp"]),
@@ -503,7 +559,9 @@ def judge_replies(query: SearchQuery, replies: Mapping[int, Optional[NodeReply]]
     A node that does not contribute is a :class:`MissingSite` with the reason,
     never an exception; so is each ``expected_sites`` name no node answered
     as. ``results`` are :func:`merge_answers` of the valid answers (each
-    checked by :func:`~fedreid.flower.search_codec.decode_hits`).
+    checked by :func:`~fedreid.flower.search_codec.decode_hits`, against
+    ``query.filters`` too: an answer with any hit outside them is
+    ``malformed``, none of its hits merged).
 
     ``bound_sites`` (node id -> site: :func:`registered_sites` under node
     authentication, or the site a direct link is configured for): when given,
@@ -529,7 +587,7 @@ def judge_replies(query: SearchQuery, replies: Mapping[int, Optional[NodeReply]]
             missing.append(MissingSite(known, node, reply.code, reply.reason))
             continue
         try:
-            answer = decode_hits(reply.content, k=query.k, thumbnails=query.thumbnails)
+            answer = decode_hits(reply.content, k=query.k, thumbnails=query.thumbnails, filters=query.filters)
         except SearchCodecError as exc:
             missing.append(MissingSite(known, node, "malformed", f"answer rejected: {exc}"))
             continue

@@ -32,7 +32,8 @@ index (PQ or SQ codes) gives to [-1, 1]. So a score outside
 refused, since one made-up score (1e30) would otherwise rank first.
 
 Decoding refuses anything else (wrong version, types, sizes, non-finite
-numbers, scores outside the cosine range, more hits than ``k``, a site name
+numbers, scores outside the cosine range, more hits than ``k``, a hit that
+fails the query's filters (given to :func:`decode_hits`), a site name
 outside :func:`fedreid.retrieval.fields.site`'s rule, thumbnails that are
 not small JPEGs) with a :class:`SearchCodecError` that names what was
 expected. File names, the rows' site column and error texts are kept as sent
@@ -237,6 +238,25 @@ class SearchFilters:
         """Keyword arguments of :meth:`fedreid.retrieval.store.GalleryStore.search`."""
         return {"cameras": self.cameras, "sites": self.sites, "time_window": self.time_window}
 
+    def refusal(self, camera: Optional[int], timestamp: Optional[float], site: Optional[str]) -> Optional[str]:
+        """Why an item of ``camera``, ``timestamp`` and ``site`` (its row's site column) fails these filters; None.
+
+        The rule is the store's own (:meth:`fedreid.retrieval.store.GalleryStore.filtered_ids`,
+        an SQL ``WHERE``): ``camera IN cameras``, ``site IN sites`` (exact,
+        case-sensitive), ``since <= timestamp <= until``; an item whose value
+        is None (SQL NULL) fails any filter on that field, and a window of two
+        open ends still asks for a timestamp. An empty list lets nothing pass.
+        """
+        if self.cameras is not None and (camera is None or camera not in self.cameras):
+            return f"camera {camera!r} is not among the query's cameras {list(self.cameras)}"
+        if self.sites is not None and (site is None or site not in self.sites):
+            return f"site column {site!r:.80} is not among the query's sites {list(self.sites)!r:.200}"
+        if self.time_window is not None:
+            since, until = self.time_window
+            if timestamp is None or (since is not None and timestamp < since) or (until is not None and timestamp > until):
+                return f"timestamp {timestamp!r} is outside the query's time window [{since}, {until}]"
+        return None
+
 
 @dataclass(frozen=True, eq=False)
 class SearchQuery:
@@ -403,13 +423,16 @@ def _optional(value: Any, what: str, convert) -> Any:
     return None if value is None else convert(value, what)
 
 
-def decode_hits(content: RecordDict, *, k: Optional[int] = None, thumbnails: bool = True) -> SiteAnswer:
+def decode_hits(content: RecordDict, *, k: Optional[int] = None, thumbnails: bool = True,
+                filters: Optional[SearchFilters] = None) -> SiteAnswer:
     """A site's :class:`SiteAnswer` from a reply's content, every field checked.
 
     ``k``: the query's k (more hits is refused). ``thumbnails=False`` (the
     query did not ask for them) drops any thumbnail sent anyway. A score
     outside [-1 - :data:`COSINE_EPS`, 1 + :data:`COSINE_EPS`] is refused (see
-    the module docstring).
+    the module docstring). ``filters``: the query's; a hit whose camera,
+    timestamp or row site fails them (:meth:`SearchFilters.refusal`, the
+    store's own rule) is refused, since an honest site never returns one.
     """
     reply = _record(content, REPLY_RECORD, ConfigRecord)
     _version(reply, REPLY_RECORD)
@@ -465,5 +488,8 @@ def decode_hits(content: RecordDict, *, k: Optional[int] = None, thumbnails: boo
                         row_site=_optional(row["row_site"], f"{where}.row_site",
                                            lambda v, w: _text(v, w, max_chars=MAX_NAME_CHARS, empty=True)),
                         thumbnail=thumbs.get(i)))
+        why = None if filters is None else filters.refusal(hits[-1].camera, hits[-1].timestamp, hits[-1].row_site)
+        if why is not None:
+            raise SearchCodecError(f"{where}: {why}")
     return SiteAnswer(site, tuple(hits))
 

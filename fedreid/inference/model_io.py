@@ -49,6 +49,7 @@ __all__ = [
     "run_config_path",
     "load_model",
     "model_fingerprint",
+    "fingerprint_differences",
     "check_index_model",
     "model_features",
 ]
@@ -302,16 +303,26 @@ def model_fingerprint(model: nn.Module, config: Mapping[str, Any]) -> dict[str, 
 HOW_FIELDS = ("backend", "export_sha256")
 
 
-def _fingerprint_differences(index_fp: Mapping[str, Any], model_fp: Mapping[str, Any]) -> list[str]:
+def fingerprint_differences(
+    first: Mapping[str, Any], second: Mapping[str, Any], names: tuple[str, str] = ("index", "model")
+) -> list[str]:
+    """The fields in which two model fingerprints differ, as ``"<key> <first's> (<names[0]>) vs <second's> (<names[1]>)"``.
+
+    Empty when they name the same model. :data:`HOW_FIELDS` are not compared
+    when both record a weights digest (``weights_sha256``): an export of the
+    same weights is the same model. Every check of "same model"
+    (:func:`check_index_model`, a federated search site) uses this one rule.
+    """
+
     def shown(value: Any) -> str:
         return value[:16] if isinstance(value, str) and re.fullmatch(r"[0-9a-f]{64}", value) else repr(value)
 
     # Without a weights digest on both sides only the export file itself identifies the model.
-    weighed = bool(index_fp.get("weights_sha256")) and bool(model_fp.get("weights_sha256"))
+    weighed = bool(first.get("weights_sha256")) and bool(second.get("weights_sha256"))
     return [
-        f"{key} {shown(index_fp.get(key))} (index) vs {shown(model_fp.get(key))} (model)"
-        for key in sorted(set(index_fp) | set(model_fp))
-        if index_fp.get(key) != model_fp.get(key) and not (weighed and key in HOW_FIELDS)
+        f"{key} {shown(first.get(key))} ({names[0]}) vs {shown(second.get(key))} ({names[1]})"
+        for key in sorted(set(first) | set(second))
+        if first.get(key) != second.get(key) and not (weighed and key in HOW_FIELDS)
     ]
 
 
@@ -334,7 +345,7 @@ def check_index_model(
     if not isinstance(recorded, dict) or not recorded:
         problem = f"index {index_dir} records no model fingerprint, so it cannot be checked against {loaded.source}"
     else:
-        diffs = _fingerprint_differences(recorded, loaded.fingerprint)
+        diffs = fingerprint_differences(recorded, loaded.fingerprint)
         if not diffs:
             return None
         problem = (

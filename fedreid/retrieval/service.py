@@ -511,7 +511,7 @@ class _Service:
         media = _MEDIA_TYPES.get(path.suffix.lower())
         if media is None:
             raise _RequestError(404, f"item {item}'s file {path.name!r} is not a jpg/png/bmp image file")
-        return _read_file_inside(path, self.file_roots(), f"the image file of item {item} ({path.name})"), media
+        return read_file_inside(path, self.file_roots(), f"the image file of item {item} ({path.name})"), media
 
     # -- updates ------------------------------------------------------------
 
@@ -665,7 +665,7 @@ def _inside(real: str, roots: Sequence[Path]) -> bool:
     return any(real == str(root) or Path(root) in Path(real).parents for root in roots)
 
 
-def _read_file_inside(path: Path, roots: Sequence[Path], what: str) -> bytes:
+def read_file_inside(path: Path, roots: Sequence[Path], what: str) -> bytes:
     """The bytes of the regular file at ``path`` when its real path lies inside one of ``roots``; else a 404.
 
     ``roots`` are taken as given (absolute, their links resolved when they were

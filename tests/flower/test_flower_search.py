@@ -11,6 +11,7 @@ by the deployment's ``with`` block (and the tool's process group by the test).
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
@@ -44,6 +45,7 @@ from fedreid.flower.launch import (
 )
 from fedreid.flower.search import (
     RESULT_FORMAT,
+    NodeReply,
     SearchSettings,
     SitePolicy,
     answer_query,
@@ -52,6 +54,9 @@ from fedreid.flower.search import (
     federated_search,
     fingerprint_problem,
     format_result,
+    judge_replies,
+    make_query,
+    make_thumbnail,
     merge_answers,
     read_feature_file,
     read_fingerprint_file,
@@ -187,6 +192,38 @@ def test_site_handler_on_a_real_store(stores, query, tmp_path):
     assert "two different" in fingerprint_problem({"model_fingerprint": FP, "meta": {"model_fingerprint": other}}, FP)
 
 
+def test_a_site_judges_same_model_as_query_and_serve_do(query, tmp_path):
+    """An export of the same weights is the same model to a site as to ``query``/``serve`` (check_index_model)."""
+    from types import SimpleNamespace
+
+    from fedreid.inference.model_io import check_index_model
+
+    torch_fp = dict(FP)
+    onnx_fp = dict(FP, backend="onnx", export_sha256="cd" * 32)  # what an ONNX export's sidecar records
+    script_fp = dict(FP, backend="torchscript", export_sha256="ef" * 32)
+    export_only = {key: value for key, value in onnx_fp.items() if key != "weights_sha256"}
+    other_export = dict(export_only, export_sha256="12" * 32)
+    other_weights = dict(onnx_fp, weights_sha256="ee" * 32)
+    other_size = dict(FP, height=64)
+    prints = [torch_fp, onnx_fp, script_fp, export_only, other_export, other_weights, other_size]
+    for recorded, asked in itertools.product(prints, prints):
+        header = {"meta": {"model_fingerprint": recorded}}
+        served = check_index_model(header, SimpleNamespace(fingerprint=asked, source="m"), "idx", allow_mismatch=True)
+        assert (fingerprint_problem(header, asked) is None) == (served is None), (recorded, asked)
+    assert fingerprint_problem({"meta": {"model_fingerprint": onnx_fp}}, torch_fp) is None
+    assert fingerprint_problem({"model_fingerprint": torch_fp}, script_fp) is None
+    problem = fingerprint_problem({"meta": {"model_fingerprint": onnx_fp}}, other_weights)
+    assert "weights_sha256 eeeeeeeeeeeeeeee (query) vs abababababababab (site)" in problem
+    assert "backend" not in problem and "export_sha256" not in problem
+    # Without a weights digest on one side, only the export file itself names the model.
+    assert "export_sha256 1212121212121212 (query) vs cdcdcdcdcdcdcdcd (site)" in fingerprint_problem(
+        {"meta": {"model_fingerprint": export_only}}, other_export)
+    # A store built with the ONNX export ranks a query the PyTorch model computed.
+    store = make_store(tmp_path / "onnx", 6, 4, site="sa", fingerprint=onnx_fp)
+    answer = answer_query(store, SearchQuery(query, 3, fingerprint=torch_fp), site="sa")
+    assert answer.ok and triples(answer.hits) == exact_answer(store, "sa", query, 3)
+
+
 def test_a_store_of_unnormalised_features_answers_an_error(query, tmp_path):
     """Scores past a cosine's range are not clipped into fake ties at 1: the site says what is wrong."""
     raw = unit_rows(6, 5) * np.arange(1, 7, dtype=np.float32)[:, None]  # norms 1..6
@@ -219,6 +256,40 @@ def test_thumbnails_only_where_the_site_allows_and_the_query_asks(stores, query)
     reply = site_reply(encode_query(SearchQuery(query, 3, fingerprint=FP, thumbnails=True)), site="sc",
                        store_folder=stores["sc"].folder, policy=allowed)
     assert [h.thumbnail for h in decode_hits(reply).hits] == [None] * 3
+
+
+def test_a_gallery_file_replaced_by_a_link_sends_no_thumbnail(query, tmp_path, caplog):
+    """Thumbnails are read as the service reads images: a regular file inside the gallery roots, or none at all."""
+    store = make_store(tmp_path / "s", 6, 1, images=True, site="sa")
+    secret = tmp_path / "elsewhere" / "secret.jpg"
+    secret.parent.mkdir()
+    Image.new("RGB", (48, 96), (250, 5, 5)).save(secret)
+    paths = {int(i): Path(r["path"]) for i, r in zip(store.ids, store.rows(store.ids.tolist()))}
+    paths[1].unlink()
+    paths[1].symlink_to(secret)  # the gallery file, later replaced by a link to an image outside the gallery
+    paths[2].unlink()  # a missing file: no thumbnail either, as before
+    allowed = SitePolicy(thumbnails=True, thumbnail_size=24)
+    with caplog.at_level("WARNING", logger="fedreid.flower.search"):
+        hits = answer_query(store, SearchQuery(query, 6, fingerprint=FP, thumbnails=True), site="sa",
+                            policy=allowed).hits
+    thumbs = {h.id: h.thumbnail for h in hits}
+    assert thumbs[1] is None and thumbs[2] is None
+    assert all(thumbs[i].startswith(b"\xff\xd8\xff") for i in (0, 3, 4, 5))
+    assert make_thumbnail(secret.read_bytes(), 24) not in thumbs.values()
+    assert "outside the gallery" in caplog.text
+    # The node's gallery-root is where relative paths lie, and the only folder they are read from.
+    images = tmp_path / "relative_images"
+    images.mkdir()
+    for name in ("a.jpg", "b.jpg"):
+        Image.new("RGB", (48, 96), (10, 80, 160)).save(images / name)
+    (images / "c.jpg").symlink_to(secret)
+    relative = GalleryStore.create(tmp_path / "rel", unit_rows(3, 2), [{"path": n} for n in ("a.jpg", "b.jpg", "c.jpg")],
+                                   meta={"model_fingerprint": FP})
+    policy = SitePolicy(thumbnails=True, thumbnail_size=24, image_root=images)
+    got = {relative.rows([h.id])[0]["path"]: h.thumbnail for h in
+           answer_query(relative, SearchQuery(query, 3, fingerprint=FP, thumbnails=True), site="sa",
+                        policy=policy).hits}
+    assert got["a.jpg"] and got["b.jpg"] and got["c.jpg"] is None
 
 
 def test_site_reply_refusals_carry_no_local_path(stores, query, tmp_path):
@@ -414,6 +485,59 @@ def test_scores_outside_the_cosine_range_mark_the_answer_malformed(stores, query
     answer = answer_query(long, SearchQuery(long.vectors[0] / 1.02, 5, fingerprint=FP), site="sa")
     assert answer.hits[0].score == 1.0 and all(-1.0 <= h.score <= 1.0 for h in answer.hits)
     assert decode_hits(encode_hits(answer), k=5).ok
+
+
+FILTERED = {"cameras": [1], "sites": ["lobby"], "time_window": [1000.0, 2000.0]}
+
+
+@pytest.mark.parametrize("row, message", [
+    ({"camera": 9}, "rows[1]: camera 9 is not among the query's cameras [1]"),
+    ({"camera": None}, "rows[1]: camera None is not among the query's cameras [1]"),
+    ({"timestamp": 5e9}, "rows[1]: timestamp 5000000000.0 is outside the query's time window [1000.0, 2000.0]"),
+    ({"timestamp": 999.999}, "rows[1]: timestamp 999.999 is outside"),
+    ({"timestamp": 2000.001}, "rows[1]: timestamp 2000.001 is outside"),
+    ({"timestamp": None}, "rows[1]: timestamp None is outside"),
+    ({"row_site": "garage"}, "rows[1]: site column 'garage' is not among the query's sites ['lobby']"),
+    ({"row_site": "Lobby"}, "site column 'Lobby' is not among"),  # the store compares names exactly
+    ({"row_site": None}, "site column None is not among"),
+])
+def test_an_answer_with_a_hit_outside_the_query_filters_is_malformed(query, row, message):
+    """A site is untrusted: a hit its store could not have returned for these filters voids its whole answer."""
+    q = make_query(query, 5, FILTERED, fingerprint=FP, thumbnails=False)
+    passing = {"camera": 1, "timestamp": 1000.0, "row_site": "lobby"}  # both window ends are inclusive
+    bad = SiteAnswer("sa", (Hit("sa", 3, 0.9, name="a.jpg", **passing),
+                            Hit("sa", 4, 0.8, name="b.jpg", **dict(passing, **row))))
+    good = SiteAnswer("sb", (Hit("sb", 2, 0.5, camera=1, timestamp=2000.0, name="c.jpg", row_site="lobby"),))
+    result = judge_replies(q, {1: NodeReply(encode_hits(bad)), 2: NodeReply(encode_hits(good))}, timeout=1.0,
+                           started=time.monotonic())
+    assert triples(result.results) == [("sb", 2, 0.5)]  # none of sa's hits, not even the one that passes
+    assert [a.site for a in result.answered] == ["sb"]
+    assert [(m.node_id, m.code) for m in result.missing] == [(1, "malformed")]
+    assert message in result.missing[0].reason and result.missing[0].reason.startswith("answer rejected: ")
+    assert "missing: unknown site (node 1): malformed: answer rejected: rows[1]: " in format_result(result.to_plain())[-1]
+
+
+def test_the_server_checks_hits_with_the_store_filter_rule(query, tmp_path):
+    """What the server lets through is exactly what the site's store selects, NULLs, case and window ends included."""
+    values = itertools.product([None, 0, 1, 7], [None, "lobby", "Lobby", "garage"],
+                               [None, 999.5, 1000.0, 1500.25, 2000.0, 2000.5])
+    rows = [{"path": f"/g/{i:03d}.jpg", "camera": c, "site": s, "timestamp": t} for i, (c, s, t) in enumerate(values)]
+    store = GalleryStore.create(tmp_path / "s", unit_rows(len(rows), 8), rows, meta={"model_fingerprint": FP})
+    stored = dict(zip(store.ids.tolist(), store.rows(store.ids.tolist())))
+    for plain in [{"cameras": [1]}, {"cameras": [0, 7]}, {"cameras": []}, {"sites": ["lobby"]},
+                  {"sites": ["Lobby", "garage"]}, {"time_window": [1000.0, 2000.0]}, {"time_window": [None, 1000.0]},
+                  {"time_window": [2000.0, None]}, {"time_window": [None, None]}, FILTERED,
+                  {"cameras": [0, 1], "sites": ["lobby", "garage"], "time_window": [999.5, 1500.25]}]:
+        filters = SearchFilters.from_plain(plain)
+        selected = set(store.filtered_ids(**filters.store_kwargs()).tolist())
+        admitted = {i for i, r in stored.items() if filters.refusal(r["camera"], r["timestamp"], r["site"]) is None}
+        assert admitted == selected, plain
+        # The site's honest answer is merged whole.
+        answer = answer_query(store, SearchQuery(query, len(rows), filters, FP), site="sa")
+        result = judge_replies(make_query(query, len(rows), filters, fingerprint=FP, thumbnails=False),
+                               {1: NodeReply(encode_hits(answer))}, timeout=1.0, started=time.monotonic())
+        assert result.missing == [] and triples(result.results) == triples(answer.hits), plain
+        assert {h.id for h in result.results} == selected
 
 
 HOSTILE = "\x1b[2J\x1b]0;owned\x07\nmissing: nothing\r\u202egpj.exe"
