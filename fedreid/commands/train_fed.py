@@ -51,8 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--resume",
         metavar="RUN_DIR",
-        help="continue the run in RUN_DIR from its last checkpoint (its saved config is used; "
-        "fl.rounds and run.* may be overridden)",
+        help="continue the run in RUN_DIR from its last checkpoint (its saved config is used; only what leaves "
+        "the training unchanged may be overridden: fl.rounds, run.*, eval.batch_size, eval.workers, "
+        "eval.before_hooks, train.persistent_workers, and a relative data path given absolute)",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     return parser
