@@ -19,7 +19,9 @@ in both train and query/gallery, is refused. <out>/<name>/card.md describes one
 dataset; <out>/cards.md summarises every dataset prepared under <out>, earlier
 runs' included (a cards.md there that this tool did not write is refused).
 --synthetic reuses a world generated with the same synthetic.* settings and
-refuses one made with other settings unless --force regenerates it.
+refuses one made with other settings unless --force regenerates it. A dataset
+that fails (a missing release, a damaged prepared folder...) is reported and the
+others are still prepared; the exit status is then 2.
 See datasets/README.md for layouts.
 """
 
@@ -31,7 +33,6 @@ from pathlib import Path
 
 from fedreid.config import BENCHMARK_DATASETS, ConfigError, DataConfig, load_config
 from fedreid.data.prepared import (
-    PrepareError,
     PrepareReport,
     format_summary,
     prepare_dataset,
@@ -41,6 +42,7 @@ from fedreid.data.prepared import (
 )
 from fedreid.data.raw import PUBLIC_DATASET, create_raw_dataset, list_raw_datasets
 from fedreid.data.raw.base import RawLayoutError
+from fedreid.errors import FedReIDError
 from fedreid.options import did_you_mean
 from fedreid.utils.cli import add_config_arguments, checked_overrides, literal_override, run_main, show_progress
 from fedreid.utils.io import file_in_the_way, write_text_atomic
@@ -205,7 +207,8 @@ def main(argv: list[str] | None = None) -> int:
                 force=args.force,
                 progress=progress,
             )
-        except (RawLayoutError, PrepareError, TypeError, ValueError) as exc:
+        # Any input or file error is this dataset's alone: report it, prepare the others, exit 2 at the end.
+        except (FedReIDError, OSError, TypeError, ValueError) as exc:
             message = str(exc)
             # Most messages already start with the dataset's name: print it once.
             failures.append(message if message.startswith(f"{name}:") else f"{name}: {message}")

@@ -79,6 +79,11 @@ OWNER_FILE = ".owner.json"
 #: The two sides of a benchmark split, whose identities must be disjoint.
 TRAIN_SPLITS: tuple[str, ...] = ("train", "val")
 TEST_SPLITS: tuple[str, ...] = ("query", "gallery")
+#: The pid that pools a release's distractors (people outside the benchmark,
+#: each image its own unknown person), by dataset: a label, not an identity,
+#: so the card does not count it among the ids. Market-1501's ``0000``; pid 0
+#: is a real identity everywhere else (CUHK01, VIPeR, PRID... count from 0).
+DISTRACTOR_PIDS: dict[str, int] = {"market1501": 0}
 #: The JPEG quality of images resized by ``data.resize`` (chroma not subsampled).
 RESIZE_JPEG_QUALITY = 95
 #: How ``data.resize`` resizes, as ``prepare.json`` records it: a copy made
@@ -132,7 +137,11 @@ class PreparedDataset:
 
     @classmethod
     def load(cls, root: str | Path) -> "PreparedDataset":
-        """The dataset in ``root``: its ``manifest.csv``, checked (:func:`read_manifest`), and card."""
+        """The dataset in ``root``: its ``manifest.csv``, checked (:func:`read_manifest`), and card.
+
+        The card is ``card.json`` (:func:`read_card`; a damaged one is a
+        :class:`PreparedDatasetError` naming it), else counted from the records.
+        """
         root = Path(root)
         manifest = root / MANIFEST
         if not manifest.is_file():
@@ -142,7 +151,13 @@ class PreparedDataset:
             )
         records = read_manifest(manifest)
         card_path = root / "card.json"
-        card = json.loads(card_path.read_text()) if card_path.is_file() else dataset_card(records)
+        if card_path.is_file():
+            try:
+                card = read_card(card_path)
+            except PrepareError as exc:
+                raise PreparedDatasetError(str(exc)) from None
+        else:
+            card = dataset_card(records, DISTRACTOR_PIDS.get(root.name))
         return cls(root, records, card)
 
     def split(self, name: str) -> list[Record]:
@@ -166,8 +181,13 @@ def load_prepared(prepared_root: str | Path, name: str) -> PreparedDataset:
 def read_manifest(path: Path) -> list[Record]:
     """The records of the manifest at ``path`` (image paths made absolute).
 
-    Raises :class:`PreparedDatasetError` naming the file and the line(s) for a
-    missing column, a bad number or split, a row listing an image that an
+    Raises :class:`PreparedDatasetError`, in one line naming the file and the
+    line(s), for: a missing column; a row with more or fewer fields than the
+    header; an empty, absolute or ``..``-containing path (an image lies inside
+    the dataset's folder); a pid or camid that is not a whole number (named),
+    a camid below 0 or a pid below -1 (-1 is junk, 0 and up identities); an
+    unknown split; a row whose image file does not exist (the first one, with
+    how many more); a manifest without rows; a row listing an image that an
     earlier row lists (the same ``path``, or the same ``source`` where the
     column is filled), and an identity in both train/val and query/gallery.
     Junk (pid -1) is exempt from the last check. Every prepared dataset is one
@@ -175,38 +195,104 @@ def read_manifest(path: Path) -> list[Record]:
     train only on train/val (by-camera clients share identities with each
     other, never with the test) and evaluation ranks query against gallery, so
     a test identity seen in training would inflate the scores silently.
+    Blank lines are ignored; a UTF-8 byte-order mark is allowed.
     """
     root = path.parent
+    root_str = str(root)
     records = []
     entries: list[tuple[tuple[tuple[str, str], ...], int, str]] = []
     lines: list[int] = []
-    with path.open(newline="") as fh:
-        reader = csv.DictReader(fh)
-        missing = set(MANIFEST_FIELDS[:4]) - set(reader.fieldnames or ())
+    missing_files: list[tuple[int, str]] = []
+    # utf-8-sig: a spreadsheet's UTF-8 export starts with a byte-order mark,
+    # which would otherwise become part of the first column's name.
+    with path.open(newline="", encoding="utf-8-sig") as fh:
+        reader = csv.reader(fh)
+        header = next(reader, [])
+        missing = [name for name in MANIFEST_FIELDS[:4] if name not in header]
         if missing:
             raise PreparedDatasetError(
                 f"{path}: missing columns {', '.join(sorted(missing))}; "
                 f"expected {','.join(MANIFEST_FIELDS)}"
             )
-        for line, row in enumerate(reader, start=2):
-            try:
-                rec = Record(root / row["path"], int(row["pid"]), int(row["camid"]), row["split"])
-            except (TypeError, ValueError) as exc:
-                raise PreparedDatasetError(f"{path}, line {line}: {exc}") from exc
-            if rec.split not in SPLITS:
+        column = {name: header.index(name) for name in MANIFEST_FIELDS if name in header}
+        for fields in reader:
+            if not fields:
+                continue  # a blank line
+            line = reader.line_num  # the physical line: a quoted field may span lines
+            where = f"{path}, line {line}"
+            if len(fields) != len(header):
                 raise PreparedDatasetError(
-                    f"{path}, line {line}: split {rec.split!r} is not one of {', '.join(SPLITS)}"
+                    f"{where}: {len(fields)} field(s), expected {len(header)} as in the header "
+                    f"({','.join(header)})"
                 )
-            keys = [("path", posixpath.normpath(row["path"]))]
+            row = {name: fields[index] for name, index in column.items()}
+            rel = row["path"]
+            problem = _path_problem(rel)
+            if problem is not None:
+                raise PreparedDatasetError(f"{where}: {problem}")
+            pid = _int_field(where, row, "pid")
+            camid = _int_field(where, row, "camid")
+            if pid < -1:
+                raise PreparedDatasetError(
+                    f"{where}: pid {pid} is below -1 (-1 marks junk, identities are 0 or more)"
+                )
+            if camid < 0:
+                raise PreparedDatasetError(f"{where}: camid {camid} is negative (cameras count from 0)")
+            if row["split"] not in SPLITS:
+                raise PreparedDatasetError(
+                    f"{where}: split {row['split']!r} is not one of {', '.join(SPLITS)}"
+                )
+            # One stat per row: a missing image fails here, naming the manifest's line,
+            # rather than mid-training or mid-evaluation when it is first decoded.
+            # On a string: Path.is_file formats the path first, which costs as much as the stat.
+            if not os.path.isfile(os.path.join(root_str, rel)):
+                missing_files.append((line, rel))
+            rec = Record(root / rel, pid, camid, row["split"])
+            keys = [("path", posixpath.normpath(rel))]
             if row.get("source"):
                 keys.append(("source", posixpath.normpath(row["source"])))
             records.append(rec)
             entries.append((tuple(keys), rec.pid, rec.split))
             lines.append(line)
+    if not records:
+        raise PreparedDatasetError(
+            f"{path}: no rows, only the header; a prepared dataset lists at least one image "
+            "(if tools/prepare_datasets.py made it, prepare it again with --force)"
+        )
+    if missing_files:
+        line, rel = missing_files[0]
+        more = f" (and {len(missing_files) - 1:,} more row(s)' images)" if len(missing_files) > 1 else ""
+        raise PreparedDatasetError(
+            f"{path}, line {line}: the image file {rel} is missing from {root}{more} "
+            "(if tools/prepare_datasets.py made it, prepare it again with --force)"
+        )
     conflict = find_split_conflict(entries)
     if conflict is not None:
         raise PreparedDatasetError(_manifest_conflict(path, conflict, entries, lines))
     return records
+
+
+#: A manifest's pid or camid: a whole number as the prepare step writes it, nothing else.
+_INTEGER = re.compile(r"-?[0-9]+")
+
+
+def _int_field(where: str, row: dict[str, str], name: str) -> int:
+    value = row[name]
+    if not _INTEGER.fullmatch(value):
+        raise PreparedDatasetError(f"{where}: {name} {value!r} is not an integer")
+    return int(value)
+
+
+def _path_problem(rel: str) -> Optional[str]:
+    """Why the manifest path ``rel`` cannot name an image inside the dataset's folder; None if it can."""
+    if not rel:
+        return "path is empty"
+    # Plain string tests: a PurePosixPath per row costs more than the row's stat.
+    if rel.startswith("/"):
+        return f"path {rel!r} is absolute; paths are relative to the manifest's folder"
+    if ".." in rel.split("/"):
+        return f"path {rel!r} contains '..'; images lie inside the manifest's folder"
+    return None
 
 
 def _manifest_conflict(
@@ -285,19 +371,31 @@ def find_split_conflict(
 # ---------------------------------------------------------------------------
 
 
-def dataset_card(records: Sequence[Record | RawRecord]) -> dict:
-    """Ids, images and cameras per split (``train_all`` included)."""
+def dataset_card(
+    records: Sequence[Record | RawRecord], distractor_pid: Optional[int] = None
+) -> dict:
+    """Ids, images and cameras per split (``train_all`` included).
+
+    ``ids`` counts identities: junk (pid -1) and ``distractor_pid`` (the
+    dataset's pooled distractor label, :data:`DISTRACTOR_PIDS`) are images,
+    not identities, so Market-1501's gallery has 750 ids, as its release says.
+    ``gallery.junk_images`` counts the junk images; with a ``distractor_pid``,
+    ``gallery.distractor_images`` counts its images.
+    """
+    not_ids = {-1} if distractor_pid is None else {-1, distractor_pid}
     card = {}
     for split in SPLIT_NAMES:
         wanted = {"train", "val"} if split == "train_all" else {split}
         recs = [r for r in records if r.split in wanted]
         card[split] = {
-            "ids": len({r.pid for r in recs if r.pid != -1}),
+            "ids": len({r.pid for r in recs} - not_ids),
             "images": len(recs),
             "cameras": sorted({r.camid for r in recs}),
         }
     gallery = [r for r in records if r.split == "gallery"]
     card["gallery"]["junk_images"] = sum(r.pid == -1 for r in gallery)
+    if distractor_pid is not None:
+        card["gallery"]["distractor_images"] = sum(r.pid == distractor_pid for r in gallery)
     return card
 
 
@@ -356,6 +454,12 @@ def format_card(name: str, card: dict) -> str:
     junk = card["gallery"].get("junk_images", 0)
     if junk:
         lines.append(f"\n{junk:,} gallery images are junk (pid -1), removed at evaluation.")
+    distractors = card["gallery"].get("distractor_images", 0)
+    if distractors:
+        lines.append(
+            f"\n{distractors:,} gallery images are distractors (their shared pid is not counted as an id), "
+            "kept as negatives at evaluation."
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -392,6 +496,67 @@ def is_prepared(out_dir: Path) -> bool:
     return (out_dir / MANIFEST).is_file() and (out_dir / PREPARE_RECORD).is_file()
 
 
+def read_json_object(path: Path, hint: str) -> dict:
+    """The JSON object in ``path``, a file of a prepared folder.
+
+    Raises :class:`PrepareError`, one line naming the dataset (the folder's
+    name), the file, what is wrong (missing, unreadable, not JSON, not an
+    object) and ``hint`` (what to do about it).
+    """
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        why = "is missing"
+    except OSError as exc:
+        why = f"cannot be read ({exc.strerror or exc})"
+    except ValueError as exc:  # not JSON, or not UTF-8
+        why = f"is not valid JSON ({exc})"
+    else:
+        if isinstance(value, dict):
+            return value
+        why = f"holds a JSON {type(value).__name__}, not an object"
+    raise PrepareError(f"{path.parent.name}: {path} {why}; {hint}")
+
+
+def read_prepare_record(folder: Path) -> dict:
+    """``folder``'s ``prepare.json`` (:func:`read_json_object`).
+
+    Its hint is to move the folder away, not ``--force``: a folder whose
+    record cannot be read may not be this tool's, and ``--force`` replaces
+    only folders whose record names the dataset (:func:`_check_replaceable`).
+    """
+    return read_json_object(
+        folder / PREPARE_RECORD,
+        "the tool cannot tell that it prepared this folder, so --force will not replace it either: "
+        "move the folder away (or restore the file) and run again",
+    )
+
+
+def read_card(path: Path) -> dict:
+    """The dataset card at ``path`` with what :func:`format_summary` reads.
+
+    Raises :class:`PrepareError` naming the file and the first missing or
+    mistyped entry; the hint is ``--force``, which remakes the whole folder.
+    """
+    hint = "use --force to prepare the dataset again"
+    card = read_json_object(path, hint)
+    needed = [(split, key) for split in ("train_all", "query") for key in ("ids", "images")]
+    needed += [("gallery", "images")] + [(split, "cameras") for split in SPLITS]
+    for split, key in needed:
+        entry = card.get(split)
+        value = entry.get(key) if isinstance(entry, dict) else None
+        if key == "cameras":
+            ok, expected = isinstance(value, list) and all(type(v) is int for v in value), "a list of integers"
+        else:
+            ok, expected = type(value) is int, "an integer"
+        if not ok:
+            raise PrepareError(
+                f"{path.parent.name}: {path} is not a dataset card ({split}.{key} is "
+                f"{'missing' if value is None else repr(value)}, expected {expected}); {hint}"
+            )
+    return card
+
+
 def prepared_cards(out_root: str | Path) -> tuple[dict[str, dict], list[str]]:
     """The card of every prepared dataset under ``out_root``, and problems reading them.
 
@@ -406,12 +571,10 @@ def prepared_cards(out_root: str | Path) -> tuple[dict[str, dict], list[str]]:
     for folder in sorted(out_root.iterdir()):
         if folder.name.startswith(".") or not folder.is_dir() or not is_prepared(folder):
             continue
-        card_path = folder / "card.json"
         try:
-            card = json.loads(card_path.read_text())
-            card_counts(card)  # the summary needs these keys; check them now
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            problems.append(f"{card_path}: not a readable dataset card ({exc}); left out of cards.md")
+            card = read_card(folder / "card.json")
+        except PrepareError as exc:
+            problems.append(f"{exc}; left out of cards.md")
             continue
         cards[folder.name] = card
     return cards, problems
@@ -451,8 +614,9 @@ def prepare_dataset(
     report.notes += _remove_leftovers(out_root, parser.name, parser.raw_root)
     if is_prepared(target) and not force:
         report.skipped_existing = True
-        report.card = json.loads((target / "card.json").read_text())
+        # prepare.json first: when it is damaged, --force cannot help, and the card's hint says --force.
         report.warnings = _option_changes(target, parser, resize)
+        report.card = read_card(target / "card.json")
         stale, notes = _raw_changes(target, parser)
         report.warnings += stale
         report.notes += notes
@@ -474,7 +638,7 @@ def prepare_dataset(
         records, bad = _copy_images(parser, raw_records, tmp, resize, workers, progress)
         skipped = list(result.skipped) + bad
         _check_not_empty(parser, records, skipped)
-        card = dataset_card(records)
+        card = dataset_card(records, DISTRACTOR_PIDS.get(parser.name))
         warnings = count_mismatches(parser.name, card, expected_counts(parser))
         _write_metadata(
             tmp, parser, records, skipped, card, warnings, result.id_split, resize, fingerprint
@@ -496,7 +660,7 @@ def _option_changes(
     target: Path, parser: RawDataset, resize: Optional[Sequence[int]]
 ) -> list[str]:
     """Warnings for options that differ from those the existing copy was made with."""
-    made = json.loads((target / PREPARE_RECORD).read_text())
+    made = read_prepare_record(target)
     warnings = []
     # A copy made from other raw data is the most surprising thing to keep silently.
     raw_root = str(parser.raw_root.resolve())
@@ -628,7 +792,7 @@ def raw_fingerprint(folder: str | Path) -> dict:
 def _raw_changes(target: Path, parser: RawDataset) -> tuple[list[str], list[str]]:
     """(warnings, notes) on the raw folder's files since ``target`` was prepared."""
     record = target / PREPARE_RECORD
-    made = json.loads(record.read_text())
+    made = read_prepare_record(target)
     if made.get("raw_root") not in (None, str(parser.raw_root.resolve())):
         return [], []  # prepared from another raw root: _option_changes says so
     folder = parser.source_dir
@@ -778,7 +942,7 @@ def _whole_copy(folder: Path, name: str) -> Optional[tuple[str, int]]:
         return None
     if made.get("images") not in (None, len(records)):
         return None
-    if not all(rec.path.is_file() for rec in records) or not (folder / "card.json").is_file():
+    if not (folder / "card.json").is_file():  # the images: read_manifest checked them
         return None
     return str(made.get("created", "")), (folder / PREPARE_RECORD).stat().st_mtime_ns
 

@@ -231,6 +231,39 @@ def test_a_failure_is_printed_once_without_a_doubled_name(tmp_path):
     assert len(detail) == 1, out.stderr
 
 
+@pytest.mark.parametrize(
+    "damage, fragment",
+    [
+        ("no card", "card.json is missing; use --force"),
+        ("card list", "card.json holds a JSON list, not an object; use --force"),
+        ("bad record", "prepare.json is not valid JSON"),
+    ],
+)
+def test_a_damaged_prepared_folder_fails_alone_and_the_others_are_prepared(tmp_path, damage, fragment):
+    raw = tmp_path / "raw"
+    make_market1501_tree(raw)
+    make_msmt17_tree(raw)
+    prep = tmp_path / "prep"
+    args = ("--raw-root", str(raw), "--out", str(prep), "data.public_dataset=null", "--no-progress")
+    assert run_tool(*args, "--datasets", "market1501", cwd=tmp_path).returncode == 0
+    market = prep / "market1501"
+    if damage == "no card":
+        (market / "card.json").unlink()
+    elif damage == "card list":
+        (market / "card.json").write_text("[]")
+    else:
+        (market / "prepare.json").write_text("{oops")
+    out = run_tool(*args, "--datasets", "market1501,msmt17", cwd=tmp_path)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert (prep / "msmt17" / "manifest.csv").is_file() and "[msmt17]" in out.stdout
+    [line] = [line for line in out.stderr.splitlines() if line.startswith("  market1501:")]
+    assert line.startswith(f"  market1501: {market}/{fragment}")
+    if damage != "bad record":  # --force remakes a folder whose prepare.json says it is the tool's
+        again = run_tool(*args, "--datasets", "market1501", "--force", cwd=tmp_path)
+        assert again.returncode == 0, again.stderr
+        assert json.loads((market / "card.json").read_text())["query"]["images"] == 2
+
+
 def test_synthetic_world_of_other_settings_is_refused_and_force_regenerates_it(tmp_path):
     world = tmp_path / "synraw"
     args = ("--synthetic", "--datasets", "viper", "--out", str(tmp_path / "prep"), "--no-progress",

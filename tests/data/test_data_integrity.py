@@ -27,8 +27,14 @@ HEADER = "path,pid,camid,split,source\n"
 
 
 def write_manifest(root: Path, rows: list[str], header: str = HEADER) -> Path:
+    """``root/manifest.csv`` with ``rows``, and an (empty) image file for each row's path."""
     root.mkdir(parents=True, exist_ok=True)
     (root / "manifest.csv").write_text(header + "".join(row + "\n" for row in rows))
+    for row in rows:
+        rel = row.split(",")[0]
+        if rel and not rel.startswith("/") and ".." not in rel.split("/"):
+            (root / rel).parent.mkdir(parents=True, exist_ok=True)
+            (root / rel).touch()
     return root
 
 
@@ -94,6 +100,73 @@ def test_manifest_without_source_column_is_checked_on_paths(tmp_path):
     assert len(PreparedDataset.load(write_manifest(tmp_path, rows, header))) == 6
     msg = load_error(write_manifest(tmp_path, rows + [rows[2]], header))
     assert "line 8: duplicate of line 4" in msg
+
+
+def test_a_row_whose_image_file_is_missing_is_refused_naming_the_line(tmp_path):
+    root = write_manifest(tmp_path, GOOD)
+    (root / "images/val/1_1_c1.jpg").unlink()
+    msg = load_error(root)
+    assert msg.startswith(f"{root / 'manifest.csv'}, line 3: the image file images/val/1_1_c1.jpg is missing")
+    assert "--force" in msg and "\n" not in msg
+    (root / "images/gallery/5_0_c0.jpg").unlink()
+    assert "line 3:" in load_error(root) and "(and 1 more row(s)' images)" in load_error(root)
+
+
+@pytest.mark.parametrize(
+    "path, fragment",
+    [
+        ("/etc/hostname", "path '/etc/hostname' is absolute"),
+        ("../outside.jpg", "path '../outside.jpg' contains '..'"),
+        ("images/../../outside.jpg", "path 'images/../../outside.jpg' contains '..'"),
+        ("", "path is empty"),
+    ],
+)
+def test_a_path_outside_the_dataset_folder_is_refused_even_if_the_file_exists(tmp_path, path, fragment):
+    (tmp_path / "outside.jpg").touch()
+    root = write_manifest(tmp_path / "ds", GOOD + [f"{path},7,0,train,Toy/train/7.jpg"])
+    msg = load_error(root)
+    assert msg.startswith(f"{root / 'manifest.csv'}, line 8: {fragment}") and "\n" not in msg
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("pid", "1.0", "pid '1.0' is not an integer"),
+        ("pid", "1_000", "pid '1_000' is not an integer"),
+        ("pid", " 3 ", "pid ' 3 ' is not an integer"),
+        ("camid", "one", "camid 'one' is not an integer"),
+        ("camid", "", "camid '' is not an integer"),
+        ("pid", "-7", "pid -7 is below -1 (-1 marks junk, identities are 0 or more)"),
+        ("camid", "-3", "camid -3 is negative (cameras count from 0)"),
+    ],
+)
+def test_a_bad_pid_or_camid_is_refused_naming_the_field(tmp_path, field, value, message):
+    fields = GOOD[2].split(",")
+    fields[1 if field == "pid" else 2] = value
+    rows = GOOD[:2] + [",".join(fields)] + GOOD[3:]
+    root = write_manifest(tmp_path, rows)
+    assert load_error(root) == f"{root / 'manifest.csv'}, line 4: {message}"
+
+
+@pytest.mark.parametrize("row, count", [("images/train/9.jpg,5", 2), ("images/train/9.jpg", 1),
+                                        ("images/train/9_1_c0.jpg,1,0,train,Toy/train/9.jpg,extra,more", 7)])
+def test_a_row_with_too_few_or_too_many_fields_is_refused(tmp_path, row, count):
+    root = write_manifest(tmp_path, GOOD[:3] + [row] + GOOD[3:])
+    assert load_error(root) == (f"{root / 'manifest.csv'}, line 5: {count} field(s), expected 5 as in the header "
+                                "(path,pid,camid,split,source)")
+
+
+def test_a_manifest_without_rows_is_refused(tmp_path):
+    root = write_manifest(tmp_path, [])
+    msg = load_error(root)
+    assert msg.startswith(f"{root / 'manifest.csv'}: no rows, only the header") and "--force" in msg
+
+
+def test_a_manifest_with_a_byte_order_mark_and_blank_lines_loads_with_true_line_numbers(tmp_path):
+    root = write_manifest(tmp_path, GOOD, header="\ufeff" + HEADER)
+    assert len(PreparedDataset.load(root)) == 6
+    (root / "manifest.csv").write_text("\ufeff" + HEADER + GOOD[0] + "\n\n" + GOOD[1].replace(",1,1,", ",x,1,") + "\n")
+    assert "line 4: pid 'x' is not an integer" in load_error(root)
 
 
 # -- prepare refuses what the loader would refuse -----------------------------------

@@ -430,3 +430,64 @@ def test_a_copy_resized_another_way_is_named_on_a_rerun(raw_root, tmp_path):
     (out / "toy" / "prepare.json").write_text(json.dumps(record))
     again = prepare_dataset(ToyParser(raw_root), out, resize=(32, 12), progress=False)
     assert again.skipped_existing and any("resize_method=None" in w and "--force" in w for w in again.warnings)
+
+
+def test_market_distractors_are_gallery_images_not_an_identity(tmp_path):
+    from raw_fixtures import make_market1501_tree
+
+    from fedreid.data.raw.market1501 import Market1501
+
+    make_market1501_tree(tmp_path / "raw")
+    report = prepare_dataset(Market1501(tmp_path / "raw"), tmp_path / "out", progress=False)
+    gallery = report.card["gallery"]
+    # bounding_box_test: pids 1 and 3 (identities), 0000 twice (distractors), -1 (junk)
+    assert gallery["ids"] == 2
+    assert (gallery["images"], gallery["junk_images"], gallery["distractor_images"]) == (6, 1, 2)
+    assert json.loads((tmp_path / "out/market1501/card.json").read_text())["gallery"]["ids"] == 2
+    assert "2 gallery images are distractors" in (tmp_path / "out/market1501/card.md").read_text()
+    # elsewhere pid 0 is a person (CUHK01, VIPeR... count from 0)
+    records = [RawRecord(Path(f"{k}.jpg"), pid, 0, "gallery") for k, pid in enumerate((0, 0, 4, -1))]
+    assert prepared_mod.dataset_card(records)["gallery"]["ids"] == 2
+    assert prepared_mod.dataset_card(records, 0)["gallery"]["ids"] == 1
+
+
+@pytest.mark.parametrize(
+    "text, fragment",
+    [
+        (None, "card.json is missing"),
+        ("{oops", "card.json is not valid JSON (Expecting property name"),
+        ("[]", "card.json holds a JSON list, not an object"),
+        ('{"train_all": {"ids": 2, "images": 6}, "query": {"ids": "2", "images": 1}}',
+         "card.json is not a dataset card (query.ids is '2', expected an integer)"),
+    ],
+)
+def test_a_damaged_card_json_is_a_prepare_error_naming_it(raw_root, tmp_path, text, fragment):
+    out = tmp_path / "out"
+    prepare_dataset(ToyParser(raw_root), out, progress=False)
+    card = out / "toy" / "card.json"
+    card.unlink() if text is None else card.write_text(text)
+    with pytest.raises(PrepareError) as err:
+        prepare_dataset(ToyParser(raw_root), out, progress=False)
+    msg = str(err.value)
+    assert msg.startswith(f"toy: {out / 'toy'}/{fragment}") and "--force" in msg and "\n" not in msg
+    cards, problems = prepared_mod.prepared_cards(out)
+    assert cards == {} and problems == [f"{msg}; left out of cards.md"]
+    if text is not None:  # the loader names it too
+        with pytest.raises(PreparedDatasetError, match="card.json"):
+            load_prepared(out, "toy")
+    report = prepare_dataset(ToyParser(raw_root), out, force=True, progress=False)
+    assert report.num_images == 10 and report.card["train_all"]["images"] == 6
+
+
+def test_a_damaged_prepare_json_names_it_and_says_force_cannot_replace_it(raw_root, tmp_path):
+    out = tmp_path / "out"
+    prepare_dataset(ToyParser(raw_root), out, progress=False)
+    (out / "toy" / "prepare.json").write_text("{oops")
+    with pytest.raises(PrepareError) as err:
+        prepare_dataset(ToyParser(raw_root), out, progress=False)
+    msg = str(err.value)
+    assert msg.startswith(f"toy: {out / 'toy' / 'prepare.json'} is not valid JSON") and "move the folder away" in msg
+    before = tree_digest(out / "toy")
+    with pytest.raises(PrepareError, match="not prepared by tools/prepare_datasets.py"):
+        prepare_dataset(ToyParser(raw_root), out, force=True, progress=False)
+    assert tree_digest(out / "toy") == before, "--force never deletes a folder it cannot tell is its own"

@@ -9,6 +9,7 @@ from typing import Callable
 
 import pytest
 
+from fedreid.data.prepared import summarize_skips
 from fedreid.data.raw.base import SPLITS, ParseResult, RawDataset, RawLayoutError, RawRecord
 from fedreid.data.raw.cuhk03np import CUHK03NP
 from fedreid.data.raw.dukemtmc import DukeMTMCreID
@@ -309,10 +310,11 @@ def test_msmt17_original_skips(tmp_path):
     missing_line, malformed_line = (line for _, line, _ in fx.MSMT17_BAD_LINES)
     missing_rel = "train/" + missing_line.split()[0]
     n = fx.msmt17_list_line_number("train", missing_line)
-    assert rules[missing_rel] == f"list_train.txt line {n}: listed file is missing"
+    assert rules[missing_rel] == f"listed file is missing (list_train.txt line {n})"
 
     n = fx.msmt17_list_line_number("gallery", malformed_line)
-    assert rules["list_gallery.txt"].startswith(f"list_gallery.txt line {n}: malformed")
+    assert rules["list_gallery.txt"] == (f"malformed line, expected '<pid>/<file> <pid>' inside the image folder "
+                                         f"(list_gallery.txt line {n}: {malformed_line!r})")
 
     assert "not named by any list" in rules["train/" + fx.MSMT17_UNLISTED]
     assert rules["train/0000/Thumbs.db"] == "system file"
@@ -328,8 +330,26 @@ def test_msmt17_duplicate_list_line_is_skipped(tmp_path):
     result = MSMT17(tmp_path).parse()
     [skip] = result.skipped
     n = len(fx.MSMT17_LISTS["val"]) + 1
-    assert skip.rule == f"list_val.txt line {n}: already listed at list_train.txt line 1"
+    assert skip.rule == f"listed twice (list_val.txt line {n}; first at list_train.txt line 1)"
     assert table(result, root)[f"train/{rel}"] == (label, 0, "train")
+
+
+def test_msmt17_list_skips_group_by_rule_with_their_place_in_the_reason(tmp_path):
+    # A partly extracted release: thousands of listed files missing must print as one line.
+    root = fx.make_msmt17_tree(tmp_path)
+    missing = [f"0100/0100_{i:03d}_02_0303morning_0015_0.jpg 100" for i in range(40)]
+    malformed = ["0000/a (copy).jpg zero", "/abs/0000_000_01_x.jpg 0", "../0000/0000_000_01_x.jpg 0"]
+    with open(root / "list_train.txt", "a") as handle:
+        handle.write("\n".join(missing + malformed) + "\n")
+    result = MSMT17(tmp_path).parse()
+    groups = {rule: (count, example) for rule, count, example in summarize_skips(result.skipped)}
+    first_missing = len(fx.MSMT17_LISTS["train"]) + 2  # after the fixture's own missing line
+    assert groups["listed file is missing"] == (41, root / "train" / fx.MSMT17_BAD_LINES[0][1].split()[0])
+    assert first_missing == fx.msmt17_list_line_number("train", fx.MSMT17_BAD_LINES[0][1]) + 1
+    assert groups["malformed line, expected '<pid>/<file> <pid>' inside the image folder"] == (
+        4, root / "list_train.txt")
+    skipped_rules = [s.rule for s in result.skipped]
+    assert f"listed file is missing (list_train.txt line {first_missing})" in skipped_rules
 
 
 def test_msmt17_missing_list_file(tmp_path):

@@ -127,7 +127,12 @@ class MSMT17(MarketStyleDataset):
         listed: dict[Path, str],
         skipped: list[Skip],
     ) -> list[RawRecord]:
-        """Records of one ``list_*.txt``; every unusable line is a counted skip."""
+        """Records of one ``list_*.txt``; every unusable line is a counted skip.
+
+        A skip's reason ends with its place, ``(list_train.txt line 7)``, after
+        the rule, so that :func:`~fedreid.data.prepared.summarize_skips` groups
+        the lines by rule (a partly extracted release skips thousands).
+        """
         records = []
         lines = list_path.read_text(encoding="utf-8", errors="replace").splitlines()
         for lineno, line in enumerate(lines, start=1):
@@ -141,7 +146,8 @@ class MSMT17(MarketStyleDataset):
                 skipped.append(
                     Skip(
                         list_path,
-                        f"{where}: malformed {line.strip()!r}, expected '<pid>/<file> <pid>'",
+                        f"malformed line, expected '<pid>/<file> <pid>' inside the image folder "
+                        f"({where}: {line.strip()!r})",
                     )
                 )
                 continue
@@ -149,14 +155,14 @@ class MSMT17(MarketStyleDataset):
             if path not in present:
                 # Only failures pay for a stat, to say which kind of failure it is.
                 reason = "not an image" if path.is_file() else "missing"
-                skipped.append(Skip(path, f"{where}: listed file is {reason}"))
+                skipped.append(Skip(path, f"listed file is {reason} ({where})"))
                 continue
             if path in listed:
-                skipped.append(Skip(path, f"{where}: already listed at {listed[path]}"))
+                skipped.append(Skip(path, f"listed twice ({where}; first at {listed[path]})"))
                 continue
             match = self._NAME.search(path.name)
             if match is None:
-                skipped.append(Skip(path, f"{where}: name does not match {self._NAME.pattern!r}"))
+                skipped.append(Skip(path, f"name does not match {self._NAME.pattern!r} ({where})"))
                 continue
             listed[path] = where
             records.append(RawRecord(path, int(entry.group(2)), int(match.group(3)) - 1, split))
