@@ -101,8 +101,11 @@ def _as_ids(name: str, x: Any) -> np.ndarray:
     x = np.asarray(x)
     if x.ndim != 1:
         raise EvalDataError(f"{name} must be 1-D, got shape {x.shape}")
-    if x.size and x.dtype.kind not in "iub":
+    if x.size and x.dtype.kind not in "iu":  # booleans are flags, not ids
         raise EvalDataError(f"{name} must hold integers, got dtype {x.dtype}")
+    if x.size and x.dtype.kind == "u" and int(x.max()) > np.iinfo(np.int64).max:
+        # the cast would wrap 2**64 - 1 to -1, the junk label
+        raise EvalDataError(f"{name} holds {int(x.max())}, above the largest id ({np.iinfo(np.int64).max})")
     return x.astype(np.int64, copy=False)
 
 

@@ -321,7 +321,30 @@ def prepare_features(qf: Any, gf: Any) -> tuple[Any, Any]:
         gf = gf if is_torch(gf) else torch.from_numpy(gf).to(device)
         if qf.device != gf.device:
             raise EvalDataError(f"qf is on {qf.device} but gf is on {gf.device}")
+    _check_scores_fit(qf, gf)
     return qf, gf
+
+
+def _largest_magnitude(x: Any) -> float:
+    if x.shape[0] == 0 or x.shape[1] == 0:
+        return 0.0
+    return float(x.abs().max()) if is_torch(x) else float(np.abs(x).max())
+
+
+def _check_scores_fit(qf: Any, gf: Any) -> None:
+    """Refuse finite features whose inner products could overflow float32 (and rank inf/NaN scores).
+
+    Every partial sum of a score is at most ``d * max|q| * max|g|`` in size,
+    so below float32's largest value no score (nor its summation) overflows;
+    features of any sensible scale (L2-normalised ones: 1) are far below it.
+    """
+    bound = qf.shape[1] * _largest_magnitude(qf) * _largest_magnitude(gf)
+    if not bound < float(np.finfo(np.float32).max):
+        raise EvalDataError(
+            f"qf and gf are too large to score in float32: their largest entries "
+            f"({_largest_magnitude(qf):.3g}, {_largest_magnitude(gf):.3g}) times the dimension {qf.shape[1]} "
+            "could overflow an inner product; L2-normalise the features"
+        )
 
 
 # --------------------------------------------------------------------------

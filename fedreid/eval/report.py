@@ -17,7 +17,7 @@ before aggregation on its own dataset, best over rounds: Table 3's "CDW Local
 Model" column) come from the records' ``local_eval`` (:func:`local_model_summary`).
 Tables show the official Rank-1 and AP (``rank1_official``, ``mAP_official``:
 averaged over all queries, a query without a true match scoring 0, and the
-Market-1501 trapezoid AP, as the reference's ``evaluate.py`` ``testing_model``)
+Market-1501 trapezoid AP, as the reference's ``evaluate.py`` (its loop over ``evaluate``/``compute_mAP``))
 next to the standard ones (queries without a match left out) when the run
 recorded them (``eval.extra_ap``).
 

@@ -12,7 +12,7 @@ Besides the AP form ``ap`` (key ``mAP``), every form in ``extra_ap`` is
 computed from the same features and kept as ``mAP_<form>``: with the default
 ``eval.extra_ap: [official]`` each record carries ``mAP_official``, the
 Market-1501 trapezoid AP averaged over all queries (a query without a true
-match scores 0), as the reference's evaluation (``evaluate.py`` ``testing_model``) reports
+match scores 0), as the reference's evaluation (``evaluate.py``, its loop over ``evaluate``/``compute_mAP``) reports
 it, next to the standard AP, and ``rank<k>_official``, its CMC, also over all
 queries (ours, ``rank<k>``, leaves out the queries without a match). Every
 record also carries ``mINP`` (Ye et al., TPAMI 2021), averaged like ``mAP``.
@@ -190,7 +190,7 @@ class Evaluator:
         for form in self.extra_ap:
             other = evaluate(qf, gf, q_pids, g_pids, q_camids, g_camids, ap=form, ranks=self.ranks)
             keep[f"mAP_{form}"] = float(other["mAP"])
-            if form == "official":  # the reference divides its CMC by all queries too (evaluate.py testing_model)
+            if form == "official":  # the reference divides its CMC by all queries too (evaluate.py's loop over compute_mAP)
                 keep.update({f"rank{k}_official": float(other[f"rank{k}"]) for k in self.ranks})
         return keep
 

@@ -435,6 +435,10 @@ def good_args():
         (1, np.array([[np.inf, 0, 0, 0]] * 3, np.float32), "gf contains NaN or inf"),
         (0, np.zeros(4, np.float32), "qf must be 2-D"),
         (2, np.array([1.5, 2.0]), "q_pids must hold integers"),
+        (2, np.array([True, False]), "q_pids must hold integers, got dtype bool"),
+        (3, np.array([1, 2, 2**64 - 1], np.uint64), "g_pids holds 18446744073709551615, above the largest id"),
+        # finite features whose inner products overflow float32 would rank inf/NaN scores
+        (0, np.eye(2, 4, dtype=np.float32) * 1e38, "too large to score in float32"),
     ],
 )
 def test_bad_inputs_raise_clear_errors(position, value, message):

@@ -108,6 +108,10 @@ def test_torch_backend_bad_inputs_raise_the_same_errors(torch_backend):
     test_metrics.test_bad_options_raise_clear_errors()
     with pytest.raises(EvalDataError, match="unknown backend='cuda'"):
         evaluate(*test_metrics.good_args(), backend="cuda")
+    huge = test_metrics.good_args()
+    huge[0], huge[1] = huge[0] * 1e20, huge[1] * 1e20  # finite, but the scores would overflow float32
+    with pytest.raises(EvalDataError, match="too large to score in float32"):
+        evaluate(*huge, backend="torch")
 
 
 # --------------------------------------------------------------------------

@@ -264,7 +264,7 @@ def test_evaluator_records_the_official_ap_over_all_queries(monkeypatch):
     assert row["mAP_official"] == pytest.approx(official["mAP"])
     assert row["num_queries_without_match"] == 1 and row["num_valid_queries"] == 2
     assert row["mAP_official"] < row["mAP"]  # the unmatched query counts 0 in the official AP
-    # and in the official CMC: evaluate.py testing_model divides by all queries
+    # and in the official CMC: evaluate.py's loop over compute_mAP divides by all queries
     assert row["rank1_official"] == pytest.approx(official["rank1"])
     assert row["rank1_official"] == pytest.approx(row["rank1"] * 2 / 3)
     assert row["mINP"] == pytest.approx(evaluate(feats[3], feats[4], *ids, ap="standard", minp=True)["mINP"])
