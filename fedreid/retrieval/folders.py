@@ -31,7 +31,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
 
 import numpy as np
 
@@ -244,6 +244,19 @@ def _read_skipped(folder: Path) -> list[SkippedImage]:
     return [SkippedImage(r[0], r[1]) for r in rows[1:] if len(r) == 2]
 
 
+def added_precision_meta(header: Mapping[str, Any], used: str) -> dict[str, Any]:
+    """The header ``meta`` update recording that features computed in ``used`` were added to ``header``'s store.
+
+    ``meta.precision`` becomes the sorted set of what it held and ``used``
+    (``fp16, fp32`` for a mix); a header recording none (an index of an
+    earlier version) is left without one, nothing being known of its features.
+    """
+    built_with = (header.get("meta") or {}).get(PRECISION_KEY)
+    if built_with is None:
+        return {}
+    return {PRECISION_KEY: ", ".join(sorted({*built_with.split(", "), used}))}
+
+
 def add_to_gallery_store(
     loaded: LoadedModel,
     index_dir: str | Path,
@@ -304,10 +317,8 @@ def add_to_gallery_store(
         [rows[str(p)]["path"] for p in fs.paths],
         [*recorded_gallery_roots(store.header), *([images.resolve()] if images.is_dir() else [])],
     )
-    meta: dict[str, Any] = {"skipped": len(listed), GALLERY_ROOTS_KEY: roots}
-    built_with = store.header.get("meta", {}).get(PRECISION_KEY)
-    if built_with is not None:  # an index of an earlier version records none: left unknown
-        meta[PRECISION_KEY] = ", ".join(sorted({*built_with.split(", "), extraction_precision(loaded, amp)}))
+    meta: dict[str, Any] = {"skipped": len(listed), GALLERY_ROOTS_KEY: roots,
+                            **added_precision_meta(store.header, extraction_precision(loaded, amp))}
     ids = store.add(
         fs.features, [rows[str(p)] for p in fs.paths], meta=meta, side_files={SKIPPED_FILE: _skipped_writer(listed)},
     )

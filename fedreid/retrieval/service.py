@@ -521,10 +521,10 @@ class _Service:
         The file is written and added in one :meth:`update`, so a sweep
         (which runs only there) never takes it for a leftover; it is deleted
         again when the add fails. The header's ``meta.precision`` gains the
-        service's ``fp32`` (:func:`_precision_meta`).
+        service's ``fp32`` (:func:`fedreid.retrieval.folders.added_precision_meta`).
         """
         from fedreid.inference.model_io import check_index_model
-        from fedreid.retrieval.folders import extraction_precision
+        from fedreid.retrieval.folders import added_precision_meta, extraction_precision
         from fedreid.utils.io import atomic_path
 
         def add_item(store: GalleryStore) -> int:
@@ -535,7 +535,7 @@ class _Service:
             with atomic_path(path) as tmp:
                 tmp.write_bytes(upload.data)
             try:
-                header_meta = _precision_meta(store.header, extraction_precision(self.loaded, amp=False))
+                header_meta = added_precision_meta(store.header, extraction_precision(self.loaded, amp=False))
                 return int(store.add(feature, [dict(meta, path=str(path))], meta=header_meta)[0])
             except BaseException:
                 path.unlink(missing_ok=True)
@@ -571,22 +571,6 @@ class _Service:
             "uploads": self.uploads is not None,
             "limits": {"max_k": self.max_k, "max_upload_bytes": self.max_upload_bytes, "max_pixels": self.max_pixels},
         }
-
-
-def _precision_meta(header: dict[str, Any], used: str) -> dict[str, Any]:
-    """The header ``meta`` update recording that features computed in ``used`` were added to the store of ``header``.
-
-    As :func:`fedreid.retrieval.folders.add_to_gallery_store` records it:
-    ``meta.precision`` becomes the sorted set of what it held and ``used``
-    (``fp16, fp32`` for a mix); a header recording none (an earlier
-    version's) is left without one, nothing being known of its features.
-    """
-    from fedreid.retrieval.folders import PRECISION_KEY
-
-    built_with = (header.get("meta") or {}).get(PRECISION_KEY)
-    if built_with is None:
-        return {}
-    return {PRECISION_KEY: ", ".join(sorted({*built_with.split(", "), used}))}
 
 
 def _delete_upload_file(path: Path, name: re.Pattern[str] = _UPLOAD_NAME) -> bool:
