@@ -336,7 +336,7 @@ def section_rounds(device: torch.device, s: dict[str, Any], tmp: Path, concurren
             + f" {peak:>9.2f} {history[-1]['train_loss']:.10f} {m_ap:.10f}")
     if not demo_run:
         return
-    best = concurrent[-1]
+    best = max(concurrent)  # the demo runs with the most concurrent clients measured
     demo = round_config(s, tmp, [], world="demo")  # the demo's own world and batch size
     prepare_synthetic(demo)
     cfg = round_config(s, tmp, [

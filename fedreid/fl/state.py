@@ -43,21 +43,28 @@ def host_state(state: Mapping[str, Tensor]) -> "OrderedDict[str, Tensor]":
 
     A state that lies on one CUDA device crosses to the host in one copy per
     dtype, because hundreds of small device-to-host copies cost more than
-    their bytes (docs/benchmarks.md, section (b)). Each copy is then a
+    their bytes (docs/benchmarks.md, section (b)). The copies land in
+    page-locked memory from torch's caching host allocator: a fresh pageable
+    buffer of a ResNet-50's size is new pages every time, and faulting them
+    in cost more than the copy (``bench/update_copy.py``); a pinned block is
+    reused once the update that held it is freed. Each copy is then a
     contiguous view into its dtype's buffer, with the same values and shape
     as the tensor it copies. Any other state goes through :func:`clone_state`.
     """
     devices = {v.device for v in state.values()}
     if len(devices) != 1 or next(iter(devices)).type != "cuda":
         return clone_state(state)
+    device = next(iter(devices))
     by_dtype: dict[torch.dtype, list[str]] = {}
     for key, value in state.items():
         by_dtype.setdefault(value.dtype, []).append(key)
     copies: dict[str, Tensor] = {}
     for keys in by_dtype.values():
-        flat = torch.cat([state[k].detach().reshape(-1) for k in keys]).cpu()
-        for key, piece in zip(keys, flat.split([state[k].numel() for k in keys])):
+        flat = torch.cat([state[k].detach().reshape(-1) for k in keys])
+        host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True).copy_(flat, non_blocking=True)
+        for key, piece in zip(keys, host.split([state[k].numel() for k in keys])):
             copies[key] = piece.view(state[key].shape)
+    torch.cuda.current_stream(device).synchronize()  # the non-blocking copies have landed
     return OrderedDict((k, copies[k]) for k in state)
 
 

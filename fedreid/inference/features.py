@@ -134,10 +134,12 @@ def channels_last_model(model: nn.Module) -> Iterator[nn.Module]:
     Converting only the input would make every convolution convert its
     weights (or the activations back) on each call, losing the speedup; so
     the weights are converted too (``model.to(memory_format=channels_last)``).
-    Afterwards exactly the tensors that were not channels-last before get
-    their previous (contiguous) layout back, so callers that keep training
-    the model (the training loop's evaluation) see it unchanged; values are
-    never touched, only strides.
+    Afterwards every tensor whose strides the conversion changed gets its
+    previous strides back, so callers that keep training the model (the
+    training loop's evaluation) see it unchanged; values are never touched,
+    only strides. A 1x1 convolution's weight counts as contiguous in both
+    formats, yet the conversion restrides it: so the strides themselves are
+    compared, not the formats.
     """
     import torch
 
@@ -146,14 +148,15 @@ def channels_last_model(model: nn.Module) -> Iterator[nn.Module]:
         named = (*model.named_parameters(), *model.named_buffers())
         return {name: t for name, t in named if t.dim() == 4}
 
-    converted = [n for n, t in four_d().items() if not t.is_contiguous(memory_format=torch.channels_last)]
+    strides = {name: t.stride() for name, t in four_d().items()}
     model.to(memory_format=torch.channels_last)
     try:
         yield model
     finally:
-        now = four_d()
-        for name in converted:
-            now[name].data = now[name].data.contiguous(memory_format=torch.contiguous_format)
+        for name, tensor in four_d().items():
+            if tensor.stride() != strides[name]:
+                before = torch.empty_strided(tensor.shape, strides[name], dtype=tensor.dtype, device=tensor.device)
+                tensor.data = before.copy_(tensor.data)
 
 
 def _is_tensor(value: Any) -> bool:

@@ -116,7 +116,7 @@ def test_host_state_copies_a_cuda_state_exactly_in_a_few_transfers():
     fast, plain = host_state(state), clone_state(state)
     assert list(fast) == list(plain)
     for key, value in plain.items():
-        assert fast[key].device.type == "cpu" and fast[key].dtype == value.dtype
+        assert fast[key].device.type == "cpu" and fast[key].dtype == value.dtype and fast[key].is_pinned()
         assert torch.equal(fast[key], value), key
     cpu = {k: v.cpu() for k, v in state.items()}
     copied = host_state(cpu)  # a host state: clone_state's independent copies

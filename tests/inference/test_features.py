@@ -174,6 +174,20 @@ def test_channels_last_converts_the_model_for_the_call_and_restores_it():
     torch.testing.assert_close(model(x.contiguous()), inside)
 
 
+def test_channels_last_model_gives_back_every_stride_of_a_resnet():
+    # A 1x1 convolution's weight is contiguous in both formats, yet the
+    # conversion restrides it (ResNet's downsample and bottleneck 1x1 convs).
+    from fedreid.models.reid import create_reid_model
+
+    model = create_reid_model("test_resnet", 0, bottleneck_dim=16, seed=0)
+    before = {k: (v.clone(), v.stride()) for k, v in model.state_dict().items()}
+    with channels_last_model(model):
+        assert any(v.stride() != before[k][1] for k, v in model.state_dict().items())
+    for key, value in model.state_dict().items():
+        assert value.stride() == before[key][1], key
+        assert torch.equal(value, before[key][0]), key
+
+
 def test_channels_last_model_is_restored_after_an_error():
     model = TinyNet()
     with pytest.raises(RuntimeError, match="boom"):
