@@ -243,15 +243,15 @@ def full_fp32_matmul() -> Iterator[None]:
     """Torch fp32 matmuls in full precision inside, whatever ``train.tf32`` set for the process.
 
     TF32 keeps 10 mantissa bits, which reorders near-tied gallery items: a
-    ranking on a GPU would no longer equal the CPU path's. The setting is put
-    back on exit, so training keeps its TF32.
+    ranking on a GPU would no longer equal the CPU path's. The settings are
+    put back on exit, so training keeps its TF32
+    (:func:`fedreid.utils.precision.full_fp32_matmul`, imported here on first
+    use: this module imports no torch until a tensor needs it).
     """
-    saved = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("highest")
-    try:
+    from fedreid.utils.precision import full_fp32_matmul as full_fp32
+
+    with full_fp32():
         yield
-    finally:
-        torch.set_float32_matmul_precision(saved)
 
 
 def _check_finite(name: str, x: Any) -> None:

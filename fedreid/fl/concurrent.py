@@ -80,6 +80,7 @@ from fedreid.config import Config
 from fedreid.errors import FedReIDError
 from fedreid.fl.shared_tensors import PackedMessage, pack, receive, send
 from fedreid.fl.update import Update, to_plain
+from fedreid.utils.precision import adopt_fp32_settings, fp32_settings
 from fedreid.utils.seeding import deterministic_mode
 
 #: Metadata key of a client's peak GPU memory during its fit (bytes; CUDA only).
@@ -127,9 +128,7 @@ def _numeric_settings(cfg: Config) -> dict[str, Any]:
     return {
         "threads": int(torch.get_num_threads()),
         "deterministic": bool(cfg.run.deterministic),
-        "matmul_precision": torch.get_float32_matmul_precision(),
-        "cuda_matmul_tf32": bool(torch.backends.cuda.matmul.allow_tf32),
-        "cudnn_tf32": bool(torch.backends.cudnn.allow_tf32),
+        "fp32": fp32_settings(),
     }
 
 
@@ -422,9 +421,7 @@ def _error_body(exc: BaseException) -> dict[str, Any]:
 
 def _adopt_settings(settings: Mapping[str, Any]) -> None:
     torch.set_num_threads(int(settings["threads"]))
-    torch.set_float32_matmul_precision(settings["matmul_precision"])
-    torch.backends.cuda.matmul.allow_tf32 = bool(settings["cuda_matmul_tf32"])
-    torch.backends.cudnn.allow_tf32 = bool(settings["cudnn_tf32"])
+    adopt_fp32_settings(settings["fp32"])
 
 
 def _worker_main(conn: Connection, index: int) -> None:

@@ -257,33 +257,39 @@ def test_cuda_evaluation_equals_the_numpy_path(ap):
 
 def test_scores_are_full_fp32_while_training_runs_tf32(monkeypatch):
     # train.tf32 sets TF32 for the whole process; ranking must still score in
-    # full fp32 (TF32's 10-bit mantissa reorders near ties) and leave the
-    # training's setting as it found it.
-    from fedreid.utils.precision import set_tf32
+    # full fp32 (TF32's 10-bit mantissa reorders near ties), leave the
+    # training's setting as it found it, and keep working once TF32 is turned
+    # off again (torch refuses the process-wide reading after a mix of its
+    # legacy and per-backend settings).
+    from fedreid.utils.precision import adopt_fp32_settings, fp32_settings, set_tf32
 
-    precision_at_mm = []
+    at_mm = []
     real_mm = torch.mm
 
     def spy_mm(*args, **kwargs):
-        precision_at_mm.append(
-            (torch.get_float32_matmul_precision(), torch.backends.cuda.matmul.allow_tf32)
-        )
+        settings = fp32_settings()  # torch refuses the legacy allow_tf32 reading after per-backend settings
+        at_mm.append((settings.get("cuda.matmul", settings.get("cuda_matmul_tf32")),
+                      settings.get("mkldnn.matmul", "ieee")))
         return real_mm(*args, **kwargs)
 
-    saved = torch.get_float32_matmul_precision()
-    set_tf32(True)
+    saved = fp32_settings()
+    qf, gf, *ids = random_case(2)
+    q, g = torch.from_numpy(qf), torch.from_numpy(gf)
     try:
+        set_tf32(True)
+        training = fp32_settings()
         monkeypatch.setattr(torch, "mm", spy_mm)
-        qf, gf, *ids = random_case(2)
-        evaluate_torch(torch.from_numpy(qf), torch.from_numpy(gf), *ids, block_size=2)
-        list(ranking_torch.score_blocks(torch.from_numpy(qf), torch.from_numpy(gf), block_size=2))
-        after = (torch.get_float32_matmul_precision(), torch.backends.cuda.matmul.allow_tf32)
+        evaluate_torch(q, g, *ids, block_size=2)
+        list(ranking_torch.score_blocks(q, g, block_size=2))
+        after = fp32_settings()
+        set_tf32(False)  # a later run in the same process without TF32
+        evaluate_torch(q, g, *ids, block_size=2)
+        process_wide = torch.get_float32_matmul_precision()
     finally:
-        set_tf32(False)
-        torch.set_float32_matmul_precision(saved)
-    assert len(precision_at_mm) > 2
-    assert set(precision_at_mm) == {("highest", False)}
-    assert after == ("high", True)
+        adopt_fp32_settings(saved)
+    assert len(at_mm) > 2 and set(at_mm) in ({("ieee", "ieee")}, {(False, "ieee")})  # per-backend or legacy torch
+    assert after == training and training != saved
+    assert process_wide == "highest"
 
 
 @pytest.mark.gpu
@@ -292,7 +298,7 @@ def test_cuda_evaluation_under_tf32_equals_the_evaluation_without_it():
     # different orders, so near-tied items may swap between the GPU and the
     # CPU paths (the tied problem above is exact on both). On one card the
     # same blocks give the same scores: TF32 on must change nothing there.
-    from fedreid.utils.precision import set_tf32
+    from fedreid.utils.precision import adopt_fp32_settings, fp32_settings, set_tf32
 
     rng = np.random.default_rng(3)
     qf = rng.standard_normal((300, 512)).astype(np.float32)
@@ -304,15 +310,14 @@ def test_cuda_evaluation_under_tf32_equals_the_evaluation_without_it():
     q, g = (torch.from_numpy(x).cuda() for x in (qf, gf))
     expected = evaluate(q, g, *ids, **options)
     full = q @ g.T
-    saved = torch.get_float32_matmul_precision()
+    saved = fp32_settings()
     set_tf32(True)
     try:
         # the case can tell: TF32's 10-bit mantissa moves these scores by about 1e-4
         assert (q @ g.T - full).abs().max().item() > 1e-5
         got = evaluate(q, g, *ids, **options)
     finally:
-        set_tf32(False)
-        torch.set_float32_matmul_precision(saved)
+        adopt_fp32_settings(saved)
     assert got["device"].startswith("cuda")
     assert_same_results(expected, got)
 

@@ -9,7 +9,15 @@ from torch import nn
 from fedreid.config import TrainConfig
 from fedreid.fl.aggregate import cdw_distance
 from fedreid.fl.local.sgd import train_local
-from fedreid.utils.precision import FP32, PrecisionError, resolve_precision
+from fedreid.utils.precision import (
+    FP32,
+    PrecisionError,
+    adopt_fp32_settings,
+    fp32_settings,
+    full_fp32_matmul,
+    resolve_precision,
+    set_tf32,
+)
 
 
 def test_resolution_per_device():
@@ -42,6 +50,32 @@ def _loader(seed):
     images = torch.randn(16, 3, 8, 8, generator=g)
     labels = torch.randint(0, 3, (16,), generator=g)
     return [(images[i:i + 4], labels[i:i + 4]) for i in range(0, 16, 4)]
+
+
+def cuda_matmul_tf32() -> bool:
+    """Whether fp32 CUDA matmuls may use TF32, read the way this torch allows (see fp32_settings)."""
+    settings = fp32_settings()
+    return settings["cuda.matmul"] == "tf32" if "cuda.matmul" in settings else settings["cuda_matmul_tf32"]
+
+
+def test_tf32_settings_round_trip_through_full_fp32_matmul_and_another_process():
+    saved = fp32_settings()
+    try:
+        set_tf32(True)
+        assert cuda_matmul_tf32()
+        training = fp32_settings()
+        with full_fp32_matmul():
+            assert not cuda_matmul_tf32()
+            assert torch.get_float32_matmul_precision() == "highest"
+        assert fp32_settings() == training
+        set_tf32(False)
+        assert not cuda_matmul_tf32()
+        assert torch.get_float32_matmul_precision() == "highest"  # torch refuses it for mixed settings
+        adopt_fp32_settings(training)  # what a client pool's worker does with its parent's settings
+        assert fp32_settings() == training and cuda_matmul_tf32()
+    finally:
+        adopt_fp32_settings(saved)
+    assert fp32_settings() == saved
 
 
 def test_bf16_autocast_trains_fp32_parameters_close_to_fp32():
