@@ -153,54 +153,47 @@ def resolve_precision(name: str, device: torch.device | str, *, channels_last: b
     return Precision(name=name, device_type=device.type, channels_last=bool(channels_last and cuda))
 
 
-#: The per-backend fp32 precision fields of torch >= 2.9 (``torch.backends.<path>.fp32_precision``).
-FP32_FIELDS: tuple[str, ...] = ("cuda.matmul", "cudnn.conv", "cudnn.rnn", "mkldnn.matmul", "mkldnn.conv", "mkldnn.rnn")
-
-
-def _backend(path: str) -> Any:
-    obj = torch.backends
-    for part in path.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
 def _per_backend_api() -> bool:
-    """Whether this torch has the per-backend fields; older ones have only the process-wide settings."""
-    return all(hasattr(_backend(path), "fp32_precision") for path in FP32_FIELDS)
+    """Whether this torch (>= 2.9) has per-backend fp32 precision fields beside its legacy switches."""
+    return hasattr(torch.backends.mkldnn, "matmul") and hasattr(torch.backends.mkldnn.matmul, "fp32_precision")
 
 
 def fp32_settings() -> dict[str, Any]:
     """This process's fp32 arithmetic settings (TF32 and the like), for :func:`adopt_fp32_settings`.
 
-    On torch >= 2.9 these are the per-backend fields, read one by one: the
-    process-wide ``torch.get_float32_matmul_precision()`` raises once the
-    CUDA and oneDNN matmuls disagree, which ``set_float32_matmul_precision``
-    followed by ``allow_tf32 = False`` leaves behind.
+    Read and written through the switches that keep torch's legacy and
+    per-backend fields in agreement (``allow_tf32`` of cuBLAS and cuDNN). On
+    torch >= 2.9 the process-wide ``torch.set_float32_matmul_precision`` is
+    never used: it also sets oneDNN's matmul, so a later ``allow_tf32 = False``
+    left CUDA's and oneDNN's disagreeing, and torch then refuses the
+    process-wide reading (``get_float32_matmul_precision`` raises). oneDNN's
+    matmul field is read and written on its own there instead.
     """
+    settings: dict[str, Any] = {"cuda_matmul_tf32": bool(torch.backends.cuda.matmul.allow_tf32),
+                                "cudnn_tf32": bool(torch.backends.cudnn.allow_tf32)}
     if _per_backend_api():
-        return {path: _backend(path).fp32_precision for path in FP32_FIELDS}
-    return {"matmul_precision": torch.get_float32_matmul_precision(),
-            "cuda_matmul_tf32": bool(torch.backends.cuda.matmul.allow_tf32),
-            "cudnn_tf32": bool(torch.backends.cudnn.allow_tf32)}
+        settings["mkldnn_matmul"] = torch.backends.mkldnn.matmul.fp32_precision
+    else:
+        settings["matmul_precision"] = torch.get_float32_matmul_precision()
+    return settings
 
 
 def adopt_fp32_settings(settings: Mapping[str, Any]) -> None:
     """Set what :func:`fp32_settings` returned (in this or another process of the same torch)."""
     if "matmul_precision" in settings:
         torch.set_float32_matmul_precision(settings["matmul_precision"])
-        torch.backends.cuda.matmul.allow_tf32 = bool(settings["cuda_matmul_tf32"])
-        torch.backends.cudnn.allow_tf32 = bool(settings["cudnn_tf32"])
-        return
-    for path, value in settings.items():
-        _backend(path).fp32_precision = value
+    else:
+        torch.backends.mkldnn.matmul.fp32_precision = settings["mkldnn_matmul"]
+    torch.backends.cuda.matmul.allow_tf32 = bool(settings["cuda_matmul_tf32"])
+    torch.backends.cudnn.allow_tf32 = bool(settings["cudnn_tf32"])
 
 
 @contextlib.contextmanager
 def full_fp32_matmul() -> Iterator[None]:
     """Torch fp32 matmuls in full precision inside, whatever ``train.tf32`` set; put back on exit."""
     saved = fp32_settings()
+    torch.backends.cuda.matmul.allow_tf32 = False
     if _per_backend_api():
-        torch.backends.cuda.matmul.fp32_precision = "ieee"
         torch.backends.mkldnn.matmul.fp32_precision = "ieee"
     else:
         torch.set_float32_matmul_precision("highest")
@@ -211,17 +204,12 @@ def full_fp32_matmul() -> Iterator[None]:
 
 
 def set_tf32(enabled: bool) -> None:
-    """TF32 tensor cores for fp32 matmuls and cuDNN convolutions on CUDA (``train.tf32``)."""
-    if _per_backend_api():
-        value = "tf32" if enabled else "ieee"
-        for path in ("cuda.matmul", "cudnn.conv", "cudnn.rnn"):
-            _backend(path).fp32_precision = value
-        return
+    """TF32 tensor cores for fp32 matmuls and convolutions on CUDA (``train.tf32``)."""
     torch.backends.cuda.matmul.allow_tf32 = bool(enabled)
     torch.backends.cudnn.allow_tf32 = bool(enabled)
 
 
 __all__ = [
-    "FP32", "FP32_FIELDS", "PRECISIONS", "Precision", "PrecisionError", "adopt_fp32_settings", "fp32_settings",
+    "FP32", "PRECISIONS", "Precision", "PrecisionError", "adopt_fp32_settings", "fp32_settings",
     "full_fp32_matmul", "resolve_precision", "set_tf32",
 ]

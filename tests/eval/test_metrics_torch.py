@@ -267,9 +267,7 @@ def test_scores_are_full_fp32_while_training_runs_tf32(monkeypatch):
     real_mm = torch.mm
 
     def spy_mm(*args, **kwargs):
-        settings = fp32_settings()  # torch refuses the legacy allow_tf32 reading after per-backend settings
-        at_mm.append((settings.get("cuda.matmul", settings.get("cuda_matmul_tf32")),
-                      settings.get("mkldnn.matmul", "ieee")))
+        at_mm.append((torch.backends.cuda.matmul.allow_tf32, fp32_settings().get("mkldnn_matmul", "ieee")))
         return real_mm(*args, **kwargs)
 
     saved = fp32_settings()
@@ -287,7 +285,7 @@ def test_scores_are_full_fp32_while_training_runs_tf32(monkeypatch):
         process_wide = torch.get_float32_matmul_precision()
     finally:
         adopt_fp32_settings(saved)
-    assert len(at_mm) > 2 and set(at_mm) in ({("ieee", "ieee")}, {(False, "ieee")})  # per-backend or legacy torch
+    assert len(at_mm) > 2 and set(at_mm) == {(False, "ieee")}
     assert after == training and training != saved
     assert process_wide == "highest"
 

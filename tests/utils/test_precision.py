@@ -52,27 +52,25 @@ def _loader(seed):
     return [(images[i:i + 4], labels[i:i + 4]) for i in range(0, 16, 4)]
 
 
-def cuda_matmul_tf32() -> bool:
-    """Whether fp32 CUDA matmuls may use TF32, read the way this torch allows (see fp32_settings)."""
-    settings = fp32_settings()
-    return settings["cuda.matmul"] == "tf32" if "cuda.matmul" in settings else settings["cuda_matmul_tf32"]
+def readings() -> tuple:
+    """Every reading of the fp32 settings torch offers; torch raises on one once they disagree."""
+    return (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
+            torch.get_float32_matmul_precision())
 
 
 def test_tf32_settings_round_trip_through_full_fp32_matmul_and_another_process():
     saved = fp32_settings()
     try:
         set_tf32(True)
-        assert cuda_matmul_tf32()
+        assert readings() == (True, True, "high")
         training = fp32_settings()
         with full_fp32_matmul():
-            assert not cuda_matmul_tf32()
-            assert torch.get_float32_matmul_precision() == "highest"
-        assert fp32_settings() == training
-        set_tf32(False)
-        assert not cuda_matmul_tf32()
-        assert torch.get_float32_matmul_precision() == "highest"  # torch refuses it for mixed settings
+            assert readings() == (False, True, "highest")
+        assert fp32_settings() == training and readings() == (True, True, "high")
+        set_tf32(False)  # a later run in the same process without TF32
+        assert readings() == (False, False, "highest")
         adopt_fp32_settings(training)  # what a client pool's worker does with its parent's settings
-        assert fp32_settings() == training and cuda_matmul_tf32()
+        assert fp32_settings() == training and readings() == (True, True, "high")
     finally:
         adopt_fp32_settings(saved)
     assert fp32_settings() == saved
