@@ -545,6 +545,9 @@ def _load_cifar(
             raise ClassificationDataError(
                 f"{root / split}: {title} images must be 32x32 RGB, got {data.images.shape[1:]}"
             )
+        # The same images as the pickles hold, so the same statistics and augmentation:
+        # an image folder's own kind would normalise CIFAR with 0.5 / 0.5.
+        data.kind = name
         return data
     raise DatasetNotFoundError(
         f"no {title} {split} data under {root}: expected the python release "

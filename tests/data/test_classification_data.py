@@ -210,6 +210,11 @@ def test_cifar10_class_folder_layout(tmp_path):
     assert data.labels.tolist() == [k for k in range(10) for _ in range(2)]
     assert np.array_equal(data.images[0], expected[(0, 0)])  # RGB, lossless PNG
     assert np.array_equal(data.images[13], expected[(6, 1)])
+    # CIFAR's statistics, as the pickle layout gets (not an image folder's 0.5 / 0.5)
+    assert data.kind == "cifar10"
+    mean, std = NORMALIZATION["cifar10"]
+    assert ClassificationDataset(data).mean.flatten().tolist() == pytest.approx(list(mean))
+    assert ClassificationDataset(data).std.flatten().tolist() == pytest.approx(list(std))
     write_png(tmp_path / "train" / "unicorn" / "0.png", expected[(0, 0)])
     with pytest.raises(ClassificationDataError, match="unexpected: unicorn"):
         load_cifar10(tmp_path, "train")
