@@ -158,6 +158,17 @@ def _per_backend_api() -> bool:
     return hasattr(torch.backends.mkldnn, "matmul") and hasattr(torch.backends.mkldnn.matmul, "fp32_precision")
 
 
+#: torch >= 2.9's fp32 precision fields, the generic one ("") first: a field left "none" follows its parent.
+_FIELDS: tuple[str, ...] = ("", "cuda.matmul", "cudnn.conv", "cudnn.rnn", "mkldnn.matmul", "mkldnn.conv", "mkldnn.rnn")
+
+
+def _field(path: str) -> Any:
+    obj = torch.backends
+    for part in filter(None, path.split(".")):
+        obj = getattr(obj, part)
+    return obj
+
+
 def fp32_settings() -> dict[str, Any]:
     """This process's fp32 arithmetic settings (TF32 and the like), for :func:`adopt_fp32_settings`.
 
@@ -167,19 +178,29 @@ def fp32_settings() -> dict[str, Any]:
     never used: it also sets oneDNN's matmul, so a later ``allow_tf32 = False``
     left CUDA's and oneDNN's disagreeing, and torch then refuses the
     process-wide reading (``get_float32_matmul_precision`` raises). oneDNN's
-    matmul field is read and written on its own there instead.
+    matmul field is read and written on its own there instead. Where the
+    user's own settings made torch refuse the legacy readings too (the
+    generic ``torch.backends.fp32_precision`` set, say), every per-backend
+    field is read as it stands.
     """
-    settings: dict[str, Any] = {"cuda_matmul_tf32": bool(torch.backends.cuda.matmul.allow_tf32),
-                                "cudnn_tf32": bool(torch.backends.cudnn.allow_tf32)}
     if _per_backend_api():
-        settings["mkldnn_matmul"] = torch.backends.mkldnn.matmul.fp32_precision
-    else:
-        settings["matmul_precision"] = torch.get_float32_matmul_precision()
-    return settings
+        try:
+            cuda_tf32, cudnn_tf32 = bool(torch.backends.cuda.matmul.allow_tf32), bool(torch.backends.cudnn.allow_tf32)
+        except RuntimeError:  # torch refuses the legacy readings once its per-backend fields were set apart
+            return {"fields": {path: _field(path).fp32_precision for path in _FIELDS}}
+        return {"cuda_matmul_tf32": cuda_tf32, "cudnn_tf32": cudnn_tf32,
+                "mkldnn_matmul": torch.backends.mkldnn.matmul.fp32_precision}
+    return {"cuda_matmul_tf32": bool(torch.backends.cuda.matmul.allow_tf32),
+            "cudnn_tf32": bool(torch.backends.cudnn.allow_tf32),
+            "matmul_precision": torch.get_float32_matmul_precision()}
 
 
 def adopt_fp32_settings(settings: Mapping[str, Any]) -> None:
     """Set what :func:`fp32_settings` returned (in this or another process of the same torch)."""
+    if "fields" in settings:
+        for path, value in settings["fields"].items():  # the generic field first, then what overrides it
+            _field(path).fp32_precision = value
+        return
     if "matmul_precision" in settings:
         torch.set_float32_matmul_precision(settings["matmul_precision"])
     else:

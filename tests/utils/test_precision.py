@@ -76,6 +76,33 @@ def test_tf32_settings_round_trip_through_full_fp32_matmul_and_another_process()
     assert fp32_settings() == saved
 
 
+@pytest.mark.skipif(not hasattr(torch.backends, "fp32_precision"), reason="torch < 2.9 has no generic fp32 field")
+@pytest.mark.parametrize("generic", ["tf32", "ieee"])
+def test_settings_survive_a_user_setting_torchs_generic_fp32_field(generic):
+    # torch then refuses the legacy allow_tf32 readings; a client pool's start and
+    # the ranking's full_fp32_matmul read the settings all the same
+    saved = fp32_settings()
+    try:
+        set_tf32(generic != "tf32")  # torch's legacy switches say the opposite of what follows
+        for backend in (torch.backends.cuda.matmul, torch.backends.cudnn.conv, torch.backends.cudnn.rnn,
+                        torch.backends.mkldnn.matmul, torch.backends.mkldnn.conv, torch.backends.mkldnn.rnn):
+            backend.fp32_precision = "none"  # each follows the generic field, as in a fresh process
+        torch.backends.fp32_precision = generic
+        with pytest.raises(RuntimeError):
+            torch.backends.cudnn.allow_tf32  # noqa: B018 - torch's refusal this test is about
+        user = fp32_settings()
+        with full_fp32_matmul():
+            assert torch.backends.cuda.matmul.fp32_precision == "ieee"
+            assert torch.backends.mkldnn.matmul.fp32_precision == "ieee"
+        assert fp32_settings() == user
+        adopt_fp32_settings(saved)
+        adopt_fp32_settings(user)  # a worker adopting its parent's settings
+        assert fp32_settings() == user
+    finally:
+        torch.backends.fp32_precision = "none"
+        adopt_fp32_settings(saved)
+
+
 def test_bf16_autocast_trains_fp32_parameters_close_to_fp32():
     cfg = TrainConfig(local_epochs=2, batch_size=4, lr=0.05)
     plain, mixed = TinyConvNet(), TinyConvNet()
