@@ -18,7 +18,8 @@ when the clients train one after another in one process -- bit for bit on
 the CPU -- because a client's round depends only on (run seed, round, client
 index), its state and the payload (:mod:`fedreid.fl.client`), and each worker
 mirrors the parent's numeric settings: torch thread count, deterministic
-mode, float32 matmul precision and TF32 flags (where that oversubscribes the
+mode, float32 precision of matmuls, convolutions and RNNs (TF32 and oneDNN's
+fields) and cuBLAS's reduced-precision reductions (where that oversubscribes the
 cores, idle OpenMP threads sleep instead of spinning: :func:`worker_environment`). Processes, not threads:
 clients fork torch's *global* RNG (dropout draws from it), which threads
 would interleave. :meth:`ClientPool.fit_round` returns the updates in the
@@ -38,11 +39,17 @@ client, and when, changes no number.
 
 Failures: an exception in a client's fit is raised in the main process as the
 same type with the same message (prefixed with the client's name when the
-message does not name it), with the worker's traceback as its cause. A worker
-that dies (killed, segfault) raises :class:`WorkerDiedError` naming the
-client. Workers ignore SIGINT (the main process decides) and are shut down by
-:meth:`ClientPool.close` on every exit path; an idle worker whose parent
-vanished exits when its pipe closes.
+message does not name it), with the worker's traceback as its cause; so is
+one outside the fit (an update that does not pickle, a task the worker
+cannot rebuild). A reply the main process cannot rebuild raises
+:class:`ConcurrentClientError`. A worker that dies (killed, segfault) raises
+:class:`WorkerDiedError` naming the client, within a second even while its
+own loader workers hold its pipe open. A pool whose round failed while other
+clients were still training refuses further rounds (their replies would be
+read as the next round's): close it. Workers ignore SIGINT (the main process
+decides) and are shut down by :meth:`ClientPool.close` on every exit path; a
+worker whose parent vanished (killed, say) exits within a second, mid-fit
+too.
 
 GPU memory: on CUDA each worker caps its allocator at ``0.95 / N`` of the
 card (:func:`torch.cuda.set_per_process_memory_fraction`), reports the peak
@@ -67,6 +74,8 @@ import os
 import pickle
 import signal
 import sys
+import threading
+import time
 import traceback
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -89,6 +98,9 @@ GPU_PEAK_BYTES = "gpu_peak_bytes"
 GPU_MEMORY_SHARE = 0.95
 #: Seconds an idle worker gets to exit after being told to stop.
 STOP_GRACE_S = 10.0
+#: Seconds between a worker's checks that the process that started it is still there,
+#: and between the main process's checks that a busy worker is.
+PARENT_CHECK_S = DEATH_CHECK_S = 1.0
 
 
 class WorkerDiedError(FedReIDError, RuntimeError):
@@ -125,10 +137,15 @@ ResultFn = Callable[[ClientResult], None]
 
 def _numeric_settings(cfg: Config) -> dict[str, Any]:
     """The parent's global settings a client's numbers depend on, for the workers to adopt."""
+    matmul = torch.backends.cuda.matmul
     return {
         "threads": int(torch.get_num_threads()),
         "deterministic": bool(cfg.run.deterministic),
         "fp32": fp32_settings(),
+        "reduced_precision_reduction": {  # cuBLAS's bf16/fp16 matmuls: what train.precision=bf16 runs on
+            "bf16": bool(matmul.allow_bf16_reduced_precision_reduction),
+            "fp16": bool(matmul.allow_fp16_reduced_precision_reduction),
+        },
     }
 
 
@@ -218,8 +235,8 @@ class ClientPool:
                 for i in range(self.processes):
                     parent, child = ctx.Pipe(duplex=True)
                     # daemon=False: a daemonic process may not start DataLoader workers (train.workers > 0).
-                    proc = ctx.Process(target=_worker_main, args=(child, i), name=f"fedreid-client-worker-{i}",
-                                       daemon=False)
+                    proc = ctx.Process(target=_worker_main, args=(child, i, os.getpid()),
+                                       name=f"fedreid-client-worker-{i}", daemon=False)
                     proc.start()
                     child.close()
                     self._workers.append((proc, parent))
@@ -285,6 +302,8 @@ class ClientPool:
             raise ValueError(f"a round trains each client once, got indices {list(ids)}")
         if not self._workers:
             raise RuntimeError("the client pool is not started")
+        if self._busy:  # their replies would be read as this round's
+            raise RuntimeError("a failed round left clients training in this client pool; close it and start a new one")
         pending = sorted(ids, key=self._work, reverse=True)  # stable: equal sizes keep the round's order
         idle = list(range(len(self._workers)))
         busy: dict[int, int] = {}  # worker -> client index
@@ -308,9 +327,18 @@ class ClientPool:
                     proc, conn = self._workers[w]
                     by_handle[conn] = w
                     by_handle[proc.sentinel] = w
-                for w in dict.fromkeys(by_handle[h] for h in wait(list(by_handle))):
+                # A dead worker's forked children (its loader workers with train.workers > 0)
+                # hold its pipe and sentinel open for seconds, so its exit is also polled.
+                wait(list(by_handle), timeout=DEATH_CHECK_S)
+                for w in list(busy):
+                    proc, conn = self._workers[w]
+                    what = f"training client {self._name(busy[w])!r}"
+                    if not conn.poll():
+                        if proc.exitcode is not None and not conn.poll():  # all it wrote is there once it exited
+                            raise self._died(w, what)
+                        continue
                     k = busy.pop(w)
-                    kind, body = self._receive(w, what=f"training client {self._name(k)!r}")
+                    kind, body = self._receive(w, what=what)
                     self._busy.discard(w)
                     if kind != "done":
                         raise self._rebuild(body, k, w)
@@ -384,6 +412,9 @@ class ClientPool:
             return receive(conn)
         except (EOFError, OSError):
             raise self._died(w, what) from None
+        except Exception as exc:  # a reply this process cannot rebuild (a class only the worker has, say)
+            raise ConcurrentClientError(f"client worker process {w}: its reply while {what} could not be read "
+                                        f"({type(exc).__name__}: {exc})") from exc
 
     def _rebuild(self, body: Mapping[str, Any], k: Optional[int], w: int) -> BaseException:
         """The worker's exception, as the same type and message, naming the client, caused by its traceback."""
@@ -422,12 +453,21 @@ def _error_body(exc: BaseException) -> dict[str, Any]:
 def _adopt_settings(settings: Mapping[str, Any]) -> None:
     torch.set_num_threads(int(settings["threads"]))
     adopt_fp32_settings(settings["fp32"])
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = settings["reduced_precision_reduction"]["bf16"]
+    torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = settings["reduced_precision_reduction"]["fp16"]
 
 
-def _worker_main(conn: Connection, index: int) -> None:
-    """A worker's life: start-up copy, then tasks until told to stop or the parent's pipe closes."""
+def _worker_main(conn: Connection, index: int, parent_pid: int) -> None:
+    """A worker's life: start-up copy, then tasks until told to stop or the parent is gone.
+
+    An error outside a client's fit (its reply would not pickle, a message
+    would not unpickle) is sent to the parent as the task's error where the
+    pipe still works, and ends the worker with exit code 1.
+    """
     # Ctrl-C reaches the whole process group; the parent decides and stops the workers.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    threading.Thread(target=_exit_with_parent, args=(parent_pid,), name="fedreid-parent-watch", daemon=True).start()
+    code = 0
     try:
         try:
             init = receive(conn)
@@ -447,12 +487,25 @@ def _worker_main(conn: Connection, index: int) -> None:
             _serve(conn, init["clients"], init["work_model"], init["evaluator"], device, init["shared_memory"])
     except (EOFError, BrokenPipeError, ConnectionResetError):
         return  # the parent is gone or closed the pipe
+    except BaseException as exc:
+        code = 1
+        try:
+            send(conn, ("error", _error_body(exc)), shared=False)
+        except Exception:  # the pipe itself failed: the parent reports the death
+            pass
     finally:
         conn.close()
-        _exit_now()
+        _exit_now(code)
 
 
-def _exit_now() -> None:
+def _exit_with_parent(parent_pid: int) -> None:
+    """End this worker once the process that started it is gone (killed, say), even in the middle of a fit."""
+    while os.getppid() == parent_pid:
+        time.sleep(PARENT_CHECK_S)
+    _exit_now(1)
+
+
+def _exit_now(code: int = 0) -> None:
     """End the worker without the interpreter's teardown (seconds with torch loaded; nothing to save)."""
     for child in multiprocessing.active_children():  # loader workers: what multiprocessing's exit hook does
         if child.daemon:
@@ -460,7 +513,7 @@ def _exit_now() -> None:
         child.join()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(code)
 
 
 def _serve(conn: Connection, clients: Sequence[Any], model: nn.Module, evaluator: Any,
@@ -472,9 +525,14 @@ def _serve(conn: Connection, clients: Sequence[Any], model: nn.Module, evaluator
         task = receive(conn)
         try:
             reply: tuple[str, Any] = ("done", _fit(clients[task["index"]], model, evaluator, device, first, task))
-        except Exception as exc:
+        except (Exception, SystemExit) as exc:  # a client calling sys.exit() is a failing client, not a stop
             reply = ("error", _error_body(exc))
-        send(conn, reply, shared=shared_memory)
+        try:
+            message = pack(reply, shared=shared_memory)
+        except Exception as exc:  # an update that does not pickle: nothing was written yet
+            message = pack(("error", _error_body(exc)), shared=False)
+        with message:
+            message.send(conn)
 
 
 def _fit(client: Any, model: nn.Module, evaluator: Any, device: torch.device, shared: Mapping[str, Any],

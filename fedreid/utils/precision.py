@@ -178,7 +178,8 @@ def fp32_settings() -> dict[str, Any]:
     never used: it also sets oneDNN's matmul, so a later ``allow_tf32 = False``
     left CUDA's and oneDNN's disagreeing, and torch then refuses the
     process-wide reading (``get_float32_matmul_precision`` raises). oneDNN's
-    matmul field is read and written on its own there instead. Where the
+    matmul, convolution and RNN fields are read and written on their own
+    there instead. Where the
     user's own settings made torch refuse the legacy readings too (the
     generic ``torch.backends.fp32_precision`` set, say), every per-backend
     field is read as it stands.
@@ -189,7 +190,7 @@ def fp32_settings() -> dict[str, Any]:
         except RuntimeError:  # torch refuses the legacy readings once its per-backend fields were set apart
             return {"fields": {path: _field(path).fp32_precision for path in _FIELDS}}
         return {"cuda_matmul_tf32": cuda_tf32, "cudnn_tf32": cudnn_tf32,
-                "mkldnn_matmul": torch.backends.mkldnn.matmul.fp32_precision}
+                "mkldnn": {op: getattr(torch.backends.mkldnn, op).fp32_precision for op in ("matmul", "conv", "rnn")}}
     return {"cuda_matmul_tf32": bool(torch.backends.cuda.matmul.allow_tf32),
             "cudnn_tf32": bool(torch.backends.cudnn.allow_tf32),
             "matmul_precision": torch.get_float32_matmul_precision()}
@@ -204,7 +205,8 @@ def adopt_fp32_settings(settings: Mapping[str, Any]) -> None:
     if "matmul_precision" in settings:
         torch.set_float32_matmul_precision(settings["matmul_precision"])
     else:
-        torch.backends.mkldnn.matmul.fp32_precision = settings["mkldnn_matmul"]
+        for op, value in settings["mkldnn"].items():
+            getattr(torch.backends.mkldnn, op).fp32_precision = value
     torch.backends.cuda.matmul.allow_tf32 = bool(settings["cuda_matmul_tf32"])
     torch.backends.cudnn.allow_tf32 = bool(settings["cudnn_tf32"])
 

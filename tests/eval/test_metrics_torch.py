@@ -267,7 +267,9 @@ def test_scores_are_full_fp32_while_training_runs_tf32(monkeypatch):
     real_mm = torch.mm
 
     def spy_mm(*args, **kwargs):
-        at_mm.append((torch.backends.cuda.matmul.allow_tf32, fp32_settings().get("mkldnn_matmul", "ieee")))
+        host = (torch.backends.mkldnn.matmul.fp32_precision if hasattr(torch.backends.mkldnn, "matmul")
+                else {"highest": "ieee"}.get(torch.get_float32_matmul_precision(), "not ieee"))
+        at_mm.append((torch.backends.cuda.matmul.allow_tf32, host))
         return real_mm(*args, **kwargs)
 
     saved = fp32_settings()

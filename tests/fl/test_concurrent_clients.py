@@ -9,6 +9,10 @@ resume, and the failure paths on one worker with stand-in clients.
 import multiprocessing
 import os
 import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,7 +20,7 @@ from fl_helpers import strip_time, tiny_config, write_world
 
 from fedreid.config import load_config
 from fedreid.fl.client import ClientError
-from fedreid.fl.concurrent import ClientPool, WorkerDiedError
+from fedreid.fl.concurrent import ClientPool, ConcurrentClientError, WorkerDiedError
 from fedreid.fl.local.base import OBJECTIVE_PAYLOAD
 from fedreid.fl.simulation import resume, run_simulation
 from fedreid.fl.update import Update
@@ -109,11 +113,28 @@ class FakeSplit:
     dataset = "none"
 
 
+def _only_in(pid: int) -> "OnlyIn":
+    if os.getpid() != pid:
+        raise ValueError(f"this object cannot be rebuilt outside process {pid}")
+    return OnlyIn(pid)
+
+
+class OnlyIn:
+    """An object that unpickles only in the process it names: a class one side of a pipe lacks."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+
+    def __reduce__(self):
+        return _only_in, (self.pid,)
+
+
 class FakeClient:
     """A picklable stand-in for a client: ``fit`` fails as ``how`` says, the main process's copy keeps a count."""
 
-    def __init__(self, name: str, how: str) -> None:
+    def __init__(self, name: str, how: str, seconds: float = 0.0, pid_file: str = "") -> None:
         self.name, self.how, self.split, self.calls = name, how, FakeSplit(), 0
+        self.seconds, self.pid_file = seconds, pid_file
 
     def state_dict(self) -> dict:
         return {"calls": self.calls}
@@ -128,8 +149,25 @@ class FakeClient:
             raise ClientError(f"client {self.name!r} has no identities")
         if self.how == "die":
             os.kill(os.getpid(), signal.SIGKILL)
+        if self.how == "die-leaving-a-child":  # as a DataLoader worker would, the child holds the pipe open
+            if os.fork() == 0:
+                time.sleep(30)
+                os._exit(0)
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self.how == "exit":
+            sys.exit("client gave up")
+        if self.pid_file:
+            Path(self.pid_file).write_text(str(os.getpid()))
+        time.sleep(self.seconds)
         self.calls += 1
         update = Update(self.name, {"w": payload["w"] + 1}, 3, {"train_loss": 0.5, "pid": os.getpid()})
+        if self.how == "unpicklable":
+            update.metadata["hook"] = lambda: None
+        if self.how == "worker-only":
+            update.metadata["odd"] = OnlyIn(os.getpid())
+        if self.how == "settings":
+            update.metadata["settings"] = (torch.backends.mkldnn.conv.fp32_precision,
+                                           torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction)
         if self.how == "scribble":  # writes on the payload it was given
             payload["w"].mul_(-7)
         return update
@@ -196,6 +234,104 @@ def test_failing_and_dying_clients_are_reported_naming_the_client():
         with pytest.raises(WorkerDiedError, match=r"died while training client 'gone' \(killed by SIGKILL\)"):
             pool.fit_round([3], lambda k: payload, {"round": 0})
     assert workers_left() == []
+
+
+def test_failures_outside_a_clients_fit_are_reported_naming_the_client():
+    clients = [FakeClient("ok", "train"), FakeClient("odd", "unpicklable"), FakeClient("quits", "exit"),
+               FakeClient("foreign", "worker-only")]
+    payload = {"w": torch.zeros(2)}
+    with ClientPool(load_config(None, ["run.device=cpu"]), clients, torch.nn.Linear(1, 1), processes=1) as pool:
+        # an update that does not pickle in the worker: its error, and the worker serves on
+        with pytest.raises(Exception, match=r"^client 'odd': .*pickle") as info:
+            pool.fit_round([1], lambda k: payload, {"round": 0})
+        assert "Traceback" in str(info.value.__cause__)
+        with pytest.raises(SystemExit, match=r"^client 'quits': client gave up"):  # as sequentially
+            pool.fit_round([2], lambda k: payload, {"round": 0})
+        assert pool.fit_round([0], lambda k: payload, {"round": 0})[0].client == "ok"
+        # a reply this process cannot rebuild
+        with pytest.raises(ConcurrentClientError, match=r"its reply while training client 'foreign' could not be "
+                                                        r"read \(ValueError: this object cannot be rebuilt"):
+            pool.fit_round([3], lambda k: payload, {"round": 0})
+    with ClientPool(load_config(None, ["run.device=cpu"]), clients, torch.nn.Linear(1, 1), processes=1) as pool:
+        # a task the worker cannot rebuild: reported as that error, then the worker is gone
+        with pytest.raises(ValueError, match=r"^client 'ok': this object cannot be rebuilt outside process"):
+            pool.fit_round([0], lambda k: payload, {"round": 0}, own_instructions=lambda k: {"x": OnlyIn(os.getpid())})
+        with pytest.raises(WorkerDiedError, match=r"died while (receiving|training) client 'ok' \(exit code 1\)"):
+            pool.fit_round([0], lambda k: payload, {"round": 0})
+    assert workers_left() == []
+
+
+def test_a_pool_whose_round_failed_with_clients_still_training_refuses_the_next_round():
+    clients = [FakeClient("slow", "train", seconds=2.0), FakeClient("nan", "diverge")]
+    payload = {"w": torch.zeros(2)}
+    with ClientPool(load_config(None, ["run.device=cpu"]), clients, torch.nn.Linear(1, 1), processes=2) as pool:
+        with pytest.raises(FloatingPointError):
+            pool.fit_round([0, 1], lambda k: payload, {"round": 0})
+        with pytest.raises(RuntimeError, match="a failed round left clients training in this client pool"):
+            pool.fit_round([1], lambda k: payload, {"round": 1})
+    assert workers_left() == []
+
+
+def test_a_dead_worker_is_reported_at_once_though_its_children_hold_the_pipe_open():
+    clients = [FakeClient("gone", "die-leaving-a-child")]
+    with ClientPool(load_config(None, ["run.device=cpu"]), clients, torch.nn.Linear(1, 1), processes=1) as pool:
+        start = time.monotonic()
+        with pytest.raises(WorkerDiedError, match=r"died while training client 'gone' \(killed by SIGKILL\)"):
+            pool.fit_round([0], lambda k: {"w": torch.zeros(2)}, {"round": 0})
+        assert time.monotonic() - start < 20  # not after the child's 30 s
+
+
+def test_workers_adopt_the_parents_reduced_precision_settings():
+    saved = (torch.backends.mkldnn.conv.fp32_precision, torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction)
+    try:
+        torch.backends.mkldnn.conv.fp32_precision = "bf16"
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = not saved[1]
+        with ClientPool(load_config(None, ["run.device=cpu"]), [FakeClient("a", "settings")], torch.nn.Linear(1, 1),
+                        processes=1) as pool:
+            update, = pool.fit_round([0], lambda k: {"w": torch.zeros(2)}, {"round": 0})
+    finally:
+        torch.backends.mkldnn.conv.fp32_precision, torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = saved
+    assert update.metadata["settings"] == ("bf16", not saved[1])
+
+
+PARENT = """
+import sys, torch
+from fedreid.config import load_config
+from fedreid.fl.concurrent import ClientPool
+from test_concurrent_clients import FakeClient
+client = FakeClient("slow", "train", seconds=120.0, pid_file=sys.argv[1])
+with ClientPool(load_config(None, ["run.device=cpu"]), [client], torch.nn.Linear(1, 1), processes=1) as pool:
+    pool.fit_round([0], lambda k: {"w": torch.zeros(2)}, {"round": 0})
+"""
+
+
+def _running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state not in ("Z", "X")  # a zombie has ended; whoever adopted it reaps it
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads process states from /proc")
+def test_a_worker_stops_mid_fit_when_its_parent_is_killed(tmp_path):
+    pid_file = tmp_path / "worker.pid"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), *sys.path])}
+    parent = subprocess.Popen([sys.executable, "-c", PARENT, str(pid_file)], env=env)
+    try:
+        deadline = time.monotonic() + 120
+        while not pid_file.exists() or not pid_file.read_text():
+            assert parent.poll() is None and time.monotonic() < deadline, "the parent never started its worker"
+            time.sleep(0.1)
+        worker = int(pid_file.read_text())
+        assert _running(worker)
+    finally:
+        parent.kill()
+        parent.wait()
+    deadline = time.monotonic() + 20  # the fit had 120 s to go
+    while _running(worker) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _running(worker)
 
 
 @pytest.mark.gpu
