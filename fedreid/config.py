@@ -226,7 +226,8 @@ class TrainConfig:
     weight_decay: float = 5e-4
     #: Nesterov momentum (the reference client uses it).
     nesterov: bool = True
-    #: StepLR of the reference client, recreated every round (see ``fl/local/sgd.py``).
+    #: StepLR of the reference client, recreated every round (see ``fl/local/sgd.py``);
+    #: ReID only: task=classification refuses a step it would reach.
     lr_step_size: int = 40
     #: StepLR decay factor (every ``lr_step_size`` epochs of a round).
     lr_gamma: float = 0.1
@@ -610,6 +611,16 @@ class Config:
             if self.fl.clients_per_round > self.classification.num_clients:
                 raise ConfigError(f"fl.clients_per_round={self.fl.clients_per_round} but classification.num_clients="
                                   f"{self.classification.num_clients}: a round cannot sample more clients than exist")
+            # FedReID's reference client restarts a StepLR every round; the classification methods'
+            # code (FedAvg family, FedFTG, FedLMD, FedNTD) keeps one rate through a round.
+            span = self.train.local_epochs * (self.fl.rounds if self.fl.mode == "local" else 1)
+            if span > self.train.lr_step_size:
+                raise ConfigError(
+                    f"train.lr_step_size={self.train.lr_step_size}: FedReID's StepLR would cut the learning rate "
+                    f"by train.lr_gamma after epoch {self.train.lr_step_size} of {span} "
+                    f"{'epochs of the local run' if self.fl.mode == 'local' else 'local epochs a round'}, which no "
+                    f"classification method does; set train.lr_step_size to at least {span} "
+                    "(train.lr_round_decay decays the rate across rounds)")
         if self.task == "reid" and self.scenario.kind == "leave_one_out":
             self._check_leave_one_out()
         self._check_hooks()

