@@ -961,12 +961,15 @@ def background_server(app: FastAPI, host: str = "127.0.0.1", port: int = 0, *, l
     _require_serve_extra()
     import uvicorn
 
+    from fedreid.retrieval.access_log import log_config
+
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
     bound = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, server_header=False, timeout_keep_alive=5, ws="none"))
+    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, log_config=log_config(), server_header=False,
+                                           timeout_keep_alive=5, ws="none"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True, name="uvicorn")
     thread.start()
     try:
@@ -985,10 +988,15 @@ def background_server(app: FastAPI, host: str = "127.0.0.1", port: int = 0, *, l
 
 def run_server(app: FastAPI, *, host: str, port: int, ssl_certfile: Optional[str] = None,
                ssl_keyfile: Optional[str] = None) -> None:
-    """Serve ``app`` until interrupted: no server header, 5 s keep-alive, no websockets, HTTPS with both files."""
+    """Serve ``app`` until interrupted: no server header, 5 s keep-alive, no websockets, HTTPS with both files.
+
+    The access log leaves item ids out (:mod:`fedreid.retrieval.access_log`).
+    """
     import uvicorn
 
-    uvicorn.run(app, host=host, port=int(port), log_level="info", server_header=False,
+    from fedreid.retrieval.access_log import log_config
+
+    uvicorn.run(app, host=host, port=int(port), log_level="info", log_config=log_config(), server_header=False,
                 timeout_keep_alive=5, ws="none", ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile)
 
 
