@@ -236,19 +236,21 @@ def make_msmt17_tree(
     raw_root: str | Path, *, layout: str = "original", quirks: bool = True
 ) -> Path:
     """MSMT17 under ``raw_root``: ``layout`` is ``"original"`` (``MSMT17_V1``
-    with lists) or ``"repack"`` (``MSMT17/bounding_box_*``)."""
+    with lists), ``"v2"`` (``MSMT17_V2``: the same lists, images under
+    ``mask_{train,test}_v2``) or ``"repack"`` (``MSMT17/bounding_box_*``)."""
     raw_root = Path(raw_root)
     if layout == "repack":
         root = raw_root / MSMT17_REPACK_DIR
         _write_folders(root, MSMT17_REPACK_FILES, quirks, ("bounding_box_train",))
         return root
-    if layout != "original":
+    if layout not in ("original", "v2"):
         raise ValueError(f"unknown MSMT17 fixture layout {layout!r}")
 
-    root = raw_root / MSMT17_DIR
+    root = raw_root / (MSMT17_DIR if layout == "original" else "MSMT17_V2")
+    train, test = ("train", "test") if layout == "original" else ("mask_train_v2", "mask_test_v2")
     seed = 0
     for list_name, entries in MSMT17_LISTS.items():
-        folder = root / ("train" if list_name in ("train", "val") else "test")
+        folder = root / (train if list_name in ("train", "val") else test)
         lines = []
         for rel, label in entries:
             write_image(folder / rel, seed=seed)
@@ -258,7 +260,7 @@ def make_msmt17_tree(
             lines += [line for name, line, _ in MSMT17_BAD_LINES if name == list_name]
         (root / f"list_{list_name}.txt").write_text("\n".join(lines) + "\n")
     if quirks:
-        write_image(root / "train" / MSMT17_UNLISTED, seed=seed)
-        write_bytes(root / "train" / "0000" / "Thumbs.db")
-        write_bytes(root / "test" / "README.txt", b"release notes\n")
+        write_image(root / train / MSMT17_UNLISTED, seed=seed)
+        write_bytes(root / train / "0000" / "Thumbs.db")
+        write_bytes(root / test / "README.txt", b"release notes\n")
     return root

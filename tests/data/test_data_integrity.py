@@ -210,7 +210,7 @@ def test_prepare_refuses_an_image_in_two_splits(tmp_path):
     assert "toy:" in msg and "train" in msg and "query" in msg and str(raw / "Toy") in msg
 
 
-@pytest.mark.parametrize("layout", ["original", "repack"])
+@pytest.mark.parametrize("layout", ["original", "v2", "repack"])
 def test_msmt17_test_ids_are_renumbered_apart_from_train_ids(tmp_path, layout):
     # The release numbers train and test identities from 0000 each: train 0 and
     # query 0 are two people, so the prepared manifest must tell them apart.

@@ -62,6 +62,7 @@ CASES: dict[str, tuple[Callable[[Path], RawDataset], Callable[[Path], Path], str
         "labeled/query",
     ),
     "msmt17": (MSMT17, fx.make_msmt17_tree, "test"),
+    "msmt17-v2": (MSMT17, lambda raw: fx.make_msmt17_tree(raw, layout="v2"), "mask_test_v2"),
     "msmt17-repack": (
         MSMT17,
         lambda raw: fx.make_msmt17_tree(raw, layout="repack"),
@@ -365,6 +366,30 @@ def test_msmt17_neither_layout_names_both_paths(tmp_path):
         MSMT17(tmp_path).parse()
     assert str(tmp_path / "MSMT17_V1") in str(err.value)
     assert str(tmp_path / "MSMT17") + " " in str(err.value)
+
+
+def test_msmt17_second_release_reads_as_the_first_from_its_mask_folders(tmp_path):
+    fx.make_msmt17_tree(tmp_path / "a")
+    v1 = MSMT17(tmp_path / "a").parse()
+    v2_root = fx.make_msmt17_tree(tmp_path / "b", layout="v2")
+    parser = MSMT17(tmp_path / "b")
+    v2 = parser.parse()
+    assert parser.source_dir == v2_root
+    assert {r.path.relative_to(v2_root).parts[0] for r in v2.records} == {"mask_train_v2", "mask_test_v2"}
+
+    def rows(result, root):  # each record by its path below its image folder
+        return {r.path.relative_to(root).parts[1:]: (r.pid, r.camid, r.split) for r in result.records}
+
+    assert len(rows(v2, v2_root)) == len(v2.records) == len(v1.records)
+    assert rows(v2, v2_root) == rows(v1, tmp_path / "a" / "MSMT17_V1")
+    assert len(v2.skipped) == len(v1.skipped) == 5  # the same quirks, counted the same way
+
+
+def test_msmt17_first_release_wins_over_the_second_and_the_repack(tmp_path):
+    fx.make_msmt17_tree(tmp_path, layout="v2")
+    fx.make_msmt17_tree(tmp_path, layout="repack")
+    original = fx.make_msmt17_tree(tmp_path)
+    assert all(original in r.path.parents for r in MSMT17(tmp_path).parse().records)
 
 
 def test_msmt17_original_wins_over_repack(tmp_path):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path, PurePosixPath
+from typing import Optional
 
 from . import register
 from .base import ExpectedCounts, ParseResult, RawLayoutError, RawRecord, Skip, list_files
@@ -24,7 +25,7 @@ class MSMT17(MarketStyleDataset):
         ids / 11,659 images; gallery 82,161 images.
 
     Obtain it by request to the authors and unpack it unchanged under the raw
-    root. Two layouts are read, the first one present:
+    root. Three layouts are read, the first one present:
 
     1. The original release, ``<raw_root>/MSMT17_V1`` (:attr:`dataset_dir`)::
 
@@ -32,7 +33,11 @@ class MSMT17(MarketStyleDataset):
            MSMT17_V1/test/0000/...
            MSMT17_V1/list_{train,val,query,gallery}.txt   "<pid>/<file> <pid>" per line
 
-    2. The Market-style repack, ``<raw_root>/MSMT17`` (:attr:`repack_dir`)::
+    2. The second release, faces blurred, ``<raw_root>/MSMT17_V2``
+       (:attr:`v2_dir`): the same lists and names, images under
+       ``mask_train_v2/`` and ``mask_test_v2/``.
+
+    3. The Market-style repack, ``<raw_root>/MSMT17`` (:attr:`repack_dir`)::
 
            MSMT17/{bounding_box_train,bounding_box_test,query}/0000_c1_0303morning_0015_0.jpg
 
@@ -44,8 +49,15 @@ class MSMT17(MarketStyleDataset):
 
     name = "msmt17"
     dataset_dir = "MSMT17_V1"
-    #: Folder of the Market-style repack, read only when ``MSMT17_V1`` is absent.
+    #: Folder of the second release (faces blurred), read only when ``MSMT17_V1`` is absent.
+    v2_dir = "MSMT17_V2"
+    #: Folder of the Market-style repack, read only when neither release folder is there.
     repack_dir = "MSMT17"
+    #: Image folders of each release, by the lists' two folders ("train": train and val, "test").
+    _IMAGE_DIRS: dict[str, dict[str, str]] = {
+        "MSMT17_V1": {"train": "train", "test": "test"},
+        "MSMT17_V2": {"train": "mask_train_v2", "test": "mask_test_v2"},
+    }
     expected = ExpectedCounts(
         train_ids=1041,
         train_images=32621,
@@ -69,34 +81,47 @@ class MSMT17(MarketStyleDataset):
     #: The repack's names, ``<pid>_c<cam>_<date+time>_<frame>_<n>``.
     pattern = re.compile(r"^(-?\d+)_c(\d+)_")
 
+    def _release(self) -> Optional[Path]:
+        """The release folder :meth:`parse` reads (``MSMT17_V1``, else ``MSMT17_V2``), or None for the repack."""
+        return next((folder for folder in (self.root, self.raw_root / self.v2_dir) if folder.is_dir()), None)
+
     @property
     def source_dir(self) -> Path:
-        """``MSMT17_V1`` when present, else the repack folder (the one :meth:`parse` reads)."""
-        return self.root if self.root.is_dir() else self.raw_root / self.repack_dir
+        """``MSMT17_V1`` when present, else ``MSMT17_V2``, else the repack folder (the one :meth:`parse` reads)."""
+        return self._release() or self.raw_root / self.repack_dir
 
     def parse(self) -> ParseResult:
-        if self.root.is_dir():
-            return self._parse_original()
+        release = self._release()
+        if release is not None:
+            return self._parse_original(release)
         repack = self.raw_root / self.repack_dir
         if repack.is_dir():
             return super().parse()  # the Market-style reader, over split_dir
         raise RawLayoutError(
             f"{self.name}: expected the original release folder {self.root} "
-            f"(train/ test/ list_*.txt) or the Market-style repack folder {repack} "
+            f"(train/ test/ list_*.txt), the second release {self.raw_root / self.v2_dir} "
+            f"(mask_train_v2/ mask_test_v2/ list_*.txt) or the Market-style repack folder {repack} "
             f"(bounding_box_train/ bounding_box_test/ query/); see datasets/README.md"
         )
 
     # -- original release ----------------------------------------------------
-    def _parse_original(self) -> ParseResult:
-        """The four lists name every record; ``list_val.txt`` is the official val (none carved)."""
-        bases = {folder: self.require_dir(folder) for folder in ("train", "test")}
+    def _parse_original(self, release: Path) -> ParseResult:
+        """The four lists of ``release`` name every record; ``list_val.txt`` is the official val (none carved)."""
+        bases = {}
+        for key, folder in self._IMAGE_DIRS[release.name].items():
+            bases[key] = release / folder
+            if not bases[key].is_dir():
+                raise RawLayoutError(
+                    f"{self.name}: expected the folder {bases[key]} "
+                    f"(the {release.name} release layout; see datasets/README.md)"
+                )
         lists = []
         for list_name, folder, split in self._LISTS:
-            list_path = self.root / list_name
+            list_path = release / list_name
             if not list_path.is_file():
                 raise RawLayoutError(
                     f"{self.name}: expected the list file {list_path} "
-                    f"(the {self.dataset_dir} release layout; see datasets/README.md)"
+                    f"(the {release.name} release layout; see datasets/README.md)"
                 )
             lists.append((list_path, bases[folder], split))
 
