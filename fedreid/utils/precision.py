@@ -158,11 +158,14 @@ def _per_backend_api() -> bool:
     return hasattr(torch.backends.mkldnn, "matmul") and hasattr(torch.backends.mkldnn.matmul, "fp32_precision")
 
 
-#: torch >= 2.9's fp32 precision fields, the generic one ("") first: a field left "none" follows its parent.
-_FIELDS: tuple[str, ...] = ("", "cuda.matmul", "cudnn.conv", "cudnn.rnn", "mkldnn.matmul", "mkldnn.conv", "mkldnn.rnn")
+#: oneDNN's fp32 precision fields (torch >= 2.9), which no legacy switch keeps in agreement.
+_ONEDNN_FIELDS: tuple[str, ...] = ("mkldnn.matmul", "mkldnn.conv", "mkldnn.rnn")
+#: All of torch >= 2.9's fp32 precision fields, the generic one ("") first: a field left "none" follows its parent.
+_FIELDS: tuple[str, ...] = ("", "cuda.matmul", "cudnn.conv", "cudnn.rnn", *_ONEDNN_FIELDS)
 
 
 def _field(path: str) -> Any:
+    """The ``torch.backends`` object whose ``fp32_precision`` is field ``path``."""
     obj = torch.backends
     for part in filter(None, path.split(".")):
         obj = getattr(obj, part)
@@ -179,10 +182,9 @@ def fp32_settings() -> dict[str, Any]:
     left CUDA's and oneDNN's disagreeing, and torch then refuses the
     process-wide reading (``get_float32_matmul_precision`` raises). oneDNN's
     matmul, convolution and RNN fields are read and written on their own
-    there instead. Where the
-    user's own settings made torch refuse the legacy readings too (the
-    generic ``torch.backends.fp32_precision`` set, say), every per-backend
-    field is read as it stands.
+    there instead. Where the user's own settings made torch refuse the
+    legacy readings too (the generic ``torch.backends.fp32_precision`` set,
+    say), every per-backend field is read as it stands.
     """
     if _per_backend_api():
         try:
@@ -190,7 +192,7 @@ def fp32_settings() -> dict[str, Any]:
         except RuntimeError:  # torch refuses the legacy readings once its per-backend fields were set apart
             return {"fields": {path: _field(path).fp32_precision for path in _FIELDS}}
         return {"cuda_matmul_tf32": cuda_tf32, "cudnn_tf32": cudnn_tf32,
-                "mkldnn": {op: getattr(torch.backends.mkldnn, op).fp32_precision for op in ("matmul", "conv", "rnn")}}
+                "fields": {path: _field(path).fp32_precision for path in _ONEDNN_FIELDS}}
     return {"cuda_matmul_tf32": bool(torch.backends.cuda.matmul.allow_tf32),
             "cudnn_tf32": bool(torch.backends.cudnn.allow_tf32),
             "matmul_precision": torch.get_float32_matmul_precision()}
@@ -198,15 +200,12 @@ def fp32_settings() -> dict[str, Any]:
 
 def adopt_fp32_settings(settings: Mapping[str, Any]) -> None:
     """Set what :func:`fp32_settings` returned (in this or another process of the same torch)."""
-    if "fields" in settings:
-        for path, value in settings["fields"].items():  # the generic field first, then what overrides it
-            _field(path).fp32_precision = value
+    for path, value in settings.get("fields", {}).items():  # the generic field first, then what overrides it
+        _field(path).fp32_precision = value
+    if "cuda_matmul_tf32" not in settings:  # every field was read as it stood
         return
     if "matmul_precision" in settings:
         torch.set_float32_matmul_precision(settings["matmul_precision"])
-    else:
-        for op, value in settings["mkldnn"].items():
-            getattr(torch.backends.mkldnn, op).fp32_precision = value
     torch.backends.cuda.matmul.allow_tf32 = bool(settings["cuda_matmul_tf32"])
     torch.backends.cudnn.allow_tf32 = bool(settings["cudnn_tf32"])
 

@@ -206,12 +206,14 @@ class RawDataset:
         return self.root
 
     # -- helpers shared by the parsers -------------------------------------
-    def require_dir(self, *parts: str) -> Path:
-        path = self.root.joinpath(*parts)
+    def require_dir(self, *parts: str, release: Optional[Path] = None) -> Path:
+        """``release`` (default :attr:`root`) joined with ``parts``; a missing folder raises, naming the release."""
+        release = self.root if release is None else release
+        path = release.joinpath(*parts)
         if not path.is_dir():
             raise RawLayoutError(
                 f"{self.name}: expected the folder {path} "
-                f"(the {self.dataset_dir} release layout; see datasets/README.md)"
+                f"(the {release.name} release layout; see datasets/README.md)"
             )
         return path
 

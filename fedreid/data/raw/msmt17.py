@@ -107,14 +107,7 @@ class MSMT17(MarketStyleDataset):
     # -- original release ----------------------------------------------------
     def _parse_original(self, release: Path) -> ParseResult:
         """The four lists of ``release`` name every record; ``list_val.txt`` is the official val (none carved)."""
-        bases = {}
-        for key, folder in self._IMAGE_DIRS[release.name].items():
-            bases[key] = release / folder
-            if not bases[key].is_dir():
-                raise RawLayoutError(
-                    f"{self.name}: expected the folder {bases[key]} "
-                    f"(the {release.name} release layout; see datasets/README.md)"
-                )
+        bases = {key: self.require_dir(folder, release=release) for key, folder in self._IMAGE_DIRS[release.name].items()}
         lists = []
         for list_name, folder, split in self._LISTS:
             list_path = release / list_name
