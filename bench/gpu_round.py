@@ -6,7 +6,9 @@ Six sections, each printed as soon as it is measured:
     random tensors, at two batch sizes, in fp32, TF32 and bf16+channels-last;
 (b) one client's ``Client.fit`` against a bare data-inclusive loop (the
     synthetic world's Market-1501 client: the same images, transform, workers and precision; persistent pinned workers,
-    non-blocking copies): img/s of each and their ratio;
+    non-blocking copies): img/s of each and their ratio (runs in pairs, ABBA
+    order); ``--profile`` then profiles one run of each: the device's busy
+    time against the wall time, and the ops that cost the host most;
 (c) FedPav rounds of the synthetic nine-dataset world with CDW and KD, for
     several ``run.concurrent_clients``: aggregate training img/s and seconds
     per phase (train, CDW, KD features, aggregation, server KD, evaluation),
@@ -183,9 +185,29 @@ def bare_loop(model: nn.Module, dataset, batch: int, workers: int, precision: Pr
     return images, time.perf_counter() - t0
 
 
+def profile_table(label: str, run: Callable[[], tuple[int, float]], device: torch.device, rows: int = 12) -> None:
+    """One ``run()`` under torch.profiler: its wall time against the device's busy time, and its costliest ops.
+
+    On CUDA, busy time below the wall time means the device waited (for the host, the data or a sync);
+    the table ranks the ops by their host (self CPU) time, with their device time beside it.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        images, wall = run()
+    events = prof.key_averages()
+    busy_us = sum(getattr(e, "self_device_time_total", 0) for e in events)
+    say(f"    profile of one {label} run: {images} images, {wall * 1e3:.0f} ms wall"
+        + (f", device busy {busy_us / 1e3:.0f} ms ({busy_us / 1e4 / wall:.0f}%)" if device.type == "cuda" else ""))
+    table = events.table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=48)
+    for line in table.splitlines():
+        say("      " + line)
+
+
 def section_client(device: torch.device, s: dict[str, Any], tmp: Path, workers: int, precision_name: str,
-                   graphs: bool, normalize_on: str = "auto", repeats: int = 3) -> None:
-    """(b) on the world's Market-1501 client."""
+                   graphs: bool, normalize_on: str = "auto", repeats: int = 5, profile: bool = False) -> None:
+    """(b) on the world's Market-1501 client; ``profile``: then one run of each under torch.profiler."""
     ensure_world(s, tmp)
     split = by_dataset([load_prepared(tmp / "c-prepared", "market1501")], "train_all")[0]
     cfg = load_config(None, [
@@ -224,15 +246,23 @@ def section_client(device: torch.device, s: dict[str, Any], tmp: Path, workers: 
     run_ours(0)
     run_bare(0)
     rates: dict[str, list[float]] = {"Client.fit": [], "bare loop": []}
+    pairs: list[float] = []
     for r in range(repeats):
-        for name, fn in (("Client.fit", run_ours), ("bare loop", run_bare)):
+        # ABBA order: a drift of the machine's speed over the runs weighs on both sides alike
+        order = (("Client.fit", run_ours), ("bare loop", run_bare))
+        for name, fn in order if r % 2 == 0 else order[::-1]:
             n, sec = fn(r + 1)
             rates[name].append(n / sec)
+        pairs.append(rates["Client.fit"][-1] / rates["bare loop"][-1])
     med = {k: statistics.median(v) for k, v in rates.items()}
     for k, v in rates.items():
         say(f"    {k:<11} median {med[k]:>9,.0f} img/s   runs " + ", ".join(f"{x:,.0f}" for x in v))
-    say(f"    ratio Client.fit / bare loop: {med['Client.fit'] / med['bare loop']:.3f} (goal >= 0.95); "
+    say(f"    ratio Client.fit / bare loop: {med['Client.fit'] / med['bare loop']:.3f} of the medians, "
+        f"{statistics.median(pairs):.3f} the median of the {len(pairs)} pairs' (goal >= 0.95); "
         f"a fit's time outside train_local: median {statistics.median(outside[1:]) * 1e3:.0f} ms")
+    if profile:
+        profile_table("Client.fit", lambda: run_ours(repeats + 1), device)
+        profile_table("bare loop", lambda: run_bare(repeats + 1), device)
     # the two parts of that time that move the model: the payload in, the update out
     loads, updates = [], []
     for _ in range(repeats):
@@ -475,6 +505,10 @@ def main(argv=None) -> int:
     ap.add_argument("--normalize-on", default="auto",
                     help="train.normalize_on of (b) and (c), comma-separated to compare, e.g. 'worker,device' "
                          "(default auto: device on CUDA)")
+    ap.add_argument("--client-repeats", type=int, default=5,
+                    help="(b): pairs of runs (Client.fit, bare loop), in ABBA order, after one warm-up each (default 5)")
+    ap.add_argument("--profile", action="store_true",
+                    help="(b): then one run of each under torch.profiler: device busy time and the costliest ops")
     ap.add_argument("--no-demo", action="store_true", help="(c) without the demo world's 3-round run")
     ap.add_argument("--no-determinism-row", action="store_true",
                     help="(c) without its run.deterministic=false row")
@@ -498,7 +532,8 @@ def main(argv=None) -> int:
     def client(tmp: Path) -> None:
         for graphs in graph_settings:
             for where in normalize_settings:
-                section_client(device, s, tmp, min(workers, 8), args.precision, graphs, where)
+                section_client(device, s, tmp, min(workers, 8), args.precision, graphs, where,
+                               repeats=args.client_repeats, profile=args.profile)
 
     sections: dict[str, Callable[[Path], None]] = {
         "a": lambda tmp: section_ceilings(device, s, graph_rows=True in graph_settings),
