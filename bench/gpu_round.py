@@ -1,6 +1,6 @@
 """How much of the GPU FedPav uses: ceilings, one client, one round, evaluation.
 
-Six sections, each printed as soon as it is measured:
+Seven sections, each printed as soon as it is measured:
 
 (a) ceilings: a bare IDE train step (ResNet-50 -> 512 bottleneck -> ids) on
     random tensors, at two batch sizes, in fp32, TF32 and bf16+channels-last;
@@ -22,7 +22,10 @@ Six sections, each printed as soon as it is measured:
 (f) evaluation during training on (c)'s world (every query and gallery set,
     flipped, one persistent stream): seconds per evaluation with the
     features in fp32, TF32 and bf16 (``eval.precision``), and how far the
-    features and mAP move from fp32's.
+    features and mAP move from fp32's;
+(g) (b)'s bare data-inclusive loop in N processes at once, the loader
+    workers split over them: the bound of (c) for the data path with no
+    federated work around the steps.
 
 ``--cuda-graphs`` (on CUDA): (a) adds rows with the backbone replayed as a
 CUDA graph (``train.cuda_graphs``), and (b), (c) and (e) run with it ``off``,
@@ -427,6 +430,65 @@ def section_processes(device: torch.device, scale: str, counts: list[int], graph
                 say(f"    {n:>9} {str(graphs):>7} {total:>9,.0f} {total / n:>12,.0f}")
 
 
+def _process_data_loop(rank: int, scale: str, device_type: str, graphs: bool, workers: int, epochs: int,
+                       precision_name: str, normalize_on: str, root: str, barrier, results) -> None:
+    """One of (g)'s processes: (b)'s bare data-inclusive loop on the world's Market-1501 client."""
+    s = SCALES[scale]
+    device = torch.device(device_type)
+    precision = resolve_precision(precision_name, device)
+    split = by_dataset([load_prepared(Path(root) / "c-prepared", "market1501")], "train_all")[0]
+    model = precision.prepare_model(ide_model(s["backbone"], split.num_classes).to(device))
+    transform = build_train_transform(s["height"], s["width"], seed=rank,
+                                      defer_normalize=defers_normalize(normalize_on, device))
+    dataset = ReIDImageDataset(split.records, split.labels, transform=transform)
+    box: dict = {}
+    bare_loop(model, dataset, 32, workers, precision, device, 0, box, graphs)  # warm-up: workers, graph
+    barrier.wait()
+    t0, images = time.perf_counter(), 0
+    for epoch in range(epochs):
+        images += bare_loop(model, dataset, 32, workers, precision, device, epoch + 1, box, graphs)[0]
+    results.put((rank, t0, time.perf_counter(), images))
+
+
+def section_data_processes(device: torch.device, s: dict[str, Any], scale: str, tmp: Path, counts: list[int],
+                           workers_total: int, precision_name: str, graph_settings: list[bool],
+                           normalize_on: str, epochs: int = 5) -> None:
+    """(g): (b)'s bare data-inclusive loop in N processes at once, the loader workers split over them.
+
+    What one card and this host give N clients that do nothing but train: the bound of (c)'s img/s for
+    the data path as it is, with no federated work around the steps.
+    """
+    import multiprocessing as mp
+
+    ensure_world(s, tmp)
+    say(f"(g) (b)'s bare data-inclusive loop (Market-1501 client, batch 32, precision {precision_name}) in N processes at once, "
+        f"{workers_total} loader workers split over them, {epochs} epochs each after a warm-up one: aggregate img/s "
+        "over the span from the first start to the last end")
+    say(f"    {'processes':>9} {'workers':>8} {'graphs':>7} {'img/s':>9} {'per process':>12}")
+    ctx = mp.get_context("spawn")
+    for graphs in graph_settings:
+        for n in counts:
+            workers = max(1, workers_total // n)
+            barrier, results = ctx.Barrier(n), ctx.Queue()
+            procs = [ctx.Process(target=_process_data_loop, args=(r, scale, device.type, graphs, workers, epochs,
+                                                                  precision_name, normalize_on, str(tmp), barrier,
+                                                                  results))
+                     for r in range(n)]
+            for p in procs:
+                p.start()
+            try:
+                spans = [results.get(timeout=600) for _ in range(n)]
+            except Exception as exc:  # a child that died leaves its result missing
+                say(f"    {n:>9} {workers:>8} {str(graphs):>7} failed: {type(exc).__name__}")
+                spans = []
+            for p in procs:
+                p.join()
+            if spans:
+                wall = max(end for _, _, end, _ in spans) - min(start for _, start, _, _ in spans)
+                total = sum(images for *_, images in spans) / wall
+                say(f"    {n:>9} {workers:>8} {str(graphs):>7} {total:>9,.0f} {total / n:>12,.0f}")
+
+
 # --------------------------------------------------------------------------- (d)
 
 def section_eval(device: torch.device, s: dict[str, Any]) -> None:
@@ -493,7 +555,7 @@ def main(argv=None) -> int:
     ap.add_argument("--sections", default="abcd",
                     help="which sections to run, in this order, e.g. 'aecf' (default: abcd)")
     ap.add_argument("--concurrent", default="1,2,4,8", help="run.concurrent_clients values of (c)")
-    ap.add_argument("--processes", default="1,2,4,8", help="process counts of (e)")
+    ap.add_argument("--processes", default="1,2,4,8", help="process counts of (e) and (g)")
     ap.add_argument("--workers", type=int, default=None,
                     help="loader workers in all (split over concurrent clients; default: CPU cores, at most 16)")
     ap.add_argument("--precision", default="auto", help="train.precision of (b) and (c) (default auto)")
@@ -547,6 +609,8 @@ def main(argv=None) -> int:
         "e": lambda tmp: section_processes(device, scale, [int(x) for x in args.processes.split(",")],
                                            graph_settings),
         "f": lambda tmp: section_eval_precision(device, s, tmp, workers),
+        "g": lambda tmp: section_data_processes(device, s, scale, tmp, [int(x) for x in args.processes.split(",")],
+                                                workers, args.precision, graph_settings, normalize_settings[0]),
     }
     with tempfile.TemporaryDirectory(prefix="fedreid-gpu-round-") as tmp:
         for key in args.sections:
