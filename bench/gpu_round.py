@@ -66,7 +66,7 @@ from fedreid.data.scenarios import by_dataset  # noqa: E402
 from fedreid.data.transforms import build_train_transform, defers_normalize  # noqa: E402
 from fedreid.fl.client import Client  # noqa: E402
 from fedreid.fl.evaluation import Evaluator  # noqa: E402
-from fedreid.fl.local.cuda_graphs import graphed_backbone  # noqa: E402
+from fedreid.fl.local.cuda_graphs import graph_captures, graphed_backbone  # noqa: E402
 from fedreid.fl.simulation import run_simulation  # noqa: E402
 from fedreid.models.reid import create_reid_model, replace_classifier, shared_state  # noqa: E402
 from fedreid.utils.precision import Precision, resolve_precision, set_tf32  # noqa: E402
@@ -262,7 +262,9 @@ def section_client(device: torch.device, s: dict[str, Any], tmp: Path, workers: 
         say(f"    {k:<11} median {med[k]:>9,.0f} img/s   runs " + ", ".join(f"{x:,.0f}" for x in v))
     say(f"    ratio Client.fit / bare loop: {med['Client.fit'] / med['bare loop']:.3f} of the medians, "
         f"{statistics.median(pairs):.3f} the median of the {len(pairs)} pairs' (goal >= 0.95); "
-        f"a fit's time outside train_local: median {statistics.median(outside[1:]) * 1e3:.0f} ms")
+        f"a fit's time outside train_local: median {statistics.median(outside[1:]) * 1e3:.0f} ms"
+        + (f"; graphs captured: client {graph_captures(ours.backbone)}, bare {graph_captures(bare.backbone)}"
+           if graphs else ""))
     if profile:
         profile_table("Client.fit", lambda: run_ours(repeats + 1), device)
         profile_table("bare loop", lambda: run_bare(repeats + 1), device)
