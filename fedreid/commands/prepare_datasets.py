@@ -37,11 +37,10 @@ from fedreid.data.prepared import (
     format_summary,
     prepare_dataset,
     prepared_cards,
-    summarize_skips,
     synthetic_world,
 )
 from fedreid.data.raw import PUBLIC_DATASET, create_raw_dataset, list_raw_datasets
-from fedreid.data.raw.base import RawLayoutError
+from fedreid.data.raw.base import RawLayoutError, summarize_skips
 from fedreid.errors import FedReIDError
 from fedreid.options import did_you_mean
 from fedreid.utils.cli import add_config_arguments, checked_overrides, literal_override, run_main, show_progress

@@ -55,7 +55,9 @@ from fedreid.data.raw.base import (
     RawDataset,
     RawRecord,
     Skip,
+    id_problem,
     offset_test_ids,
+    skips_in_brief,
 )
 from fedreid.errors import FedReIDError
 from fedreid.utils.io import (
@@ -821,7 +823,19 @@ def _raw_changes(target: Path, parser: RawDataset) -> tuple[list[str], list[str]
 
 
 def _check_splits(parser: RawDataset, records: Sequence[RawRecord]) -> None:
-    """A :class:`PrepareError` for an image in two splits or an identity in train and test."""
+    """A :class:`PrepareError` for ids a manifest cannot hold, an image in two splits or an identity in train and test.
+
+    The built-in parsers skip names with impossible ids (``id_problem``); a
+    parser registered from outside that gives one is stopped here, before a
+    manifest its loader would refuse is written.
+    """
+    for rec in records:
+        problem = id_problem(rec.pid, rec.camid)
+        if problem is not None:
+            raise PrepareError(
+                f"{parser.name}: the parser gives {rec.path} pid {rec.pid}, camid {rec.camid}: {problem} "
+                "(a prepared manifest holds pid -1 and up, camid 0 and up)"
+            )
     conflict = find_split_conflict([((("path", str(r.path)),), r.pid, r.split) for r in records])
     if conflict is None:
         return
@@ -1009,23 +1023,6 @@ def _owner(tmp: Path) -> Optional[tuple[int, Optional[str]]]:
     return pid, None
 
 
-def summarize_skips(skipped: Sequence[Skip]) -> list[tuple[str, int, Path]]:
-    """``(rule, count, example path)`` per skip rule, the most common first.
-
-    The rule is the text before its first `` (`` (the detail, e.g. a decoder's
-    message, differs from file to file); the example is the first file skipped
-    by it.
-    """
-    counts: dict[str, int] = {}
-    examples: dict[str, Path] = {}
-    for skip in skipped:
-        rule = skip.rule.split(" (")[0]
-        counts[rule] = counts.get(rule, 0) + 1
-        examples.setdefault(rule, skip.path)
-    order = sorted(counts, key=lambda rule: -counts[rule])  # stable: first seen wins a tie
-    return [(rule, counts[rule], examples[rule]) for rule in order]
-
-
 def _check_not_empty(
     parser: RawDataset, records: Iterable[RawRecord], skipped: Sequence[Skip] = ()
 ) -> None:
@@ -1033,13 +1030,9 @@ def _check_not_empty(
     required = ("train",) if parser.public else ("train", "query", "gallery")
     empty = [s for s in required if s not in splits and not (s == "train" and "val" in splits)]
     if empty:
-        why = ""
-        if skipped:
-            rule, count, example = summarize_skips(skipped)[0]
-            why = f"; {len(skipped):,} file(s) skipped, most often {count:,} x {rule} (e.g. {example})"
         raise PrepareError(
             f"{parser.name}: the {', '.join(empty)} split is empty after parsing {parser.root}"
-            f"{why} (check the layout described in datasets/README.md)"
+            f"{skips_in_brief(skipped)} (check the layout described in datasets/README.md)"
         )
 
 

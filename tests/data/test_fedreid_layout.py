@@ -132,7 +132,8 @@ def test_pytorch_small_dataset_names_and_skips(tmp_path):
         "train": {"0000": ["cam_1_00000_00000.bmp"], "0003": ["cam_1_00003_00000.bmp"]},
         "val": {"0000": ["cam_0_00000_00000.bmp"], "0003": ["cam_0_00003_00000.bmp"]},
         "query": {"0001": ["cam_0_00001_00000.bmp"], "abc": ["cam_0_00009_00000.bmp"]},
-        "gallery": {"0001": ["cam_1_00001_00000.bmp", "photo.bmp", "0001_c0_x.bmp"]},
+        "gallery": {"0001": ["cam_1_00001_00000.bmp", "photo.bmp", "0001_c0_x.bmp"],
+                    "-2": ["cam_1_00002_00000.bmp"]},
     })
     write_image(base / "query" / "loose.bmp")
     result = FedReIDLayout(tmp_path, dataset="viper").parse()
@@ -143,11 +144,12 @@ def test_pytorch_small_dataset_names_and_skips(tmp_path):
         "gallery": {("cam_1_00001_00000.bmp", 1, 1)},
     }
     rules = {s.path.name: s.rule for s in result.skipped}
-    assert set(rules) == {"loose.bmp", "cam_0_00009_00000.bmp", "photo.bmp", "0001_c0_x.bmp"}
+    assert set(rules) == {"loose.bmp", "cam_0_00009_00000.bmp", "photo.bmp", "0001_c0_x.bmp", "cam_1_00002_00000.bmp"}
     assert "outside an identity folder" in rules["loose.bmp"]
     assert "'abc' is not an integer" in rules["cam_0_00009_00000.bmp"]
     assert "none of the camera patterns" in rules["photo.bmp"] and "cam_" in rules["photo.bmp"]
     assert "camera 0" in rules["0001_c0_x.bmp"]
+    assert rules["cam_1_00002_00000.bmp"] == "pid below -1 (-2; -1 marks junk, identities count from 0)"
 
 
 def test_pytorch_train_all_only(tmp_path):

@@ -140,6 +140,25 @@ def test_empty_split_error_names_the_most_common_skip_rule(raw_root, tmp_path):
     assert not (tmp_path / "out" / "toy").exists()
 
 
+class ToyParserWithImpossibleIds(ToyParser):
+    """A parser from outside that gives a pid below junk's -1."""
+
+    def parse(self) -> ParseResult:
+        result = ToyParser.parse(self)
+        records = [RawRecord(r.path, -2, r.camid, r.split) if r.pid == 6 else r for r in result.records]
+        return ParseResult(records, result.skipped, result.id_split)
+
+
+def test_a_parser_that_gives_ids_a_manifest_cannot_hold_is_stopped_before_anything_is_written(raw_root, tmp_path):
+    gallery_six = next(p for p in sorted((raw_root / "Toy" / "gallery").glob("6_*.jpg")))
+    with pytest.raises(PrepareError) as info:
+        prepare_dataset(ToyParserWithImpossibleIds(raw_root), tmp_path / "out", progress=False)
+    assert str(info.value) == (f"toy: the parser gives {gallery_six} pid -2, camid 0: pid below -1 (-2; -1 marks "
+                               "junk, identities count from 0) (a prepared manifest holds pid -1 and up, camid 0 "
+                               "and up)")
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
 def test_idempotent_and_force(raw_root, tmp_path):
     out = tmp_path / "out"
     prepare_dataset(ToyParser(raw_root), out, progress=False)

@@ -9,8 +9,8 @@ from typing import Callable
 
 import pytest
 
-from fedreid.data.prepared import summarize_skips
-from fedreid.data.raw.base import SPLITS, ParseResult, RawDataset, RawLayoutError, RawRecord
+from fedreid.data.prepared import PreparedDataset, PrepareError, prepare_dataset
+from fedreid.data.raw.base import SPLITS, ParseResult, RawDataset, RawLayoutError, RawRecord, summarize_skips
 from fedreid.data.raw.cuhk03np import CUHK03NP
 from fedreid.data.raw.dukemtmc import DukeMTMCreID
 from fedreid.data.raw.market1501 import Market1501
@@ -199,6 +199,38 @@ def test_market1501_skips_are_counted_with_their_rule(tmp_path):
     assert not any(path.startswith("gt_") for path in rules)
 
 
+def test_names_whose_ids_a_manifest_cannot_hold_are_counted_skips_and_the_rest_prepares(tmp_path):
+    # camera c0 (cameras count from 1) and pid -2 (below junk's -1) would make a manifest its loader refuses
+    root = fx.make_market1501_tree(tmp_path / "raw", quirks=False)
+    fx.write_image(root / "bounding_box_train" / "0002_c0s1_000999_01.jpg")
+    fx.write_image(root / "bounding_box_test" / "-2_c1s1_000999_01.jpg")
+    result = Market1501(tmp_path / "raw").parse()
+    rules = skip_rules(result, root)
+    assert rules == {
+        "bounding_box_train/0002_c0s1_000999_01.jpg": "camera number below the release's first camera",
+        "bounding_box_test/-2_c1s1_000999_01.jpg": "pid below -1 (-2; -1 marks junk, identities count from 0)",
+    }
+    assert all(r.pid >= -1 and r.camid >= 0 for r in result.records)
+    prepare_dataset(Market1501(tmp_path / "raw"), tmp_path / "out", progress=False)
+    assert len(PreparedDataset.load(tmp_path / "out" / "market1501").records) == len(result.records)
+
+
+def test_a_release_extracted_one_level_too_deep_names_the_nested_files(tmp_path):
+    root = fx.make_market1501_tree(tmp_path / "raw", quirks=False)
+    train = root / "bounding_box_train"
+    train.rename(root / "moved")
+    train.mkdir()
+    (root / "moved").rename(train / "bounding_box_train")
+    result = Market1501(tmp_path / "raw").parse()
+    nested = [s for s in result.skipped if s.path.parent == train / "bounding_box_train"]
+    assert len(nested) == len(fx.MARKET1501_FILES["bounding_box_train"]) == len(result.skipped)
+    assert {s.rule for s in nested} == {
+        "in a subfolder of an image folder, not read (images belong directly in bounding_box_train/)"}
+    with pytest.raises(PrepareError, match=r"train split is empty .* most often \d+ x in a subfolder of an image "
+                                           r"folder, not read \(e\.g\. .*bounding_box_train/bounding_box_train/"):
+        prepare_dataset(Market1501(tmp_path / "raw"), tmp_path / "out", progress=False)
+
+
 def test_market1501_doubled_extension_is_used(tmp_path):
     root = fx.make_market1501_tree(tmp_path, quirks=False)
     result = Market1501(tmp_path).parse()
@@ -321,6 +353,26 @@ def test_msmt17_original_skips(tmp_path):
     assert rules["train/0000/Thumbs.db"] == "system file"
     assert rules["test/README.txt"].startswith("not an image")
     assert len(result.skipped) == 5
+
+
+def test_msmt17_camera_00_is_a_counted_skip_and_a_listed_file_nested_deeper_says_so(tmp_path):
+    root = fx.make_msmt17_tree(tmp_path, quirks=False)
+    fx.write_image(root / "train" / "0001" / "0001_007_00_0113noon_0777_0.jpg")
+    fx.write_image(root / "train" / "0001" / "deep" / "0001_008_04_0113noon_0888_0.jpg")
+    with open(root / "list_train.txt", "a") as handle:
+        handle.write("0001/0001_007_00_0113noon_0777_0.jpg 1\n0001/deep/0001_008_04_0113noon_0888_0.jpg 1\n")
+    n = len(fx.MSMT17_LISTS["train"])
+    result = MSMT17(tmp_path).parse()
+    rules = [(s.path.relative_to(root).as_posix(), s.rule) for s in result.skipped]
+    assert rules == [
+        ("train/0001/deep/0001_008_04_0113noon_0888_0.jpg",
+         "in a subfolder of an image folder, not read (images belong directly in 0001/)"),
+        ("train/0001/0001_007_00_0113noon_0777_0.jpg",
+         f"camera number below the release's first camera (list_train.txt line {n + 1})"),
+        ("train/0001/deep/0001_008_04_0113noon_0888_0.jpg",
+         f"listed file is below the <pid>/<file> folders (list_train.txt line {n + 2})"),
+    ]
+    assert all(r.camid >= 0 for r in result.records)
 
 
 def test_msmt17_duplicate_list_line_is_skipped(tmp_path):

@@ -101,6 +101,19 @@ def test_viper_unequal_cameras_and_bad_names(tmp_path):
         VIPeR(tmp_path).parse()
 
 
+def test_a_release_whose_names_all_differ_from_the_pattern_names_the_skips_in_its_error(tmp_path):
+    base = tmp_path / "VIPeR"
+    for cam in ("cam_a", "cam_b"):
+        for i in range(3):
+            write_image(base / cam / f"img{i}.jpg")
+    with pytest.raises(RawLayoutError) as info:
+        VIPeR(tmp_path).parse()
+    message = str(info.value)
+    assert message.startswith(f"viper: cannot split 0 identities into 0 train ids (under {base}); 6 file(s) skipped, "
+                              "most often 6 x name does not match ") and "\n" not in message
+    assert str(base / "cam_a" / "img0.jpg") in message
+
+
 def test_viper_pairs_cameras_on_the_person_number(tmp_path):
     """One file missing from each camera must not shift the later identities."""
     base = write_viper(tmp_path, 6)  # numbers 001, 003, ..., 011

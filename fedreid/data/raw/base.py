@@ -222,7 +222,7 @@ class RawDataset:
         return np.random.default_rng(self.seed)
 
     def choose_id_split(
-        self, ids: Iterable[int], paper_train: int, paper_total: int
+        self, ids: Iterable[int], paper_train: int, paper_total: int, skipped: Sequence[Skip] = ()
     ) -> tuple[list[int], list[int], dict]:
         """Train and test identities of ``ids``, and the ``id_split`` record.
 
@@ -232,6 +232,8 @@ class RawDataset:
         paper_total``. The proportion (not a fixed count) lets a scaled-down copy
         of a layout split sensibly while the real data gives exactly the paper's
         numbers (``n * train / total`` is exact when ``n == total``).
+        ``skipped``: the parse's skips so far, named in the error when too few
+        identities were found to split (:func:`skips_in_brief`).
         """
         ids = sorted(set(ids))
         user = self.load_split_file()
@@ -243,7 +245,8 @@ class RawDataset:
         try:
             train, test = split_ids(ids, num_train, self.rng())
         except RawLayoutError as exc:
-            raise RawLayoutError(f"{self.name}: {exc} (under {self.root})") from exc
+            # the usual cause: the images are not named as the release names them
+            raise RawLayoutError(f"{self.name}: {exc} (under {self.root}){skips_in_brief(skipped)}") from exc
         return train, test, {"train": train, "test": test, "seed": self.seed}
 
     def _validate_split_file(
@@ -318,15 +321,22 @@ class RawDataset:
             ) from exc
 
 
-def list_files(folder: Path, skipped: list[Skip]) -> Iterator[Path]:
+def list_files(folder: Path, skipped: list[Skip], *, subfolders: bool = False) -> Iterator[Path]:
     """Image files of ``folder`` in sorted order (non-recursive).
 
     System files and non-image files are recorded in ``skipped``. Sorting makes
     every "i-th file" rule and every seeded choice independent of the file
-    system's listing order.
+    system's listing order. ``subfolders``: the caller reads ``folder``'s
+    subfolders itself (identity or sequence folders); otherwise every file
+    below a subfolder is a counted skip, so that a release extracted one
+    level too deep says so instead of parsing as empty.
     """
     for path in sorted(folder.iterdir()):
         if path.is_dir():
+            if not subfolders:
+                for inner in sorted(p for p in path.rglob("*") if p.is_file()):
+                    skipped.append(Skip(inner, f"in a subfolder of an image folder, not read (images belong "
+                                               f"directly in {folder.name}/)"))
             continue
         lower = path.name.lower()
         if lower in SYSTEM_FILES:
@@ -335,6 +345,45 @@ def list_files(folder: Path, skipped: list[Skip]) -> Iterator[Path]:
             skipped.append(Skip(path, f"not an image ({', '.join(IMAGE_EXTENSIONS)})"))
         else:
             yield path
+
+
+def summarize_skips(skipped: Sequence[Skip]) -> list[tuple[str, int, Path]]:
+    """``(rule, count, example path)`` per skip rule, the most common first.
+
+    The rule is the text before its first `` (`` (the detail, e.g. a decoder's
+    message, differs from file to file); the example is the first file skipped
+    by it.
+    """
+    counts: dict[str, int] = {}
+    examples: dict[str, Path] = {}
+    for skip in skipped:
+        rule = skip.rule.split(" (")[0]
+        counts[rule] = counts.get(rule, 0) + 1
+        examples.setdefault(rule, skip.path)
+    order = sorted(counts, key=lambda rule: -counts[rule])  # stable: first seen wins a tie
+    return [(rule, counts[rule], examples[rule]) for rule in order]
+
+
+def skips_in_brief(skipped: Sequence[Skip]) -> str:
+    """``"; N file(s) skipped, most often C x RULE (e.g. PATH)"``, or ``""`` without skips: an error's reason."""
+    if not skipped:
+        return ""
+    rule, count, example = summarize_skips(skipped)[0]
+    return f"; {len(skipped):,} file(s) skipped, most often {count:,} x {rule} (e.g. {example})"
+
+
+def id_problem(pid: int, camid: int) -> Optional[str]:
+    """Why ``(pid, camid)`` (camid 0-based) cannot be a record, or ``None``.
+
+    The prepared manifest allows pid -1 (junk) and up and camid 0 and up;
+    a parser skips any other name with this rule instead of writing a
+    manifest that its loader would refuse.
+    """
+    if pid < -1:
+        return f"pid below -1 ({pid}; -1 marks junk, identities count from 0)"
+    if camid < 0:
+        return "camera number below the release's first camera"
+    return None
 
 
 def parse_named_images(
@@ -347,7 +396,8 @@ def parse_named_images(
     """Records for every image in ``folder`` whose name matches ``pattern``.
 
     ``to_ids`` maps the match to ``(pid, camid)`` (camid 0-based). A name that
-    does not match is a counted skip naming the pattern.
+    does not match is a counted skip naming the pattern; ids a manifest cannot
+    hold (:func:`id_problem`) are a counted skip naming the rule.
     """
     records = []
     for path in list_files(folder, skipped):
@@ -356,6 +406,10 @@ def parse_named_images(
             skipped.append(Skip(path, f"name does not match {pattern.pattern!r}"))
             continue
         pid, camid = to_ids(match)
+        problem = id_problem(pid, camid)
+        if problem is not None:
+            skipped.append(Skip(path, problem))
+            continue
         records.append(RawRecord(path, pid, camid, split))
     return records
 

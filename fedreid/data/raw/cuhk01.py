@@ -65,7 +65,7 @@ class CUHK01(RawDataset):
         # Index in sorted person order: stable ids whatever the numbering gaps.
         pid_of = {num: i for i, num in enumerate(sorted({num for num, _, _ in images}))}
         train, _test, id_split = self.choose_id_split(
-            pid_of.values(), self.PAPER_TRAIN, self.PAPER_TOTAL
+            pid_of.values(), self.PAPER_TRAIN, self.PAPER_TOTAL, skipped
         )
         train_set = set(train)
         records = []

@@ -45,6 +45,7 @@ from .base import (
     RawRecord,
     Skip,
     carve_val,
+    id_problem,
     list_files,
 )
 
@@ -183,7 +184,7 @@ class FedReIDLayout(RawDataset):
 
     def _labelled_files(self, folder: Path, skipped: list[Skip]) -> list[tuple[str, Path]]:
         """``(label, path)`` of every image in the label folders of ``folder``."""
-        for path in list_files(folder, skipped):
+        for path in list_files(folder, skipped, subfolders=True):
             skipped.append(Skip(path, "image outside an identity folder"))
         out = []
         for label_dir in sorted(p for p in folder.iterdir() if p.is_dir()):
@@ -196,6 +197,9 @@ class FedReIDLayout(RawDataset):
         for label, path in self._labelled_files(folder, skipped):
             if not self._LABEL.match(label):
                 skipped.append(Skip(path, f"identity folder {label!r} is not an integer"))
+                continue
+            if int(label) < -1:
+                skipped.append(Skip(path, id_problem(int(label), 0)))
                 continue
             camid = self._camid(path, skipped)
             if camid is not None:

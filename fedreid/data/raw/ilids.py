@@ -61,7 +61,7 @@ class ILIDS(RawDataset):
 
         pid_of = {num: i for i, num in enumerate(sorted(persons))}
         train, _test, id_split = self.choose_id_split(
-            pid_of.values(), self.PAPER_TRAIN, self.PAPER_TOTAL
+            pid_of.values(), self.PAPER_TRAIN, self.PAPER_TOTAL, skipped
         )
         train_set = set(train)
         records = []

@@ -7,7 +7,7 @@ from pathlib import Path, PurePosixPath
 from typing import Optional
 
 from . import register
-from .base import ExpectedCounts, ParseResult, RawLayoutError, RawRecord, Skip, list_files
+from .base import ExpectedCounts, ParseResult, RawLayoutError, RawRecord, Skip, id_problem, list_files
 from .market_style import MarketStyleDataset
 
 
@@ -123,7 +123,7 @@ class MSMT17(MarketStyleDataset):
         # lists without a stat per line, and reveals the images no list names.
         present: set[Path] = set()
         for base in bases.values():
-            present.update(list_files(base, skipped))
+            present.update(list_files(base, skipped, subfolders=True))
             for sub in sorted(p for p in base.iterdir() if p.is_dir()):
                 present.update(list_files(sub, skipped))
 
@@ -148,7 +148,7 @@ class MSMT17(MarketStyleDataset):
         """Records of one ``list_*.txt``; every unusable line is a counted skip.
 
         A skip's reason ends with its place, ``(list_train.txt line 7)``, after
-        the rule, so that :func:`~fedreid.data.prepared.summarize_skips` groups
+        the rule, so that :func:`~fedreid.data.raw.base.summarize_skips` groups
         the lines by rule (a partly extracted release skips thousands).
         """
         records = []
@@ -172,7 +172,12 @@ class MSMT17(MarketStyleDataset):
             path = base.joinpath(*rel.parts)
             if path not in present:
                 # Only failures pay for a stat, to say which kind of failure it is.
-                reason = "not an image" if path.is_file() else "missing"
+                if not path.is_file():
+                    reason = "missing"
+                elif len(rel.parts) > 2:
+                    reason = "below the <pid>/<file> folders"
+                else:
+                    reason = "not an image"
                 skipped.append(Skip(path, f"listed file is {reason} ({where})"))
                 continue
             if path in listed:
@@ -183,7 +188,12 @@ class MSMT17(MarketStyleDataset):
                 skipped.append(Skip(path, f"name does not match {self._NAME.pattern!r} ({where})"))
                 continue
             listed[path] = where
-            records.append(RawRecord(path, int(entry.group(2)), int(match.group(3)) - 1, split))
+            pid, camid = int(entry.group(2)), int(match.group(3)) - 1
+            problem = id_problem(pid, camid)
+            if problem is not None:
+                skipped.append(Skip(path, f"{problem} ({where})"))
+                continue
+            records.append(RawRecord(path, pid, camid, split))
         return records
 
     # -- Market-style repack -------------------------------------------------

@@ -106,7 +106,7 @@ class PRID2011(RawDataset):
         pid_of = {key: pid for pid, key in enumerate(order)}
 
         train, _test, id_split = self.choose_id_split(
-            range(len(shared)), self.PAPER_TRAIN, self.PAPER_TOTAL
+            range(len(shared)), self.PAPER_TRAIN, self.PAPER_TOTAL, skipped
         )
         train_set = set(train)
         records: list[RawRecord] = []
@@ -148,7 +148,7 @@ class PRID2011(RawDataset):
         """Evenly spaced frames of the wanted sequences; every other frame is a skip."""
         records = []
         seen: set[int] = set()
-        for path in list_files(folder, skipped):  # frames belong in person folders
+        for path in list_files(folder, skipped, subfolders=True):  # frames belong in person folders
             skipped.append(Skip(path, "image outside a person_NNNN folder"))
         for seq in sorted(p for p in folder.iterdir() if p.is_dir()):
             match = self._SEQUENCE.match(seq.name)

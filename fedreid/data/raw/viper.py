@@ -68,7 +68,7 @@ class VIPeR(RawDataset):
             )
         numbers = sorted(cams[0])
         train, _test, id_split = self.choose_id_split(
-            range(len(numbers)), self.PAPER_TRAIN, self.PAPER_TOTAL
+            range(len(numbers)), self.PAPER_TRAIN, self.PAPER_TOTAL, skipped
         )
         train_set = set(train)
         records = []
