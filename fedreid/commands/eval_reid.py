@@ -40,9 +40,10 @@ Examples:
   python tools/eval_reid.py query --backend onnx --model fedpav.onnx --index idx_onnx --images photos/query
 
 --model is a run folder (its model_final.pt, else its checkpoint.pt), a
-model_final.pt or a checkpoint.pt. Features are the flip-averaged,
-L2-normalised embeddings; the device is CUDA when available (with --backend
-onnx it is the CPU, and PyTorch is not needed). evaluate extracts in the
+model_final.pt or a checkpoint.pt. Features are the flip-averaged
+(evaluate: unless eval.flip=false), L2-normalised embeddings; the device is
+CUDA when available (with --backend onnx it is the CPU, and PyTorch is not
+needed). evaluate extracts in the
 config's eval.precision (fp32 unless the run set another, the arithmetic of
 the run's own evaluation); --precision bf16|fp16|auto changes it (--amp is
 --precision fp16; fp16 needs CUDA), in channels-last on CUDA unless
@@ -399,7 +400,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         for name in names:
             print(f"extracting features: {name} ({precision.name})", flush=True)
             fs = dataset_features(loaded, root, name, batch_size=batch_size, device=device, precision=precision,
-                                  progress=show_progress(args))
+                                  progress=show_progress(args), flip=cfg.eval.flip)
             if args.save_features:
                 print(f"  saved {save_dataset_features(args.save_features, fs)}")
             feats.append(fs)

@@ -99,6 +99,7 @@ def dataset_features(
     device: str | torch.device = "cpu",
     precision: Optional[Precision] = None,
     progress: bool = False,
+    flip: bool = True,
 ) -> DatasetFeatures:
     """Features of the query and gallery splits of prepared dataset ``name``.
 
@@ -106,7 +107,8 @@ def dataset_features(
     :class:`~fedreid.utils.precision.Precision`; default fp32): the forwards
     run under its autocast, in its layout (``channels_last``), and its name is
     recorded in the features' ``meta``, with the model file (absolute), its
-    round and fingerprint. Degenerate features (NaN/inf, all
+    round and fingerprint. ``flip``: average with the horizontal flip
+    (``eval.flip``, recorded in ``meta``). Degenerate features (NaN/inf, all
     zero, all identical; :func:`~fedreid.inference.features.check_features`)
     raise an error naming the model and the dataset. ``progress``: a bar per
     split on stderr.
@@ -124,7 +126,7 @@ def dataset_features(
         loader = _split_loader(records, int(loaded.config["height"]), int(loaded.config["width"]), batch_size)
         loader = with_progress(loader, len(records), f"{name} {split}", progress)
         with precision.autocast():
-            features = model_features(loaded, loader, device, channels_last=precision.channels_last).features
+            features = model_features(loaded, loader, device, channels_last=precision.channels_last, flip=flip).features
         sets[split] = FeatureSet(
             features=features,
             pids=np.array([r.pid for r in records], dtype=np.int64),
@@ -135,7 +137,7 @@ def dataset_features(
             sets[split].features, f"model {loaded.source} on dataset {name!r}: {split}", paths=sets[split].paths
         )
     # The model file absolute: a cache read from another working directory still names it.
-    meta = {"dataset": name, "model": str(Path(loaded.source).resolve()), "round": loaded.round, "flip": True,
+    meta = {"dataset": name, "model": str(Path(loaded.source).resolve()), "round": loaded.round, "flip": flip,
             "precision": precision.name}
     if loaded.fingerprint:
         meta["model_fingerprint"] = loaded.fingerprint

@@ -367,21 +367,26 @@ def model_features(
     *,
     amp: bool = False,
     channels_last: bool = False,
+    flip: bool = True,
 ) -> FeatureSet:
-    """Features of ``loader``'s images by ``loaded``: ``embed`` of image + flipped image, L2-normalised, float32.
+    """Features of ``loaded`` on ``loader``'s images: ``embed`` of image + flipped image, L2-normalised, float32.
 
+    ``flip=False``: ``embed`` of the image alone (``eval.flip: false``).
     For an exported model (``loaded.extractor`` set) the exported file computes
     the flip-averaged, normalised feature itself (:func:`~fedreid.inference.features.collect_features`:
-    no torch needed, the batches' images may be numpy arrays); it runs on the
-    CPU, ``device``, ``amp`` and ``channels_last`` do not apply.
+    no torch needed, the batches' images may be numpy arrays), so ``flip=False``
+    is refused; it runs on the CPU, ``device``, ``amp`` and ``channels_last`` do not apply.
     """
     if loaded.extractor is not None:
+        if not flip:
+            raise EvalInputError(f"{loaded.source}: an exported model computes the flip-averaged feature itself; "
+                                 "eval.flip=false needs the model file it was exported from")
         out = collect_features(loader, loaded.extractor)
         return out._replace(features=np.ascontiguousarray(out.features, dtype=np.float32))
     from fedreid.inference.embed import EmbedModule
 
     out = extract_features(
-        EmbedModule(loaded.model), loader, flip=True, normalize=True, device=device, amp=amp,
+        EmbedModule(loaded.model), loader, flip=flip, normalize=True, device=device, amp=amp,
         channels_last=channels_last,
     )
     return out._replace(features=np.ascontiguousarray(out.features, dtype=np.float32))

@@ -473,8 +473,9 @@ def test_speedup_defaults_follow_the_device():
         resolve_speedups(cpu, True, True)
 
 
-def test_evaluate_extracts_the_runs_own_evaluation_features(world, tmp_path):
-    """In each eval.precision the tool's features of a checkpoint are the run's Evaluator's, bit for bit."""
+@pytest.mark.parametrize("flip", ["true", "false"])
+def test_evaluate_extracts_the_runs_own_evaluation_features(world, tmp_path, flip):
+    """In each eval.precision, with and without eval.flip, the tool's features are the run's Evaluator's, bit for bit."""
     from fedreid.data.prepared import load_prepared
     from fedreid.fl.evaluation import Evaluator
     from fedreid.inference.dataset_features import load_dataset_features
@@ -484,15 +485,16 @@ def test_evaluate_extracts_the_runs_own_evaluation_features(world, tmp_path):
     tools = {}
     for precision in ("fp32", "bf16"):
         override = f"eval.precision={precision}"
-        cfg = load_config(world["run"] / "config.yaml", [override])
+        cfg = load_config(world["run"] / "config.yaml", [override, f"eval.flip={flip}"])
         evaluator = Evaluator.from_config(cfg, {"tiny": load_prepared(world["prepared"], "tiny")}, "cpu", workers=0)
         run = evaluator.split_features(model, ["tiny"])
         saved = tmp_path / f"features_{precision}"
         assert tool.main(["evaluate", "--model", str(world["run"]), "--datasets", "tiny", "--pictures", "0",
                           "--device", "cpu", "--out", str(tmp_path / precision), "--save-features", str(saved),
-                          override]) == 0
+                          override, f"eval.flip={flip}"]) == 0
         tools[precision] = load_dataset_features(saved / "tiny.npz", "tiny")
         assert tools[precision].meta["precision"] == precision
+        assert tools[precision].meta["flip"] is (flip == "true")
         for split in ("query", "gallery"):
             assert torch.equal(torch.from_numpy(getattr(tools[precision], split).features), run[("tiny", split)])
     # the two arithmetics give different features, so the comparison above tells them apart

@@ -12,11 +12,13 @@ import torch
 from tiny_runs import save_tiny_run
 from tool_loader import cli_error, load_tool
 
+from fedreid.inference.errors import EvalInputError
 from fedreid.inference.export import (
     ExportError,
     OnnxExtractor,
     TorchScriptExtractor,
     export_model,
+    load_exported_model,
     load_extractor,
     read_sidecar,
     sidecar_path,
@@ -92,6 +94,17 @@ def test_parity_with_pytorch_on_real_images_and_dynamic_batch(world, fmt):
         assert np.abs(part - reference[rows]).max() <= TOLERANCE
     # the exported graph does not change the model: train flags and device stay as they were
     assert not any(m.training for m in world["loaded"].model.modules())
+
+
+def test_an_exported_model_without_the_flip_is_refused(world):
+    """The exported file averages with the flip itself: features without it need the model file (eval.flip)."""
+    path = export_model(world["loaded"], _out(world, "noflip.torchscript"), "torchscript", (HEIGHT, WIDTH))
+    exported = load_exported_model(path)
+    with pytest.raises(EvalInputError, match="eval.flip=false needs the model file it was exported from"):
+        model_features(exported, [(world["images"],)], torch.device("cpu"), flip=False)
+    alone = model_features(world["loaded"], [(world["images"],)], torch.device("cpu"), flip=False).features
+    assert np.abs(alone - world["reference"]).max() > 1e-3  # the model file gives the image's feature alone
+    np.testing.assert_allclose(np.linalg.norm(alone, axis=1), 1.0, atol=1e-5)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
