@@ -30,6 +30,7 @@ def write_eval_world(root: Path) -> dict[str, Path]:
     write_prepared(prepared, "tiny2", num_ids=1, test_ids=4, seed=5)
     run = save_tiny_run(root / "run", 32, 16, round=2)
     cfg = load_config(None, [f"data.prepared_root={prepared}", "data.datasets=[tiny]", "data.public_dataset=null",
-                             "model.backbone=resnet18", "model.height=32", "model.width=16", "eval.batch_size=8"])
+                             "model.backbone=resnet18", "model.bottleneck_dim=32", "model.height=32", "model.width=16",
+                             "eval.batch_size=8"])
     (run / "config.yaml").write_text(dump_config(cfg))
     return {"root": root, "prepared": prepared, "run": run}

@@ -95,7 +95,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 from fedreid.commands.eval_args import (
     add_precision_arguments,
@@ -105,7 +105,7 @@ from fedreid.commands.eval_args import (
 )
 from fedreid.commands.eval_gallery import add_index_command, add_query_command
 from fedreid.commands.eval_serve import add_serve_command
-from fedreid.config import load_config
+from fedreid.config import apply_overrides, load_config, read_yaml
 from fedreid.eval import protocols
 from fedreid.eval.pipeline import (
     CMC_PLOT,
@@ -127,7 +127,7 @@ from fedreid.inference.dataset_features import (
     save_dataset_features,
 )
 from fedreid.inference.errors import EvalInputError
-from fedreid.inference.model_io import find_model_file, load_model, run_config_path
+from fedreid.inference.model_io import find_model_file, load_model, refuse_other_model_settings, run_config_path
 from fedreid.utils.cli import (
     add_config_arguments,
     checked_overrides,
@@ -297,12 +297,15 @@ def _manifest_sets(root: str | Path, name: str) -> DatasetFeatures:
     return DatasetFeatures(name, *sets)
 
 
-def _claim_output_folders(out: Path, features_dir: str | None) -> None:
+def _claim_output_folders(out: Path, features_dir: str | None) -> Callable[[], None]:
     """Claim ``--out``, then ``--save-features``; when the second is refused the first is put back as it was.
 
     The same folder for both is refused first. Putting ``--out`` back removes
     only what its claim added: its marker, and the folders it created (only
-    while they are empty), so a refused call leaves nothing behind.
+    while they are empty), so a refused call leaves nothing behind. Returns
+    that undo, for a call that fails later (a damaged image met while
+    extracting): it then leaves ``--out`` as it was, unless something was
+    written there since.
     """
     if features_dir is not None and out.resolve() == Path(features_dir).resolve():
         raise EvalInputError(
@@ -310,21 +313,27 @@ def _claim_output_folders(out: Path, features_dir: str | None) -> None:
             "go to separate folders; choose another for one of them"
         )
     created = [p for p in (out, *out.parents) if not p.exists()]  # deepest first: what the claim will make
-    marked = marker_path(out, EVAL_KIND).exists()
-    claim_eval_dir(out)
-    if features_dir is None:
-        return
-    try:
-        claim_features_dir(features_dir)
-    except BaseException:
-        if not marked:
-            marker_path(out, EVAL_KIND).unlink(missing_ok=True)
+    marker = marker_path(out, EVAL_KIND)
+    marked = marker.exists()
+
+    def undo() -> None:
+        if marked or any(p != marker for p in out.iterdir()):
+            return  # the marker was there before, or results were written since: the folder stays
+        marker.unlink(missing_ok=True)
         for folder in created:
             try:
                 folder.rmdir()
             except OSError:  # not empty (someone else's file): it stays
                 break
-        raise
+
+    claim_eval_dir(out)
+    if features_dir is not None:
+        try:
+            claim_features_dir(features_dir)
+        except BaseException:
+            undo()
+            raise
+    return undo
 
 
 def _warn_unrecorded_models(names: list[str], files: dict[str, str]) -> None:
@@ -354,6 +363,16 @@ def _without_match_line(rows: dict[str, dict]) -> str | None:
     return "queries without a true match: " + ", ".join(parts) + (f" ({next(iter(hows.values()))})" if one else "")
 
 
+def _refuse_other_model_settings(loaded, cfg, config_file, overrides: Sequence[str]) -> None:
+    """The ``model.*`` keys that ``config_file`` or ``overrides`` set must agree with the model file's own."""
+    explicit = apply_overrides(read_yaml(config_file) if config_file else {}, overrides).get("model") or {}
+    overridden = {item.partition("=")[0].strip() for item in overrides}
+    where = {key: (f"override model.{key}" if f"model.{key}" in overridden else f"config file {config_file}")
+             for key in explicit}
+    refuse_other_model_settings(loaded, {key: getattr(cfg.model, key) for key in explicit
+                                         if hasattr(cfg.model, key)}, where)
+
+
 def cmd_evaluate(args: argparse.Namespace) -> int:
     # Every check comes first: no folder is created or marked and no feature extracted until all pass,
     # so a refused call leaves nothing behind.
@@ -380,6 +399,8 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         device = devices.resolve_device(args.device or "auto")
         precision = evaluation_precision(args, cfg.eval.precision, device)
         loaded = load_model(model_file, device, client=args.client)  # a broken model file is named before datasets
+        _refuse_other_model_settings(loaded, cfg, run_cfg if run_cfg and not args.config else args.config,
+                                     args.overrides)
         root = args.prepared_root or cfg.data.prepared_root
         names = args.datasets.split(",") if args.datasets else (cfg.eval.datasets or cfg.data.dataset_names())
         names = [n.strip() for n in names if n.strip()]
@@ -394,16 +415,20 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
             if args.rerank:
                 _check_rerank_sizes(listed, rerank_bytes)
         out = Path(args.out or model_file.parent / EVAL_DIR)
-        _claim_output_folders(out, args.save_features)  # both refused when they hold the user's files
+        undo_claim = _claim_output_folders(out, args.save_features)  # both refused when they hold the user's files
         feats = []
         batch_size = args.batch_size or cfg.eval.batch_size
-        for name in names:
-            print(f"extracting features: {name} ({precision.name})", flush=True)
-            fs = dataset_features(loaded, root, name, batch_size=batch_size, device=device, precision=precision,
-                                  progress=show_progress(args), flip=cfg.eval.flip)
-            if args.save_features:
-                print(f"  saved {save_dataset_features(args.save_features, fs)}")
-            feats.append(fs)
+        try:
+            for name in names:
+                print(f"extracting features: {name} ({precision.name})", flush=True)
+                fs = dataset_features(loaded, root, name, batch_size=batch_size, device=device, precision=precision,
+                                      progress=show_progress(args), flip=cfg.eval.flip)
+                if args.save_features:
+                    print(f"  saved {save_dataset_features(args.save_features, fs)}")
+                feats.append(fs)
+        except BaseException:
+            undo_claim()
+            raise
         source = str(model_file)
     report = evaluate_and_report(
         feats, out, ap=ap, rerank=args.rerank, pictures=args.pictures, queries=queries,

@@ -26,7 +26,8 @@ def resolve_device(device: str = "auto") -> torch.device:
     """``auto``: CUDA when available, else CPU.
 
     Raises :class:`EvalInputError` when torch cannot be imported, for a name
-    that is no device, and for a CUDA device this machine does not have.
+    that is no device or a device type other than CPU and CUDA, and for a
+    CUDA device this machine does not have.
     """
     try:
         import torch
@@ -42,6 +43,9 @@ def resolve_device(device: str = "auto") -> torch.device:
         resolved = torch.device(device)
     except RuntimeError:
         raise EvalInputError(f"--device {device!r} is not a device: expected auto, cpu, cuda or cuda:N") from None
+    if resolved.type not in ("cpu", "cuda"):  # torch knows mps, xpu, meta...: the tools run on neither
+        raise EvalInputError(f"--device {device}: the tools extract on the CPU or a CUDA device; expected auto, cpu, "
+                             "cuda or cuda:N")
     if resolved.type == "cuda":
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if count == 0:
@@ -54,16 +58,16 @@ def resolve_device(device: str = "auto") -> torch.device:
 def resolve_backend_device(device: str, backend: str) -> Any:
     """The device of feature extraction with ``backend`` (``pytorch``, ``torchscript``, ``onnx``).
 
-    ``onnx``: the string ``"cpu"`` (ONNX Runtime runs the exported file on
-    the CPU, and no torch is imported); ``device`` must be ``auto`` or
-    ``cpu``, anything else is an :class:`EvalInputError`. Other backends:
-    :func:`resolve_device`.
+    ``onnx`` and ``torchscript``: the string ``"cpu"`` (the exported file runs
+    on the CPU in float32: ONNX Runtime, or TorchScript's interpreter; no torch
+    is imported for ``onnx``); ``device`` must be ``auto`` or ``cpu``, anything
+    else is an :class:`EvalInputError`. ``pytorch``: :func:`resolve_device`.
     """
-    if backend != "onnx":
+    if backend == "pytorch":
         return resolve_device(device)
     if device not in ("auto", "cpu"):
         raise EvalInputError(
-            f"--device {device}: --backend onnx runs the exported file on the CPU (ONNX Runtime); "
+            f"--device {device}: --backend {backend} runs the exported file on the CPU; "
             "give --device cpu or leave --device out (--faiss-gpu on still puts FAISS on a GPU)"
         )
     return "cpu"

@@ -150,15 +150,24 @@ def _model_payload(
     data = _read_model_file(path)
     fmt = data.get("format") if isinstance(data, dict) else None
     try:
-        task = data.get("task", "reid") if fmt == MODEL_FORMAT else (data.get("config") or {}).get("task", "reid")
+        config = data.get("config") if fmt == CHECKPOINT_FORMAT else None
+        if fmt == CHECKPOINT_FORMAT and not isinstance(config, dict):
+            raise EvalInputError(f"model file {path} ({fmt}): its config is a {type(config).__name__}, not a mapping")
+        task = data.get("task", "reid") if fmt == MODEL_FORMAT else (config or {}).get("task", "reid")
         if task != "reid":
             raise EvalInputError(f"{path} holds a {task} model, not a person re-identification model")
         if fmt == MODEL_FORMAT:
-            return dict(data["model"]), _pick_state(path, data, client), data.get("round")
-        if fmt == CHECKPOINT_FORMAT:
-            return dict(data["config"]["model"]), _pick_state(path, _checkpoint_models(data), client), data.get("round")
-    except (KeyError, TypeError) as exc:
+            model, state = data["model"], _pick_state(path, data, client)
+        elif fmt == CHECKPOINT_FORMAT:
+            model, state = config["model"], _pick_state(path, _checkpoint_models(data), client)
+        else:
+            model = None
+        if fmt in (MODEL_FORMAT, CHECKPOINT_FORMAT):
+            return _checked_model_config(path, model), state, _checked_round(path, data.get("round"))
+    except KeyError as exc:
         raise EvalInputError(f"model file {path} ({fmt}) lacks entry {exc}") from None
+    except (TypeError, ValueError, AttributeError, IndexError) as exc:  # an entry of the wrong kind
+        raise EvalInputError(f"model file {path} ({fmt}) is malformed: {type(exc).__name__}: {exc}") from None
     what = f"its format is {fmt!r}" if fmt is not None else (
         "a bare state dict carries no model config" if isinstance(data, dict) else f"it holds a {type(data).__name__}"
     )
@@ -166,6 +175,32 @@ def _model_payload(
         f"{path} is a PyTorch file but not a fedreid model ({MODEL_FILE}, format {MODEL_FORMAT!r}) "
         f"or training checkpoint ({CHECKPOINT_FILE}): {what}; {_EXPECTED_MODEL}"
     )
+
+
+#: The model config entries that decide the architecture and the input, and their types.
+_MODEL_FIELDS: dict[str, type] = {"backbone": str, "last_stride": int, "bottleneck_dim": int, "height": int,
+                                  "width": int}
+
+
+def _checked_model_config(path: Path, model: Any) -> dict[str, Any]:
+    """A model file's model config, its architecture and input entries checked: names the file and entry."""
+    if not isinstance(model, dict):
+        raise EvalInputError(f"model file {path}: its model config is a {type(model).__name__}, not a mapping")
+    for key, kind in _MODEL_FIELDS.items():
+        if key not in model:
+            continue  # load_model fills the defaults
+        value = model[key]
+        if kind is int and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise EvalInputError(f"model file {path}: model config {key} is {value!r}, expected a whole number >= 1")
+        if kind is str and (not isinstance(value, str) or not value):
+            raise EvalInputError(f"model file {path}: model config {key} is {value!r}, expected a model name")
+    return dict(model)
+
+
+def _checked_round(path: Path, value: Any) -> Optional[int]:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+        raise EvalInputError(f"model file {path}: its round is {value!r}, expected a whole number >= 0")
+    return value
 
 
 def _checkpoint_models(data: Mapping[str, Any]) -> dict[str, Any]:
@@ -240,6 +275,23 @@ def load_model(
     fingerprint = model_fingerprint(model, cfg)
     model.to(device).eval()
     return LoadedModel(model=model, config=cfg, source=file, round=rnd, fingerprint=fingerprint)
+
+
+def refuse_other_model_settings(loaded: LoadedModel, settings: Mapping[str, Any], where: Mapping[str, str]) -> None:
+    """An :class:`EvalInputError` when a setting of ``settings`` (``model.*`` values set by a config or an
+    override) gives the architecture or input size another value than the model file's.
+
+    The model file decides both, so a differing setting would be dropped
+    without a word. ``where``: for each key, what set it (named in the error).
+    """
+    defaults = {"backbone": "resnet50", "last_stride": 2, "bottleneck_dim": 512, "height": 256, "width": 128}
+    for key in _MODEL_FIELDS:
+        if key in settings and settings[key] != loaded.config.get(key, defaults[key]):
+            raise EvalInputError(
+                f"model.{key} is {settings[key]!r} ({where.get(key, 'the config')}) but the model file "
+                f"{loaded.source} was built with {loaded.config.get(key, defaults[key])!r}: the model file decides "
+                "the architecture and the input size; drop or correct the setting"
+            )
 
 
 def _state_mismatch(model: Any, state: Mapping[str, Any], exc: Exception, shown: int = 3) -> str:

@@ -170,6 +170,43 @@ def test_a_refused_save_features_folder_puts_out_back_as_it_was(world, tmp_path,
     assert _tree(users) == {"notes.txt": b"mine"}
 
 
+@pytest.mark.parametrize("setting,words", [
+    ("model.height=128", "model.height is 128 (override model.height) but the model file"),
+    ("model.bottleneck_dim=64", "model.bottleneck_dim is 64 (override model.bottleneck_dim)"),
+    ("model.backbone=mobilenetv2_100", "model.backbone is 'mobilenetv2_100' (override model.backbone)"),
+])
+def test_a_model_setting_the_model_file_contradicts_is_refused_at_the_door(world, tmp_path, capsys, extractions,
+                                                                         setting, words):
+    out = tmp_path / "eval"
+    err = cli_error(tool, ["evaluate", "--model", str(world["run"]), "--datasets", "tiny", "--out", str(out),
+                           setting], capsys)
+    assert words in err and "the model file decides the architecture and the input size" in err
+    assert extractions == [] and not out.exists()
+
+
+def test_a_config_file_whose_model_section_contradicts_the_model_file_is_named(world, tmp_path, capsys, extractions):
+    config = tmp_path / "other.yaml"
+    config.write_text(f"data:\n  prepared_root: {world['prepared']}\nmodel:\n  backbone: resnet18\n  width: 64\n")
+    err = cli_error(tool, ["evaluate", "--model", str(world["run"]), "--config", str(config), "--datasets", "tiny",
+                           "--out", str(tmp_path / "eval")], capsys)
+    assert f"model.width is 64 (config file {config}) but the model file" in err and extractions == []
+    config.write_text(f"data:\n  prepared_root: {world['prepared']}\nmodel:\n  backbone: resnet18\n  width: 16\n")
+    assert tool.main(["evaluate", "--model", str(world["run"]), "--config", str(config), "--datasets", "tiny",
+                      "--out", str(tmp_path / "eval"), "--pictures", "0", "--device", "cpu"]) == 0
+
+
+def test_a_damaged_image_met_while_extracting_leaves_out_as_it_was(world, tmp_path, capsys, monkeypatch):
+    from fedreid.data.images import ImageReadError
+
+    def damaged(*args, **kwargs):
+        raise ImageReadError("image /data/x.jpg is damaged")
+
+    monkeypatch.setattr(tool, "dataset_features", damaged)
+    out = tmp_path / "new" / "eval"
+    err = cli_error(tool, ["evaluate", "--model", str(world["run"]), "--datasets", "tiny", "--out", str(out)], capsys)
+    assert "damaged" in err and not (tmp_path / "new").exists()
+
+
 # --------------------------------------------------------------------------
 # F3: a broken model file is the model file's problem, whatever the datasets
 # --------------------------------------------------------------------------

@@ -364,6 +364,20 @@ def test_cli_index_and_query_with_backend_onnx(world, tmp_path, capsys):
     assert "no sidecar" in err
 
 
+@pytest.mark.parametrize("flags,words", [
+    (["--device", "cuda"], "--device cuda: --backend torchscript runs the exported file on the CPU"),
+    (["--amp"], "--amp: --backend torchscript runs the exported file in float32 on the CPU"),
+    (["--channels-last"], "--channels-last: --backend torchscript runs the exported file in float32 on the CPU"),
+])
+def test_gpu_options_an_exported_file_cannot_honour_are_refused_before_any_folder(world, tmp_path, capsys, flags,
+                                                                                  words):
+    model = export_model(world["loaded"], _out(world, "flags.ts"), "torchscript", (HEIGHT, WIDTH))
+    index = tmp_path / "index"
+    err = _cli_error(["index", "--backend", "torchscript", "--model", str(model), "--gallery",
+                      str(world["root"] / "images"), "--index", str(index), *flags], capsys)
+    assert words in err and not index.exists()
+
+
 class _MeanColour(torch.nn.Module):
     """A stand-in for a foreign ONNX graph: each image's mean colour, L2-normalised ([B, 3]); ``flat``: one row [3]."""
 

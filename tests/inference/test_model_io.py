@@ -61,3 +61,45 @@ def test_a_file_of_another_model_names_the_configured_one_and_at_most_three_keys
     text = _line(info)
     assert "(backbone 'resnet18', bottleneck_dim 64): " in text and "shape mismatches" in text
     assert len(_listed_keys(text)) <= 3
+
+
+def _malformed_files(tmp_path):
+    """Files torch loads (weights only) whose one entry is of the wrong kind: (file name, payload, words)."""
+    run = save_tiny_run(tmp_path / "run", 64, 32)
+    good = torch.load(run / "model_final.pt", weights_only=True)
+    state, model = good["state"], good["model"]
+
+    def with_model(**entries):
+        return {"format": "fedreid.model", "model": {**model, **entries}, "round": 1, "state": state}
+
+    def checkpoint(config, server):
+        return {"format": "fedreid.fl.checkpoint", "config": config, "server": {"global_state": state, **server}}
+
+    local = {"model": model, "fl": {"mode": "local"}}
+    return [
+        ("height_text", with_model(height="abc"), "model config height is 'abc', expected a whole number >= 1"),
+        ("height_none", with_model(height=None), "model config height is None, expected a whole number >= 1"),
+        ("height_zero", with_model(height=0), "model config height is 0, expected a whole number >= 1"),
+        ("height_float", with_model(height=32.7), "model config height is 32.7, expected a whole number >= 1"),
+        ("backbone_empty", with_model(backbone=""), "model config backbone is '', expected a model name"),
+        ("round_text", {**with_model(), "round": "abc"}, "its round is 'abc', expected a whole number >= 0"),
+        ("model_text", {"format": "fedreid.model", "model": "resnet18", "state": state},
+         "its model config is a str, not a mapping"),
+        ("top_list", [1, 2, 3], "it holds a list"),
+        ("checkpoint_config_list", checkpoint(["x"], {}), "its config is a list, not a mapping"),
+        ("checkpoint_fl_text", checkpoint({"model": model, "fl": "local"}, {}), "is malformed: AttributeError"),
+        ("checkpoint_client_key", checkpoint(local, {"local_states": {"a": state}, "client_names": ["c0"]}),
+         "is malformed: ValueError"),
+        ("checkpoint_client_index", checkpoint(local, {"local_states": {3: state}, "client_names": ["c0"]}),
+         "is malformed: IndexError"),
+    ]
+
+
+def test_a_model_file_with_an_entry_of_the_wrong_kind_is_one_line_naming_the_file(tmp_path):
+    for name, payload, words in _malformed_files(tmp_path):
+        path = tmp_path / f"{name}.pt"
+        torch.save(payload, path)
+        with pytest.raises(EvalInputError) as info:
+            load_model(path, client="c0" if name.startswith("checkpoint_client") else None)
+        text = _line(info)
+        assert str(path) in text and words in text, (name, text)
