@@ -27,7 +27,7 @@ from fedreid.retrieval.folders import (
     query_index,
     remove_from_gallery_store,
 )
-from fedreid.utils.cli import show_progress
+from fedreid.utils.cli import positive_int, show_progress
 from fedreid.utils.io import claim_output_dir
 
 INDEX_HELP = """Build, extend or prune a gallery store of image folders (fedreid.retrieval.GalleryStore).
@@ -177,7 +177,7 @@ def add_index_command(sub: argparse._SubParsersAction) -> None:
     )
     ix.add_argument("--verify-sample", type=int, default=200, metavar="N", help="items sampled as queries (200)")
     ix.add_argument("--verify-k", type=int, default=10, metavar="K", help="k of recall@k (10)")
-    ix.add_argument("--batch-size", type=int, default=128, metavar="N")
+    ix.add_argument("--batch-size", type=positive_int, default=128, metavar="N")
     ix.add_argument("--device", default="auto")
     ix.add_argument("--client", metavar="NAME", help="a local-training baseline run: whose model to use")
     add_skip_argument(ix, f"the index folder's {SKIPPED_FILE}")
@@ -200,7 +200,7 @@ def add_query_command(sub: argparse._SubParsersAction) -> None:
     qu.add_argument("--since", metavar="TIME", help="only items at or after TIME (seconds since the epoch or ISO)")
     qu.add_argument("--until", metavar="TIME", help="only items at or before TIME (seconds since the epoch or ISO)")
     qu.add_argument("--out", metavar="DIR", help="write one ranked-list PNG per query here")
-    qu.add_argument("--batch-size", type=int, default=128, metavar="N")
+    qu.add_argument("--batch-size", type=positive_int, default=128, metavar="N")
     qu.add_argument("--device", default="auto")
     qu.add_argument("--client", metavar="NAME", help="a local-training baseline run: whose model to use")
     qu.add_argument(

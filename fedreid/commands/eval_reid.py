@@ -131,6 +131,7 @@ from fedreid.inference.model_io import find_model_file, load_model, refuse_other
 from fedreid.utils.cli import (
     add_config_arguments,
     checked_overrides,
+    count_int,
     positive_float,
     positive_int,
     run_main,
@@ -161,7 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--batch-size", type=positive_int, metavar="N", help="images per batch (eval.batch_size)")
     ev.add_argument("--save-features", metavar="DIR", help="write DIR/<dataset>.npz for later --features runs")
     ev.add_argument(
-        "--pictures", type=int, default=3, metavar="N", help="best/worst-AP ranked-list PNGs per dataset (default 3)"
+        "--pictures", type=count_int, default=3, metavar="N", help="best/worst-AP ranked-list PNGs per dataset (default 3)"
     )
     ev.add_argument(
         "--queries", action="append", metavar="Q[,Q...]",

@@ -258,6 +258,7 @@ def load_model(
             last_stride=int(cfg.get("last_stride", 2)),
             bottleneck_dim=int(cfg.get("bottleneck_dim", 512)),
             dropout=float(cfg.get("dropout", 0.5)),
+            seed=0,  # the saved state overwrites the initial weights; seeded, they leave the caller's RNG alone
         )
         shared = {k: v for k, v in state.items() if not k.startswith(PRIVATE_PREFIXES)}
         load_shared_state(model, shared)

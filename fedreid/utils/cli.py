@@ -44,6 +44,17 @@ def positive_int(text: str) -> int:
     return value
 
 
+def count_int(text: str) -> int:
+    """An ``argparse`` type: an integer >= 0 (how many of something; 0 means none)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
+
+
 def show_progress(args: argparse.Namespace) -> bool:
     """Whether a tool draws progress bars: stderr is a terminal and ``--no-progress`` was not given."""
     return not args.no_progress and sys.stderr.isatty()

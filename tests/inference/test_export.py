@@ -233,10 +233,18 @@ def test_an_export_stopped_before_its_sidecar_is_written_can_be_redone(world, fm
 def test_a_zero_size_or_batch_is_refused_not_replaced_by_the_default(world, capsys):
     for argv, flag in ((["export", "--model", str(world["run"]), "--format", "torchscript", "--out", "x.pt",
                          "--height", "0"], "--height"),
-                       (["evaluate", "--model", str(world["run"]), "--batch-size", "0"], "--batch-size")):
+                       (["evaluate", "--model", str(world["run"]), "--batch-size", "0"], "--batch-size"),
+                       (["index", "--model", str(world["run"]), "--gallery", str(world["root"] / "images"),
+                         "--index", str(world["root"] / "never"), "--batch-size", "0"], "--batch-size"),
+                       (["query", "--model", str(world["run"]), "--index", str(world["root"] / "never"),
+                         "--images", str(world["root"] / "images"), "--batch-size", "0"], "--batch-size")):
         with pytest.raises(SystemExit):
             tool.main(argv)
         assert f"argument {flag}: expected an integer >= 1, got '0'" in capsys.readouterr().err
+    assert not (world["root"] / "never").exists()  # refused before the index folder was made
+    with pytest.raises(SystemExit):
+        tool.main(["evaluate", "--model", str(world["run"]), "--pictures", "-1"])
+    assert "argument --pictures: expected an integer >= 0, got '-1'" in capsys.readouterr().err
 
 
 @needs_ort

@@ -103,3 +103,11 @@ def test_a_model_file_with_an_entry_of_the_wrong_kind_is_one_line_naming_the_fil
             load_model(path, client="c0" if name.startswith("checkpoint_client") else None)
         text = _line(info)
         assert str(path) in text and words in text, (name, text)
+
+
+def test_loading_a_model_leaves_the_callers_random_stream_alone(tmp_path):
+    run = save_tiny_run(tmp_path / "run", 64, 32)
+    torch.manual_seed(123)
+    before = torch.get_rng_state()
+    load_model(run)
+    assert torch.equal(torch.get_rng_state(), before)
