@@ -75,7 +75,7 @@ def _where(feats: DatasetFeatures) -> str:
 
 
 def _model_record(feats: DatasetFeatures) -> Optional[dict[str, Any]]:
-    """What ``feats`` came from, by their ``meta``: model file (absolute), round, fingerprint; None if unsaid.
+    """What ``feats`` came from, by their ``meta``: model file (absolute), round, fingerprint, client; None if unsaid.
 
     A relative model path (a feature cache of an earlier fedreid) is taken
     relative to the working directory, as that fedreid wrote it.
@@ -88,7 +88,8 @@ def _model_record(feats: DatasetFeatures) -> Optional[dict[str, Any]]:
         rnd = None if rnd is None else int(rnd)
     except (TypeError, ValueError):
         raise EvalInputError(f"{_where(feats)}: its meta round {rnd!r} is not a round number") from None
-    return {"file": os.path.abspath(str(model)), "round": rnd, "fingerprint": feats.meta.get("model_fingerprint") or None}
+    return {"file": os.path.abspath(str(model)), "round": rnd, "fingerprint": feats.meta.get("model_fingerprint") or None,
+            "client": feats.meta.get("client")}
 
 
 def _same_model(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:

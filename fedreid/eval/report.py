@@ -509,11 +509,14 @@ def _retrieval_section(run_dir: Path) -> list[str]:
 
         reranked += report_note(results)
     model = results["model"]
+    client = model.get("client")
+    whose = (f"Client `{client}`'s own model of this local-training baseline (each client has one)" if client
+             else "The final model's own numbers (the last evaluation above, when the last round was evaluated and "
+             "the options match)")
     lines = heading + [
-        f"Model `{Path(model['file']).name}` (round {model.get('round')}), {results.get('ap', 'standard')} "
-        f"AP{reranked}, whole filtered gallery, in %. The final model's own numbers (the last evaluation above, "
-        "when the last round was evaluated and the options match); compare with the paper through the "
-        "paper-convention table.",
+        f"Model `{Path(model['file']).name}`{f', client `{client}`' if client else ''} (round {model.get('round')}), "
+        f"{results.get('ap', 'standard')} AP{reranked}, whole filtered gallery, in %. {whose}; compare with the "
+        "paper through the paper-convention table.",
         "",
         format_table(results["datasets"]),
         f"![CMC]({link(results['cmc_plot'])})",

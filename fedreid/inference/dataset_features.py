@@ -107,7 +107,7 @@ def dataset_features(
     :class:`~fedreid.utils.precision.Precision`; default fp32): the forwards
     run under its autocast, in its layout (``channels_last``), and its name is
     recorded in the features' ``meta``, with the model file (absolute), its
-    round and fingerprint. ``flip``: average with the horizontal flip
+    round, fingerprint and client (a local-training baseline's). ``flip``: average with the horizontal flip
     (``eval.flip``, recorded in ``meta``). Degenerate features (NaN/inf, all
     zero, all identical; :func:`~fedreid.inference.features.check_features`)
     raise an error naming the model and the dataset. ``progress``: a bar per
@@ -141,6 +141,8 @@ def dataset_features(
             "precision": precision.name}
     if loaded.fingerprint:
         meta["model_fingerprint"] = loaded.fingerprint
+    if loaded.client is not None:  # a local-training baseline's file holds one model per client
+        meta["client"] = loaded.client
     return DatasetFeatures(name, sets["query"], sets["gallery"], meta, source=f"model {loaded.source}")
 
 

@@ -77,6 +77,8 @@ class LoadedModel:
     #: An exported-file runner (:func:`fedreid.inference.export.load_exported_model`): a function of images
     #: [B, 3, H, W] (numpy or torch) to features [B, d]; :func:`model_features` takes them as they are.
     extractor: Any = None
+    #: The client whose own model this is (a local-training baseline's file), else None.
+    client: Optional[str] = None
 
 
 def find_model_file(path: str | Path) -> Path:
@@ -275,7 +277,7 @@ def load_model(
     cfg.setdefault("width", 128)
     fingerprint = model_fingerprint(model, cfg)
     model.to(device).eval()
-    return LoadedModel(model=model, config=cfg, source=file, round=rnd, fingerprint=fingerprint)
+    return LoadedModel(model=model, config=cfg, source=file, round=rnd, fingerprint=fingerprint, client=client)
 
 
 def refuse_other_model_settings(loaded: LoadedModel, settings: Mapping[str, Any], where: Mapping[str, str]) -> None:

@@ -225,6 +225,16 @@ def test_a_local_baseline_checkpoint_gives_the_clients_trained_models(world, tmp
     assert torch.equal(load_model(run, client="tiny").model.embed(x), expected)
     err = _cli_error(["evaluate", "--model", str(run)], capsys)
     assert "local-training baseline" in err and "--client (tiny, tiny2)" in err
+    from fedreid.eval.report import _retrieval_section
+    from fedreid.inference.dataset_features import load_dataset_features
+
+    for client in ("tiny", "tiny2"):  # results.json, the features and the report name the client's model
+        saved = tmp_path / f"features_{client}"
+        assert tool.main(["evaluate", "--model", str(run), "--client", client, "--datasets", "tiny", "--pictures",
+                          "0", "--device", "cpu", "--out", str(run / "eval"), "--save-features", str(saved)]) == 0
+        assert json.loads((run / "eval" / "results.json").read_text())["model"]["client"] == client
+        assert load_dataset_features(saved / "tiny.npz", "tiny").meta["client"] == client
+        assert f"Model `checkpoint.pt`, client `{client}` (round 2)" in "\n".join(_retrieval_section(run))
     checkpoint["server"]["local_states"] = {}
     torch.save(checkpoint, run / "checkpoint.pt")
     assert "have not trained yet" in _cli_error(["evaluate", "--model", str(run), "--client", "tiny"], capsys)
