@@ -91,6 +91,18 @@ Examples:
   python tools/eval_reid.py index --index idx --remove 17 42 0002_c1s1_000451_01.jpg
 """
 
+QUERY_EXAMPLES = """Examples:
+  # the top 10 of each image of a folder, with a PNG of each ranked list
+  python tools/eval_reid.py query --model runs/fedpav --index runs/fedpav/index --images photos/query --out /tmp/q
+
+  # cameras 1 and 2 of one day, from the sites lobby and gate
+  python tools/eval_reid.py query --model runs/fedpav --index big --images photos/query \\
+      --cameras 1,2 --sites lobby,gate --since 2024-05-01 --until 2024-05-01T23:59:59
+
+  # with an exported model (ONNX Runtime on the CPU, no PyTorch needed)
+  python tools/eval_reid.py query --backend onnx --model fedpav.onnx --index idx_onnx --images photos/query
+"""
+
 QUERY_HELP = """Search a gallery store (written by 'index') with query images.
 
 The store (`index --help`): a FAISS index by --factory (default Flat: exact, the ranking of
@@ -190,7 +202,7 @@ def add_index_command(sub: argparse._SubParsersAction) -> None:
 def add_query_command(sub: argparse._SubParsersAction) -> None:
     """The ``query`` subcommand."""
     qu = sub.add_parser("query", help="search an index with query images", description=QUERY_HELP,
-                        formatter_class=argparse.RawDescriptionHelpFormatter)
+                        epilog=QUERY_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     qu.add_argument("--index", required=True, metavar="DIR", help="index folder written by 'index'")
     qu.add_argument("--model", required=True, metavar="PATH", help="the model the index was built with")
     qu.add_argument("--images", required=True, metavar="FILE_OR_DIR", help="query image or folder of images")

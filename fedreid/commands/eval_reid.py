@@ -140,12 +140,28 @@ from fedreid.utils.cli import (
 from fedreid.utils.io import marker_path, owns_folder
 from fedreid.utils.logging import METRICS_JSONL, add_pictures, read_metrics
 
+EVALUATE_EXAMPLES = """Examples:
+  # Rank-1/5/10, mAP and mINP of a run's final model on its evaluation datasets (its config.yaml's)
+  python tools/eval_reid.py evaluate --model runs/fedpav
+
+  # chosen datasets, official (Market-1501 MATLAB) AP, re-ranking, features cached for later
+  python tools/eval_reid.py evaluate --model runs/fedpav/model_final.pt --datasets market1501,dukemtmc \\
+      --ap official --rerank --save-features runs/fedpav/features
+
+  # again from the cached features, without the model
+  python tools/eval_reid.py evaluate --features runs/fedpav/features/market1501.npz --out /tmp/eval
+
+  # one client's own model of a local-training baseline
+  python tools/eval_reid.py evaluate --model runs/local --client market1501
+"""
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True, metavar="{evaluate,index,query,serve,export}")
 
-    ev = sub.add_parser("evaluate", help="CMC/mAP on prepared datasets", description="CMC/mAP on prepared datasets")
+    ev = sub.add_parser("evaluate", help="CMC/mAP on prepared datasets", description="CMC/mAP on prepared datasets",
+                        epilog=EVALUATE_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     source = ev.add_mutually_exclusive_group(required=True)
     source.add_argument("--model", metavar="PATH", help="run folder, model_final.pt or checkpoint.pt")
     source.add_argument(

@@ -31,6 +31,11 @@ def test_help_shows_examples(capsys):
     assert exc.value.code == 0
     out = capsys.readouterr().out
     assert "Examples" in out and "evaluate --model" in out and "query --model" in out
+    for command in ("evaluate", "index", "query", "serve", "export"):  # each command's own help teaches too
+        with pytest.raises(SystemExit):
+            tool.main([command, "--help"])
+        out = capsys.readouterr().out
+        assert f"python tools/eval_reid.py {command} " in out, command
 
 
 def test_evaluate_then_rerun_from_features(world, capsys):
