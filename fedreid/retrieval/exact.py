@@ -50,6 +50,7 @@ __all__ = [
     "pair_scores",
     "refuse_old_index_folder",
     "require_faiss_gpu",
+    "score_error_bound",
     "search",
 ]
 
@@ -104,7 +105,8 @@ def _maybe_to_gpu(index: Any, use_gpu: bool | str, gpu_id: int = 0) -> Any:
     require_faiss_gpu()
     resources = faiss.StandardGpuResources()
     gpu_index = faiss.index_cpu_to_gpu(resources, int(gpu_id), index)
-    gpu_index.fedreid_resources = resources  # the GPU index must not outlive them
+    # The GPU index must not outlive them; FAISS refuses other new attributes on an index.
+    gpu_index.referenced_objects = [*(getattr(gpu_index, "referenced_objects", None) or ()), resources]
     return gpu_index
 
 
@@ -196,6 +198,18 @@ def pair_scores(queries: np.ndarray, vectors: np.ndarray) -> np.ndarray:
     return np.einsum("qcd,qd->qc", vectors, queries)
 
 
+def score_error_bound(queries: np.ndarray, max_norm: float) -> np.ndarray:
+    """Per query, how far two float32 computations of its inner product with one item may differ (float64).
+
+    Any summation order (a BLAS kernel's, FAISS's, :func:`pair_scores`'s) of a
+    length-``d`` dot product is within ``d * 2**-24 * |q| * |g|`` of the true
+    value; twice that, with ``max_norm`` the largest ``|g|``, bounds the
+    difference of two of them.
+    """
+    norms = np.linalg.norm(np.asarray(queries, dtype=np.float64), axis=1)
+    return 2 * queries.shape[1] * 2.0**-24 * norms * float(max_norm)
+
+
 def _rescored_topk(queries: np.ndarray, gallery: np.ndarray, block: np.ndarray, k: int,
                    max_norm: float) -> tuple[np.ndarray, np.ndarray]:
     """Top-``k`` of each row of ``block`` (``queries @ gallery.T``) under the tie rule, with per-pair scores.
@@ -204,13 +218,12 @@ def _rescored_topk(queries: np.ndarray, gallery: np.ndarray, block: np.ndarray, 
     item's column (its place in the SIMD kernel), so two equal gallery
     vectors can score a unit in the last place apart and break the tie rule
     (seen with OpenBLAS on AMD EPYC). Every item whose matmul score lies
-    within twice the float32 error bound of a length-``d`` dot product
-    (``d * 2**-24 * |q| * max |g|``, ``max_norm`` the largest ``|g|``) of
-    the row's ``k``-th is rescored by :func:`pair_scores`; the tie rule then
-    orders those.
+    within the two computations' error bound (:func:`score_error_bound`,
+    ``max_norm`` the largest ``|g|``) of the row's ``k``-th is rescored by
+    :func:`pair_scores`; the tie rule then orders those.
     """
     kth = np.partition(block, block.shape[1] - k, axis=1)[:, block.shape[1] - k]  # each row's k-th largest
-    bound = 2 * gallery.shape[1] * 2.0**-24 * np.linalg.norm(queries, axis=1) * max_norm
+    bound = score_error_bound(queries, max_norm)
     candidates = block >= (kth - bound)[:, None]
     scores = np.empty((block.shape[0], k), dtype=np.float32)
     indices = np.empty((block.shape[0], k), dtype=np.int64)

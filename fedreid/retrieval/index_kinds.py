@@ -16,7 +16,8 @@ family lives in that family's :class:`IndexKind`:
   :meth:`IndexKind.training_need`, :meth:`IndexKind.before_training`;
 * whether a filtered search is always exact and a removal rebuilds the
   segment's index (FAISS graphs cannot remove): :attr:`IndexKind.exact_filters`,
-  :attr:`IndexKind.rebuild_on_remove`.
+  :attr:`IndexKind.rebuild_on_remove` (fast-scan codes of any kind too:
+  :func:`rebuilds_on_remove`).
 
 Adding a family is one subclass registered in :data:`INDEX_KINDS`
 (``docs/extending.md``, "Add an index kind").
@@ -43,6 +44,7 @@ __all__ = [
     "innermost",
     "is_kind_name",
     "kind_named",
+    "rebuilds_on_remove",
     "search_keys",
     "supported_factories",
     "unsupported_reason",
@@ -247,6 +249,23 @@ def index_kind(index: Any) -> str:
         if kind.matches(inner):
             return kind.name
     return "unsupported"
+
+
+def rebuilds_on_remove(index: Any) -> bool:
+    """Whether a removal from ``index`` (the store's ``IndexIDMap2``) rebuilds it from the remaining stored vectors.
+
+    True for a kind with :attr:`IndexKind.rebuild_on_remove` and for every
+    fast-scan index (``PQ<m>x4fs`` codes, with or without IVF or OPQ).
+    """
+    if kind_named(index_kind(index)).rebuild_on_remove:
+        return True
+    # FAISS packs fast-scan codes 32 to a block, interleaved, and its remove_ids shrinks a list by whole
+    # blocks only: the freed slots of the last block keep the codes that were there (the erased item's, or
+    # the one moved into its place), and write_index writes them. Zeroing those slots in place would depend
+    # on FAISS's packing layout; encoding the remaining stored vectors again with the same trained index is
+    # deterministic, gives exactly the codes they had, and leaves every unused slot zero, as a fresh build does.
+    fast_scan = tuple(getattr(faiss, name) for name in ("IndexFastScan", "IndexIVFFastScan") if hasattr(faiss, name))
+    return isinstance(innermost(index), fast_scan)
 
 
 def kind_named(name: str) -> type[IndexKind]:

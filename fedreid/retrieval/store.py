@@ -29,8 +29,10 @@ differs by index family: :mod:`fedreid.retrieval.index_kinds`.
 
 from __future__ import annotations
 
+import collections.abc
 import contextlib
 import json
+import math
 import os
 import re
 import sqlite3
@@ -38,7 +40,7 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping, Optional, Sequence
+from typing import Any, BinaryIO, Iterable, Iterator, Mapping, Optional, Sequence
 
 import faiss
 import numpy as np
@@ -53,6 +55,7 @@ from fedreid.retrieval.index_kinds import (
     accepts_search_parameters,
     inner_ivf,
     kind_named,
+    rebuilds_on_remove,
     supported_factories,
     unsupported_reason,
 )
@@ -100,6 +103,7 @@ from fedreid.utils.io import claim_output_dir, replace_dir_atomically, swap_sibl
 
 __all__ = [
     "EXACT_FILTER_MAX",
+    "NORM_TOLERANCE",
     "SIDE_FILES",
     "STORE_FORMAT",
     "SUPPORTED_FACTORIES",
@@ -125,6 +129,10 @@ LOCK_TIMEOUT_S = 60.0
 OPEN_ATTEMPTS = 5
 #: Pause before the first repeated read, doubled each time.
 OPEN_RETRY_PAUSE_S = 0.05
+#: How far from 1 the L2 norm of a stored feature may be: scores are cosines (a federated search's
+#: ``NORM_TOLERANCE`` for queries is the same). float32 rounding, and features extracted in fp16 or bf16
+#: then normalised in float32, stay within about 1e-6 of it.
+NORM_TOLERANCE = 1e-3
 #: Names kept here for their earlier importers (the files' names live in :mod:`fedreid.retrieval.store_files`).
 _REEXPORTED = (DEFAULT_EF_SEARCH, DEFAULT_NPROBE, EF_SEARCH_CANDIDATES, NPROBE_CANDIDATES, SEGMENT_SUFFIXES,
                LEGACY_FILES, LEGACY_VERSION, STORE_FORMAT, _SEGMENT_FILE, is_store_folder, sha256_file)
@@ -258,8 +266,12 @@ def _search_params(kind: str, search: Mapping[str, int], selector: Any = None) -
     return params
 
 
-def _as_features(name: str, x: Any, dim: Optional[int] = None) -> np.ndarray:
-    x = np.ascontiguousarray(np.asarray(x, dtype=np.float32))
+def _as_features(name: str, x: Any, dim: Optional[int] = None, *, unit: bool = False) -> np.ndarray:
+    """``x`` as a checked float32 ``[N, d]`` array; ``unit``: every row's L2 norm within :data:`NORM_TOLERANCE` of 1."""
+    try:
+        x = np.ascontiguousarray(np.asarray(x, dtype=np.float32))
+    except (TypeError, ValueError) as exc:
+        raise GalleryStoreError(f"{name} must be a numeric [N, d] array: {str(exc).splitlines()[0]:.120}") from None
     if x.ndim != 2 or x.shape[0] == 0:
         raise GalleryStoreError(f"{name} must be a non-empty [N, d] array, got shape {x.shape}")
     if dim is not None and x.shape[1] != dim:
@@ -267,7 +279,57 @@ def _as_features(name: str, x: Any, dim: Optional[int] = None) -> np.ndarray:
     if not np.isfinite(x).all():
         row = int(np.flatnonzero(~np.isfinite(x).all(axis=1))[0])
         raise GalleryStoreError(f"{name} hold NaN or inf values (row {row})")
+    if unit:
+        norms = np.sqrt(np.einsum("nd,nd->n", x, x, dtype=np.float64))
+        off = np.flatnonzero(np.abs(norms - 1.0) > NORM_TOLERANCE)
+        if off.size:
+            row = int(off[0])
+            raise GalleryStoreError(
+                f"{name} row {row} has L2 norm {norms[row]:.6g} ({off.size} of {x.shape[0]} rows are off): "
+                f"expected L2-normalised features (norm 1 within {NORM_TOLERANCE:g}), whose inner products are "
+                "cosines; normalise each row"
+            )
     return x
+
+
+def _check_meta(meta: Mapping[str, Any], where: str = "meta") -> None:
+    """Refuse a non-finite number anywhere in ``meta``, naming its key (``meta['a']['b']``).
+
+    JSON has no NaN or infinity (Python writes tokens other JSON readers
+    refuse), and a NaN never equals itself, which the check that a store is
+    unchanged on disk relies on.
+    """
+    items = meta.items() if isinstance(meta, Mapping) else enumerate(meta)
+    for key, value in items:
+        here = f"{where}[{key!r}]"
+        if isinstance(value, (float, np.floating)) and not math.isfinite(float(value)):
+            raise GalleryStoreError(f"{here} is {value!r}: header meta values must be finite numbers (not NaN or inf)")
+        if isinstance(value, (Mapping, list, tuple)):
+            _check_meta(value, here)
+
+
+def _item_id(value: Any, where: str) -> int:
+    """``value`` as an item id: a Python or NumPy integer (not a bool), else :class:`GalleryStoreError` naming it."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise GalleryStoreError(f"{where}: {value!r:.60} is not an item id (expected an integer)")
+    return int(value)
+
+
+def _item_ids(values: Iterable[Any], where: str) -> list[int]:
+    """Each of ``values`` as an item id (:func:`_item_id`); an integer NumPy array passes whole."""
+    if isinstance(values, np.ndarray) and values.dtype.kind in "iu":
+        return [int(v) for v in values.ravel()]
+    if isinstance(values, (str, bytes)):
+        raise GalleryStoreError(f"{where}: expected a sequence of item ids (integers), got {values!r:.60}")
+    return [_item_id(v, where) for v in values]
+
+
+def _check_filter_list(values: Any, name: str, expected: str) -> None:
+    """Refuse a ``cameras``/``sites`` filter that is neither text nor a collection of values (None: no filter)."""
+    if values is None or isinstance(values, str):
+        return
+    if isinstance(values, (bytes, Mapping)) or not isinstance(values, collections.abc.Iterable):
+        raise GalleryStoreError(f"{name} filter: expected {expected}, got {values!r:.60}")
 
 
 def _normalise_rows(rows: Sequence[Mapping[str, Any]], n: int) -> list[tuple]:
@@ -311,6 +373,13 @@ class _Segment:
     @property
     def ntotal(self) -> int:
         return int(self.ids.size)
+
+
+@dataclass(frozen=True)
+class _FlatIndexStamp:
+    """Which store state an index from :meth:`GalleryStore.flat_faiss_index` describes (see ``_state``)."""
+
+    state: tuple[str, tuple[str, ...]]
 
 
 @dataclass
@@ -399,11 +468,35 @@ def _merge_topk(parts: Sequence[tuple[np.ndarray, np.ndarray]], nq: int, k: int)
 
 
 
+def _new_file(path: Path) -> BinaryIO:
+    """``path`` created (opened for binary writing); :class:`GalleryStoreError` when a file of that name exists.
+
+    In a staging folder the kept files are hard links to the live store's, so
+    writing through an existing name would change a live file: a new file never
+    takes an existing name.
+    """
+    try:
+        return open(path, "xb")
+    except FileExistsError:
+        raise GalleryStoreError(
+            f"{path.name} already exists in the staging folder of the store's next save (its {HEADER_FILE} field "
+            "next_segment may be damaged): a new file never overwrites another; nothing was changed"
+        ) from None
+
+
+def _write_faiss_new(index: Any, path: Path) -> None:
+    with _new_file(path) as f:
+        faiss.write_index(index, faiss.PyCallbackIOWriter(f.write))
+
+
 def _write_segment(stage: Path, files: dict[str, str], seg: _NewSegment) -> None:
-    """Write a new segment's four files into ``stage`` (a fresh table: only the segment's own rows)."""
-    faiss.write_index(seg.index, str(stage / files["index"]))
-    np.save(stage / files["vectors"], np.ascontiguousarray(seg.vectors, dtype=np.float32), allow_pickle=False)
-    np.save(stage / files["ids"], np.ascontiguousarray(seg.ids, dtype=np.int64), allow_pickle=False)
+    """Write a new segment's four files into ``stage``, each a new file (a fresh table: only the segment's own rows)."""
+    _write_faiss_new(seg.index, stage / files["index"])
+    with _new_file(stage / files["vectors"]) as f:
+        np.save(f, np.ascontiguousarray(seg.vectors, dtype=np.float32), allow_pickle=False)
+    with _new_file(stage / files["ids"]) as f:
+        np.save(f, np.ascontiguousarray(seg.ids, dtype=np.int64), allow_pickle=False)
+    _new_file(stage / files["rows"]).close()  # SQLite then fills the empty file it is given
     with _connect_rw(stage / files["rows"]) as conn:
         conn.execute("PRAGMA secure_delete = ON")
         conn.execute(_SCHEMA)
@@ -424,6 +517,7 @@ class GalleryStore:
         self.template = template
         self._ids: Optional[np.ndarray] = None
         self._flat: Any = None
+        self._norm: Optional[float] = None
 
     # -- properties ---------------------------------------------------------
 
@@ -485,6 +579,9 @@ class GalleryStore:
     ) -> "GalleryStore":
         """Build a store over ``features`` [N, d] (one metadata row per feature) into ``folder``.
 
+        Every feature row must be L2-normalised (norm within
+        :data:`NORM_TOLERANCE` of 1: scores are cosines), else
+        :class:`GalleryStoreError` names the first row that is not.
         ``folder`` must be new, empty, or a store folder (marked): an existing store
         is replaced as a whole; ``replaces`` names other files a marked folder
         may hold that the new store replaces (e.g. an earlier index format's).
@@ -494,7 +591,8 @@ class GalleryStore:
         ``clustering_index``: the index the IVF k-means assigns with (e.g. a
         GPU ``IndexFlatIP``; default: the CPU quantizer); the stored index is
         a CPU index either way. ``meta`` goes into the header as is, with
-        ``model_fingerprint`` (when given) as ``meta["model_fingerprint"]``.
+        ``model_fingerprint`` (when given) as ``meta["model_fingerprint"]``;
+        a NaN or infinite number in it is refused, naming its key.
         ``side_files``: {name in :data:`SIDE_FILES`: a function writing the
         file at the path it is given}. Searches of any index but a plain
         ``Flat`` re-score the index's candidates exactly from the stored
@@ -505,16 +603,17 @@ class GalleryStore:
         """
         _with_refine({}, refine)
         folder = Path(os.path.abspath(folder))
-        features = _as_features("features", features)
+        features = _as_features("features", features, unit=True)
         values = _normalise_rows(rows, features.shape[0])
-        template = _new_index(factory, features.shape[1])
-        _train(template, features, factory, seed, clustering_index)
-        kind = _index_kind(template)
         meta = dict(meta or {})
         if model_fingerprint:
             if meta.get("model_fingerprint") not in (None, dict(model_fingerprint)):
                 raise GalleryStoreError("model_fingerprint and meta['model_fingerprint'] differ: give one fingerprint")
             meta["model_fingerprint"] = dict(model_fingerprint)
+        _check_meta(meta)
+        template = _new_index(factory, features.shape[1])
+        _train(template, features, factory, seed, clustering_index)
+        kind = _index_kind(template)
         ids = np.arange(features.shape[0], dtype=np.int64)
         header = {
             "format": STORE_FORMAT, "version": STORE_VERSION, "factory": factory, "kind": kind,
@@ -623,19 +722,20 @@ class GalleryStore:
         meta: Optional[Mapping[str, Any]] = None,
         side_files: Optional[Mapping[str, Any]] = None,
     ) -> np.ndarray:
-        """Add items (features [n, d] and their metadata rows) as new segments; returns their new ids.
+        """Add items (features [n, d], L2-normalised as in :meth:`create`, and their metadata rows) as new segments.
 
-        The index is not retrained: the new segments' indexes are the store's
-        trained template filled with the new items (a store whose every item
+        Returns their new ids. The index is not retrained: the new segments'
+        indexes are the store's trained template filled with the new items (a store whose every item
         was erased trains its template again on these). The existing segments'
         files are kept as they are (hard links into the new save). A path
         already in the store, or twice in ``rows``, raises
         :class:`GalleryStoreError` before anything changes. ``meta`` updates
-        the header's ``meta`` (key by key); ``side_files`` as in :meth:`create`
+        the header's ``meta`` (key by key; finite numbers only); ``side_files`` as in :meth:`create`
         (None for a name deletes that file; names not given are kept).
         """
-        features = _as_features("features", features, self.dim)
+        features = _as_features("features", features, self.dim, unit=True)
         values = _normalise_rows(rows, features.shape[0])
+        _check_meta(meta or {})
         with _writer_lock(self.folder):
             self._before_update()
             return self._add(features, values, meta, side_files)
@@ -663,11 +763,14 @@ class GalleryStore:
     def remove(self, ids_or_paths: Iterable[int | str], *, meta: Optional[Mapping[str, Any]] = None) -> np.ndarray:
         """Erase items given by id (int) or path (str): the segments holding them are rewritten without them.
 
-        Unknown ids or paths raise :class:`GalleryStoreError` naming them, and
-        nothing changes. Returns the removed ids (sorted). Only the segments
-        holding a removed item are rewritten (their index, vectors, ids and
-        table, fresh files); the others are kept as they are. HNSW segments
-        are rebuilt from their remaining stored vectors (FAISS cannot remove from HNSW).
+        An id is a Python or NumPy integer (not a bool); any other value (a
+        float, bytes, None), and unknown ids or paths, raise
+        :class:`GalleryStoreError` naming them, and nothing changes. Returns
+        the removed ids (sorted). Only the segments holding a removed item are
+        rewritten (their index, vectors, ids and table, fresh files); the
+        others are kept as they are. HNSW and fast-scan segments are rebuilt
+        from their remaining stored vectors (FAISS cannot remove from HNSW,
+        and its fast-scan removal leaves codes behind).
         When the index learned from a removed item (a factory that trains,
         and an item it was trained on: ids below ``header["trained_below"]``),
         the template is trained again, seeded as before, on the remaining
@@ -675,9 +778,13 @@ class GalleryStore:
         than the factory trains on, the store becomes an exact ``Flat`` one
         (a warning says so), and with none left its template waits untrained
         for the next :meth:`add`.
-        ``meta`` updates the header's ``meta`` (key by key) in the same save.
+        ``meta`` updates the header's ``meta`` (key by key; finite numbers only) in the same save.
         """
-        wanted = list(ids_or_paths)
+        if isinstance(ids_or_paths, (str, bytes)):
+            raise GalleryStoreError(f"remove: expected a list of item ids or paths, got {ids_or_paths!r:.60} (put one "
+                                    "path in a list)")
+        wanted = [w if isinstance(w, str) else _item_id(w, "remove") for w in ids_or_paths]
+        _check_meta(meta or {})
         if not wanted:
             raise GalleryStoreError("nothing to remove: give ids or paths")
         with _writer_lock(self.folder):
@@ -692,7 +799,7 @@ class GalleryStore:
 
     def _remove(self, wanted: list[Any], meta: Optional[Mapping[str, Any]] = None) -> np.ndarray:
         paths = [w for w in wanted if isinstance(w, str)]
-        numbers = [int(w) for w in wanted if not isinstance(w, str)]
+        numbers = [w for w in wanted if not isinstance(w, str)]
         found = self._lookup_paths(paths)
         held = set(self.ids.tolist()) if numbers else set()
         unknown = [p for p in paths if p not in found] + [i for i in numbers if i not in held]
@@ -717,7 +824,7 @@ class GalleryStore:
             if not keep.any():
                 continue  # the whole segment goes
             ids, vectors = seg.ids[keep], np.ascontiguousarray(seg.vectors[keep])
-            index = _index_without(seg.index, self.kind, seg.ids[hit], vectors, ids)
+            index = _index_without(seg.index, seg.ids[hit], vectors, ids)
             plan.append(_NewSegment(ids, vectors, index, self._segment_rows(seg, ids)))
         self._commit(self._merged(plan), header)
         return gone
@@ -822,8 +929,11 @@ class GalleryStore:
         return out
 
     def rows(self, ids: Iterable[int]) -> list[Optional[dict[str, Any]]]:
-        """The metadata rows of ``ids`` in that order (None for -1 or an unknown id)."""
-        ids = [int(i) for i in ids]
+        """The metadata rows of ``ids`` in that order (None for -1 or an unknown id).
+
+        Each id is a Python or NumPy integer (not a bool), else :class:`GalleryStoreError` names the value.
+        """
+        ids = _item_ids(ids, "rows")
         wanted = np.array(sorted({i for i in ids if i >= 0}), dtype=np.int64)
         found = {}
         for seg in self.segments:
@@ -848,9 +958,12 @@ class GalleryStore:
         ``time_window``: ``(since, until)`` in seconds since the epoch, either
         end None for open; both ends inclusive; items without a timestamp fail any window.
         Values outside the rules of :mod:`fedreid.retrieval.fields` raise
-        :class:`~fedreid.retrieval.fields.GalleryMetadataError` (a camera of 2**70 names no camera).
+        :class:`~fedreid.retrieval.fields.GalleryMetadataError` (a camera of 2**70 names no camera);
+        a filter of the wrong shape (``cameras=5``, ``time_window=(5,)``) raises :class:`GalleryStoreError`.
         """
         where, args = [], []
+        _check_filter_list(cameras, "cameras", "a list of camera numbers, or comma-separated text")
+        _check_filter_list(sites, "sites", "a list of site names, or comma-separated text")
         if cameras is not None:
             cams = fields.camera_list(cameras, "cameras filter")
             where.append(f"camera IN ({','.join('?' * len(cams))})" if cams else "0")
@@ -860,7 +973,11 @@ class GalleryStore:
             where.append(f"site IN ({','.join('?' * len(ss))})" if ss else "0")
             args += ss
         if time_window is not None:
-            since, until = tuple(time_window)
+            pair = tuple(time_window) if isinstance(time_window, (tuple, list, np.ndarray)) else ()
+            if len(pair) != 2:
+                raise GalleryStoreError(f"time_window: expected (since, until), each seconds since the epoch or None, "
+                                        f"got {time_window!r:.60}")
+            since, until = pair
             window = fields.time_window(since, until, "time window ")
             if window is None:
                 where.append("timestamp IS NOT NULL")
@@ -890,9 +1007,11 @@ class GalleryStore:
         Scores are the exact inner products with the stored vectors for every
         index kind; which items are candidates is the index's (approximate) choice.
         ``search_params`` overrides the stored ``nprobe``/``efSearch`` for this call.
-        ``flat_index``: for an :attr:`exact` store, an index to run unfiltered searches on
-        instead of the segments' (e.g. a GPU copy of :meth:`flat_faiss_index`; same vectors, same order);
-        other stores ignore it.
+        ``flat_index``: for an :attr:`exact` store, an index that picks the candidates of
+        unfiltered searches instead of the segments' (e.g. a GPU copy of :meth:`flat_faiss_index`);
+        the ids and scores are those of a search without it. One that does not
+        hold the store's current vectors in order (taken before an update, or
+        another store's) raises :class:`GalleryStoreError`. Other stores ignore it.
         """
         queries = _as_features("queries", queries, self.dim)
         k = _capped_k(k, self.ntotal)
@@ -900,6 +1019,8 @@ class GalleryStore:
         params = dict(self.search_params, **_check_search_params(self.kind, search_params or {}, "search_params",
                                                                    complete=False))
         if allowed is None:
+            if flat_index is not None and self.exact:
+                self._check_flat_index(flat_index)
             return self._index_search(queries, k, params, flat_index=flat_index)
         if allowed.size == 0 or self.ntotal == 0:
             return _empty_result(queries.shape[0], k)
@@ -920,33 +1041,135 @@ class GalleryStore:
         return self.kind == "flat" and self._plain_flat()
 
     def flat_faiss_index(self) -> Any:
-        """An ``IndexFlatIP`` over an :attr:`exact` store's vectors (row i holds id ``ids[i]``).
+        """An ``IndexFlatIP`` over an :attr:`exact` store's vectors (row i holds id ``ids[i]``), for :meth:`search`.
 
         With one segment, the segment's own index; with several, one index
-        built over all their vectors (a copy, made once per store object).
+        built over all their vectors (a copy, made once per store state). The
+        returned object keeps what it points into alive, so it stays valid
+        after an update; but it describes the store as it is now: after an
+        update :meth:`search` refuses it, and any copy of it (take a new one).
         A store whose index is not a bare Flat is refused: its search picks
         candidates in the transformed space (then re-scores them), which a
         flat index over the vectors would not reproduce.
         """
         if not self.exact:
             raise GalleryStoreError(f"store {self.folder} holds a {self.kind} index ({self.factory}), not a bare Flat one")
+        stamp = _FlatIndexStamp(self._state())
         if len(self.segments) == 1:
-            return faiss.downcast_index(self.segments[0].index.index)
+            seg = self.segments[0]
+            flat = faiss.downcast_index(seg.index.index)
+            # The segment's IndexIDMap2 owns this index's memory and an update drops the segment: FAISS's
+            # referenced_objects (the one attribute it lets Python add) keeps it alive with the returned object.
+            flat.referenced_objects = [seg.index, stamp]
+            return flat
         if self._flat is None:
-            flat = faiss.IndexFlatIP(self.dim)
+            self._flat = faiss.IndexFlatIP(self.dim)
             for seg in self.segments:
                 if seg.ntotal:
-                    flat.add(np.ascontiguousarray(seg.vectors, dtype=np.float32))
-            self._flat = flat
+                    self._flat.add(np.ascontiguousarray(seg.vectors, dtype=np.float32))
+        self._flat.referenced_objects = [stamp]
         return self._flat
+
+    def _state(self) -> tuple[str, tuple[str, ...]]:
+        """What names this object's items in a stamp: the folder and its segments (a name never holds two contents)."""
+        return str(self.folder), tuple(seg.name for seg in self.segments)
+
+    def _check_flat_index(self, flat_index: Any) -> None:
+        """Refuse a ``flat_index`` that does not hold this store's vectors as they are now, row i that of ``ids[i]``.
+
+        Its dimension, metric and item count must be the store's; one that
+        :meth:`flat_faiss_index` returned must be of the store's current
+        segments; and, for copies (e.g. on a GPU), up to 16 evenly spread rows,
+        the first and the last among them, must be the stored vectors bit for
+        bit (an update appends its items last, or shifts the rows after a removed one).
+        """
+        try:
+            n, d, metric = int(flat_index.ntotal), int(flat_index.d), flat_index.metric_type
+        except (AttributeError, TypeError):
+            raise GalleryStoreError(
+                f"flat_index must be a faiss flat index (store.flat_faiss_index() or a GPU copy of it), got "
+                f"{type(flat_index).__name__}"
+            ) from None
+        stale = "it was taken before an update of the store, or from another store: take store.flat_faiss_index() again"
+        if d != self.dim or metric != faiss.METRIC_INNER_PRODUCT:
+            raise GalleryStoreError(f"flat_index is a {d}-d index of metric {metric}, but store {self.folder} searches "
+                                    f"{self.dim}-d features by inner product ({faiss.METRIC_INNER_PRODUCT})")
+        if n != self.ntotal:
+            raise GalleryStoreError(f"flat_index holds {n} vectors but store {self.folder} holds {self.ntotal}: {stale}")
+        stamps = [r for r in getattr(flat_index, "referenced_objects", None) or () if isinstance(r, _FlatIndexStamp)]
+        state = stamps[0].state if stamps else None
+        if state is not None and state != self._state():
+            if state[0] == str(self.folder):
+                raise GalleryStoreError(f"flat_index was taken from store {self.folder} before an update of it: take "
+                                        "store.flat_faiss_index() again")
+            raise GalleryStoreError(f"flat_index belongs to store {state[0]}, not to store {self.folder}: take this "
+                                    "store's flat_faiss_index()")
+        vectors = self.vectors
+        for row in np.unique(np.linspace(0, n - 1, min(n, 16)).round().astype(np.int64)):
+            try:
+                got = np.asarray(flat_index.reconstruct(int(row)), dtype=np.float32)
+            except RuntimeError:
+                raise GalleryStoreError(f"flat_index (a {type(flat_index).__name__}) cannot return its vectors: "
+                                        "expected a flat index (store.flat_faiss_index() or a GPU copy of it)") from None
+            if not np.array_equal(got, vectors[int(row)]):
+                raise GalleryStoreError(f"flat_index row {int(row)} is not the stored vector of item "
+                                        f"{int(self.ids[row])} of store {self.folder}: {stale}")
+
+    def _max_norm(self) -> float:
+        """The largest L2 norm among the stored vectors (cached until the next update)."""
+        if self._norm is None:
+            squares = [float(np.max(np.einsum("nd,nd->n", seg.vectors, seg.vectors))) for seg in self.segments
+                       if seg.ntotal]
+            self._norm = float(np.sqrt(max(squares, default=0.0)))
+        return self._norm
+
+    def _exact_flat_search(self, queries: np.ndarray, k: int, flat_index: Any = None) -> SearchResult:
+        """A bare Flat store's top-``k``: the ids and scores of :meth:`exact_search`, whatever the batch.
+
+        FAISS (the segments' indexes, or ``flat_index``) only picks each
+        query's best candidates: its scores depend on the batch (for 20
+        queries or more it runs a BLAS matmul, which sums each product in an
+        order set by the item's place in the kernel), so two equal vectors
+        could score a unit in the last place apart and break the tie rule.
+        The candidates are scored again per pair (:meth:`_rescore`, as a
+        filtered search scores them); a query whose ``k``-th exact score is
+        within the two computations' error bound
+        (:func:`~fedreid.retrieval.exact.score_error_bound`) of the last
+        candidate's FAISS score, where an item left out could tie or beat
+        it, is searched again exactly (:meth:`exact_search`).
+        """
+        from fedreid.retrieval.exact import score_error_bound
+
+        nq, n = queries.shape[0], self.ntotal
+        # Twice k plus a margin leaves room for ties at the k-th place; a GPU index returns at most 2048.
+        want = min(n, max(k, min(2 * k + 16, 2048)))
+        if flat_index is not None:
+            scores, rows = _faiss_topk(flat_index, queries, want)
+            candidates, last = np.where(rows >= 0, self.ids[np.maximum(rows, 0)], -1), scores[:, -1]
+        else:
+            parts = []
+            for seg in self.segments:
+                if seg.ntotal:
+                    scores, rows = _faiss_topk(faiss.downcast_index(seg.index.index), queries, min(want, seg.ntotal))
+                    parts.append((scores, np.where(rows >= 0, seg.ids[np.maximum(rows, 0)], -1)))
+            merged = _merge_topk(parts, nq, want)  # an item left out scores at most the last kept one
+            candidates, last = merged.ids, merged.scores[:, -1]
+        out = self._rescore(queries, candidates, k)
+        if want < n:
+            bound = score_error_bound(queries, self._max_norm())
+            doubt = np.flatnonzero(out.scores[:, k - 1].astype(np.float64) <= last.astype(np.float64) + bound)
+            if doubt.size:
+                again = self.exact_search(queries[doubt], k)
+                out.scores[doubt], out.ids[doubt] = again.scores, again.ids
+        return out
 
     def _index_search(self, queries: np.ndarray, k: int, params: Mapping[str, int], selector: Any = None,
                       flat_index: Any = None) -> SearchResult:
         """Each segment's index searched, the results merged by (score desc, id asc).
 
-        Only a plain ``Flat`` index (or its ``flat_index``) scores exactly. Any
-        other index (compressed codes, a pre-transform such as PCA, a graph)
-        only picks each query's ``refine * k`` candidates; those are re-scored
+        A plain ``Flat`` index (or its ``flat_index``) gives the exact top-k
+        (:meth:`_exact_flat_search`). Any other index (compressed codes, a
+        pre-transform such as PCA, a graph) only picks each query's ``refine * k`` candidates; those are re-scored
         from the stored vectors (:meth:`_rescore`), so every score returned is
         the true inner product and the same item scores the same whether the
         search was filtered or not.
@@ -955,19 +1178,7 @@ class GalleryStore:
         if self.ntotal == 0:
             return _empty_result(nq, k)
         if selector is None and self.exact:
-            from fedreid.retrieval.exact import search
-
-            if flat_index is not None:
-                scores, rows = search(flat_index, queries, k)
-                out = _empty_result(nq, k)
-                out.scores[:, : rows.shape[1]], out.ids[:, : rows.shape[1]] = scores, self.ids[rows]
-                return out
-            parts = []
-            for seg in self.segments:
-                if seg.ntotal:
-                    scores, rows = search(faiss.downcast_index(seg.index.index), queries, min(k, seg.ntotal))
-                    parts.append((scores, seg.ids[rows]))
-            return _merge_topk(parts, nq, k)
+            return self._exact_flat_search(queries, k, flat_index)
         p = _search_params(self.kind, params, selector) if _accepts_search_parameters(self.template) else None
         refine = int(params.get("refine", 1) or 1)
         want = min(k * max(refine, 1), self.ntotal)
@@ -1154,7 +1365,7 @@ class GalleryStore:
                 _link_or_copy(folder / TEMPLATE_FILE, stage / TEMPLATE_FILE)
                 files[TEMPLATE_FILE] = old_files[TEMPLATE_FILE]
             else:
-                faiss.write_index(self.template if template is None else template, str(stage / TEMPLATE_FILE))
+                _write_faiss_new(self.template if template is None else template, stage / TEMPLATE_FILE)
                 files[TEMPLATE_FILE] = _written_record(stage / TEMPLATE_FILE)
             for item in plan:
                 if isinstance(item, _Segment) and not item.dirty:
@@ -1193,7 +1404,7 @@ class GalleryStore:
             if seg.vectors is None:
                 seg.vectors = _read_npy(folder / seg.files["vectors"], "vectors", np.float32, (seg.ntotal, self.dim),
                                         mmap=True)
-        self.header, self.segments, self._ids, self._flat = header, segments, None, None
+        self.header, self.segments, self._ids, self._flat, self._norm = header, segments, None, None, None
         if template is not None:
             self.template = template
 
@@ -1251,6 +1462,16 @@ def _segment_topk(index: Any, queries: np.ndarray, k: int, n: int, params: Any) 
     out_s, out_i = np.take_along_axis(out_s, order, axis=1), np.take_along_axis(out_i, order, axis=1)
     out_s[out_i < 0] = -np.inf
     return out_s, out_i
+
+
+def _faiss_topk(index: Any, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """``index.search`` of ``queries`` in blocks (bounded result buffers): ``(scores, rows)``, ``k`` columns."""
+    from fedreid.retrieval.exact import DEFAULT_SEARCH_BLOCK
+
+    if queries.shape[0] <= DEFAULT_SEARCH_BLOCK:
+        return index.search(queries, k)
+    parts = [index.search(queries[s : s + DEFAULT_SEARCH_BLOCK], k) for s in range(0, queries.shape[0], DEFAULT_SEARCH_BLOCK)]
+    return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
 
 
 def _capped_k(k: Any, ntotal: int) -> int:
@@ -1352,17 +1573,21 @@ def _renumber_inner_ids(ivf: Any, kept: np.ndarray) -> None:
         inner[:] = new_position[inner]
 
 
-def _index_without(index: Any, kind: str, gone: np.ndarray, vectors: np.ndarray, ids: np.ndarray) -> Any:
+def _index_without(index: Any, gone: np.ndarray, vectors: np.ndarray, ids: np.ndarray) -> Any:
     """A copy of the store's ``index`` without the ids ``gone``; ``vectors``/``ids``: the items that remain.
 
-    Every remaining item keeps its id: HNSW (no removal in FAISS) is rebuilt
-    from the remaining stored vectors; an IVF's inner ids are renumbered after
+    Every remaining item keeps its id, and nothing of a removed item stays in
+    the index: HNSW (no removal in FAISS) and fast-scan indexes (whose FAISS
+    removal leaves codes in freed slots) are rebuilt from the remaining stored
+    vectors (:func:`~fedreid.retrieval.index_kinds.rebuilds_on_remove`),
+    which gives the index a fresh build without the removed items would have;
+    an IVF's inner ids are renumbered after
     ``remove_ids`` (see :func:`_renumber_inner_ids`); flat and flat-code indexes
     compact their rows as ``IndexIDMap2`` does. Should the result still not map
     its inner ids one to one (an inverted-list kind this code does not know),
     it is rebuilt from the stored vectors instead.
     """
-    if kind_named(kind).rebuild_on_remove:
+    if rebuilds_on_remove(index):
         return _rebuilt_index(index, vectors, ids)
     fresh = _copy_index(index)
     kept = ~np.isin(faiss.vector_to_array(fresh.id_map), gone)

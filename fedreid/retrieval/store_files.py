@@ -445,7 +445,34 @@ def _read_header(folder: Path) -> dict:
     if bad or header.get("dim", 0) < 1:
         raise GalleryStoreError(f"{path} lacks valid {', '.join(bad) or 'dim'}: it is damaged or was not written by fedreid")
     _check_search_params(header["kind"], header.get("search"), f"{path} field search")
+    _check_header_fields(path, header)
     return header
+
+
+def _check_header_fields(path: Path, header: dict) -> None:
+    """Refuse header fields an update relies on that hold the wrong type or value, naming ``path`` and the field.
+
+    ``next_segment`` names the next new segment: it must lie above every
+    segment's number, or an update would write a new segment under a kept
+    one's name. ``trained_below`` (absent in early stores) is an integer
+    >= 0, ``seed`` an integer; ``meta`` is an object (or null).
+    """
+    if header["version"] == STORE_VERSION:
+        next_segment = header["next_segment"]
+        numbers = [int(e["name"][len("seg-"):]) for e in header["segments"]]
+        if next_segment < 0 or (numbers and next_segment <= max(numbers)):
+            raise GalleryStoreError(
+                f"{path} field next_segment is {next_segment}, but it must be above every segment's number "
+                f"(at least {max(numbers, default=-1) + 1}): the header is damaged"
+            )
+    for key, low in (("trained_below", 0), ("seed", None)):
+        value = header.get(key)
+        if value is not None and (type(value) is not int or (low is not None and value < low)):
+            expected = "an integer" + ("" if low is None else f" >= {low}")
+            raise GalleryStoreError(f"{path} field {key} is {value!r:.40}: expected {expected}; the header is damaged")
+    meta = header.get("meta")
+    if meta is not None and not isinstance(meta, dict):
+        raise GalleryStoreError(f"{path} field meta is {meta!r:.40}: expected an object; the header is damaged")
 
 
 def _segment_layout(header: dict) -> list[tuple[str, dict[str, str], int]]:

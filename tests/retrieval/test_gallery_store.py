@@ -131,7 +131,8 @@ def test_add_then_remove_leaves_no_trace_and_ids_are_stable(tmp_path, feats, fac
         keep = ~np.isin(np.arange(30), gone)
         np.testing.assert_array_equal(reopened.search(base[:30], 1).ids[keep, 0], before[keep, 0])
     # a removed id is never reused
-    again = s.add(feats[:2] * 0.5 + 0.1, make_rows(2, prefix="new"))
+    fresh = feats[:2] * 0.5 + 0.1
+    again = s.add(fresh / np.linalg.norm(fresh, axis=1, keepdims=True), make_rows(2, prefix="new"))
     assert again.min() >= 2000
 
 

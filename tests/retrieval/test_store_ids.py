@@ -95,7 +95,7 @@ def test_a_store_whose_removal_shifted_ids_is_repaired_when_opened(tmp_path):
     assert any("wrong ids" in str(w.message) for w in caught)
     found = reopened.search(feats[kept], 1, search_params={"nprobe": 4})
     np.testing.assert_array_equal(found.ids[:, 0], kept)
-    reopened.add(feats[:1] * 0.5, [{"path": "/gallery/new.jpg"}])  # the next update saves the repaired index
+    reopened.add(-feats[:1], [{"path": "/gallery/new.jpg"}])  # the next update saves the repaired index
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert all(store_mod._inner_ids_match_positions(seg.index) for seg in GalleryStore.open(folder).segments)
