@@ -27,6 +27,13 @@ def _stderr(line: str) -> None:
 
 
 def cmd_search(args: argparse.Namespace) -> int:
+    """One federated search (a Flower run, or a query to a running session); 0 when a site answered.
+
+    Every option is checked before a run starts or a session is asked, by
+    the checks the ServerApp applies to what it receives (k, timeouts,
+    filters, an L2-normalised query feature, the fingerprint): a refusal is a
+    one-line ConfigError naming the option.
+    """
     from fedreid.flower import search_client as sc
     from fedreid.flower.search import format_result
 
@@ -42,8 +49,10 @@ def cmd_search(args: argparse.Namespace) -> int:
         ca = ca_option(args, "search")
         if args.node_auth and ca is None:
             raise ConfigError("search: --node-auth needs --ca: Flower authenticates SuperNodes over TLS only")
+    # Every value the ServerApp (or the session) would refuse is refused here, before anything starts.
     filters, out = sc.check_search_options(k=args.k, timeout=args.timeout, cameras=args.camera, sites=args.site,
-                                           since=args.since, until=args.until, out=args.out)
+                                           since=args.since, until=args.until, out=args.out,
+                                           join_timeout=args.join_timeout)
     feature, fingerprint = sc.query_feature(image=args.image, feature=args.feature, model=args.model,
                                             fingerprint=args.fingerprint, device=args.device)
     request = sc.SearchRequest(feature, fingerprint, args.k, filters, args.timeout, args.thumbnails,
@@ -75,9 +84,11 @@ def cmd_session(args: argparse.Namespace) -> int:
         if args.ca or args.insecure or args.node_auth:
             raise ConfigError("session: with --links each link's CA and token come from the links file; leave out "
                               "--ca, --insecure and --node-auth")
-        return _link_session(args, check_session(ca=None, node_auth=False, timeout=args.timeout, socket=args.socket))
+        return _link_session(args, check_session(ca=None, node_auth=False, timeout=args.timeout, socket=args.socket,
+                                                 idle_timeout=args.idle_timeout))
     ca = ca_option(args, "session")
-    sock = check_session(ca=ca, node_auth=args.node_auth, timeout=args.timeout, socket=args.socket)
+    sock = check_session(ca=ca, node_auth=args.node_auth, timeout=args.timeout, socket=args.socket,
+                         idle_timeout=args.idle_timeout)
 
     def opened(status: dict) -> None:
         print(f"search session open at {sock}: {len(status['nodes'])} nodes connected; site names "

@@ -112,6 +112,7 @@ __all__ = [
     "make_thumbnail",
     "thumbnail_roots",
     "gallery_thumbnail",
+    "score_rounding",
     "answer_query",
     "site_reply",
     "merge_answers",
@@ -120,6 +121,8 @@ __all__ = [
     "federated_search",
     "judge_replies",
     "make_query",
+    "check_k",
+    "check_seconds",
     "serve_search",
     "format_result",
     "encode_vector",
@@ -135,8 +138,6 @@ RESULT_FORMAT = "fedreid-federated-search"
 SEARCH_KEYS = ("search-vector", "search-fingerprint", "search-filters", "search-k", "search-timeout",
                "search-thumbnails", "search-expect")
 THUMBNAIL_SIZES = (16, 256)
-#: A score further than this past +-1 is no approximate index's stray but a store of unnormalised features: an error answer.
-MAX_SCORE_STRAY = 0.05
 #: A result lists the nodes the query did not reach first, then those that did not answer, then the rest.
 _MISSING_ORDER = {"not-sent": 0, "no-reply": 1}
 
@@ -249,18 +250,31 @@ def gallery_thumbnail(path: Path, roots: Sequence[Path], size: int) -> Optional[
     inside one of ``roots`` is read (the service's reader,
     ``fedreid.retrieval.service.read_file_inside``): a file replaced by a
     link to an image outside them, a folder on its path replaced by such a
-    link, a FIFO or a missing file give no thumbnail (the reason is in the
-    site's log), never another file's.
+    link, a FIFO or a missing file give no thumbnail, never another file's.
+    The site's log gets the reason only, no path, file name or id: a log line
+    would outlive a later erasure of the item.
     """
     from fedreid.retrieval.guard import _RequestError
     from fedreid.retrieval.service import read_file_inside
 
     try:
-        data = read_file_inside(path, roots, f"the image file {path.name}")
+        data = read_file_inside(path, roots, "its image file")
     except _RequestError as exc:
-        log.warning("no thumbnail for %s: %s", path, exc.message)
+        log.warning("no thumbnail for a hit: %s", exc.message)
         return None
     return make_thumbnail(data, size)
+
+
+def score_rounding(dim: int) -> float:
+    """The relative error float32 math may leave in a score of two unit vectors of ``dim`` dimensions.
+
+    Twice the error bound of a float32 dot product of length ``dim``
+    (``dim * 2**-24``): once for the sum, once for the stored vector's own
+    norm, itself rounded to float32 when the feature was normalised. Float32
+    features normalised by NumPy or PyTorch stay well inside it (under a
+    tenth of it for d = 16..2048, through Flat, HNSW and filtered searches).
+    """
+    return 2.0 * int(dim) * 2.0**-24
 
 
 def answer_query(store: Any, query: SearchQuery, *, site: str, policy: SitePolicy = SitePolicy()) -> SiteAnswer:
@@ -270,17 +284,31 @@ def answer_query(store: Any, query: SearchQuery, *, site: str, policy: SitePolic
     see :func:`fingerprint_problem`) and the feature must have the store's
     dimension (else an error answer); then the store's top ``query.k`` under
     ``query.filters``, best first, -1 pads dropped (fewer hits when fewer
-    items pass). Scores are clipped to [-1, 1]: an approximate index (PQ or
-    SQ codes) can stray a little past a cosine's range, and the server
-    refuses scores beyond it. A stray of more than :data:`MAX_SCORE_STRAY` is
-    an error answer: such scores are not cosines (the store's features are
-    not L2-normalised), and clipped they would tie at 1 and rank by chance.
+    items pass).
+
+    Scores: the store's scores are exact float32 inner products of the query
+    with the stored vectors for every index kind (an approximate index only
+    picks the candidates, :meth:`~fedreid.retrieval.store.GalleryStore.search`),
+    so ``|score| <= |query| * (1 + tol) * (1 + rounding)`` when every stored
+    feature is L2-normalised as a store takes them (norm within ``tol``,
+    :data:`fedreid.retrieval.store.NORM_TOLERANCE`; ``rounding``:
+    :func:`score_rounding`, what float32 math adds). A score past that bound
+    means the store holds features that are not L2-normalised, which a
+    store refuses at create and add but an older store may hold: the answer
+    is an error, since clipped such scores would tie at 1 and rank by id,
+    and unclipped they are no cosines. Within the bound scores are clipped
+    to [-1, 1], the range the server accepts; that moves a score by float32
+    rounding plus the norm errors the store and the codec
+    (:data:`~fedreid.flower.search_codec.NORM_TOLERANCE`) admit, nothing else.
+
     Each hit carries id, score, camera, timestamp, file name and
     the row's site column; a thumbnail only when ``policy.thumbnails`` and
     ``query.thumbnails``, and only of a regular file inside
     :func:`thumbnail_roots` (:func:`gallery_thumbnail`; otherwise the hit has
     none). Nothing else of the store is read into the answer.
     """
+    from fedreid.retrieval.store import NORM_TOLERANCE
+
     problem = fingerprint_problem(store.header, query.fingerprint)
     if problem is None and query.feature.shape[0] != store.dim:
         problem = f"the query's feature has {query.feature.shape[0]} dimensions, this site's store holds {store.dim}"
@@ -289,10 +317,13 @@ def answer_query(store: Any, query: SearchQuery, *, site: str, policy: SitePolic
     result = store.search(query.feature[None, :], query.k, **query.filters.store_kwargs())
     keep = result.ids[0] >= 0
     ids, scores = result.ids[0][keep], result.scores[0][keep]
-    stray = float(np.max(np.abs(scores), initial=0.0)) - 1.0
-    if stray > MAX_SCORE_STRAY:
-        return SiteAnswer(site, error=f"this site's store gives scores up to {1.0 + stray:.4g}, past a cosine's "
-                                      "range: its features are not L2-normalised; build it again with the index tool")
+    largest = float(np.max(np.abs(scores), initial=0.0))
+    bound = (float(np.linalg.norm(query.feature.astype(np.float64))) * (1.0 + NORM_TOLERANCE)
+             * (1.0 + score_rounding(store.dim)))
+    if largest > bound:
+        return SiteAnswer(site, error=f"this site's store gives a score of {largest:.7g} where unit vectors give at "
+                                      f"most {bound:.7g}: its features are not L2-normalised; build it again with "
+                                      "the index tool")
     scores = np.clip(scores, -1.0, 1.0)
     rows = store.rows(ids.tolist())
     thumbnails = policy.thumbnails and query.thumbnails
@@ -542,11 +573,8 @@ def make_query(feature: Any, k: int, filters: Optional[SearchFilters | Mapping[s
 
 
 def checked_timeout(timeout: Any) -> float:
-    """A query's timeout in seconds, > 0, or a ConfigError."""
-    timeout = float(timeout)
-    if not timeout > 0:
-        raise ConfigError(f"search timeout: expected seconds > 0, got {timeout}")
-    return timeout
+    """A query's timeout: :func:`check_seconds` (finite, > 0), or a ConfigError."""
+    return check_seconds(timeout, "search timeout")
 
 
 def judge_replies(query: SearchQuery, replies: Mapping[int, Optional[NodeReply]], *, timeout: float,
@@ -672,15 +700,37 @@ def run_config_flag(config: Mapping[str, Any], key: str, default: bool = False) 
     raise ConfigError(f"flower config: {key}: expected true or false, got {value!r}")
 
 
-def run_config_seconds(config: Mapping[str, Any], key: str, default: float, *, zero: bool = False) -> float:
-    """The duration ``key`` of a Flower run config: finite seconds > 0 (``zero``: >= 0), else a :class:`ConfigError`."""
+def check_seconds(value: Any, what: str, *, zero: bool = False) -> float:
+    """``value`` as a duration: finite seconds > 0 (``zero``: >= 0), else a one-line :class:`ConfigError` naming ``what``.
+
+    The rule of every search timeout, wherever it is given (run config,
+    ``flower_fed.py search`` options, a transport's query).
+    """
     try:
-        value = float(config.get(key, default))
-    except (TypeError, ValueError):
-        raise ConfigError(f"flower run config: {key}: expected seconds, got {config.get(key)!r}") from None
-    if not math.isfinite(value) or value < 0 or (value == 0 and not zero):
-        raise ConfigError(f"flower run config: {key}: expected seconds {'>= 0' if zero else '> 0'}, got {value}")
-    return value
+        seconds = float(value)
+    except (TypeError, ValueError, OverflowError):
+        raise ConfigError(f"{what}: expected seconds, got {value!r:.80}") from None
+    if not math.isfinite(seconds) or seconds < 0 or (seconds == 0 and not zero):
+        raise ConfigError(f"{what}: expected seconds {'>= 0' if zero else '> 0'}, got {seconds}")
+    return seconds
+
+
+def check_k(value: Any, what: str) -> int:
+    """``value`` as a result length: a whole number in 1..:data:`MAX_K`, else a one-line :class:`ConfigError`."""
+    try:
+        whole = not isinstance(value, bool) and float(value) == int(value)
+    except (TypeError, ValueError, OverflowError):
+        whole = False
+    if not whole:
+        raise ConfigError(f"{what}: expected a whole number in 1..{MAX_K}, got {value!r:.80}")
+    if not 1 <= int(value) <= MAX_K:
+        raise ConfigError(f"{what}: expected 1..{MAX_K}, got {int(value)}")
+    return int(value)
+
+
+def run_config_seconds(config: Mapping[str, Any], key: str, default: float, *, zero: bool = False) -> float:
+    """The duration ``key`` of a Flower run config: :func:`check_seconds` of its value."""
+    return check_seconds(config.get(key, default), f"flower run config: {key}", zero=zero)
 
 
 @dataclass(frozen=True)
@@ -730,9 +780,7 @@ class SearchSettings:
             filters = SearchFilters.from_plain(parsed("search-filters"))
         except SearchCodecError as exc:
             raise ConfigError(f"flower run config: search-filters: {exc}") from None
-        k = int(run_config.get("search-k", 10))
-        if not 1 <= k <= MAX_K:
-            raise ConfigError(f"flower run config: search-k: expected 1..{MAX_K}, got {k}")
+        k = check_k(run_config.get("search-k", 10), "flower run config: search-k")
         timeout = run_config_seconds(run_config, "search-timeout", 30.0)
         out = str(run_config.get("out", "")).strip()
         return cls(feature=decode_vector(text), k=k, fingerprint=parsed("search-fingerprint"), filters=filters,
@@ -832,7 +880,12 @@ def format_result(plain: Mapping[str, Any]) -> list[str]:
 
 
 def read_feature_file(path: str | Path) -> np.ndarray:
-    """A query feature from a ``.npy`` file (float [d] or [1, d]); read without pickles."""
+    """A query feature from a ``.npy`` file (float [d] or [1, d]); read without pickles.
+
+    The feature must be what a query may carry (:class:`SearchQuery`'s own
+    checks: finite, at most :data:`~fedreid.flower.search_codec.MAX_DIM`
+    values, L2-normalised), else a :class:`ConfigError` naming the file.
+    """
     path = Path(path)
     try:
         arr = np.load(path, allow_pickle=False)
@@ -845,8 +898,10 @@ def read_feature_file(path: str | Path) -> np.ndarray:
         raise ConfigError(f"{path}: expected one float feature of shape [d] or [1, d], got "
                           f"{getattr(arr, 'dtype', type(arr).__name__)} {getattr(arr, 'shape', '')}")
     arr = arr.reshape(-1).astype(np.float32)
-    if not np.isfinite(arr).all():
-        raise ConfigError(f"{path}: the feature holds NaN or inf values")
+    try:  # the query's own checks, so a file no site would be sent is refused before any run starts
+        SearchQuery(feature=arr, k=1)
+    except SearchCodecError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
     return arr
 
 

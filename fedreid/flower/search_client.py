@@ -27,7 +27,14 @@ Report = Callable[[str], None]
 
 @dataclass(frozen=True)
 class SearchRequest:
-    """One checked query: the feature, its model's fingerprint, k, the filters and the site-side settings."""
+    """One checked query: the feature, its model's fingerprint, k, the filters and the site-side settings.
+
+    Contract: a request exists only if the ServerApp (or a session) would
+    send it: its query passes :func:`fedreid.flower.search.make_query`, the
+    check ``mode=search`` applies before sending (L2-normalised finite
+    feature, k, filters, fingerprint), and ``timeout`` passes
+    :func:`~fedreid.flower.search.check_seconds`; else a one-line ConfigError.
+    """
 
     feature: np.ndarray
     fingerprint: dict[str, Any]
@@ -37,24 +44,45 @@ class SearchRequest:
     thumbnails: bool = False
     expect: tuple[str, ...] = ()
 
+    def __post_init__(self) -> None:
+        from fedreid.flower.search import check_seconds, make_query
+        from fedreid.flower.search_codec import SearchCodecError
+
+        check_seconds(self.timeout, "search: --timeout")
+        try:
+            make_query(self.feature, self.k, self.filters, fingerprint=self.fingerprint, thumbnails=self.thumbnails)
+        except SearchCodecError as exc:
+            raise ConfigError(f"search: the query would be refused: {exc}") from None
+
 
 def check_search_options(*, k: int, timeout: float, cameras: Optional[Sequence[int]],
                          sites: Optional[Sequence[str]], since: Optional[float], until: Optional[float],
-                         out: Optional[str]) -> tuple[dict[str, Any], Optional[Path]]:
-    """The search filters and the result path, checked; a one-line ConfigError otherwise.
+                         out: Optional[str], join_timeout: Optional[float] = None
+                         ) -> tuple[dict[str, Any], Optional[Path]]:
+    """The search filters and the result path, checked; a one-line ConfigError naming the option otherwise.
 
-    An existing ``out`` is only replaced when it holds an earlier search result.
+    ``k``, ``timeout``, ``join_timeout`` (None: not given) and the filters
+    are checked by the functions the ServerApp's ``mode=search`` checks its
+    run config with (:func:`~fedreid.flower.search.check_k`,
+    :func:`~fedreid.flower.search.check_seconds`,
+    :class:`~fedreid.flower.search_codec.SearchFilters`), so nothing it would
+    refuse starts a run. An existing ``out`` is only replaced when it holds an
+    earlier search result.
     """
-    from fedreid.flower.search import RESULT_FORMAT
-    from fedreid.flower.search_codec import SearchFilters
+    from fedreid.flower.search import RESULT_FORMAT, check_k, check_seconds
+    from fedreid.flower.search_codec import SearchCodecError, SearchFilters
 
-    if not 1 <= k <= 1000:
-        raise ConfigError(f"search: --k must be in 1..1000, got {k}")
-    if timeout <= 0:
-        raise ConfigError(f"search: --timeout must be > 0 seconds, got {timeout}")
+    check_k(k, "search: --k")
+    check_seconds(timeout, "search: --timeout")
+    if join_timeout is not None:
+        check_seconds(join_timeout, "search: --join-timeout", zero=True)
     filters = {"cameras": cameras, "sites": sites,
                "time_window": None if since is None and until is None else [since, until]}
-    SearchFilters.from_plain(filters)
+    for key, option in (("cameras", "--camera"), ("sites", "--site"), ("time_window", "--since/--until")):
+        try:
+            SearchFilters.from_plain({key: filters[key]})
+        except SearchCodecError as exc:
+            raise ConfigError(f"search: {option}: {exc}") from None
     out_path = Path(out).resolve() if out else None
     if out_path is not None and (out_path.is_dir() or out_path.is_symlink()):
         raise ConfigError(f"--out {out_path}: expected a JSON file path, it is a folder or a link")
@@ -84,7 +112,11 @@ def query_feature(*, image: Optional[str], feature: Optional[str], model: Option
     if not fingerprint:
         raise ConfigError("search: --feature needs --fingerprint (a JSON model fingerprint, or the header.json / "
                           "sidecar of the store or model that made the feature): the sites check it")
-    return read_feature_file(feature), read_fingerprint_file(fingerprint)
+    try:
+        vector = read_feature_file(feature)
+    except ConfigError as exc:
+        raise ConfigError(f"search: --feature {exc}") from None
+    return vector, read_fingerprint_file(fingerprint)
 
 
 def _report_log(log: Path, report: Report, limit: int) -> None:
@@ -134,14 +166,20 @@ def search_in_one_run(request: SearchRequest, *, superlink: str, ca: Optional[Pa
         return None
 
 
-def check_session(*, ca: Optional[Path], node_auth: bool, timeout: float, socket: str | Path) -> Path:
-    """A session's settings checked before anything starts; returns its socket path (new, on this host)."""
+def check_session(*, ca: Optional[Path], node_auth: bool, timeout: float, socket: str | Path,
+                  idle_timeout: float = 0.0) -> Path:
+    """A session's settings checked before anything starts; returns its socket path (new, on this host).
+
+    ``timeout`` and ``idle_timeout`` pass the check the session's ServerApp
+    applies to its run config (:func:`~fedreid.flower.search.check_seconds`).
+    """
+    from fedreid.flower.search import check_seconds
     from fedreid.flower.search_session import SessionClient
 
     if node_auth and ca is None:
         raise ConfigError("session: --node-auth needs --ca: Flower authenticates SuperNodes over TLS only")
-    if not timeout > 0:
-        raise ConfigError(f"session: --timeout must be > 0 seconds, got {timeout}")
+    check_seconds(timeout, "session: --timeout")
+    check_seconds(idle_timeout, "session: --idle-timeout", zero=True)
     sock = Path(socket).resolve()
     SessionClient(sock)  # refuses a path too long for a socket
     if not sock.parent.is_dir():

@@ -26,8 +26,10 @@ never travel.
 
 Scores are cosine similarities: the query's feature is L2-normalised (its
 norm within :data:`NORM_TOLERANCE` of 1, else the query is refused), the
-stores hold L2-normalised features, and a site clips what an approximate
-index (PQ or SQ codes) gives to [-1, 1]. So a score outside
+stores hold L2-normalised features (a store refuses others), the store
+re-scores every hit exactly, and a site clips only float32 rounding to
+[-1, 1] (a larger overshoot is an error answer,
+:func:`fedreid.flower.search.answer_query`). So a score outside
 [-1 - :data:`COSINE_EPS`, 1 + :data:`COSINE_EPS`] is no cosine: the answer is
 refused, since one made-up score (1e30) would otherwise rank first.
 

@@ -53,6 +53,7 @@ except ImportError as exc:  # the options and checks still work; serving says wh
 
 from fedreid.errors import FedReIDError
 from fedreid.retrieval import fields as field_rules
+from fedreid.retrieval.access_log import redact_item_ids
 from fedreid.retrieval.guard import (
     DEFAULT_MAX_UPLOAD_BYTES,
     FORM_OVERHEAD,
@@ -825,7 +826,8 @@ def create_app(
 
     @app.exception_handler(Exception)
     async def _on_crash(request: Request, exc: Exception) -> JSONResponse:
-        _LOG.exception("internal error on %s %s", request.method, request.url.path)
+        # The path as the access log writes it: an item's id must not outlive its erasure in the log.
+        _LOG.exception("internal error on %s %s", request.method, redact_item_ids(request.url.path))
         return error(500, f"internal error ({type(exc).__name__}); see the server log")
 
     async def read_form(request: Request, allowed: Sequence[str]) -> dict[str, Any]:

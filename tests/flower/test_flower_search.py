@@ -224,15 +224,56 @@ def test_a_site_judges_same_model_as_query_and_serve_do(query, tmp_path):
     assert answer.ok and triples(answer.hits) == exact_answer(store, "sa", query, 3)
 
 
-def test_a_store_of_unnormalised_features_answers_an_error(query, tmp_path):
+def store_of_any_norms(monkeypatch, folder, features):
+    """A store holding ``features`` as given, norms included: one written before stores refused features off unit norm.
+
+    The store's own check (``fedreid.retrieval.store.NORM_TOLERANCE``) is
+    lifted while it is written only, so the site reads it under the real one.
+    """
+    from fedreid.retrieval import store as store_module
+
+    with monkeypatch.context() as patched:
+        patched.setattr(store_module, "NORM_TOLERANCE", np.inf)
+        return GalleryStore.create(folder, features, [{"path": f"/g/{i}.jpg"} for i in range(len(features))],
+                                   meta={"model_fingerprint": FP})
+
+
+def test_a_store_of_unnormalised_features_answers_an_error(query, tmp_path, monkeypatch):
     """Scores past a cosine's range are not clipped into fake ties at 1: the site says what is wrong."""
     raw = unit_rows(6, 5) * np.arange(1, 7, dtype=np.float32)[:, None]  # norms 1..6
-    store = GalleryStore.create(tmp_path / "raw", raw, [{"path": f"/g/{i}.jpg"} for i in range(6)],
-                                meta={"model_fingerprint": FP})
+    store = store_of_any_norms(monkeypatch, tmp_path / "raw", raw)
     answer = answer_query(store, SearchQuery(raw[5] / 6, 3, fingerprint=FP), site="sa")
     assert not answer.ok and answer.hits == () and "not L2-normalised" in answer.error
     unit = make_store(tmp_path / "unit", 6, 5, site="sa")
     assert answer_query(unit, SearchQuery(query, 3, fingerprint=FP), site="sa").ok
+
+
+def test_scores_past_what_unit_vectors_give_are_an_error_not_clipped_ties(query, tmp_path, monkeypatch):
+    """A store's scores are exact float32 inner products: past the store's norm rule and rounding, an error.
+
+    The store holds features of norm 1.04 (an older store: the store's own check is lifted while it is
+    written), the query's own vector among them: clipped to 1 its scores would tie and rank by id.
+    """
+    feats = np.concatenate([query[None], unit_rows(7, 8)]) * np.float32(1.04)
+    store = store_of_any_norms(monkeypatch, tmp_path / "raw", feats)
+    assert store.search(query[None], 1).scores[0, 0] > 1.03  # what the store gives: not a cosine
+    answer = answer_query(store, SearchQuery(query, 3, fingerprint=FP), site="sa")
+    assert not answer.ok and answer.hits == () and "not L2-normalised" in answer.error
+    # Features within the norm a store takes (GalleryStore.create's own check) are answered, scores at most 1.
+    edge = GalleryStore.create(tmp_path / "edge", feats / 1.04 * np.float32(1.0009),
+                               [{"path": f"/g/{i}.jpg"} for i in range(8)], meta={"model_fingerprint": FP})
+    answer = answer_query(edge, SearchQuery(query, 3, fingerprint=FP), site="sa")
+    assert answer.ok and answer.hits[0].id == 0 and answer.hits[0].score == 1.0
+    # Unit features give the query's own vector a score within float32 rounding of 1: answered, at most 1.
+    unit = GalleryStore.create(tmp_path / "unit", feats / np.linalg.norm(feats, axis=1, keepdims=True),
+                               [{"path": f"/g/{i}.jpg"} for i in range(8)], meta={"model_fingerprint": FP})
+    answer = answer_query(unit, SearchQuery(query, 3, fingerprint=FP), site="sa")
+    assert answer.ok and answer.hits[0].id == 0 and 1 - 1e-6 <= answer.hits[0].score <= 1.0
+    assert decode_hits(encode_hits(answer), k=3).hits == answer.hits  # the server takes it
+    # A query whose norm is off 1 within the codec's tolerance scales every score alike: still an answer.
+    longer = SearchQuery(query * np.float32(1.0009), 3, fingerprint=FP)
+    answer = answer_query(unit, longer, site="sa")
+    assert answer.ok and answer.hits[0].id == 0 and answer.hits[0].score == 1.0
 
 
 def test_thumbnails_only_where_the_site_allows_and_the_query_asks(stores, query):
@@ -276,7 +317,11 @@ def test_a_gallery_file_replaced_by_a_link_sends_no_thumbnail(query, tmp_path, c
     assert thumbs[1] is None and thumbs[2] is None
     assert all(thumbs[i].startswith(b"\xff\xd8\xff") for i in (0, 3, 4, 5))
     assert make_thumbnail(secret.read_bytes(), 24) not in thumbs.values()
-    assert "outside the gallery" in caplog.text
+    assert "outside the gallery" in caplog.text and "missing on the server" in caplog.text
+    # The reasons only: a path, file name or id in the site's log would outlive the item's erasure.
+    for gone in (paths[1], paths[2]):
+        assert gone.name not in caplog.text and str(gone.parent) not in caplog.text
+    assert "secret" not in caplog.text and all(f"store id {i}" not in caplog.text for i in (1, 2))
     # The node's gallery-root is where relative paths lie, and the only folder they are read from.
     images = tmp_path / "relative_images"
     images.mkdir()
@@ -449,7 +494,7 @@ def test_a_node_cannot_answer_as_another_site(stores, query, tmp_path):
     assert unbound.results[0].name == "planted.jpg"  # what node authentication prevents
 
 
-def test_scores_outside_the_cosine_range_mark_the_answer_malformed(stores, query, tmp_path):
+def test_scores_outside_the_cosine_range_mark_the_answer_malformed(stores, query):
     """A made-up score (1e30) must not rank first: the site's answer is malformed, the others still merge."""
     nodes = {1: {"client": "sa", "gallery-store": str(stores["sa"].folder)},
              2: {"client": "sb", "gallery-store": str(stores["sb"].folder)},
@@ -478,13 +523,7 @@ def test_scores_outside_the_cosine_range_mark_the_answer_malformed(stores, query
     # A query is a unit vector (so the scores are cosines), refused otherwise in words.
     with pytest.raises(SearchCodecError, match="L2-normalised vector .* got norm 2"):
         SearchQuery(query * 2, 3)
-    # A site clips an approximate index's strays to [-1, 1] (here: a store of vectors of norm 1.02).
-    make_store(tmp_path / "long", 5, 11)
-    long = GalleryStore.create(tmp_path / "long2", unit_rows(5, 11) * 1.02, [{"path": f"/l/{i}.jpg"} for i in range(5)],
-                               meta={"model_fingerprint": FP})
-    answer = answer_query(long, SearchQuery(long.vectors[0] / 1.02, 5, fingerprint=FP), site="sa")
-    assert answer.hits[0].score == 1.0 and all(-1.0 <= h.score <= 1.0 for h in answer.hits)
-    assert decode_hits(encode_hits(answer), k=5).ok
+    # What a site sends stays inside: test_scores_past_what_unit_vectors_give_are_an_error_not_clipped_ties.
 
 
 FILTERED = {"cameras": [1], "sites": ["lobby"], "time_window": [1000.0, 2000.0]}
@@ -681,11 +720,18 @@ def test_a_search_session_answers_query_after_query_and_sees_sites_come_and_go(s
 
 
 def test_query_files_and_node_settings(tmp_path, stores):
-    np.save(tmp_path / "q.npy", np.ones((1, D), np.float64))
+    np.save(tmp_path / "q.npy", np.ones((1, D), np.float64) / np.sqrt(D))
     assert read_feature_file(tmp_path / "q.npy").dtype == np.float32
     np.save(tmp_path / "bad.npy", np.ones((2, D)))
     with pytest.raises(ConfigError, match=r"shape \[d\] or \[1, d\]"):
         read_feature_file(tmp_path / "bad.npy")
+    # What no query may carry is refused with the file's name: the codec's own checks.
+    np.save(tmp_path / "long.npy", np.ones(D))
+    with pytest.raises(ConfigError, match=r"long\.npy: feature: expected an L2-normalised vector .* got norm 4\b"):
+        read_feature_file(tmp_path / "long.npy")
+    np.save(tmp_path / "nan.npy", np.full(D, np.nan))
+    with pytest.raises(ConfigError, match=r"nan\.npy: feature: expected finite numbers"):
+        read_feature_file(tmp_path / "nan.npy")
     assert read_fingerprint_file(stores["sa"].folder / "header.json") == FP
     assert read_fingerprint_file(stores["sb"].folder / "header.json") == FP
     (tmp_path / "fp.json").write_text(json.dumps(FP))
@@ -739,7 +785,7 @@ def test_image_query_gives_the_evaluation_feature_and_the_model_fingerprint(tmp_
     (["search", "--superlink", "h:1", "--feature", "q.npy"], "--ca CA_FILE"),
     (["search", "--superlink", "h:1", "--insecure", "--feature", "q.npy"], "--feature needs --fingerprint"),
     (["search", "--superlink", "h:1", "--insecure", "--image", "q.jpg"], "--image needs --model"),
-    (["search", "--superlink", "h:1", "--insecure", "--feature", "q.npy", "--k", "0"], "--k must be in"),
+    (["search", "--superlink", "h:1", "--insecure", "--feature", "q.npy", "--k", "0"], "--k: expected 1..1000, got 0"),
     (["search", "--superlink", "h:1", "--insecure", "--feature", "q.npy", "--since", "5", "--until", "1"],
      "since 5.0 is after until 1.0"),
     (["search", "--superlink", "h:1", "--insecure", "--feature", "q.npy", "--camera", str(10**40)],
@@ -750,6 +796,82 @@ def test_search_command_refusals_are_one_clear_line(tmp_path, args, message):
     done = subprocess.run([sys.executable, str(TOOL), *args], capture_output=True, text=True, cwd=tmp_path,
                           timeout=120)
     assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr
+
+
+_DOOR_REFUSALS = [
+    (np.arange(1, D + 1, dtype=np.float32), [],
+     r"search: --feature \S*q\.npy: feature: expected an L2-normalised vector .* got norm 38\.6"),
+    (np.full(D, np.nan, np.float32), [], r"search: --feature \S*q\.npy: feature: expected finite numbers"),
+    (None, ["--timeout", "nan"], r"search: --timeout: expected seconds > 0, got nan"),
+    (None, ["--timeout", "inf"], r"search: --timeout: expected seconds > 0, got inf"),
+    (None, ["--k", "1001"], r"search: --k: expected 1\.\.1000, got 1001"),
+    (None, ["--camera", str(10**40)], r"search: --camera: filters\.cameras"),
+]
+_ONE_RUN, _SESSION = ["--superlink", "h:1", "--insecure"], ["--session", "no.sock"]
+
+
+@pytest.mark.parametrize("where, feature, options, message", [
+    *[(_ONE_RUN, *case) for case in _DOOR_REFUSALS],
+    *[(_SESSION, *case) for case in _DOOR_REFUSALS],
+    (_ONE_RUN, None, ["--join-timeout", "nan"], r"search: --join-timeout: expected seconds >= 0, got nan"),
+    (_ONE_RUN, None, ["--join-timeout", "-1"], r"search: --join-timeout: expected seconds >= 0, got -1"),
+])
+def test_the_search_command_refuses_what_the_server_app_would_before_starting_anything(
+        tmp_path, monkeypatch, where, feature, options, message):
+    """Each value ``mode=search`` refuses inside a started run is refused by the command first, naming the option."""
+    from fedreid.commands.flower_fed import main
+    from fedreid.flower import search_client
+
+    class Started(Exception):
+        pass
+
+    def start(*args, **kwargs):
+        raise Started
+
+    monkeypatch.setattr(search_client, "search_in_one_run", start)
+    monkeypatch.setattr(search_client, "search_in_session", start)
+    np.save(tmp_path / "q.npy", unit_rows(1, 3)[0] if feature is None else feature)
+    (tmp_path / "fp.json").write_text(json.dumps(FP))
+    args = ["search", *where, "--feature", str(tmp_path / "q.npy"), "--fingerprint", str(tmp_path / "fp.json"),
+            *options]
+    with pytest.raises(ConfigError, match=message) as refused:
+        main(args)
+    assert "\n" not in str(refused.value)
+    # The same command with good values goes on to the search.
+    np.save(tmp_path / "q.npy", unit_rows(1, 3)[0])
+    with pytest.raises(Started):
+        main(args[: len(where) + 5])
+
+
+def test_the_session_command_refuses_timeouts_the_server_app_would_before_starting(tmp_path, monkeypatch):
+    from fedreid.commands.flower_fed import main
+    from fedreid.flower import search_client
+
+    monkeypatch.setattr(search_client, "run_session", lambda **kw: pytest.fail("a session was started"))
+    base = ["session", "--superlink", "h:1", "--insecure", "--socket", str(tmp_path / "s.sock")]
+    for option, value, message in (("--timeout", "nan", "session: --timeout: expected seconds > 0, got nan"),
+                                   ("--timeout", "inf", "session: --timeout: expected seconds > 0, got inf"),
+                                   ("--idle-timeout", "nan", "session: --idle-timeout: expected seconds >= 0, "
+                                                             "got nan")):
+        with pytest.raises(ConfigError, match=message):
+            main([*base, option, value])
+
+
+def test_the_server_app_and_the_command_share_one_rule_for_k_and_seconds():
+    from fedreid.flower.search import check_k, check_seconds, checked_timeout
+
+    for bad in ("2.5", 2.5, float("nan"), "ten", True, 0, 1001):
+        with pytest.raises(ConfigError, match="search-k: expected"):
+            SearchSettings.from_run_config({"search-vector": encode_vector(unit_rows(1, 3)[0]), "search-k": bad})
+        with pytest.raises(ConfigError, match="--k: expected"):
+            check_k(bad, "--k")
+    assert check_k("7", "k") == 7 and check_k(1000, "k") == 1000
+    for bad in ("nan", float("inf"), -1, 0, "soon", 10**400):
+        with pytest.raises(ConfigError, match="--timeout: expected seconds"):
+            check_seconds(bad, "--timeout")
+    assert check_seconds(0, "x", zero=True) == 0.0 and check_seconds("2.5", "x") == 2.5
+    with pytest.raises(ConfigError, match="search timeout: expected seconds > 0, got inf"):
+        checked_timeout(float("inf"))  # what federated_search and the site links apply to a query's timeout
 
 
 # ----------------------------------------------------------------------------- a real deployment

@@ -5,7 +5,7 @@ import urllib.request
 
 import pytest
 
-from fedreid.retrieval.access_log import RedactItemIds, log_config
+from fedreid.retrieval.access_log import RedactItemIds, log_config, redact_item_ids
 
 
 def access_record(path: str) -> logging.LogRecord:
@@ -23,6 +23,7 @@ def access_record(path: str) -> logging.LogRecord:
     ("/web/items/42", "/web/items/42"),  # not an item route
 ])
 def test_item_ids_are_left_out_of_access_records(path, logged):
+    assert redact_item_ids(path) == logged  # the rule other log lines naming a request path use too
     record = access_record(path)
     assert RedactItemIds().filter(record) is True  # the line is kept
     assert record.getMessage() == f'127.0.0.1:5000 - "GET {logged} HTTP/1.1" 200'

@@ -460,6 +460,21 @@ def test_missing_image_file_is_a_404(world, tmp_path):
         assert c.get("/items/0/image", headers=AUTH).status_code == 200
 
 
+def test_an_internal_error_is_logged_without_the_item_id(world, monkeypatch, caplog):
+    """The 500 handler's log line writes an item route as the access log does: the id must outlive no erasure."""
+
+    def broken_row(self, item):
+        raise RuntimeError("the table could not be read")
+
+    monkeypatch.setattr(svc._Service, "row", broken_row)
+    app = svc.create_app(world["store"], world["loaded"], token=TOKEN)
+    with TestClient(app, raise_server_exceptions=False) as c, caplog.at_level("ERROR", "fedreid.retrieval.service"):
+        r = c.get("/items/4", headers=AUTH)
+    assert r.status_code == 500 and r.json() == {"error": "internal error (RuntimeError); see the server log"}
+    lines = [rec.getMessage() for rec in caplog.records if rec.name == "fedreid.retrieval.service"]
+    assert lines == ["internal error on GET /items/{item_id}"]
+
+
 def test_only_regular_files_inside_the_gallery_or_uploads_are_served(world, tmp_path):
     gallery = tmp_path / "g"
     paths = [write_png(gallery / f"{i}.png", person_image(i, 0, 1)) for i in range(5)]
