@@ -49,7 +49,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import nn
@@ -398,12 +398,11 @@ def _process_steps(rank: int, scale: str, device_type: str, graphs: bool, barrie
     device = torch.device(device_type)
     t0, t1 = timed_bare_steps(device, s, s["batches"][0], resolve_precision("bf16", device), graphs,
                               s["steps"] * 2, warmup=3, ready=barrier.wait)
-    results.put((rank, t0, t1))
+    results.put((rank, t0, t1, s["batches"][0] * s["steps"] * 2))
 
 
 def section_processes(device: torch.device, scale: str, counts: list[int], graph_settings: list[bool]) -> None:
     """(e): N processes, each running (a)'s bare bf16 step at the smaller batch, all at once."""
-    import multiprocessing as mp
 
     s = SCALES[scale]
     batch, steps = s["batches"][0], s["steps"] * 2
@@ -411,25 +410,35 @@ def section_processes(device: torch.device, scale: str, counts: list[int], graph
         f"{s['height']}x{s['width']}, {steps} timed steps each): aggregate img/s over the span from the first "
         "start to the last end")
     say(f"    {'processes':>9} {'graphs':>7} {'img/s':>9} {'per process':>12}")
-    ctx = mp.get_context("spawn")
     for graphs in graph_settings:
         for n in counts:
-            barrier, results = ctx.Barrier(n), ctx.Queue()
-            procs = [ctx.Process(target=_process_steps, args=(r, scale, device.type, graphs, barrier, results))
-                     for r in range(n)]
-            for p in procs:
-                p.start()
-            try:
-                spans = [results.get(timeout=600) for _ in range(n)]
-            except Exception as exc:  # a child that died leaves its result missing
-                say(f"    {n:>9} {str(graphs):>7} failed: {type(exc).__name__}")
-                spans = []
-            for p in procs:
-                p.join()
-            if spans:
-                wall = max(end for _, _, end in spans) - min(start for _, start, _ in spans)
-                total = n * batch * steps / wall
-                say(f"    {n:>9} {str(graphs):>7} {total:>9,.0f} {total / n:>12,.0f}")
+            total = _all_at_once(n, _process_steps, (scale, device.type, graphs))
+            say(f"    {n:>9} {str(graphs):>7} " + (f"{total:>9,.0f} {total / n:>12,.0f}" if total else "failed"))
+
+
+def _all_at_once(n: int, target: Callable[..., None], args: tuple) -> Optional[float]:
+    """``target(rank, *args, barrier, results)`` in ``n`` spawned processes; their aggregate img/s, None if one failed.
+
+    Each process waits at the barrier once warm, then puts ``(rank, start, end, images)``; the rate is
+    all images over the span from the first start to the last end.
+    """
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    barrier, results = ctx.Barrier(n), ctx.Queue()
+    procs = [ctx.Process(target=target, args=(r, *args, barrier, results)) for r in range(n)]
+    for p in procs:
+        p.start()
+    try:
+        spans = [results.get(timeout=600) for _ in range(n)]
+    except Exception:  # noqa: BLE001 - a child that died leaves its result missing
+        spans = []
+    for p in procs:
+        p.join()
+    if not spans:
+        return None
+    wall = max(end for _, _, end, _ in spans) - min(start for _, start, _, _ in spans)
+    return sum(images for *_, images in spans) / wall
 
 
 def _process_data_loop(rank: int, scale: str, device_type: str, graphs: bool, workers: int, epochs: int,
@@ -460,35 +469,19 @@ def section_data_processes(device: torch.device, s: dict[str, Any], scale: str, 
     What one card and this host give N clients that do nothing but train: the bound of (c)'s img/s for
     the data path as it is, with no federated work around the steps.
     """
-    import multiprocessing as mp
 
     ensure_world(s, tmp)
     say(f"(g) (b)'s bare data-inclusive loop (Market-1501 client, batch 32, precision {precision_name}) in N processes at once, "
         f"{workers_total} loader workers split over them, {epochs} epochs each after a warm-up one: aggregate img/s "
         "over the span from the first start to the last end")
     say(f"    {'processes':>9} {'workers':>8} {'graphs':>7} {'img/s':>9} {'per process':>12}")
-    ctx = mp.get_context("spawn")
     for graphs in graph_settings:
         for n in counts:
             workers = max(1, workers_total // n)
-            barrier, results = ctx.Barrier(n), ctx.Queue()
-            procs = [ctx.Process(target=_process_data_loop, args=(r, scale, device.type, graphs, workers, epochs,
-                                                                  precision_name, normalize_on, str(tmp), barrier,
-                                                                  results))
-                     for r in range(n)]
-            for p in procs:
-                p.start()
-            try:
-                spans = [results.get(timeout=600) for _ in range(n)]
-            except Exception as exc:  # a child that died leaves its result missing
-                say(f"    {n:>9} {workers:>8} {str(graphs):>7} failed: {type(exc).__name__}")
-                spans = []
-            for p in procs:
-                p.join()
-            if spans:
-                wall = max(end for _, _, end, _ in spans) - min(start for _, start, _, _ in spans)
-                total = sum(images for *_, images in spans) / wall
-                say(f"    {n:>9} {workers:>8} {str(graphs):>7} {total:>9,.0f} {total / n:>12,.0f}")
+            total = _all_at_once(n, _process_data_loop, (scale, device.type, graphs, workers, epochs, precision_name,
+                                                         normalize_on, str(tmp)))
+            say(f"    {n:>9} {workers:>8} {str(graphs):>7} "
+                + (f"{total:>9,.0f} {total / n:>12,.0f}" if total else "failed"))
 
 
 # --------------------------------------------------------------------------- (d)

@@ -33,26 +33,24 @@ USER_PATH_ERRORS: tuple[type[OSError], ...] = (
 BROKEN_PIPE_EXIT = 141
 
 
-def positive_int(text: str) -> int:
-    """An ``argparse`` type: an integer >= 1 (a size or a count, where 0 would silently mean "the default")."""
+def _int_at_least(text: str, low: int) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}") from None
+    if value < low:
+        raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}")
     return value
+
+
+def positive_int(text: str) -> int:
+    """An ``argparse`` type: an integer >= 1 (a size or a count, where 0 would silently mean "the default")."""
+    return _int_at_least(text, 1)
 
 
 def count_int(text: str) -> int:
     """An ``argparse`` type: an integer >= 0 (how many of something; 0 means none)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
-    return value
+    return _int_at_least(text, 0)
 
 
 def show_progress(args: argparse.Namespace) -> bool:
