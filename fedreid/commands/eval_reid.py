@@ -42,12 +42,13 @@ Examples:
 --model is a run folder (its model_final.pt, else its checkpoint.pt), a
 model_final.pt or a checkpoint.pt. Features are the flip-averaged
 (evaluate: unless eval.flip=false), L2-normalised embeddings; the device is
-CUDA when available (with --backend onnx it is the CPU, and PyTorch is not
-needed). evaluate extracts in the
-config's eval.precision (fp32 unless the run set another, the arithmetic of
-the run's own evaluation); --precision bf16|fp16|auto changes it (--amp is
---precision fp16; fp16 needs CUDA), in channels-last on CUDA unless
---no-channels-last, and results.json records it. On CUDA index and query
+CUDA when available (with --backend onnx or torchscript it is the CPU, and
+onnx needs no PyTorch). evaluate extracts in the config's eval.precision
+(fp32 unless the run set another, the arithmetic of the run's own
+evaluation); --precision bf16|fp16|auto changes it (--amp is --precision
+fp16; fp16 needs CUDA), in channels-last on CUDA unless --no-channels-last,
+and results.json records it. The model file decides the architecture and
+input size: a model.* key set otherwise is refused. On CUDA index and query
 use float16 autocast (--amp) and channels-last tensors and weights
 (--channels-last) unless --no-amp / --no-channels-last; on the CPU they are
 off, and asking for them there is an error. --faiss-gpu on puts
