@@ -227,8 +227,25 @@ def claim_run_dir(run_dir: str | Path, *, resume: bool, tool: str = "fedreid") -
     return ckpt
 
 
+def hooks_that_never_run(cfg: Config) -> list[tuple[str, int]]:
+    """``(name, every)`` of the server hooks (``cfg.hook_specs()``) whose ``every`` exceeds ``fl.rounds``.
+
+    Such a hook (KD every 10 rounds in a 5-round run) runs after rounds
+    ``every``, ``2 every``, ...: never in this run. A warning, not an error:
+    a short run of a paper's config is a common check.
+    """
+    return [(name, int(values["every"])) for name, values in cfg.hook_specs()
+            if isinstance(values.get("every"), int) and not isinstance(values["every"], bool)
+            and values["every"] > cfg.fl.rounds]
+
+
 def check_run_dir(run_dir: str | Path, *, tool: str = "fedreid") -> None:
-    """Raise where :func:`claim_run_dir` would refuse ``run_dir`` for a fresh run; change nothing."""
+    """Raise where :func:`claim_run_dir` would refuse ``run_dir`` for a fresh run; change nothing.
+
+    A run folder whose checkpoint was removed but whose results remain (its
+    ``model_final.pt``, or a ``metrics.jsonl`` of round 2 or later:
+    :func:`check_history_kept`) is refused too: a fresh run would overwrite them.
+    """
     run_dir = Path(run_dir)
     if latest_checkpoint(run_dir) is not None:
         raise FileExistsError(
@@ -236,6 +253,12 @@ def check_run_dir(run_dir: str | Path, *, tool: str = "fedreid") -> None:
             "resume it (resume=True / --resume) or choose another folder"
         )
     check_output_dir(run_dir, RUN_KIND, tool=tool)
+    if (run_dir / "model_final.pt").is_file():
+        raise FileExistsError(
+            f"{run_dir} holds a finished run's model_final.pt (its checkpoint was removed): a fresh run would "
+            "overwrite it and the run's records; train into another folder"
+        )
+    check_history_kept(run_dir)
 
 
 def run_simulation(
@@ -274,6 +297,9 @@ def run_simulation(
     if cfg is not None:
         check_model_name(cfg)
         resolve_device(cfg.run.device)  # run.device=cuda without CUDA: refused before the folder is claimed
+        for name, every in hooks_that_never_run(cfg):
+            log.warning("server hook %s runs every %d rounds and this run has %d (fl.rounds): it never runs",
+                        name, every, cfg.fl.rounds)
         if local_inputs and not resume:
             check_inputs(cfg)  # every missing input named, before a new run folder is claimed
     ckpt = None

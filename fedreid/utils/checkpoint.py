@@ -74,7 +74,8 @@ def save_checkpoint(path: str | os.PathLike, payload: Mapping[str, Any]) -> Path
     return path
 
 
-_UNSAFE_GLOBAL = re.compile(r"Unsupported global: GLOBAL (\S+)")
+#: torch's words for a pickled global that weights_only refuses (two wordings across torch versions).
+_UNSAFE_GLOBAL = re.compile(r"(?:Unsupported global: GLOBAL|unsupported GLOBAL) (\S+)")
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 

@@ -224,6 +224,10 @@ def check_output_dir(folder: str | Path, kind: str, *, tool: str, adopt: bool = 
         raise OutputDirError(f"{folder} is a symbolic link, not a folder {tool} made; choose another folder")
     if folder.exists() and not folder.is_dir():
         raise OutputDirError(f"{folder} exists and is not a folder; choose another folder for {tool}'s output")
+    blocking = file_in_the_way(folder)
+    if blocking is not None:
+        raise OutputDirError(f"{folder} cannot be made: {blocking} is a file, not a folder; choose another folder "
+                             f"for {tool}'s output")
     if folder.is_dir() and not owns_folder(folder, kind) and not adopt:
         entries = sorted(p.name for p in folder.iterdir() if not (is_marker_leftover(p, kind) and p.is_file()))
         if entries:

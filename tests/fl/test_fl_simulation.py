@@ -335,3 +335,33 @@ def test_local_baseline_is_one_continuous_run_whose_lr_schedule_fires(world, tmp
     assert [rec["client_metrics"]["dsa"]["lr"] for rec in decayed] == pytest.approx([0.05, 0.0025, 0.00125])
     groups = load_checkpoint(tmp_path / "decayed" / "checkpoint.pt")["clients"]["dsa"]["optimizer"]["param_groups"]
     assert [g["lr"] for g in groups] == pytest.approx([0.000125, 0.00125])  # backbone at 0.1 x, the rest at lr
+
+
+def test_a_fresh_run_refuses_a_run_folder_whose_checkpoint_was_removed_but_whose_results_remain(tmp_path):
+    import json
+
+    from fedreid.fl.simulation import RUN_KIND, check_run_dir
+    from fedreid.utils.io import claim_output_dir
+
+    finished = tmp_path / "finished"
+    claim_output_dir(finished, RUN_KIND, tool="train_fed.py")
+    (finished / "model_final.pt").write_bytes(b"the user's model")
+    with pytest.raises(FileExistsError, match="holds a finished run's model_final.pt"):
+        check_run_dir(finished)
+    history = tmp_path / "history"
+    claim_output_dir(history, RUN_KIND, tool="train_fed.py")
+    metrics = history / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps({"round": r}) + "\n" for r in (1, 2, 3)))
+    with pytest.raises(FileNotFoundError, match="records 3 rounds, so the checkpoint was removed"):
+        check_run_dir(history)
+    metrics.write_text(json.dumps({"round": 1}) + "\n")  # a kill between round 1's metrics line and its checkpoint
+    check_run_dir(history)  # starts over
+    assert (finished / "model_final.pt").read_bytes() == b"the user's model"
+
+
+def test_a_server_hook_whose_period_exceeds_the_rounds_is_named():
+    from fedreid.fl.simulation import hooks_that_never_run
+
+    short = load_config(None, ["fl.rounds=2", "fl.kd=true", "fl.kd_every=5", "fl.hooks=[{name: fedavgm}]"])
+    assert hooks_that_never_run(short) == [("kd", 5)]
+    assert hooks_that_never_run(load_config(None, ["fl.rounds=10", "fl.kd=true", "fl.kd_every=5"])) == []

@@ -79,3 +79,32 @@ def test_claim_output_dir_clears_its_own_markers_leftover_after_a_kill(tmp_path)
     (folder / "..fedreid-run.json.ab12_x9z.tmp").write_text("{")  # a kill between mkdir and the marker's rename
     claim_output_dir(folder, "run", tool="train_fed")
     assert sorted(p.name for p in folder.iterdir()) == [".fedreid-run.json"]
+
+
+def test_an_output_folder_under_a_file_is_refused_naming_the_file(tmp_path):
+    from fedreid.utils.io import check_output_dir
+
+    (tmp_path / "notes").write_text("mine")
+    with pytest.raises(OutputDirError) as info:
+        check_output_dir(tmp_path / "notes" / "run" / "deeper", "run", tool="train_fed.py")
+    assert str(info.value) == (f"{tmp_path / 'notes' / 'run' / 'deeper'} cannot be made: {tmp_path / 'notes'} is a "
+                               "file, not a folder; choose another folder for train_fed.py's output")
+    assert (tmp_path / "notes").read_text() == "mine"
+
+
+def test_a_checkpoint_carrying_a_pickled_call_is_named_as_such_not_as_truncated(tmp_path):
+    import torch
+
+    from fedreid.utils.checkpoint import unreadable_reason
+
+    class Planted:
+        def __reduce__(self):
+            return (os.system, ("true",))
+
+    path = tmp_path / "checkpoint.pt"
+    torch.save({"server": Planted()}, path)
+    try:
+        torch.load(path, weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - whatever torch raises is what the reason reads
+        reason = unreadable_reason(path, exc)
+    assert reason.startswith("it holds a pickled object (posix.system) besides tensors and plain values: refused")
