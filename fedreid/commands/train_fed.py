@@ -17,7 +17,8 @@ the paper's reporting convention and PNG curves. --out must be a new or empty
 folder or a run folder; a folder of other files is refused untouched.
 Overrides may stand anywhere among the options (fl.rounds=1 --no-progress seed=2).
 
-A resume refuses prepared data that changed since the checkpoint, and warns
+A resume refuses prepared data whose manifest changed since the checkpoint
+(rows, not image bytes, are fingerprinted), and warns
 when the torch thread count differs (the numbers then differ from an
 uninterrupted run's).
 """

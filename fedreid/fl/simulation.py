@@ -21,8 +21,8 @@ refused before anything in it changes.
 
 A checkpoint records fingerprints of the data (:func:`data_fingerprints`:
 each client's training rows, the public set, the evaluation sets) and the
-torch thread count (:func:`run_environment`). A resume refuses data that
-changed since the checkpoint (:class:`DataChangedError`, naming the client
+torch thread count (:func:`run_environment`). A resume refuses data whose
+manifest rows changed since the checkpoint (image bytes are not read) (:class:`DataChangedError`, naming the client
 and the change) and warns when the thread count or torch version differs,
 since the numbers then differ from an uninterrupted run's.
 
