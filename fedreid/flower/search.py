@@ -112,7 +112,6 @@ __all__ = [
     "make_thumbnail",
     "thumbnail_roots",
     "gallery_thumbnail",
-    "score_rounding",
     "answer_query",
     "site_reply",
     "merge_answers",
@@ -265,18 +264,6 @@ def gallery_thumbnail(path: Path, roots: Sequence[Path], size: int) -> Optional[
     return make_thumbnail(data, size)
 
 
-def score_rounding(dim: int) -> float:
-    """The relative error float32 math may leave in a score of two unit vectors of ``dim`` dimensions.
-
-    Twice the error bound of a float32 dot product of length ``dim``
-    (``dim * 2**-24``): once for the sum, once for the stored vector's own
-    norm, itself rounded to float32 when the feature was normalised. Float32
-    features normalised by NumPy or PyTorch stay well inside it (under a
-    tenth of it for d = 16..2048, through Flat, HNSW and filtered searches).
-    """
-    return 2.0 * int(dim) * 2.0**-24
-
-
 def answer_query(store: Any, query: SearchQuery, *, site: str, policy: SitePolicy = SitePolicy()) -> SiteAnswer:
     """This site's answer to ``query`` from ``store`` (a :class:`~fedreid.retrieval.store.GalleryStore`).
 
@@ -289,10 +276,12 @@ def answer_query(store: Any, query: SearchQuery, *, site: str, policy: SitePolic
     Scores: the store's scores are exact float32 inner products of the query
     with the stored vectors for every index kind (an approximate index only
     picks the candidates, :meth:`~fedreid.retrieval.store.GalleryStore.search`),
-    so ``|score| <= |query| * (1 + tol) * (1 + rounding)`` when every stored
-    feature is L2-normalised as a store takes them (norm within ``tol``,
-    :data:`fedreid.retrieval.store.NORM_TOLERANCE`; ``rounding``:
-    :func:`score_rounding`, what float32 math adds). A score past that bound
+    so ``|score| <= |query| * (1 + tol)`` plus what float32 math adds to an
+    inner product with a vector of that norm
+    (:func:`~fedreid.retrieval.exact.score_error_bound`, the bound the store's
+    exact search uses) when every stored feature is L2-normalised as a store
+    takes them (norm within ``tol``, :data:`fedreid.retrieval.store.NORM_TOLERANCE`).
+    A score past that bound
     means the store holds features that are not L2-normalised, which a
     store refuses at create and add but an older store may hold: the answer
     is an error, since clipped such scores would tie at 1 and rank by id,
@@ -307,6 +296,7 @@ def answer_query(store: Any, query: SearchQuery, *, site: str, policy: SitePolic
     :func:`thumbnail_roots` (:func:`gallery_thumbnail`; otherwise the hit has
     none). Nothing else of the store is read into the answer.
     """
+    from fedreid.retrieval.exact import score_error_bound
     from fedreid.retrieval.store import NORM_TOLERANCE
 
     problem = fingerprint_problem(store.header, query.fingerprint)
@@ -318,8 +308,9 @@ def answer_query(store: Any, query: SearchQuery, *, site: str, policy: SitePolic
     keep = result.ids[0] >= 0
     ids, scores = result.ids[0][keep], result.scores[0][keep]
     largest = float(np.max(np.abs(scores), initial=0.0))
-    bound = (float(np.linalg.norm(query.feature.astype(np.float64))) * (1.0 + NORM_TOLERANCE)
-             * (1.0 + score_rounding(store.dim)))
+    largest_norm = 1.0 + NORM_TOLERANCE
+    bound = (float(np.linalg.norm(query.feature.astype(np.float64))) * largest_norm
+             + float(score_error_bound(query.feature[None, :], largest_norm)[0]))
     if largest > bound:
         return SiteAnswer(site, error=f"this site's store gives a score of {largest:.7g} where unit vectors give at "
                                       f"most {bound:.7g}: its features are not L2-normalised; build it again with "

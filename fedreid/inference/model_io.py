@@ -43,6 +43,7 @@ __all__ = [
     "MODEL_FILE",
     "CHECKPOINT_FILE",
     "FEATURE_KIND",
+    "MODEL_DEFAULTS",
     "ModelMismatchError",
     "LoadedModel",
     "find_model_file",
@@ -51,6 +52,7 @@ __all__ = [
     "model_fingerprint",
     "fingerprint_differences",
     "check_index_model",
+    "refuse_other_model_settings",
     "model_features",
 ]
 
@@ -179,19 +181,26 @@ def _model_payload(
     )
 
 
-#: The model config entries that decide the architecture and the input, and their types.
-_MODEL_FIELDS: dict[str, type] = {"backbone": str, "last_stride": int, "bottleneck_dim": int, "height": int,
-                                  "width": int}
+#: The model config entries that decide the architecture and the input, and what a file without one means
+#: (an earlier fedreid's files lack some). Fixed here, not read from ModelConfig: a changed config default
+#: must change neither what an old file's model is nor its fingerprint.
+MODEL_DEFAULTS: dict[str, Any] = {"backbone": "resnet50", "last_stride": 2, "bottleneck_dim": 512, "height": 256,
+                                  "width": 128}
+
+
+def _model_value(config: Mapping[str, Any], key: str) -> Any:
+    """``config[key]``, or :data:`MODEL_DEFAULTS`' value when the file's config lacks it."""
+    return config.get(key, MODEL_DEFAULTS[key])
 
 
 def _checked_model_config(path: Path, model: Any) -> dict[str, Any]:
     """A model file's model config, its architecture and input entries checked: names the file and entry."""
     if not isinstance(model, dict):
         raise EvalInputError(f"model file {path}: its model config is a {type(model).__name__}, not a mapping")
-    for key, kind in _MODEL_FIELDS.items():
+    for key, default in MODEL_DEFAULTS.items():
         if key not in model:
             continue  # load_model fills the defaults
-        value = model[key]
+        value, kind = model[key], type(default)
         if kind is int and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise EvalInputError(f"model file {path}: model config {key} is {value!r}, expected a whole number >= 1")
         if kind is str and (not isinstance(value, str) or not value):
@@ -254,11 +263,11 @@ def load_model(
     model = None
     try:
         model = create_reid_model(
-            cfg.get("backbone", "resnet50"),
+            _model_value(cfg, "backbone"),
             0,
             pretrained=None,
-            last_stride=int(cfg.get("last_stride", 2)),
-            bottleneck_dim=int(cfg.get("bottleneck_dim", 512)),
+            last_stride=int(_model_value(cfg, "last_stride")),
+            bottleneck_dim=int(_model_value(cfg, "bottleneck_dim")),
             dropout=float(cfg.get("dropout", 0.5)),
             seed=0,  # the saved state overwrites the initial weights; seeded, they leave the caller's RNG alone
         )
@@ -267,14 +276,14 @@ def load_model(
     except StateMismatchError as exc:
         raise EvalInputError(
             f"model file {file}: saved state does not fit the model its config describes (backbone "
-            f"{cfg.get('backbone', 'resnet50')!r}, bottleneck_dim {cfg.get('bottleneck_dim', 512)}): "
+            f"{_model_value(cfg, 'backbone')!r}, bottleneck_dim {_model_value(cfg, 'bottleneck_dim')}): "
             f"{_state_mismatch(model, shared, exc)}"
         ) from None
     except (RuntimeError, KeyError, ValueError, TypeError, AttributeError) as exc:  # a config the models refuse
         raise EvalInputError(f"model file {file}: cannot build the model its config describes "
                              f"(backbone {cfg.get('backbone')!r}): {exc}") from None
-    cfg.setdefault("height", 256)
-    cfg.setdefault("width", 128)
+    for key in ("height", "width"):  # the input size: what the extraction and an export read
+        cfg.setdefault(key, MODEL_DEFAULTS[key])
     fingerprint = model_fingerprint(model, cfg)
     model.to(device).eval()
     return LoadedModel(model=model, config=cfg, source=file, round=rnd, fingerprint=fingerprint, client=client)
@@ -287,12 +296,11 @@ def refuse_other_model_settings(loaded: LoadedModel, settings: Mapping[str, Any]
     The model file decides both, so a differing setting would be dropped
     without a word. ``where``: for each key, what set it (named in the error).
     """
-    defaults = {"backbone": "resnet50", "last_stride": 2, "bottleneck_dim": 512, "height": 256, "width": 128}
-    for key in _MODEL_FIELDS:
-        if key in settings and settings[key] != loaded.config.get(key, defaults[key]):
+    for key in MODEL_DEFAULTS:
+        if key in settings and settings[key] != _model_value(loaded.config, key):
             raise EvalInputError(
                 f"model.{key} is {settings[key]!r} ({where.get(key, 'the config')}) but the model file "
-                f"{loaded.source} was built with {loaded.config.get(key, defaults[key])!r}: the model file decides "
+                f"{loaded.source} was built with {_model_value(loaded.config, key)!r}: the model file decides "
                 "the architecture and the input size; drop or correct the setting"
             )
 
@@ -332,7 +340,7 @@ def model_fingerprint(model: nn.Module, config: Mapping[str, Any]) -> dict[str, 
     digest whichever file (``model_final.pt``, ``checkpoint.pt``) or device
     they came from. The other fields come from the model ``config``
     (``backbone``, ``last_stride``, ``bottleneck_dim``, ``height``, ``width``;
-    the defaults of :func:`load_model` where missing) and :data:`FEATURE_KIND`.
+    :data:`MODEL_DEFAULTS` where missing) and :data:`FEATURE_KIND`.
     Two models give comparable features only when every field is equal.
     """
     import torch
@@ -344,11 +352,11 @@ def model_fingerprint(model: nn.Module, config: Mapping[str, Any]) -> dict[str, 
         digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
     return {
         "weights_sha256": digest.hexdigest(),
-        "backbone": str(config.get("backbone", "resnet50")),
-        "last_stride": int(config.get("last_stride", 2)),
-        "bottleneck_dim": int(config.get("bottleneck_dim", 512)),
-        "height": int(config.get("height", 256)),
-        "width": int(config.get("width", 128)),
+        "backbone": str(_model_value(config, "backbone")),
+        "last_stride": int(_model_value(config, "last_stride")),
+        "bottleneck_dim": int(_model_value(config, "bottleneck_dim")),
+        "height": int(_model_value(config, "height")),
+        "width": int(_model_value(config, "width")),
         "feature": FEATURE_KIND,
     }
 

@@ -46,6 +46,7 @@ __all__ = [
     "build_index",
     "faiss_gpu_available",
     "is_index_folder",
+    "max_row_norm",
     "old_index_header",
     "pair_scores",
     "refuse_old_index_folder",
@@ -177,7 +178,7 @@ def block_topk(
     rows = block_rows(gf.shape[0], block_size, max_block_bytes)
     scores = np.empty((qf.shape[0], k), dtype=np.float32)
     indices = np.empty((qf.shape[0], k), dtype=np.int64)
-    max_norm = None if is_torch(qf) else float(np.sqrt(np.max(np.einsum("gd,gd->g", gf, gf), initial=0.0)))
+    max_norm = None if is_torch(qf) else max_row_norm(gf)
     for start, block in score_rows(qf, gf, rows):
         stop = start + block.shape[0]
         if max_norm is None:
@@ -196,6 +197,11 @@ def pair_scores(queries: np.ndarray, vectors: np.ndarray) -> np.ndarray:
     (:meth:`fedreid.retrieval.store.GalleryStore._rescore`).
     """
     return np.einsum("qcd,qd->qc", vectors, queries)
+
+
+def max_row_norm(vectors: np.ndarray) -> float:
+    """The largest L2 norm among the rows of ``vectors`` [n, d] (0.0 for none): the ``max_norm`` of :func:`score_error_bound`."""
+    return float(np.sqrt(np.max(np.einsum("gd,gd->g", vectors, vectors), initial=0.0)))
 
 
 def score_error_bound(queries: np.ndarray, max_norm: float) -> np.ndarray:

@@ -1118,9 +1118,9 @@ class GalleryStore:
     def _max_norm(self) -> float:
         """The largest L2 norm among the stored vectors (cached until the next update)."""
         if self._norm is None:
-            squares = [float(np.max(np.einsum("nd,nd->n", seg.vectors, seg.vectors))) for seg in self.segments
-                       if seg.ntotal]
-            self._norm = float(np.sqrt(max(squares, default=0.0)))
+            from fedreid.retrieval.exact import max_row_norm
+
+            self._norm = max((max_row_norm(seg.vectors) for seg in self.segments if seg.ntotal), default=0.0)
         return self._norm
 
     def _exact_flat_search(self, queries: np.ndarray, k: int, flat_index: Any = None) -> SearchResult:
