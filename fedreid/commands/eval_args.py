@@ -106,16 +106,9 @@ def evaluation_precision(args: argparse.Namespace, configured: str, device) -> P
 
 
 def speedups(args: argparse.Namespace, device) -> dict:
-    """``--amp`` / ``--channels-last`` decided for ``device``, as extraction keyword arguments.
-
-    An exported file (``--backend onnx|torchscript``) runs as it was exported: either flag is refused.
-    """
-    backend = getattr(args, "backend", "pytorch")
-    asked = [flag for flag, value in (("--amp", args.amp), ("--channels-last", args.channels_last)) if value]
-    if backend != "pytorch" and asked:
-        raise EvalInputError(f"{' and '.join(asked)}: --backend {backend} runs the exported file in "
-                                     "float32 on the CPU; drop the flag or use --backend pytorch with the model file")
-    amp, channels_last = devices.resolve_speedups(device, args.amp, args.channels_last)
+    """``--amp`` / ``--channels-last`` decided for ``device`` and ``--backend``, as extraction keyword arguments."""
+    amp, channels_last = devices.resolve_speedups(device, args.amp, args.channels_last,
+                                                  backend=getattr(args, "backend", "pytorch"))
     return {"amp": amp, "channels_last": channels_last}
 
 

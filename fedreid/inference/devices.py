@@ -82,16 +82,22 @@ def _device_parts(device: str | torch.device) -> tuple[str, Optional[int]]:
 
 
 def resolve_speedups(
-    device: str | torch.device, amp: Optional[bool] = None, channels_last: Optional[bool] = None
+    device: str | torch.device, amp: Optional[bool] = None, channels_last: Optional[bool] = None, *,
+    backend: str = "pytorch",
 ) -> tuple[bool, bool]:
     """``(amp, channels_last)`` for extraction on ``device``; None means on for CUDA, off elsewhere.
 
     Both only speed up CUDA kernels (:func:`fedreid.inference.features.extract_features`
     ignores them elsewhere), so asking for one explicitly on another device
-    is an error rather than a silently slower run.
+    is an error rather than a silently slower run; so is asking for one with
+    an exported file (``backend`` ``onnx`` or ``torchscript``), which runs as
+    it was exported, in float32 on the CPU.
     """
     on_cuda = _device_parts(device)[0] == "cuda"
     asked = [flag for flag, value in (("--amp", amp), ("--channels-last", channels_last)) if value]
+    if asked and backend != "pytorch":
+        raise EvalInputError(f"{' and '.join(asked)}: --backend {backend} runs the exported file in float32 on "
+                             "the CPU; drop the flag or use --backend pytorch with the model file")
     if asked and not on_cuda:
         raise EvalInputError(
             f"{' and '.join(asked)} only {'apply' if len(asked) > 1 else 'applies'} on a CUDA device, "

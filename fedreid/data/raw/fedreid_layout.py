@@ -198,8 +198,9 @@ class FedReIDLayout(RawDataset):
             if not self._LABEL.match(label):
                 skipped.append(Skip(path, f"identity folder {label!r} is not an integer"))
                 continue
-            if int(label) < -1:
-                skipped.append(Skip(path, id_problem(int(label), 0)))
+            problem = id_problem(int(label), 0)  # the camera is checked by _camid, with its own rule
+            if problem is not None:
+                skipped.append(Skip(path, problem))
                 continue
             camid = self._camid(path, skipped)
             if camid is not None:
