@@ -555,7 +555,7 @@ def test_speedup_flags_reach_the_extraction(world, tmp_path, monkeypatch, capsys
     assert "--channels-last only applies on a CUDA device" in err
 
     # What the resolution decides (on for CUDA) is what index and query's extraction gets.
-    monkeypatch.setattr(devices, "resolve_speedups", lambda device, amp, cl: (True, True))
+    monkeypatch.setattr(devices, "resolve_speedups", lambda device, amp, cl, backend="pytorch": (True, True))
     gallery = world["root"] / "gallery_speed"
     _market_gallery(world, gallery)
     assert tool.main(["index", "--model", str(world["run"]), "--gallery", str(gallery), "--index",
