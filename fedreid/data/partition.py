@@ -33,11 +33,10 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
 
 from fedreid.errors import FedReIDError
 from fedreid.utils.io import atomic_path
+from fedreid.utils.plotting import agg_figure
 
 __all__ = [
     "PARTITION_KINDS",
@@ -632,9 +631,7 @@ def save_partition_heatmap(
     # Grow with the grid so annotated cells stay legible, within a sane canvas.
     width = min(16.0, max(4.5, 0.5 * n_classes + 2.0))
     height = min(12.0, max(3.5, 0.4 * n_clients + 1.5))
-    figure = Figure(figsize=(width, height), dpi=dpi)
-    FigureCanvasAgg(figure)
-    axes = figure.add_subplot(1, 1, 1)
+    figure, axes = agg_figure(figsize=(width, height), dpi=dpi)
     image = axes.imshow(counts, aspect="auto", interpolation="nearest", cmap="viridis")
     figure.colorbar(image, ax=axes, label="samples")
     axes.set_xlabel("class")

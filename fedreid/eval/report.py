@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
 from fedreid.utils.io import atomic_path, write_text_atomic
+from fedreid.utils.plotting import agg_figure
 
 BIG_FOUR: tuple[str, ...] = ("msmt17", "dukemtmc", "market1501", "cuhk03np")
 METRICS: tuple[str, ...] = ("rank1", "rank5", "rank10", "mAP", "mINP", "rank1_official", "mAP_official",
@@ -241,18 +242,13 @@ def format_classification_summary(summary: Mapping[str, Any]) -> str:
 
 def plot_curves(history: Sequence[Mapping[str, Any]], out_dir: str | Path) -> list[Path]:
     """Rank-1 and mAP per dataset vs round, loss and traffic; returns the PNG paths."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     out_dir = Path(out_dir)
     written = []
     rounds = eval_rounds(history)
     for metric, label in (("rank1", "Rank-1"), ("mAP", "mAP"), ("accuracy", "Accuracy")):
         if not rounds or metric not in next(iter(rounds[-1]["eval"].values())):
             continue
-        fig, ax = plt.subplots(figsize=(6.4, 4.0))
+        fig, ax = agg_figure(figsize=(6.4, 4.0))
         for name in rounds[-1]["eval"]:
             xs = [r["round"] for r in rounds if name in r["eval"]]
             ys = [100 * r["eval"][name][metric] for r in rounds if name in r["eval"]]
@@ -263,9 +259,8 @@ def plot_curves(history: Sequence[Mapping[str, Any]], out_dir: str | Path) -> li
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, ncol=2)
         written.append(_save(fig, out_dir / f"curve_{metric}.png"))
-        plt.close(fig)
     if history:
-        fig, (loss_ax, comm_ax) = plt.subplots(1, 2, figsize=(9.6, 3.6))
+        fig, (loss_ax, comm_ax) = agg_figure(1, 2, figsize=(9.6, 3.6))
         xs = [r["round"] for r in history]
         loss_ax.plot(xs, [r.get("train_loss", float("nan")) for r in history])
         loss_ax.set_xlabel("round")
@@ -278,17 +273,16 @@ def plot_curves(history: Sequence[Mapping[str, Any]], out_dir: str | Path) -> li
         comm_ax.grid(alpha=0.3)
         fig.tight_layout()
         written.append(_save(fig, out_dir / "curve_training.png"))
-        plt.close(fig)
-        written.append(_plot_run_panels(history, out_dir / "curve_run.png", plt))
+        written.append(_plot_run_panels(history, out_dir / "curve_run.png"))
     return written
 
 
-def _plot_run_panels(history: Sequence[Mapping[str, Any]], path: Path, plt: Any) -> Path:
+def _plot_run_panels(history: Sequence[Mapping[str, Any]], path: Path) -> Path:
     """Four panels from the round records: each client's training loss (and the server's KD loss),
     the aggregation weights (CDW's, with fl.cdw), accuracy against cumulative traffic, round time by phase."""
     xs = [r["round"] for r in history]
     clients = list(dict.fromkeys(c for r in history for c in r.get("client_metrics", {})))
-    fig, axes = plt.subplots(2, 2, figsize=(11.0, 7.2))
+    fig, axes = agg_figure(2, 2, figsize=(11.0, 7.2))
     loss_ax, weight_ax, traffic_ax, time_ax = axes.ravel()
     for c in clients:
         pts = [(r["round"], r["client_metrics"][c]["train_loss"]) for r in history
@@ -332,9 +326,7 @@ def _plot_run_panels(history: Sequence[Mapping[str, Any]], path: Path, plt: Any)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=6, ncol=2)
     fig.tight_layout()
-    saved = _save(fig, path)
-    plt.close(fig)
-    return saved
+    return _save(fig, path)
 
 
 def format_table(table: Mapping[str, Mapping[str, float]], title_column: str = "dataset") -> str:

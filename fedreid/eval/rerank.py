@@ -39,6 +39,9 @@ __all__ = ["RerankMemoryError", "check_rerank_memory", "estimate_rerank_bytes", 
 
 DEFAULT_MAX_BYTES = 4 * 2**30
 _ROW_CHUNK = 2048  # rows per step when finding neighbours (bounds the temporaries)
+# Bytes per distance of a row chunk while its neighbours are found: the chunk negated here and again in
+# top_k_rows (float32 each) and argpartition's int64 indices (16 measured), plus top_k_rows' bool tie mask.
+_CHUNK_BYTES_PER_ITEM = 17
 
 
 class RerankMemoryError(FedReIDError, MemoryError):
@@ -73,12 +76,15 @@ def estimate_rerank_bytes(n_query: int, n_gallery: int, k1: int = 20, k2: int = 
     """Rough peak bytes of :func:`k_reciprocal_rerank` for these sizes.
 
     The N x N float32 distances dominate; add the Q x G result, the
-    neighbour lists, and the sparse weights with their query-expansion
-    temporaries (bounded by 2 (k1 + 1) non-zeros per row before expansion).
+    neighbour lists with the temporaries of one row chunk of the neighbour
+    search (about 17 bytes per distance of the chunk), and the sparse weights
+    with their query-expansion temporaries (allowing 2 (k1 + 1) non-zeros per
+    row before expansion; about k1 + 1 on average in practice).
     """
     n = n_query + n_gallery
     dense = 4 * n * n + 4 * n_query * n_gallery
-    neighbours = 8 * n * (k1 + 1) + 8 * _ROW_CHUNK * (k1 + 1) ** 2 + 4 * _ROW_CHUNK * n
+    neighbours = (8 * n * (k1 + 1) + 8 * _ROW_CHUNK * (k1 + 1) ** 2
+                  + _CHUNK_BYTES_PER_ITEM * min(_ROW_CHUNK, n) * n)
     sparse = 32 * n * 2 * (k1 + 1) * max(1, k2)
     return int(dense + neighbours + sparse)
 

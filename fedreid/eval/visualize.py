@@ -24,12 +24,11 @@ from typing import Mapping, Sequence
 
 import cv2
 import numpy as np
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from fedreid.eval.ranking import EvalDataError, gallery_masks, ranking_order
 from fedreid.utils.io import atomic_path
+from fedreid.utils.plotting import agg_figure
 
 __all__ = [
     "BORDER",
@@ -168,9 +167,7 @@ def plot_cmc(
     """
     if not curves:
         raise EvalDataError("plot_cmc needs at least one curve")
-    figure = Figure(figsize=figsize, dpi=dpi)
-    FigureCanvasAgg(figure)
-    axes = figure.add_subplot(1, 1, 1)
+    figure, axes = agg_figure(figsize=figsize, dpi=dpi)
     for label, values in curves.items():
         values = np.asarray(values, dtype=np.float64).reshape(-1)
         if values.size == 0 or np.any((values < 0) | (values > 1)):

@@ -662,12 +662,8 @@ def _curve(history: Sequence[dict[str, Any]]) -> tuple[list[int], list[float]]:
 
 def _plot(table: Table, outcomes: list[list[CellOutcome]], path: Path) -> Optional[Path]:
     """Mean curve over the seeds of every run: accuracy (classification) or mean Rank-1 (ReID) per round."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     from fedreid.utils.io import atomic_path
+    from fedreid.utils.plotting import agg_figure
 
     series = {}
     rows_of = {}  # run slug -> the rows it fills (one ReID run fills every dataset's row)
@@ -691,7 +687,7 @@ def _plot(table: Table, outcomes: list[list[CellOutcome]], path: Path) -> Option
             series[label] = (outcome.slug, (xs, ys))
     if not series:
         return None
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+    fig, ax = agg_figure(figsize=(7, 4.2))
     for label, (_, (xs, ys)) in series.items():
         ax.plot(xs, ys, label=label, linewidth=1.3)
     ax.set_xlabel("round")
@@ -702,7 +698,6 @@ def _plot(table: Table, outcomes: list[list[CellOutcome]], path: Path) -> Option
     fig.tight_layout()
     with atomic_path(path) as tmp:
         fig.savefig(tmp, dpi=110, format="png", metadata={"Comment": PICTURE_MARK})
-    plt.close(fig)
     return path
 
 
