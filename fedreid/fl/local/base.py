@@ -281,6 +281,19 @@ def heavy_ball_steps(steps: int, momentum: float) -> float:
     return (steps - rho * (1.0 - rho**steps) / (1.0 - rho)) / (1.0 - rho)
 
 
+def normalised_steps(steps: int, momentum: float = 0.0, nesterov: bool = False) -> float:
+    """FedNova's ``||a_i||_1`` of ``steps`` SGD steps (Wang et al. 2020, Sec. 5; ``0 <= momentum < 1``).
+
+    Heavy-ball momentum: :func:`heavy_ball_steps` (``steps`` at
+    ``momentum = 0``). Nesterov (PyTorch's ``SGD(nesterov=True)``, step ``g_k + rho v_k``):
+    each gradient also counts once at its own step, ``steps + momentum * heavy_ball_steps``.
+    The divisor of :class:`~fedreid.fl.local.fednova_ccvr.FedNovaCCVR` and of the ``fednova``
+    server hook (:func:`fedreid.fl.server_hooks.fednova.local_norm`).
+    """
+    heavy_ball = heavy_ball_steps(steps, momentum)
+    return steps + float(momentum) * heavy_ball if nesterov and momentum > 0 else heavy_ball
+
+
 def one_hot_mask(labels: Tensor, num_classes: int) -> Tensor:
     """Boolean ``[B, C]`` mask, True at each sample's true class."""
     # F.one_hot itself rejects labels outside [0, num_classes)
@@ -458,6 +471,7 @@ __all__ = [
     "mean_weights",
     "on_parameter",
     "one_hot_mask",
+    "normalised_steps",
     "param_groups_by_id",
     "reference_point",
     "register_objective",

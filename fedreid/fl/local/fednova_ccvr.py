@@ -13,7 +13,10 @@ where ``d_i = (x - y_i) / (eta a_i)`` is the client's normalised update of
 the last round it took part in (``Server._clients_training``: ``aidi /
 local_a``, ``aidi = (x - y_i) / eta`` with ``eta`` the round's learning rate,
 ``a_i = ||a_i||_1`` of its heavy-ball steps, :func:`~fedreid.fl.local.base.heavy_ball_steps`), zero
-before its first round. ``weighted_d`` is meant to be the clients'
+before its first round. The official optimizer has no Nesterov momentum; with
+``train.nesterov`` the divisor is the Nesterov ``||a_i||_1``
+(:func:`normalised_steps`), the same the ``fednova`` hook divides by, so
+``d_i`` stays the update per unit of gradient. ``weighted_d`` is meant to be the clients'
 size-weighted mean of the ``d_i``, but ``Server._update_weighted_d`` is never
 called, so it stays zero and the correction is ``-d_i``. This objective does
 exactly that: ``train.objective: fednova_ccvr`` with the ``fednova`` server
@@ -38,10 +41,10 @@ from fedreid.fl.local.base import (
     ObjectiveError,
     add_to_gradients,
     cpu_clone,
-    heavy_ball_divisors,
+    normalised_steps,
     on_parameter,
+    param_groups_by_id,
     register_objective,
-    step_rates,
 )
 
 #: Key of ``d_i`` in :meth:`FedNovaCCVR.state_dict`.
@@ -60,7 +63,7 @@ class FedNovaCCVR(AnchoredObjective):
         super().__init__()
         self.d_i: "OrderedDict[str, Tensor]" = OrderedDict()  # CPU, persisted
         self._correction: dict[str, Tensor] = {}
-        self._last_rate: dict[str, tuple[float, float]] = {}
+        self._last_rate: dict[str, tuple[float, float, bool]] = {}  # name -> (lr, momentum, nesterov)
 
     def begin_round(
         self,
@@ -85,14 +88,20 @@ class FedNovaCCVR(AnchoredObjective):
 
     def after_step(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         super().after_step(model, optimizer)
-        self._last_rate = step_rates(optimizer, self._params)
+        groups = param_groups_by_id(optimizer)
+        self._last_rate = {}
+        for name, p in self._params.items():
+            g = groups.get(id(p))
+            self._last_rate[name] = (0.0, 0.0, False) if g is None else (
+                float(g["lr"]), float(g.get("momentum", 0.0) or 0.0), bool(g.get("nesterov", False)))
 
     def end_round(self, model: nn.Module) -> dict[str, Any]:
         """``d_i = (x - y_i) / (eta a_i)`` for the client's next round (``Server._clients_training``)."""
         self._check_in_round("end_round")
         if self.steps == 0:
             raise ObjectiveError("fednova_ccvr: end_round() after zero local steps")
-        divisors = heavy_ball_divisors(self.steps, self._last_rate)
+        divisors = {name: lr * normalised_steps(self.steps, momentum, nesterov)
+                    for name, (lr, momentum, nesterov) in self._last_rate.items()}
         new_d: "OrderedDict[str, Tensor]" = OrderedDict()
         for name, p in self._params.items():
             move = self._ref[name] - p.detach()

@@ -16,7 +16,9 @@ away ``alpha`` times as hard. ``alpha = 1`` is FedAvg's cross-entropy;
 no single default: its experiments search ``alpha`` in ``{0.9, 0.5, 0.1}``
 (``train_lab.py``); the default here is the middle value, ``alpha = 0.5``.
 
-Conventions and the official code (``lxcnju/FedRepo``, ``algorithms/fedrs.py``):
+Conventions and the official code (``lxcnju/FedRepo``, ``algorithms/fedrs.py`` as of
+dc2cb6a, 2022-07-24; the file first uploaded in April 2022 rebound ``dist`` to its
+own scaled value at every local step, which that commit replaced by ``cdist``):
 
 * Bias: the paper's classifier and the official ``ClassifyNet`` have no bias
   (``nn.Linear(h_size, n_classes, bias=False)``), so ``z_c = w_c^T h``. Here the
@@ -28,9 +30,9 @@ Conventions and the official code (``lxcnju/FedRepo``, ``algorithms/fedrs.py``):
   (``cdist = dist / dist.max(); cdist = cdist * (1 - alpha) + alpha``): a
   missing class still gets ``alpha``, the client's largest class 1, the others
   in between. The default ``scale="paper"`` is the restricted softmax above.
-* The official client also clips the gradient norm (``max_grad_norm``); the
-  training loop here does not (that is a property of the local optimizer, the
-  same for every method).
+* The official client also clips the gradient norm (``max_grad_norm``, 100 in
+  ``config.py``); here that is the training loop's ``train.clip_grad_norm`` (off
+  by default), the same for every method.
 
 The scaling applies to the training loss only; the model itself (and so the
 global model, and every evaluation) keeps its plain logits.

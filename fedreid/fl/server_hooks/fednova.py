@@ -57,7 +57,7 @@ import torch
 from torch import Tensor, nn
 
 from fedreid.fl.aggregate import Aggregate, size_weights, uniform_weights
-from fedreid.fl.local.base import heavy_ball_steps
+from fedreid.fl.local.base import normalised_steps
 from fedreid.fl.server_hooks.base import AggregationInput, HookContext, ServerHook, register_hook
 from fedreid.fl.update import Update
 from fedreid.options import ConfigError
@@ -96,10 +96,7 @@ def local_norm(steps: int, momentum: float = 0.0, nesterov: bool = False) -> flo
     rho = float(momentum)
     if not 0.0 <= rho < 1.0:
         raise ValueError(f"FedNova: momentum must satisfy 0 <= momentum < 1, got {momentum!r}")
-    if rho == 0.0:
-        return float(tau)
-    heavy_ball = heavy_ball_steps(tau, rho)
-    return tau + rho * heavy_ball if nesterov else heavy_ball
+    return normalised_steps(tau, rho, nesterov)
 
 
 def fednova_step(
