@@ -216,7 +216,9 @@ class GridRound:
     """
 
     poll_seconds = 0.5
-    #: A node that has not answered "which client are you?" after this long is asked again.
+    #: A node that has not answered "which client are you?" after this long, or answered it with an error
+    #: (its ClientApp failed: a node config it refuses...), is asked again; not at every poll, as each
+    #: message starts a ClientApp process on that node.
     hello_retry_seconds = 60.0
 
     def __init__(self, grid: Grid, cfg: Config, settings: ServerSettings) -> None:
@@ -229,6 +231,7 @@ class GridRound:
         self.nodes: dict[str, int] = {}  # client name -> node id
         self.strangers: set[int] = set()
         self.hellos: dict[str, tuple[int, float]] = {}  # message id -> (node id, sent at)
+        self.hello_failed: dict[int, float] = {}  # node whose answer was an error -> when it came
         self.claims: dict[int, tuple[str, int]] = {}  # refused node -> (client it claims, node holding it)
         #: Whether a round of this process has waited for the clients to join (a resumed run's first too).
         self.joined = False
@@ -247,7 +250,10 @@ class GridRound:
         self.hellos = {mid: (node, t) for mid, (node, t) in self.hellos.items()
                        if node in present and now - t < self.hello_retry_seconds}
         asked = {node for node, _ in self.hellos.values()}
-        new = sorted(present - set(self.nodes.values()) - self.strangers - asked - set(self.claims))
+        self.hello_failed = {node: t for node, t in self.hello_failed.items()
+                             if node in present and now - t < self.hello_retry_seconds}
+        new = sorted(present - set(self.nodes.values()) - self.strangers - asked - set(self.claims)
+                     - set(self.hello_failed))
         if not new:
             return
         hello = [Message(content=pack(hello={"run": self.run_id}), dst_node_id=node,
@@ -265,14 +271,20 @@ class GridRound:
                 continue
             if reply.has_error():
                 log.warning("node %s did not say which client it is: %s", node, reply.error.reason)
+                self.hello_failed[node] = time.monotonic()
                 continue
             try:
                 answer = unpack(reply.content, "hello")
                 if not isinstance(answer, dict):
                     raise TypeError(f"the answer is a {type(answer).__name__}, not a mapping")
                 name = str(answer.get("client"))
-                if "partition" in answer and 0 <= int(answer["partition"]) < len(client_names):
-                    name = client_names[int(answer["partition"])]
+                if "partition" in answer:
+                    # a whole number as hello() sends it: int() of a float would crash on Infinity, round 2.7 down
+                    partition = answer["partition"]
+                    if not isinstance(partition, int) or isinstance(partition, bool):
+                        raise TypeError(f"partition: expected a client number, got {partition!r:.60}")
+                    if 0 <= partition < len(client_names):
+                        name = client_names[partition]
             except (CodecError, TypeError, ValueError) as exc:
                 log.warning("node %s: malformed answer (%s); ignored", node, exc)
                 self.strangers.add(node)

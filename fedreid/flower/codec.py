@@ -67,7 +67,7 @@ def unflatten(doc: Any, tensors: Mapping[str, Tensor]) -> Any:
     if isinstance(doc, dict):
         if set(doc) == {TENSOR_TAG}:
             key = doc[TENSOR_TAG]
-            if key not in tensors:
+            if not isinstance(key, str) or key not in tensors:
                 raise CodecError(f"the message names tensor {key!r} but does not carry it")
             return tensors[key]
         return {k: unflatten(v, tensors) for k, v in doc.items()}
@@ -89,16 +89,35 @@ def pack(**parts: Any):
 
 
 def unpack(content, name: str) -> Any:
-    """The part ``name`` of a :func:`pack`-ed ``RecordDict``."""
+    """The part ``name`` of a :func:`pack`-ed ``RecordDict``.
+
+    The bytes come from another machine: whatever they hold, the result is
+    the part's value or a one-line :class:`CodecError` naming the part (and
+    the tensor), never another exception (a document nested beyond Python's
+    recursion limit, an array torch has no dtype for). Arrays are read by
+    Flower's ``Array.numpy`` (``numpy.load`` with ``allow_pickle=False``).
+    """
     try:
-        doc = json.loads(content[f"{name}.json"]["json"])
+        text = content[f"{name}.json"]["json"]
         arrays = content[f"{name}.arrays"]
     except KeyError:
         raise CodecError(f"the message has no {name!r} part (has {', '.join(sorted(content.keys()))})") from None
     import torch
 
-    tensors = {k: torch.from_numpy(arrays[k].numpy().copy()) for k in arrays.keys()}
-    return unflatten(doc, tensors)
+    try:
+        doc = json.loads(text)
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise CodecError(f"{name}: not a JSON document ({type(exc).__name__})") from None
+    tensors = {}
+    for key in arrays.keys():
+        try:
+            tensors[key] = torch.from_numpy(arrays[key].numpy().copy())
+        except (TypeError, ValueError, OSError, EOFError) as exc:  # Flower's and numpy's words for bad bytes
+            raise CodecError(f"{name}: tensor {key!r} cannot be read ({type(exc).__name__}: {exc})") from None
+    try:
+        return unflatten(doc, tensors)
+    except RecursionError:
+        raise CodecError(f"{name}: the document is nested too deeply") from None
 
 
 def update_to_plain(update) -> dict[str, Any]:
@@ -112,15 +131,43 @@ def update_to_plain(update) -> dict[str, Any]:
     }
 
 
-def update_from_plain(value: Mapping[str, Any]):
-    """Rebuild the :class:`~fedreid.fl.update.Update` (its checks run again on this side)."""
+#: The fields of :func:`update_to_plain`, and the JSON type each must have on arrival.
+UPDATE_FIELDS = {"client": str, "state": dict, "num_samples": int, "metadata": dict, "head_shared": bool}
+
+
+def update_from_plain(value: Any):
+    """Rebuild the :class:`~fedreid.fl.update.Update` (its checks run again on this side).
+
+    ``value`` came from another machine: it must hold exactly the fields of
+    :func:`update_to_plain`, each of its type (``num_samples`` a whole number,
+    not a float or a bool; ``head_shared`` a bool, not a truthy string), or a
+    one-line :class:`CodecError` names the field. Nothing is coerced: a
+    ``num_samples`` of 2.7 or ``Infinity`` is a malformed update, not a
+    FedAvg weight of 2 or a crash of the server.
+    """
+    from torch import Tensor
+
     from fedreid.fl.update import Update
 
+    if not isinstance(value, Mapping):
+        raise CodecError(f"malformed update: expected a mapping, got a {type(value).__name__}")
+    missing = [k for k in UPDATE_FIELDS if k not in value]
+    unknown = sorted(str(k) for k in value if k not in UPDATE_FIELDS)
+    if missing or unknown:
+        raise CodecError("malformed update: " + "; ".join(
+            ([f"no {', '.join(missing)}"] if missing else []) + ([f"unknown {', '.join(unknown)}"] if unknown else [])))
+    for key, kind in UPDATE_FIELDS.items():
+        got = value[key]
+        if not isinstance(got, kind) or (kind is int and isinstance(got, bool)):
+            raise CodecError(f"malformed update: {key}: expected {'a whole number' if kind is int else kind.__name__}, "
+                             f"got {type(got).__name__} {got!r:.60}")
+    bad = next((k for k, v in value["state"].items() if not isinstance(v, Tensor)), None)
+    if bad is not None:
+        raise CodecError(f"malformed update: state {bad!r}: expected a tensor, got {type(value['state'][bad]).__name__}")
     try:
-        state = OrderedDict(value["state"])
-        return Update(str(value["client"]), state, int(value["num_samples"]), dict(value["metadata"]),
-                      head_shared=bool(value["head_shared"]))
-    except (KeyError, TypeError) as exc:
+        return Update(value["client"], OrderedDict(value["state"]), value["num_samples"], dict(value["metadata"]),
+                      head_shared=value["head_shared"])
+    except (TypeError, ValueError) as exc:
         raise CodecError(f"malformed update: {exc}") from None
 
 

@@ -26,21 +26,31 @@ from fedreid.flower.launch import (
     supernode_command,
 )
 from fedreid.utils.cli import override_value
+from fedreid.utils.io import shown_path
 
 #: What one-host deployments (`local`, `simulate`) write in their work folder.
 WORK_ENTRIES = ("flwr_home", "flwr_state", "logs", "state", "fedreid_state", "tls", "keys", "flwr_run.log",
                 "superlink.db")
+#: The SQLite files beside the SuperLink's database (Flower opens it in WAL mode).
+DATABASE_SIDE_FILES = ("superlink.db-wal", "superlink.db-shm", "superlink.db-journal")
 WORK_KIND = "flower-work"
 TOOL = "flower_fed"
 
 
 def checked_ca(ca: Optional[str], insecure: bool, what: str) -> Optional[Path]:
-    """The CA file for TLS, or None with ``insecure``; one of the two must be chosen, never guessed."""
+    """The CA file for TLS, or None with ``insecure``; one of the two must be chosen, never guessed.
+
+    A ``ca`` that is not a file is refused here, naming it, rather than by the
+    SuperNode or ``flwr`` it would be handed to, in their own log.
+    """
     if ca and insecure:
         raise ConfigError(f"{what}: give either --ca or --insecure, not both")
     if not ca and not insecure:
         raise ConfigError(f"{what}: pass --ca CA_FILE for TLS (see `certs`), or --insecure for plain "
                           "HTTP on a trusted network")
+    if ca and not Path(ca).is_file():
+        raise FileNotFoundError(f"{what}: --ca {shown_path(ca)} is not a file (the CA certificate, ca.crt from "
+                                "`certs` or your organisation's CA)")
     return Path(ca) if ca else None
 
 
@@ -214,8 +224,9 @@ def claim_local_folders(out: Path, workdir: Optional[str], resume: bool) -> Path
     work = (Path(workdir) if workdir else out.parent / f"{out.name}_flower").resolve()
     if work.resolve() == out.resolve():
         raise ConfigError(f"--workdir {work} is the run folder --out; give them different folders")
+    # Exact names: a folder holding e.g. `statements.pdf` or `keys_backup` is the user's, not an earlier work folder.
     adopt = work.is_dir() and not work.is_symlink() and all(
-        p.name.startswith(WORK_ENTRIES) or (p.name.startswith(".") and p.name.endswith(".tmp"))
+        p.name in WORK_ENTRIES or p.name in DATABASE_SIDE_FILES or (p.name.startswith(".") and p.name.endswith(".tmp"))
         for p in work.iterdir())
     if work.exists() or work.is_symlink():  # a refusal here comes before --out is made
         claim_output_dir(work, WORK_KIND, tool=TOOL, adopt=adopt)

@@ -206,12 +206,24 @@ def superlink_command(*, port: int = 8000, host: str = "0.0.0.0", tls: Optional[
     return cmd
 
 
+def control_characters(text: str) -> bool:
+    """Whether ``text`` holds a character a TOML string may not (control characters but tab, and DEL)."""
+    return any((ord(c) < 0x20 and c != "\t") or c == "\x7f" for c in text)
+
+
 def node_config_string(client: str, state_dir: str | Path, **local: str) -> str:
-    """``--node-config`` text: ``client``, ``state-dir`` and machine-local paths (see ``NodeSettings``)."""
+    """``--node-config`` text: ``client``, ``state-dir`` and machine-local paths (see ``NodeSettings``).
+
+    Flower reads each value as a TOML literal string: a quote or a control
+    character (a line break in a path) is a :class:`LaunchError` naming the
+    key here, not an unspecific format error of the SuperNode at its start.
+    """
     items = {"client": client, "state-dir": str(state_dir), **{k.replace("_", "-"): v for k, v in local.items() if v}}
     for key, value in items.items():
         if "'" in str(value) or "\"" in str(value):
             raise LaunchError(f"node config {key}={value!r}: quotes are not allowed")
+        if control_characters(str(value)):
+            raise LaunchError(f"node config {key}={value!r}: control characters (line breaks...) are not allowed")
     return " ".join(f"{key}='{value}'" for key, value in items.items())
 
 
@@ -256,11 +268,11 @@ def run_config_string(config: Path, out: Path, overrides: Sequence[str] = (), *,
     backslash in an override, a single quote in a path, a line break.
     """
     for item in overrides:
-        if any(c in item for c in "'\"\\\n\r"):
+        if any(c in item for c in "'\"\\") or control_characters(item):
             raise LaunchError(f"override {item!r}: quotes, backslashes and line breaks cannot be passed to flwr run")
     paths = {"config": str(Path(config).resolve()), "out": str(Path(out).resolve())}
     for key, value in paths.items():
-        if any(c in value for c in "'\n\r"):
+        if "'" in value or control_characters(value):
             raise LaunchError(f"{key} path {value!r}: single quotes and line breaks cannot be passed to flwr run")
     text = " ".join(f"{k}='{v}'" for k, v in paths.items())
     text += ' overrides="' + " ".join(shlex.quote(o) for o in overrides) + '"'
@@ -352,6 +364,17 @@ def simulation_federation_config(num_supernodes: int, *, client_cpus: Optional[i
     return out
 
 
+def toml_string(value: str) -> str:
+    """``value`` as a TOML basic string: a path holding ``"`` or ``\\`` reads back as itself, not as TOML syntax.
+
+    JSON's string escapes are TOML's (``\\"``, ``\\\\``, ``\\uXXXX`` for control
+    characters); DEL, which JSON leaves as is, TOML wants escaped too.
+    """
+    import json
+
+    return json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007f")
+
+
 class FlowerCli:
     """The ``flwr`` command against one SuperLink, with a private FLWR_HOME holding its connection.
 
@@ -375,8 +398,10 @@ class FlowerCli:
 
     def _write_home(self, home: Path) -> None:
         home.mkdir(parents=True, exist_ok=True)
-        lines = ["[superlink]", 'default = "fedreid"', "", "[superlink.fedreid]", f'address = "{self.superlink}"']
-        lines.append("insecure = true" if self.root_cert is None else f'root-certificates = "{self.root_cert}"')
+        lines = ["[superlink]", 'default = "fedreid"', "", "[superlink.fedreid]",
+                 f"address = {toml_string(self.superlink)}"]
+        lines.append("insecure = true" if self.root_cert is None else
+                     f"root-certificates = {toml_string(str(self.root_cert))}")
         (home / "config.toml").write_text("\n".join(lines) + "\n")
 
     @contextmanager

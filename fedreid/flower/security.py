@@ -19,21 +19,41 @@ from __future__ import annotations
 import datetime as dt
 import ipaddress
 import os
+import secrets
 from pathlib import Path
 from typing import Sequence
 
-from fedreid.utils.io import atomic_path
-
 
 def write_new_file(path: Path, data: bytes, *, private: bool = False) -> None:
-    """Write ``data`` to a new file ``path`` atomically (mode 0600 when ``private``); an existing one is refused."""
-    if path.exists():
-        raise FileExistsError(f"{path} exists; refusing to overwrite key material (remove it or choose another folder)")
+    """Write ``data`` to a new file ``path`` atomically (mode 0600 when ``private``); an existing one is refused.
+
+    The bytes go to a temporary file beside ``path`` created with its final
+    mode (0600 for a private key, so no other user can open it while the key
+    is being written), then hard-linked to ``path``: the link fails if a file
+    appeared there meanwhile, so nothing is ever overwritten (``os.replace``
+    would). Where the file system has no hard links, a rename after a second
+    check stands in.
+    """
+    refusal = f"{path} exists; refusing to overwrite key material (remove it or choose another folder)"
+    if path.exists() or path.is_symlink():
+        raise FileExistsError(refusal)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_path(path) as tmp:
-        tmp.write_bytes(data)
-        if private:
-            os.chmod(tmp, 0o600)
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+    # os.open applies the umask to 0o666 as a plain file gets; 0o600 is owner-only whatever the umask.
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600 if private else 0o666)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            raise FileExistsError(refusal) from None
+        except OSError:  # no hard links here (some network and FAT file systems)
+            if path.exists() or path.is_symlink():
+                raise FileExistsError(refusal) from None
+            os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def make_tls_files(out_dir: str | Path, hosts: Sequence[str] = ("127.0.0.1", "localhost"),

@@ -181,7 +181,7 @@ def parse_address(text: Any, where: str) -> tuple[str, int]:
         raise ConfigError(f"{where}: expected HOST:PORT, got {text!r:.80}")
     host, _, port = text.strip().rpartition(":")
     host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
-    if host.startswith("[") or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    if host.startswith("[") or not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
         raise ConfigError(f"{where}: expected HOST:PORT with a port in 1..65535, got {text!r:.80}")
     try:
         ipaddress.ip_address(host)
@@ -337,7 +337,7 @@ class _Handler(BaseHTTPRequestHandler):
         if self.headers.get("Content-Type", "").split(";")[0].strip().lower() != CONTENT_TYPE:
             return self._refuse(415, f"expected Content-Type {CONTENT_TYPE}", close=True)
         length = self.headers.get("Content-Length", "")
-        if not length.isdigit():
+        if not (length.isascii() and length.isdigit()):  # str.isdigit alone passes "²", which int() refuses
             return self._refuse(411, "expected a Content-Length", close=True)
         if int(length) > MAX_QUERY_BYTES:
             if int(length) <= DRAIN_BYTES:  # read and dropped, so the client hears why rather than a broken pipe

@@ -194,6 +194,7 @@ def test_the_site_refuses_what_is_not_a_query_from_its_server_in_one_line(world,
     assert raw_post(port, ca, body, {"Content-Type": CONTENT_TYPE})[0] == 401
     assert raw_post(port, ca, body, {**good, "Content-Type": "application/json"})[0] == 415
     assert raw_post(port, ca, body, good, path="/v1/other")[0] == 404
+    assert raw_post(port, ca, body, {**good, "Content-Length": "\u00b2"})[0] == 411  # a digit to isdigit, not to int
     status, text = raw_post(port, ca, b"\xff" * 64, good)
     assert status == 400 and "not a serialised Flower record" in text
     status, text = raw_post(port, ca, b"0" * (MAX_QUERY_BYTES + 1), good)
@@ -368,6 +369,8 @@ def test_the_commands_site_link_session_links_and_search_session(world, tmp_path
      "no such folder"),
     (("site-link", "--site", "sa", "--gallery-store", "{store}", "--tls", "{tls}", "--token", "{token}",
       "--listen", "127.0.0.1"), "--listen: expected HOST:PORT"),
+    (("site-link", "--site", "sa", "--gallery-store", "{store}", "--tls", "{tls}", "--token", "{token}",
+      "--listen", "127.0.0.1:80\u00b2"), "--listen: expected HOST:PORT with a port"),
     (("site-link", "--site", "sa", "--gallery-store", "{store}", "--tls", "nothere", "--token", "{token}"),
      "missing"),
 ])
