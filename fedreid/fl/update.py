@@ -10,6 +10,7 @@ one place, :func:`check_no_private`, and runs whenever an Update is built.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence
 
@@ -90,6 +91,31 @@ class Update:
         return {k: v for k, v in self.metadata.items() if not _holds_tensors(v)}
 
 
+#: Metadata the server computes with (the round record's loss, CDW's weights, FedNova's steps, the
+#: timings): each must be a finite real number when present; ``time_*`` keys too.
+NUMBER_METADATA = frozenset({"train_loss", "train_acc", "steps", "lr", "cdw_distance", "gpu_peak_bytes"})
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _scalar_problem(value: Any) -> Optional[str]:
+    """Why a metadata value's non-tensor leaves cannot go into a round record (JSON), or None.
+
+    Leaves may be None, bools, strings and finite real numbers, in dicts and
+    lists; a NaN loss or an object of another kind from a remote client is
+    refused here rather than crashing the server's record or plots.
+    """
+    if isinstance(value, Tensor) or value is None or isinstance(value, (bool, str)):
+        return None
+    if isinstance(value, numbers.Real):
+        return None if math.isfinite(value) else f"is {value}"
+    if isinstance(value, (Mapping, list, tuple)):
+        return next((p for p in map(_scalar_problem, _children(value)) if p is not None), None)
+    return f"holds a {type(value).__name__}"
+
+
 def check_update(update: Update, reference: Mapping[str, Tensor]) -> Optional[str]:
     """Why ``update`` must not be averaged into ``reference`` (the state it was trained from), or None.
 
@@ -97,9 +123,13 @@ def check_update(update: Update, reference: Mapping[str, Tensor]) -> Optional[st
     shapes and dtypes (an integer tensor where a float one belongs would be
     averaged into garbage, or cast silently), and every floating tensor in the
     state and the metadata (nested dicts and lists included) must be finite:
-    one NaN averaged in poisons the global model for every client. Metadata a
-    server hook needs is checked by that hook (``check_update``, see
-    :mod:`fedreid.fl.server_hooks`).
+    one NaN averaged in poisons the global model for every client. The
+    metadata's other values must be plain (None, bools, strings, finite
+    numbers, in dicts and lists), and those the server computes with
+    (:data:`NUMBER_METADATA`, ``time_*``) finite numbers: a remote client's
+    ``train_loss`` of ``"abc"`` leaves that client out instead of stopping
+    the round. Metadata a server hook needs is checked by that hook
+    (``check_update``, see :mod:`fedreid.fl.server_hooks`).
     """
     missing = [k for k in reference if k not in update.state]
     extra = [k for k in update.state if k not in reference]
@@ -122,10 +152,14 @@ def check_update(update: Update, reference: Mapping[str, Tensor]) -> Optional[st
     for key, value in update.metadata.items():
         if _holds_tensors(value) and not _all_finite(value):
             return f"metadata {key!r} holds non-finite values"
-    cdw = update.metadata.get("cdw_distance")
-    if cdw is not None and not math.isfinite(float(cdw)):
-        return f"metadata 'cdw_distance' is {cdw}"
+        problem = _scalar_problem(value)
+        if problem is not None:
+            return f"metadata {key!r}: {problem}"
+        if (key in NUMBER_METADATA or key.startswith("time_")) and not _is_number(value):
+            return f"metadata {key!r}: expected a number, got {type(value).__name__} {value!r:.40}"
     return None
+
+
 
 
 def _first_non_finite(state: Mapping[str, Tensor]) -> Optional[str]:

@@ -122,6 +122,26 @@ def test_check_update_names_the_problem(world):
     assert check_update(twice, ref) == f"{later} holds non-finite values"
 
 
+@pytest.mark.parametrize("key, value, why", [
+    ("train_loss", "abc", "expected a number, got str"),
+    ("cdw_distance", "abc", "expected a number, got str"),
+    ("steps", True, "expected a number, got bool"),
+    ("time_train", math.nan, "is nan"),
+    ("local_eval", {"market": {"mAP": math.inf}}, "is inf"),
+    ("note", object(), "holds a object"),
+])
+def test_metadata_the_server_cannot_record_leaves_that_client_out(world, key, value, why):
+    # a remote client's metadata: np.mean("abc") or float("abc") in finish_round stopped the whole server
+    fed = federation(world, "fl.cdw=true")
+    plan = fed.server.begin_round()
+    updates = train_all(fed, plan)
+    bad = Update(updates[0].client, updates[0].state, updates[0].num_samples, {**updates[0].metadata, key: value})
+    record = fed.server.finish_round(plan, [bad, *updates[1:]])
+    assert record["clients"] == [u.client for u in updates[1:]]
+    assert list(record["failed"]) == [bad.client]
+    assert record["failed"][bad.client].startswith(f"update rejected: metadata {key!r}: {why}")
+
+
 def test_traffic_counts_scaffold_control_variates_both_ways(world):
     # Down: the model and SCAFFOLD's server control variate c, to each sampled client; up: each client's
     # shared state and its Delta c. The paper's measure (2 x model x K) is kept on its own.
