@@ -23,6 +23,7 @@ from fedreid.fl.local.base import (
     kl_teacher_student,
     masked_log_softmax,
     masked_softmax,
+    normalised_steps,
     representation,
 )
 from fedreid.fl.local.feddyn import (
@@ -50,6 +51,7 @@ from fedreid.fl.local.scaffold import (
     scaffold_server_control_update,
     scaffold_server_model_update,
 )
+from fedreid.fl.server_hooks.fednova import local_norm
 
 LN = math.log
 
@@ -375,18 +377,20 @@ def test_scaffold_adaptive_division_is_the_official_momentum_weighted_gradient_m
         heavy_ball_steps(7, 1.0)
 
 
-def test_fednova_ccvr_subtracts_the_clients_last_normalised_update():
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_fednova_ccvr_subtracts_the_clients_last_normalised_update(nesterov):
     # FedNTD algorithms/fednova: d_i = (x - y_i) / (lr a_i) after a round, the next round's
     # gradients g - d_i (weighted_d, never updated there, stays 0). A constant gradient 0.5
-    # under heavy-ball momentum 0.9: d_i = 0.5 after round 1, so round 2's gradient is 0 and
-    # the model stays put (d_i = 0 after it); round 3 trains as round 1 again.
+    # under momentum 0.9: d_i = 0.5 after round 1, so round 2's gradient is 0 and the model
+    # stays put (d_i = 0 after it); round 3 trains as round 1 again. Under Nesterov momentum
+    # ||a_i||_1 is the fednova hook's Nesterov norm (with the heavy-ball one, d_i was 0.533).
     m = Scalars(a=1.0)
     obj = build_objective("fednova_ccvr")
     moves, ds = [], []
     for r in range(3):
         start = float(m.a.detach())
         obj.begin_round(m, {"a": m.a.detach().clone()}, round_index=r)
-        opt = torch.optim.SGD([m.a], lr=0.01, momentum=0.9)
+        opt = torch.optim.SGD([m.a], lr=0.01, momentum=0.9, nesterov=nesterov)
         for _ in range(50):
             opt.zero_grad()
             (0.5 * m.a).sum().backward()
@@ -396,7 +400,8 @@ def test_fednova_ccvr_subtracts_the_clients_last_normalised_update():
         obj.end_round(m)
         moves.append(start - float(m.a.detach()))
         ds.append(float(roundtrip(obj.state_dict())["d_i"]["a"]))
-    assert moves[0] == pytest.approx(0.01 * 0.5 * heavy_ball_steps(50, 0.9), rel=1e-5)
+    assert normalised_steps(50, 0.9, nesterov) == local_norm(50, 0.9, nesterov)
+    assert moves[0] == pytest.approx(0.01 * 0.5 * normalised_steps(50, 0.9, nesterov), rel=1e-5)
     assert ds[0] == pytest.approx(0.5, abs=1e-5)
     assert moves[1] == pytest.approx(0.0, abs=1e-6) and ds[1] == pytest.approx(0.0, abs=1e-4)
     assert moves[2] == pytest.approx(moves[0], rel=1e-4) and ds[2] == pytest.approx(0.5, abs=1e-4)
