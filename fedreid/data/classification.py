@@ -41,11 +41,8 @@ also handles non-ASCII paths) and converted BGR -> RGB.
 
 from __future__ import annotations
 
-import codecs
 import gzip
 import hashlib
-import io
-import pickle
 import struct
 import zlib
 from dataclasses import dataclass
@@ -58,6 +55,7 @@ import torch
 from torch.utils.data import Dataset
 
 from fedreid.errors import FedReIDError
+from fedreid.utils.array_pickle import load_array_pickle
 
 __all__ = [
     "CIFAR100_COARSE_CLASSES",
@@ -443,40 +441,11 @@ def _load_idx_dataset(
     return ArrayDataset(name, images, labels, list(classes), split)
 
 
-class _ArrayUnpickler(pickle.Unpickler):
-    """An unpickler that only rebuilds numpy arrays and plain containers.
-
-    CIFAR's python release is a pickle; a pickle can run arbitrary code on
-    load, so only the few globals a numpy array needs are allowed (under both
-    numpy 1 and numpy 2 module names) and anything else is refused.
-    """
-
-    _ALLOWED: dict[tuple[str, str], Any] = {}
-
-    def find_class(self, module: str, name: str) -> Any:
-        if not self._ALLOWED:
-            reconstruct = np.zeros(1).__reduce__()[0]
-            frombuffer = np.zeros(1).__reduce_ex__(5)[0]
-            scalar = np.float64(0).__reduce__()[0]
-            for core in ("numpy.core", "numpy._core"):
-                self._ALLOWED[(f"{core}.multiarray", "_reconstruct")] = reconstruct
-                self._ALLOWED[(f"{core}.multiarray", "scalar")] = scalar
-                self._ALLOWED[(f"{core}.numeric", "_frombuffer")] = frombuffer
-            self._ALLOWED[("numpy", "ndarray")] = np.ndarray
-            self._ALLOWED[("numpy", "dtype")] = np.dtype
-            self._ALLOWED[("_codecs", "encode")] = codecs.encode
-        try:
-            return self._ALLOWED[(module, name)]
-        except KeyError:
-            raise pickle.UnpicklingError(f"refusing to load {module}.{name} (only numpy arrays are allowed)") from None
-
-
 def _load_pickle(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise DatasetNotFoundError(f"{path} does not exist")
     try:
-        # latin1: the release was pickled by Python 2 (torchvision loads it the same way).
-        obj = _ArrayUnpickler(io.BytesIO(path.read_bytes()), encoding="latin1").load()
+        obj = load_array_pickle(path.read_bytes())
     except Exception as exc:  # truncated or foreign pickles raise many different types
         raise ClassificationDataError(f"{path}: not a readable CIFAR python pickle ({type(exc).__name__}: {exc})") from exc
     if not isinstance(obj, dict):

