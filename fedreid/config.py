@@ -307,7 +307,8 @@ def _check_objective(prefix: str, name: str, options: Mapping[str, Any]) -> None
 class FLConfig:
     """Server, aggregation and server hooks (:mod:`fedreid.fl`)."""
 
-    #: ``federated``: FedPav rounds; ``local``: every client trains alone (baseline).
+    #: ``federated``: FedPav rounds; ``local``: every client trains alone and is evaluated on its
+    #: own dataset (the ReID baseline; refused with ``task=classification``, which has no per-client test data).
     mode: Literal["federated", "local"] = "federated"
     #: Communication rounds (T; 300 in the benchmark).
     rounds: int = 300
@@ -556,6 +557,9 @@ class ClassificationConfig:
             )
         _check_range(f"{prefix}.count_noise", self.count_noise, 0, 1)
         _check_range(f"{prefix}.test_fraction", self.test_fraction, 0, 1, low_open=True)
+        if self.dataset != "digits" and self.test_fraction != ClassificationConfig.test_fraction:
+            raise ConfigError(f"{prefix}.test_fraction: only digits is split here; {self.dataset} is tested on its "
+                              f"own test split, so test_fraction={self.test_fraction} would be ignored")
         for t in self.target_accuracies:
             _check_range(f"{prefix}.target_accuracies", t, 0, 1)
 
@@ -608,18 +612,21 @@ class Config:
             if self.eval.precision != "fp32":
                 raise ConfigError("eval.precision: the classification track computes its test accuracy in fp32; "
                                   "set eval.precision=fp32 (train.precision sets its training)")
+            if self.fl.mode == "local":
+                raise ConfigError("fl.mode=local: the local-training baseline evaluates each client's model on that "
+                                  "client's own dataset, and the classification track has one shared test split and "
+                                  "no test data per client, so nothing would be evaluated; set fl.mode=federated")
             if self.fl.clients_per_round > self.classification.num_clients:
                 raise ConfigError(f"fl.clients_per_round={self.fl.clients_per_round} but classification.num_clients="
                                   f"{self.classification.num_clients}: a round cannot sample more clients than exist")
             # FedReID's reference client restarts a StepLR every round; the classification methods'
             # code (FedAvg family, FedFTG, FedLMD, FedNTD) keeps one rate through a round.
-            span = self.train.local_epochs * (self.fl.rounds if self.fl.mode == "local" else 1)
+            span = self.train.local_epochs
             if span > self.train.lr_step_size:
                 raise ConfigError(
                     f"train.lr_step_size={self.train.lr_step_size}: FedReID's StepLR would cut the learning rate "
-                    f"by train.lr_gamma after epoch {self.train.lr_step_size} of {span} "
-                    f"{'epochs of the local run' if self.fl.mode == 'local' else 'local epochs a round'}, which no "
-                    f"classification method does; set train.lr_step_size to at least {span} "
+                    f"by train.lr_gamma after epoch {self.train.lr_step_size} of {span} local epochs a round, "
+                    f"which no classification method does; set train.lr_step_size to at least {span} "
                     "(train.lr_round_decay decays the rate across rounds)")
         if self.task == "reid" and self.scenario.kind == "leave_one_out":
             self._check_leave_one_out()

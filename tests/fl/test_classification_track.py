@@ -76,10 +76,22 @@ def test_fedreids_within_round_step_lr_is_refused_where_a_classification_run_wou
     with pytest.raises(ConfigError, match=r"train.lr_step_size=40: FedReID's StepLR would cut the learning rate by "
                                           r"train.lr_gamma after epoch 40 of 50 local epochs a round"):
         cfg_with("train.local_epochs=50")
-    with pytest.raises(ConfigError, match=r"after epoch 40 of 45 epochs of the local run.*at least 45"):
-        cfg_with("fl.mode=local", "fl.rounds=9", "train.local_epochs=5")
     assert cfg_with("train.local_epochs=50", "train.lr_step_size=50").train.lr_step_size == 50
     assert load_config(None, ["train.local_epochs=50"]).task == "reid"  # FedReID's own schedule
+
+
+def test_the_local_training_baseline_is_refused_where_nothing_would_evaluate_it():
+    # AccuracyEvaluator has no per-client test data: a local run trained and recorded losses only
+    with pytest.raises(ConfigError, match=r"^fl.mode=local: the local-training baseline evaluates each client's "
+                                          r"model on that client's own dataset.*set fl.mode=federated$"):
+        cfg_with("fl.mode=local")
+
+
+def test_a_test_fraction_for_a_dataset_with_its_own_test_split_is_refused_not_ignored():
+    with pytest.raises(ConfigError, match=r"^classification.test_fraction: only digits is split here; mnist is tested "
+                                          r"on its own test split, so test_fraction=0.3 would be ignored$"):
+        cfg_with("classification.dataset=mnist", "classification.test_fraction=0.3")
+    assert cfg_with("classification.test_fraction=0.3").classification.test_fraction == 0.3  # digits
 
 
 def test_a_batch_of_one_image_is_refused_for_a_batchnorm_model_only():
