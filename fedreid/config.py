@@ -269,7 +269,7 @@ class TrainConfig:
     #: Strength of colour jitter on training images (0: off).
     color_jitter: float = 0.0
     #: Skip each epoch's last partial batch, as the FedReID reference client does;
-    #: classification clients (often smaller than a batch) train on it.
+    #: the classification configs set false, since their clients are often smaller than a batch.
     drop_last: bool = True
     #: Client objective (:mod:`fedreid.fl.local.objectives`): ``fedavg`` (plain
     #: cross-entropy, FedPav's client) or another registered one (``fedprox``,

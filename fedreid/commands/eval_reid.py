@@ -175,7 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--rerank", action="store_true", help="k-reciprocal re-ranking (k1=20, k2=6, lambda=0.3)")
     ev.add_argument("--rerank-memory", type=positive_float, metavar="GIB",
                     help="with --rerank: the memory re-ranking may take, in GiB (default 4); a dataset that needs "
-                    "more is refused before anything is extracted (its N x N distances: MSMT17 needs about 38)")
+                    "more is refused before anything is extracted (its N x N distances: MSMT17 needs about 40)")
     ev.add_argument("--batch-size", type=positive_int, metavar="N", help="images per batch (eval.batch_size)")
     ev.add_argument("--save-features", metavar="DIR", help="write DIR/<dataset>.npz for later --features runs")
     ev.add_argument(

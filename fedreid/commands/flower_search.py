@@ -188,10 +188,10 @@ Examples:
   # on each site, the SuperNode with its store (beside the usual node flags)
   python tools/flower_fed.py node ... --gallery-store /data/site_a/store --search-thumbnails
   # on the SuperLink's host: a query image, the sites' model, two sites expected
-  python tools/flower_fed.py search --superlink 127.0.0.1:9093 --ca certs/ca.crt --node-auth \\
+  python tools/flower_fed.py search --superlink 127.0.0.1:8000 --ca certs/ca.crt --node-auth \\
       --image query.jpg --model runs/fedpav --k 20 --expect site_a --expect site_b --out result.json
   # a precomputed feature and the fingerprint of the model that made it
-  python tools/flower_fed.py search --superlink 127.0.0.1:9093 --ca certs/ca.crt \\
+  python tools/flower_fed.py search --superlink 127.0.0.1:8000 --ca certs/ca.crt \\
       --feature q.npy --fingerprint store/header.json --camera 1 --since 2024-05-01
 """
 
@@ -214,7 +214,7 @@ file names each site, its address, the CA its certificate is checked against and
 its token; answers count only under those names (see `site-link --help`).
 
 Example:
-  python tools/flower_fed.py session --superlink 127.0.0.1:9093 --ca certs/ca.crt --node-auth \\
+  python tools/flower_fed.py session --superlink 127.0.0.1:8000 --ca certs/ca.crt --node-auth \\
       --socket /run/user/1000/fedreid-search.sock --expect site_a --expect site_b
   # another terminal, same host
   python tools/flower_fed.py search --session /run/user/1000/fedreid-search.sock \\
