@@ -189,19 +189,32 @@ def param_groups_by_id(optimizer: torch.optim.Optimizer) -> dict[int, dict[str, 
     return {id(p): g for g in optimizer.param_groups for p in g["params"]}
 
 
-def step_rates(optimizer: torch.optim.Optimizer, params: Mapping[str, Tensor]) -> dict[str, tuple[float, float]]:
-    """``name -> (lr, momentum)`` of each parameter's group now; ``(0.0, 0.0)`` outside the optimizer."""
+#: A parameter's step settings now: ``(lr, momentum, nesterov)``.
+StepRate = tuple[float, float, bool]
+
+
+def step_rates(optimizer: torch.optim.Optimizer, params: Mapping[str, Tensor]) -> dict[str, StepRate]:
+    """``name -> (lr, momentum, nesterov)`` of each parameter's group now; ``(0.0, 0.0, False)`` outside the optimizer."""
     groups = param_groups_by_id(optimizer)
     rates = {}
     for name, p in params.items():
         group = groups.get(id(p))
-        rates[name] = (0.0, 0.0) if group is None else (float(group["lr"]), float(group.get("momentum", 0.0) or 0.0))
+        rates[name] = (0.0, 0.0, False) if group is None else (
+            float(group["lr"]), float(group.get("momentum", 0.0) or 0.0), bool(group.get("nesterov", False)))
     return rates
 
 
-def heavy_ball_divisors(steps: int, rates: Mapping[str, tuple[float, float]]) -> dict[str, float]:
-    """``name -> lr * heavy_ball_steps(steps, momentum)``: what ``K`` heavy-ball steps at ``rates`` move per unit gradient."""
-    return {name: lr * heavy_ball_steps(steps, momentum) for name, (lr, momentum) in rates.items()}
+def heavy_ball_divisors(steps: int, rates: Mapping[str, StepRate]) -> dict[str, float]:
+    """``name -> lr * heavy_ball_steps(steps, momentum)``: what ``K`` heavy-ball steps at ``rates`` move per unit gradient.
+
+    The Nesterov flag is not read (FedNTD's SCAFFOLD ``__get_divisor``); :func:`normalised_divisors` reads it.
+    """
+    return {name: lr * heavy_ball_steps(steps, momentum) for name, (lr, momentum, _) in rates.items()}
+
+
+def normalised_divisors(steps: int, rates: Mapping[str, StepRate]) -> dict[str, float]:
+    """``name -> lr * normalised_steps(steps, momentum, nesterov)``: FedNova's ``eta ||a_i||_1`` per parameter."""
+    return {name: lr * normalised_steps(steps, momentum, nesterov) for name, (lr, momentum, nesterov) in rates.items()}
 
 
 def cpu_clone(tensors: Mapping[str, Tensor]) -> "OrderedDict[str, Tensor]":
@@ -471,11 +484,13 @@ __all__ = [
     "mean_weights",
     "on_parameter",
     "one_hot_mask",
+    "normalised_divisors",
     "normalised_steps",
     "param_groups_by_id",
     "reference_point",
     "register_objective",
     "representation",
     "shared_parameters",
+    "StepRate",
     "step_rates",
 ]

@@ -15,7 +15,7 @@ local_a``, ``aidi = (x - y_i) / eta`` with ``eta`` the round's learning rate,
 ``a_i = ||a_i||_1`` of its heavy-ball steps, :func:`~fedreid.fl.local.base.heavy_ball_steps`), zero
 before its first round. The official optimizer has no Nesterov momentum; with
 ``train.nesterov`` the divisor is the Nesterov ``||a_i||_1``
-(:func:`normalised_steps`), the same the ``fednova`` hook divides by, so
+(:func:`~fedreid.fl.local.base.normalised_steps`), the same the ``fednova`` hook divides by, so
 ``d_i`` stays the update per unit of gradient. ``weighted_d`` is meant to be the clients'
 size-weighted mean of the ``d_i``, but ``Server._update_weighted_d`` is never
 called, so it stays zero and the correction is ``-d_i``. This objective does
@@ -39,12 +39,13 @@ from torch import Tensor, nn
 from fedreid.fl.local.base import (
     AnchoredObjective,
     ObjectiveError,
+    StepRate,
     add_to_gradients,
     cpu_clone,
-    normalised_steps,
+    normalised_divisors,
     on_parameter,
-    param_groups_by_id,
     register_objective,
+    step_rates,
 )
 
 #: Key of ``d_i`` in :meth:`FedNovaCCVR.state_dict`.
@@ -63,7 +64,7 @@ class FedNovaCCVR(AnchoredObjective):
         super().__init__()
         self.d_i: "OrderedDict[str, Tensor]" = OrderedDict()  # CPU, persisted
         self._correction: dict[str, Tensor] = {}
-        self._last_rate: dict[str, tuple[float, float, bool]] = {}  # name -> (lr, momentum, nesterov)
+        self._last_rate: dict[str, StepRate] = {}
 
     def begin_round(
         self,
@@ -88,20 +89,14 @@ class FedNovaCCVR(AnchoredObjective):
 
     def after_step(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         super().after_step(model, optimizer)
-        groups = param_groups_by_id(optimizer)
-        self._last_rate = {}
-        for name, p in self._params.items():
-            g = groups.get(id(p))
-            self._last_rate[name] = (0.0, 0.0, False) if g is None else (
-                float(g["lr"]), float(g.get("momentum", 0.0) or 0.0), bool(g.get("nesterov", False)))
+        self._last_rate = step_rates(optimizer, self._params)
 
     def end_round(self, model: nn.Module) -> dict[str, Any]:
         """``d_i = (x - y_i) / (eta a_i)`` for the client's next round (``Server._clients_training``)."""
         self._check_in_round("end_round")
         if self.steps == 0:
             raise ObjectiveError("fednova_ccvr: end_round() after zero local steps")
-        divisors = {name: lr * normalised_steps(self.steps, momentum, nesterov)
-                    for name, (lr, momentum, nesterov) in self._last_rate.items()}
+        divisors = normalised_divisors(self.steps, self._last_rate)
         new_d: "OrderedDict[str, Tensor]" = OrderedDict()
         for name, p in self._params.items():
             move = self._ref[name] - p.detach()

@@ -111,6 +111,7 @@ from fedreid.fl.local.base import (
     SERVER_WEIGHTINGS,
     AnchoredObjective,
     ObjectiveError,
+    StepRate,
     add_to_gradients,
     check_choice,
     cpu_clone,
@@ -289,7 +290,7 @@ class Scaffold(AnchoredObjective):
         self._lr_sum: dict[str, float] = {}
         self._grad_sum: dict[str, Tensor] = {}  # sum_k eta_k g_k ("gradient_mean")
         self._plain_sum: dict[str, Tensor] = {}  # sum_k g_k (parameters outside the optimizer)
-        self._last_rate: dict[str, tuple[float, float]] = {}  # (lr, momentum) of the last step ("adaptive_division")
+        self._last_rate: dict[str, StepRate] = {}  # the last step's rates ("adaptive_division")
 
     def begin_round(
         self,
@@ -356,7 +357,7 @@ class Scaffold(AnchoredObjective):
         """Count the step and add each parameter's current learning rate to its ``K eta_l`` sum."""
         super().after_step(model, optimizer)
         rates = step_rates(optimizer, self._params)
-        for name, (lr, _) in rates.items():
+        for name, (lr, _, _) in rates.items():
             self._lr_sum[name] += lr
         if self.control_variate == "adaptive_division":
             self._last_rate = rates
