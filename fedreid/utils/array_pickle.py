@@ -20,14 +20,14 @@ import numpy as np
 __all__ = ["load_array_pickle"]
 
 
-#: Kinds of dtype a CIFAR pickle may hold: booleans, integers, floats, byte and unicode strings. Their
+#: Kinds of dtype an array pickle may hold: booleans, integers, floats, byte and unicode strings. Their
 #: items are plain data; an object field, or a structured dtype with one, holds pointers.
 _PLAIN_DTYPE_KINDS = frozenset("biufSU")
-_NDARRAY = object()  # what ``numpy.ndarray`` in a CIFAR pickle stands for: only ``_reconstruct``'s argument
+_NDARRAY = object()  # what ``numpy.ndarray`` in the pickle stands for: only ``_reconstruct``'s argument
 
 
 class _PickledDType:
-    """A ``numpy.dtype`` of a CIFAR pickle: a plain dtype (:data:`_PLAIN_DTYPE_KINDS`), its state checked.
+    """A ``numpy.dtype`` in the pickle: a plain dtype (:data:`_PLAIN_DTYPE_KINDS`), its state checked.
 
     NumPy's ``dtype.__setstate__`` takes fields, offsets, item size and flags
     from the file as they are: a crafted state gives a dtype with an object
@@ -56,7 +56,7 @@ class _PickledDType:
 
 
 class _PickledArray:
-    """A ``numpy.ndarray`` of a CIFAR pickle (``_reconstruct`` then its state), built by :func:`_plain_array`."""
+    """A ``numpy.ndarray`` in the pickle (``_reconstruct`` then its state), built by :func:`_plain_array`."""
 
     array: Optional[np.ndarray] = None
 
@@ -116,15 +116,9 @@ def _latin1_bytes(text: Any, encoding: Any = "utf-8") -> bytes:
 
 
 class _ArrayUnpickler(pickle.Unpickler):
-    """An unpickler that rebuilds only plain NumPy arrays, NumPy scalars and plain containers.
+    """The module docstring's unpickler: array globals map to stand-ins, any other is refused.
 
-    CIFAR's python release is a pickle; a pickle can run arbitrary code on
-    load, and even NumPy's own ``_reconstruct`` / ``dtype`` / ``scalar``
-    trust the state the file gives them (:class:`_PickledDType`). So the
-    globals an array needs (under numpy 1 and numpy 2 module names) map to
-    stand-ins that build the array from its bytes with a checked plain dtype
-    (:func:`_plain_array`), and anything else is refused. :func:`_resolve`
-    then puts the arrays in place of the stand-ins.
+    :func:`_resolve` then puts the arrays in place of the stand-ins.
     """
 
     _ALLOWED: dict[tuple[str, str], Any] = {
